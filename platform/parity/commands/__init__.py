@@ -1,0 +1,1 @@
+"""One module per CLI command: `run(cfg) -> dict` (Hydra) or `main(argv) -> dict` (flags)."""

@@ -1,0 +1,259 @@
+"""Schema of the Hydra config. Registered as a structured config, so an unknown key or a value of the
+wrong type fails at composition with an error that names the full key (e.g. `trainer.lr`).
+Range checks that types cannot express live in `validate()` (parity.config.validate)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING
+
+
+@dataclass
+class TinyModelConfig:
+    vocab_size: int = 0  # 0 = size of the character tokenizer
+    hidden_size: int = 192
+    intermediate_size: int = 512
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 6
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    max_position_embeddings: int = 256
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+    # MoE only (model.arch=qwen3_moe)
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 128
+    norm_topk_prob: bool = True
+
+
+@dataclass
+class WarmStartConfig:
+    steps: int = 600
+    batch_size: int = 64
+    lr: float = 3e-3
+    warmup_steps: int = 30
+    weight_decay: float = 0.0
+    eval_problems: int = 256
+    seed: int = 0
+
+
+@dataclass
+class ModelConfig:
+    # "tiny" builds the embedded default with `prepare`; "hf" loads `path` (local folder or hub id).
+    source: str = "tiny"
+    arch: str = "qwen3"  # qwen3 | qwen3_moe (tiny only)
+    path: str | None = None  # HF checkpoint folder or hub id (source=hf); prepared folder otherwise
+    name: str = "tiny_qwen3"
+    dtype: str = "bfloat16"  # training/master dtype of the forward: bfloat16 | float32
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+
+
+@dataclass
+class ArithmeticConfig:
+    ops: list[str] = field(default_factory=lambda: ["+", "-", "*"])
+    max_level: int = 3  # level L uses operands of up to L digits (and for level >= 3, three operands)
+    min_level: int = 1
+    n_test: int = 256
+    seed: int = 1234
+
+
+@dataclass
+class DataConfig:
+    name: str = "arithmetic"  # arithmetic | math_train | a jsonl file
+    path: str | None = None  # jsonl for name=jsonl
+    datasets_dir: str = "${oc.env:PARITY_DATASETS,../shared/datasets}"
+    problem_field: str = "problem"
+    answer_field: str = "answer"
+    min_difficulty: float | None = None
+    max_prompt_chars: int = 512
+    prompt_template: str = "{problem} Answer in \\boxed{{}}.\n"
+    arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
+    shuffle_seed: int = 0
+
+
+@dataclass
+class PrecisionConfig:
+    weights: str = "bf16"  # bf16 | int8 | fp8
+    activations: str = "bf16"  # bf16 | int8 | fp8  (int8 = per-token dynamic)
+    kv_cache: str = "bf16"  # bf16 | int8 | int4_per_token_head | fp8
+
+
+@dataclass
+class RolloutConfig:
+    name: str = "torch"  # torch | vllm
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+    n: int = 8  # responses per prompt (G)
+    topk_logprobs: int = 0  # K of the returned top-K log-probs; 0 = off (score centering needs it)
+    dtype: str = "bfloat16"
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    capture_routing: bool = False  # MoE: record routed experts for R3
+    max_model_len: int = 256
+    gpu_memory_utilization: float = 0.3
+    seed: int = 0
+
+
+@dataclass
+class VllmEngineKwargs:
+    linear_backend: str | None = None
+    attention_backend: str | None = None
+    kv_cache_dtype: str | None = None
+
+
+@dataclass
+class EngineKwargs:
+    vllm: VllmEngineKwargs = field(default_factory=VllmEngineKwargs)
+
+
+@dataclass
+class SeedRolloutConfig:
+    """verl-style rollout block of the seed experiments; when `quantization` is set it selects the
+    rollout precision (see parity.precision)."""
+
+    dtype: str = "bfloat16"
+    quantization: str | None = None
+    quantization_config_file: str | None = None
+    engine_kwargs: EngineKwargs = field(default_factory=EngineKwargs)
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    rollout: SeedRolloutConfig = field(default_factory=SeedRolloutConfig)
+
+
+@dataclass
+class TISConfig:
+    C: float = 2.0
+    level: str = "token"  # token | sequence
+
+
+@dataclass
+class IcePopConfig:
+    lo: float = 0.5
+    hi: float = 5.0
+
+
+@dataclass
+class MISConfig:
+    statistic: str = "k3"  # k1 | k3 | geo_mean
+    threshold: float = 0.01  # k1/k3: mask when above; geo_mean: mask outside [1/(1+t)... see docs]
+    lo: float = 0.5  # geo_mean lower bound of the per-token geometric mean ratio
+    hi: float = 2.0  # geo_mean upper bound
+
+
+@dataclass
+class ScoreCenteringConfig:
+    top_k: int = 128
+    tail_floor: float = 1e-6
+    chunk_size: int = 1024  # rows per chunk of the full-vocabulary normaliser
+
+
+@dataclass
+class DualConfig:
+    c: float = 0.0037
+    lambda0: float = 0.1
+    eta: float = 1.0
+    lambda_max: float = 10.0
+
+
+@dataclass
+class CorrectionConfig:
+    name: str = "none"  # registered names joined by '+', e.g. score_centering+tis
+    tolerance: float = 0.0037  # c of the mismatch telemetry's over-tolerance fraction
+    tis: TISConfig = field(default_factory=TISConfig)
+    icepop: IcePopConfig = field(default_factory=IcePopConfig)
+    mis: MISConfig = field(default_factory=MISConfig)
+    score_centering: ScoreCenteringConfig = field(default_factory=ScoreCenteringConfig)
+    dual: DualConfig = field(default_factory=DualConfig)
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    norm_adv_by_std: bool = True
+    policy_loss: str = "ppo_clip"  # ppo_clip | reinforce
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 40
+    prompts_per_step: int = 16
+    ppo_epochs: int = 1
+    mini_batches: int = 1  # optimizer steps per RL step
+    micro_batch_size: int = 32
+    lr: float = 2e-5
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    checkpoint_every: int = 10
+    keep_checkpoints: int = 2
+    resume: bool = False
+    run_name: str = "${experiment_name}"
+    eval_every: int = 10
+    eval_problems: int = 256
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+    max_bad_steps: int = 3  # consecutive non-finite steps before the run stops
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class EvalConfig:
+    suite: list[str] = field(default_factory=lambda: ["arithmetic"])
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+    k: int = 1
+    grade_timeout_s: float = 5.0
+    grade_workers: int = 2
+    limit: int | None = None  # problems per benchmark (None = all)
+    bootstrap: int = 1000
+    benchmarks: dict[str, Any] = field(default_factory=dict)  # per-benchmark overrides
+
+
+@dataclass
+class DistributedConfig:
+    enabled: bool = False
+    address: str = ""  # "" = start a local Ray; "auto" or "ray://host:port" joins a cluster
+    num_rollout_workers: int = 1
+    rollout_cpus: float = 1.0
+    rollout_gpus: float = 0.0
+    trainer_cpus: float = 1.0
+    trainer_gpus: float = 0.0
+    max_worker_restarts: int = 3
+    off_policy_overlap: bool = False
+
+
+@dataclass
+class TrackingConfig:
+    enabled: bool = False
+    tracking_uri: str = "${oc.env:PARITY_TRACKING_URI,sqlite:///${outputs_dir}/mlflow.db}"
+    registry_url: str = "${oc.env:PARITY_REGISTRY_URL,sqlite:///${outputs_dir}/registry.db}"
+    experiment: str = "parity"
+
+
+@dataclass
+class ParityConfig:
+    experiment_name: str = "default"
+    outputs_dir: str = "${oc.env:PARITY_OUTPUTS,outputs}"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+
+__all__ = ["ParityConfig", "MISSING"]

@@ -1,0 +1,53 @@
+"""Range and consistency checks that the schema's types cannot express. Each error names the key."""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+
+class ConfigError(ValueError):
+    """A config value is out of range or conflicts with another; the message names the key."""
+
+
+def _check(cond: bool, key: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"config key `{key}`: {msg}")
+
+
+def validate_config(cfg: DictConfig) -> None:
+    t, r, a = cfg.trainer, cfg.rollout, cfg.algorithm
+    _check(t.lr > 0, "trainer.lr", f"must be > 0, got {t.lr}")
+    _check(t.total_steps >= 0, "trainer.total_steps", f"must be >= 0, got {t.total_steps}")
+    _check(t.prompts_per_step >= 1, "trainer.prompts_per_step", f"must be >= 1, got {t.prompts_per_step}")
+    _check(t.micro_batch_size >= 1, "trainer.micro_batch_size", f"must be >= 1, got {t.micro_batch_size}")
+    _check(t.mini_batches >= 1, "trainer.mini_batches", f"must be >= 1, got {t.mini_batches}")
+    _check(t.grad_clip > 0, "trainer.grad_clip", f"must be > 0, got {t.grad_clip}")
+    _check(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "trainer.betas",
+           f"must be two values in [0, 1), got {list(t.betas)}")
+    _check(t.device in ("auto", "cpu", "cuda") or str(t.device).startswith("cuda:"), "trainer.device",
+           f"must be auto, cpu or cuda[:N], got {t.device!r}")
+    _check(r.name in ("torch", "vllm"), "rollout.name", f"unknown engine {r.name!r}; known: torch, vllm")
+    _check(r.temperature > 0, "rollout.temperature", f"must be > 0, got {r.temperature}")
+    _check(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
+    _check(r.n >= 1, "rollout.n", f"must be >= 1, got {r.n}")
+    _check(r.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {r.max_new_tokens}")
+    _check(r.topk_logprobs >= 0, "rollout.topk_logprobs", f"must be >= 0, got {r.topk_logprobs}")
+    vocab = cfg.model.tiny.vocab_size
+    if cfg.model.source == "tiny" and vocab > 0:
+        _check(r.topk_logprobs <= vocab, "rollout.topk_logprobs", f"{r.topk_logprobs} exceeds the vocabulary ({vocab})")
+    _check(a.loss_agg_mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+           "algorithm.loss_agg_mode", f"unknown mode {a.loss_agg_mode!r}")
+    _check(a.policy_loss in ("ppo_clip", "reinforce"), "algorithm.policy_loss", f"unknown loss {a.policy_loss!r}")
+    _check(cfg.model.source in ("tiny", "hf"), "model.source", f"must be tiny or hf, got {cfg.model.source!r}")
+    _check(cfg.model.arch in ("qwen3", "qwen3_moe"), "model.arch", f"must be qwen3 or qwen3_moe, got {cfg.model.arch!r}")
+    _check(cfg.model.dtype in ("bfloat16", "float32"), "model.dtype", f"must be bfloat16 or float32, got {cfg.model.dtype!r}")
+    try:  # correction names, their parameters and conflicts are checked by the registry that owns them
+        from parity.algorithms.corrections import build_corrections
+    except ImportError:
+        return
+    try:
+        build_corrections(a.correction, policy_loss=a.policy_loss, topk_logprobs=r.topk_logprobs)
+    except TypeError:
+        build_corrections(a.correction)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e

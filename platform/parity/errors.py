@@ -1,0 +1,9 @@
+"""Errors a user can act on; the CLI prints their message without a traceback."""
+
+
+class ParityError(RuntimeError):
+    """A run cannot proceed; the message names the key, file or row at fault."""
+
+
+class DataError(ParityError, ValueError):
+    """A dataset row or file is malformed; the message names the file and row."""
