@@ -128,34 +128,33 @@ class ActorRolloutRefConfig:
 
 @dataclass
 class TISConfig:
-    C: float = 2.0
+    C: float = 2.0  # truncation threshold of the IS ratio, > 0
     level: str = "token"  # token | sequence
 
 
 @dataclass
 class IcePopConfig:
-    lo: float = 0.5
+    lo: float = 0.5  # tokens whose ratio pi_train/pi_inf lies outside [lo, hi] get weight 0
     hi: float = 5.0
 
 
 @dataclass
 class MISConfig:
-    statistic: str = "k3"  # k1 | k3 | geo_mean
-    threshold: float = 0.01  # k1/k3: mask when above; geo_mean: mask outside [1/(1+t)... see docs]
-    lo: float = 0.5  # geo_mean lower bound of the per-token geometric mean ratio
-    hi: float = 2.0  # geo_mean upper bound
+    statistic: str = "k3"  # k1 | k3 | geo_mean (per-response statistic of the log-ratios, see corrections/mis.py)
+    threshold: float = 0.01  # k1: drop when |mean(-log r)| > threshold; k3: drop when mean k3 > threshold
+    lo: float = 0.5  # geo_mean: drop when exp(mean log r) < lo ...
+    hi: float = 2.0  # ... or > hi
 
 
 @dataclass
 class ScoreCenteringConfig:
-    top_k: int = 128
-    tail_floor: float = 1e-6
-    chunk_size: int = 1024  # rows per chunk of the full-vocabulary normaliser
+    top_k: int = 0  # leading columns of the rollout's top-K used as the head H; 0 = all (rollout.topk_logprobs)
+    tail_floor: float = 1e-6  # floor of both tail masses in rho = (1 - Q_H) / (1 - P_H)
 
 
 @dataclass
 class DualConfig:
-    c: float = 0.0037
+    c: float = 0.0037  # tolerance on the mean |p_train - p_inf|
     lambda0: float = 0.1
     eta: float = 1.0
     lambda_max: float = 10.0
@@ -176,10 +175,12 @@ class CorrectionConfig:
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     norm_adv_by_std: bool = True
+    adv_eps: float = 1e-6  # added to the group std
     policy_loss: str = "ppo_clip"  # ppo_clip | reinforce
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
+    logprob_chunk_size: int = 1024  # rows per chunk of the full-vocabulary log-softmax (parity.algorithms.logprobs)
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
 
 

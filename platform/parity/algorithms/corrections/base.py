@@ -1,0 +1,129 @@
+"""The correction interface and its registry (`algorithm.correction.name`).
+
+A correction is a named component with its own config section (`algorithm.correction.<config_key>`)
+and state. Per micro-batch it may shift advantages, weight tokens (detached IS weights), mask tokens,
+or add a per-token loss term; it records its metrics; once per step `end_step()` updates its state.
+Adding one is one file with one `@CORRECTIONS.register(name)` class."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from parity.algorithms.mismatch import StepMetrics
+from parity.algorithms.registry import Registry
+from parity.types import RolloutBatch
+
+KEY = "algorithm.correction"
+
+
+@dataclass
+class CorrectionContext:
+    """What a correction sees of one micro-batch. Token tensors are [b, R]; head tensors are flat over
+    the response tokens ([n, K], n = mask.sum(), in row-major order of `mask`)."""
+
+    mask: torch.Tensor  # bool [b, R] response tokens
+    logprobs: torch.Tensor  # fp32 [b, R] trainer log-probs of the sampled tokens, with grad
+    train_logprobs: torch.Tensor  # fp32 [b, R] detached pi_train: old log-probs if given, else current
+    rollout_logprobs: torch.Tensor  # fp32 [b, R] pi_inf
+    head_logprobs: torch.Tensor | None = None  # fp32 [n, K] trainer log-probs of the rollout's top-K, with grad
+    head_rollout_logprobs: torch.Tensor | None = None  # fp32 [n, K] pi_inf of the same ids
+    head_valid: torch.Tensor | None = None  # bool [n, K]: False where the rollout returned no entry
+
+    @property
+    def log_ratio(self) -> torch.Tensor:
+        """log(pi_train / pi_inf) of the sampled tokens, 0 on padding."""
+        return torch.where(self.mask, self.train_logprobs - self.rollout_logprobs, 0.0)
+
+
+class Correction:
+    name: ClassVar[str] = ""
+    config_key: ClassVar[str | None] = None  # sub-section of algorithm.correction holding its config
+    config_cls: ClassVar[type | None] = None
+    needs_topk: ClassVar[bool] = False
+
+    def __init__(self, cfg: Any = None, tolerance: float = 0.0) -> None:
+        self.cfg = cfg
+        self.tolerance = tolerance
+
+    @property
+    def provides_token_is_weight(self) -> bool:
+        """True if `is_weight` is a token-level IS rule that score centering can compose with."""
+        return False
+
+    def key(self, field: str) -> str:
+        return f"{KEY}.{self.config_key}.{field}" if self.config_key else f"{KEY}.{field}"
+
+    # -- checks ------------------------------------------------------------------------------------
+    def check(self, others: list[Correction], policy_loss: str | None, topk_logprobs: int | None) -> None:
+        """Raise ValueError naming the key if this correction cannot run in this configuration."""
+
+    def check_batch(self, batch: RolloutBatch) -> None:
+        """Raise ValueError if the batch lacks what this correction needs."""
+
+    # -- per micro-batch ---------------------------------------------------------------------------
+    def advantage_shift(self, ctx: CorrectionContext) -> torch.Tensor | None:
+        """[b, R] amount subtracted from the per-token advantages (0 on padding), or None."""
+        return None
+
+    def weights(self, ctx: CorrectionContext) -> torch.Tensor | None:
+        """Detached multiplicative token weights [b, R], or None."""
+        return None
+
+    def keep_mask(self, ctx: CorrectionContext) -> torch.Tensor | None:
+        """bool [b, R]: False drops the token's whole loss (it still counts in the denominators)."""
+        return None
+
+    def is_weight(self, log_ratio: torch.Tensor) -> torch.Tensor:
+        """The token-level IS rule as a function of log(p/q) (only if provides_token_is_weight)."""
+        raise NotImplementedError(f"correction {self.name!r} has no token-level IS weight")
+
+    def extra_loss(self, ctx: CorrectionContext, advantages: torch.Tensor,
+                   is_weight: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor | None:
+        """Per-token loss term [b, R] added to the policy loss, or None."""
+        return None
+
+    def record(self, ctx: CorrectionContext, metrics: StepMetrics) -> None:
+        """Accumulate this correction's metrics of the micro-batch."""
+
+    # -- per step ----------------------------------------------------------------------------------
+    def end_step(self) -> dict[str, float]:
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"correction {self.name!r} is stateless but its checkpoint state is {state!r}")
+
+
+CORRECTIONS: Registry[type[Correction]] = Registry("correction", f"{KEY}.name")
+
+
+def read_section(section: Any, cls: type, key: str) -> Any:
+    """The config section as a `cls` dataclass (from a DictConfig, a dataclass, a dict or None); an
+    unknown field raises ValueError naming `key.field`."""
+    if section is None:
+        return cls()
+    if isinstance(section, cls):
+        return section
+    if dataclasses.is_dataclass(section):
+        section = dataclasses.asdict(section)  # type: ignore[arg-type]
+    items = dict(section.items()) if hasattr(section, "items") else None
+    if items is None:
+        raise ValueError(f"{key}: expected a mapping, got {type(section).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    for k in items:
+        if k not in known:
+            raise ValueError(f"{key}.{k}: unknown key; known: {', '.join(sorted(known))}")
+    return cls(**items)
+
+
+def require(cond: bool, key: str, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"{key}: {msg}")

@@ -1,0 +1,69 @@
+"""`tis` / `seq_tis`: truncated importance sampling (Yao et al. 2025; verl rollout correction).
+
+token level:    w_t = min(pi_train(y_t) / pi_inf(y_t), C)
+sequence level: w_t = min(prod_s pi_train(y_s) / pi_inf(y_s), C) for every token t of the response."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from parity.algorithms.corrections.base import (
+    CORRECTIONS,
+    Correction,
+    CorrectionContext,
+    read_section,
+    require,
+)
+from parity.algorithms.mismatch import StepMetrics
+from parity.config.schema import TISConfig
+
+
+@CORRECTIONS.register("tis")
+class TIS(Correction):
+    name = "tis"
+    config_key = "tis"
+    config_cls = TISConfig
+
+    def __init__(self, cfg: Any = None, tolerance: float = 0.0) -> None:
+        cfg = read_section(cfg, TISConfig, f"algorithm.correction.{self.config_key}")
+        super().__init__(cfg, tolerance)
+        require(cfg.C > 0, self.key("C"), f"the truncation threshold must be > 0, got {cfg.C}")
+        require(cfg.level in ("token", "sequence"), self.key("level"), f"must be token or sequence, got {cfg.level!r}")
+        self.log_c = math.log(cfg.C)
+
+    @property
+    def level(self) -> str:
+        return str(self.cfg.level)
+
+    @property
+    def provides_token_is_weight(self) -> bool:
+        return self.level == "token"
+
+    def is_weight(self, log_ratio: torch.Tensor) -> torch.Tensor:
+        return torch.exp(log_ratio.clamp(max=self.log_c))
+
+    def _log_ratio(self, ctx: CorrectionContext) -> torch.Tensor:
+        lr = ctx.log_ratio
+        if self.level == "sequence":
+            lr = lr.sum(dim=-1, keepdim=True).expand_as(lr)
+        return lr
+
+    def weights(self, ctx: CorrectionContext) -> torch.Tensor:
+        return torch.where(ctx.mask, self.is_weight(self._log_ratio(ctx)), 0.0).detach()
+
+    def record(self, ctx: CorrectionContext, metrics: StepMetrics) -> None:
+        metrics.add_masked_mean("correction/clipped_frac", (self._log_ratio(ctx) > self.log_c).float(), ctx.mask)
+
+
+@CORRECTIONS.register("seq_tis")
+class SeqTIS(TIS):
+    """`tis` at sequence level whatever `tis.level` says."""
+
+    name = "seq_tis"
+
+    def __init__(self, cfg: Any = None, tolerance: float = 0.0) -> None:
+        cfg = read_section(cfg, TISConfig, "algorithm.correction.tis")
+        super().__init__(TISConfig(C=cfg.C, level="sequence"), tolerance)

@@ -1,0 +1,106 @@
+"""Token log-probs under the full-vocabulary softmax without holding the [tokens x vocab] logits.
+
+chunked_token_logprobs(hidden, weight, ids) = log_softmax(hidden @ weight.T / T)[ids], computed in row
+chunks. Forward keeps only the per-row log-normaliser; backward recomputes each chunk's logits. The
+largest temporary is one [chunk x V] fp32 block (plus its matmul output in the weight's dtype), so
+M = 1 + K gathered ids (sampled token plus a top-K head) cost about as much as M = 1.
+
+The logits are computed the way an HF model computes them (matmul in the weight's dtype, then
+.float()), then divided by the temperature in fp32, as the rollout engines do."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.autograd.function import once_differentiable
+
+
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    logits = (hidden.to(weight.dtype) @ weight.T).float()
+    if temperature != 1.0:
+        logits.div_(temperature)
+    return logits
+
+
+class _ChunkedTokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, temperature: float,
+                chunk_size: int) -> torch.Tensor:
+        n = hidden.shape[0]
+        out = torch.empty(ids.shape, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        for s in range(0, n, chunk_size):
+            e = min(s + chunk_size, n)
+            logits = _chunk_logits(hidden[s:e], weight, temperature)
+            lse_c = torch.logsumexp(logits, dim=-1)
+            out[s:e] = logits.gather(1, ids[s:e]) - lse_c[:, None]
+            lse[s:e] = lse_c
+            del logits
+        ctx.save_for_backward(hidden, weight, ids, lse)
+        ctx.temperature = temperature
+        ctx.chunk_size = chunk_size
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, ids, lse = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        n, chunk = hidden.shape[0], ctx.chunk_size
+        grad_h = torch.empty_like(hidden) if need_h else None
+        # summing chunk partials in bf16 would lose the low bits, so accumulate in fp32 (or wider)
+        acc_dtype = weight.dtype if weight.dtype in (torch.float32, torch.float64) else torch.float32
+        grad_w = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_w else None
+        for s in range(0, n, chunk):
+            e = min(s + chunk, n)
+            g = grad_out[s:e].float()
+            # d/dz of sum_m g_m (z[id_m] - lse) = onehot-scatter(g) - softmax * sum_m g_m, then / T
+            dlogits = _chunk_logits(hidden[s:e], weight, ctx.temperature)
+            dlogits.sub_(lse[s:e, None]).exp_().mul_(-g.sum(dim=-1, keepdim=True))
+            dlogits.scatter_add_(1, ids[s:e], g)
+            if ctx.temperature != 1.0:
+                dlogits.div_(ctx.temperature)
+            dl = dlogits.to(weight.dtype)
+            del dlogits
+            if grad_h is not None:
+                grad_h[s:e] = (dl @ weight).to(hidden.dtype)
+            if grad_w is not None:
+                part = dl.T @ hidden[s:e].to(weight.dtype)
+                grad_w.add_(part if part.dtype == acc_dtype else part.to(acc_dtype))
+        if grad_w is not None and grad_w.dtype != weight.dtype:
+            grad_w = grad_w.to(weight.dtype)
+        return grad_h, grad_w, None, None, None
+
+
+def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0,
+                           chunk_size: int = 1024) -> torch.Tensor:
+    """log_softmax(hidden @ weight.T / temperature)[ids] -> [N, M] fp32, gradients to hidden and weight.
+
+    hidden [N, H] (any float dtype), weight [V, H] (the lm_head), ids [N, M] int64."""
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden [N, H] and weight [V, H] expected, got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if ids.dim() != 2 or ids.shape[0] != hidden.shape[0]:
+        raise ValueError(f"ids must be [N, M] with N={hidden.shape[0]}, got {tuple(ids.shape)}")
+    if ids.dtype != torch.int64:
+        raise TypeError(f"ids must be int64, got {ids.dtype}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    vocab = weight.shape[0]
+    # an out-of-range id is a device-side assert on CUDA; say which instead
+    if ids.numel() and bool(((ids < 0) | (ids >= vocab)).any()):
+        raise ValueError(f"ids must lie in [0, {vocab}), got min {int(ids.min())} max {int(ids.max())}")
+    return _ChunkedTokenLogprobs.apply(hidden, weight, ids, float(temperature), int(chunk_size))
+
+
+def masked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
+                          temperature: float = 1.0, chunk_size: int = 1024) -> torch.Tensor:
+    """Log-probs of ids [b, R] (or [b, R, M]) predicted by hidden [b, R, H], computed on mask positions
+    only; padding positions hold 0. Use under torch.no_grad() for old/reference log-probs."""
+    squeeze = ids.dim() == 2
+    ids3 = ids.unsqueeze(-1) if squeeze else ids
+    flat = chunked_token_logprobs(hidden[mask], weight, ids3[mask].long(), temperature, chunk_size)
+    out = flat.new_zeros(ids3.shape).masked_scatter(mask.unsqueeze(-1).expand_as(ids3), flat)
+    return out.squeeze(-1) if squeeze else out

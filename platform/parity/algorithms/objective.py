@@ -1,0 +1,112 @@
+"""The RL objective of one micro-batch: the single entry point the trainer calls.
+
+    loss = rl_objective(hidden, lm_head.weight, mb, adv, old_lp, T, corrections, cfg.algorithm, denom, metrics)
+    loss.backward()          # once per micro-batch; the sum over micro-batches is the mini-batch loss
+
+Order: trainer log-probs (sampled token, plus the rollout's top-K when a correction needs them, in one
+chunked full-vocabulary pass) -> per-token advantages and their shifts -> IS weights and masks -> the
+policy loss plus the corrections' loss terms -> aggregation with the mini-batch denominators ->
+telemetry into `metrics`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from parity.algorithms.aggregation import LossDenominators, aggregate_loss
+from parity.algorithms.corrections import CorrectionContext, CorrectionStack
+from parity.algorithms.logprobs import chunked_token_logprobs
+from parity.algorithms.losses import get_policy_loss
+from parity.algorithms.mismatch import StepMetrics, record_mismatch
+from parity.types import RolloutBatch
+
+
+def _scatter(flat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return flat.new_zeros(mask.shape).masked_scatter(mask, flat)
+
+
+def _gather_ids(batch: RolloutBatch, mask: torch.Tensor, top_k: int, with_head: bool
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """ids [n, 1 (+K)] to score, the head's rollout log-probs [n, K] and validity [n, K]."""
+    sampled = batch.responses[mask].long().unsqueeze(-1)
+    if not with_head:
+        return sampled, None, None
+    assert batch.topk_ids is not None and batch.topk_logprobs is not None
+    k = top_k or batch.topk_ids.shape[-1]
+    head_ids = batch.topk_ids[..., :k][mask].long()
+    head_lq = batch.topk_logprobs[..., :k][mask].float()
+    # a rollout may pad its head (vocabulary smaller than K): such entries carry a -inf log-prob
+    valid = torch.isfinite(head_lq) & (head_ids >= 0)
+    head_ids = torch.where(valid, head_ids, torch.zeros_like(head_ids))
+    head_lq = torch.where(valid, head_lq, torch.full_like(head_lq, float("-inf")))
+    return torch.cat([sampled, head_ids], dim=-1), head_lq, valid
+
+
+def _check_inputs(hidden: torch.Tensor, batch: RolloutBatch, advantages: torch.Tensor,
+                  old_logprobs: torch.Tensor | None) -> None:
+    b, r = batch.responses.shape
+    if hidden.dim() != 3 or hidden.shape[:2] != (b, r):
+        raise ValueError(f"hidden must be [b, R, H] with [b, R] = {(b, r)}, got {tuple(hidden.shape)}")
+    if advantages.shape != (b,):
+        raise ValueError(f"advantages must be [b] = [{b}] (one per response), got {tuple(advantages.shape)}")
+    if advantages.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"advantages must be float32 or wider, got {advantages.dtype}")
+    if old_logprobs is not None and old_logprobs.shape != (b, r):
+        raise ValueError(f"old_logprobs must be [b, R] = {(b, r)}, got {tuple(old_logprobs.shape)}")
+
+
+def rl_objective(hidden: torch.Tensor, lm_head_weight: torch.Tensor, batch: RolloutBatch, advantages: torch.Tensor,
+                 old_logprobs: torch.Tensor | None, temperature: float, corrections: CorrectionStack, alg_cfg: Any,
+                 denom: LossDenominators, metrics: StepMetrics) -> torch.Tensor:
+    """Scalar loss of one micro-batch; hidden[:, t] is the final-norm hidden state predicting responses[:, t]."""
+    _check_inputs(hidden, batch, advantages, old_logprobs)
+    policy_loss = get_policy_loss(str(alg_cfg.policy_loss))
+    corrections.check(policy_loss=str(alg_cfg.policy_loss))
+    with_head = corrections.needs_topk
+    if with_head:
+        corrections.check_batch(batch)
+    mask = batch.response_mask.bool()
+    chunk = int(getattr(alg_cfg, "logprob_chunk_size", 1024) or 1024)
+
+    ids, head_lq, head_valid = _gather_ids(batch, mask, corrections.top_k, with_head)
+    flat = chunked_token_logprobs(hidden[mask], lm_head_weight, ids, temperature, chunk)
+    logprobs = _scatter(flat[:, 0], mask)
+    train_lp = (old_logprobs.float() if old_logprobs is not None else logprobs).detach()
+    ctx = CorrectionContext(mask=mask, logprobs=logprobs, train_logprobs=train_lp,
+                            rollout_logprobs=batch.rollout_logprobs.float(),
+                            head_logprobs=flat[:, 1:] if with_head else None,
+                            head_rollout_logprobs=head_lq, head_valid=head_valid)
+
+    adv = torch.where(mask, advantages.float()[:, None], 0.0)
+    weights = mask.float()
+    keep = mask.clone()
+    for c in corrections:
+        shift = c.advantage_shift(ctx)
+        if shift is not None:
+            adv = adv - torch.where(mask, shift.detach(), 0.0)
+        w = c.weights(ctx)
+        if w is not None:
+            weights = weights * w.detach()
+        k = c.keep_mask(ctx)
+        if k is not None:
+            keep = keep & k
+
+    anchor = old_logprobs.float().detach() if old_logprobs is not None else logprobs.detach()
+    per_token, pg_metrics = policy_loss(logprobs, anchor, adv, weights, alg_cfg)
+    for c in corrections:
+        extra = c.extra_loss(ctx, adv, corrections.is_weight)
+        if extra is not None:
+            per_token = per_token + extra
+    per_token = torch.where(keep, per_token, 0.0)
+    loss = aggregate_loss(per_token, mask, str(alg_cfg.loss_agg_mode), denom)
+
+    record_mismatch(metrics, train_lp, batch.rollout_logprobs, mask, corrections.tolerance)
+    metrics.add_masked_mean("correction/masked_frac", (~keep | (weights == 0)).float(), mask)
+    metrics.add_masked_mean("correction/is_weight_mean", weights, mask)
+    metrics.add_masked_mean("actor/advantage_mean", adv, mask)
+    for name, values in pg_metrics.items():
+        metrics.add_masked_mean(name, values, mask)
+    for c in corrections:
+        c.record(ctx, metrics)
+    return loss
