@@ -1,0 +1,222 @@
+"""QuantLinear: a rollout-only Linear whose weight is stored INT8 or FP8 with per-output-channel scales.
+
+The forward computes what an inference kernel computes, so the torch engine's numerics are the
+quantized policy's (pi_inf), not BF16's:
+
+    W8A8 INT8   x -> int8 with a dynamic per-token scale sx; acc = xq @ wq^T in int32 (exact);
+                y = acc * sx * sw in float32, then cast to x's dtype (+ bias)
+    W8A8 FP8    same with E4M3 codes; the product of two E4M3 codes is exact in float32
+    weight-only w_hat = wq * sw in x's dtype; y = x @ w_hat^T
+    others      (e.g. int8 weights with fp8 activations) quantize/dequantize both, float32 matmul
+
+Which kernel runs is reported by `QuantLinear.path`:
+    int8_mm_cuda     torch._int_mm on CUDA (cuBLASLt int8 GEMM)
+    int8_mm_cpu      torch._int_mm on CPU (oneDNN)
+    int8_simulated   integer codes multiplied in float32/float64 where that is exact (same result)
+    fp8_scaled_mm    torch._scaled_mm with row-wise scales (CUDA sm_89+, or CPU)
+    fp8_simulated    codes in float32 (same up to summation order)
+    int8_weight_only, fp8_weight_only, w<W>a<A>_simulated, bf16
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parity.precision.formats import (
+    ACTIVATION_FORMATS,
+    FP8_DTYPE,
+    WEIGHT_FORMATS,
+    dequantize,
+    fake_quantize,
+    quantize_rowwise,
+)
+
+_STORAGE_DTYPE = {"int8": torch.int8, "fp8": FP8_DTYPE}
+# K * 127 * 127 below 2**24 keeps every int32 accumulator exact in float32
+_FP32_EXACT_K = (1 << 24) // (127 * 127)
+
+
+def check_formats(weights: str, activations: str) -> None:
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"precision.weights: unknown format {weights!r}; known: {', '.join(WEIGHT_FORMATS)}")
+    if activations not in ACTIVATION_FORMATS:
+        raise ValueError(f"precision.activations: unknown format {activations!r}; "
+                         f"known: {', '.join(ACTIVATION_FORMATS)}")
+
+
+@functools.cache
+def _scaled_mm_works(device_type: str, device_index: int | None) -> bool:
+    """Probe torch._scaled_mm with row-wise scales once per device (support depends on build and chip)."""
+    if not hasattr(torch, "_scaled_mm"):
+        return False
+    dev = torch.device(device_type, device_index) if device_index is not None else torch.device(device_type)
+    if dev.type == "cuda" and torch.cuda.get_device_capability(dev) < (8, 9):
+        return False
+    try:
+        a = torch.ones(32, 32, device=dev).to(FP8_DTYPE)
+        b = torch.ones(32, 32, device=dev).to(FP8_DTYPE)
+        sa = torch.ones(32, 1, device=dev)
+        sb = torch.ones(1, 32, device=dev)
+        out = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+        return bool((out.float() == 32).all())
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def select_path(weights: str, activations: str, device: torch.device, in_features: int,
+                out_features: int) -> str:
+    """The kernel a layer of this shape on this device uses (see the module docstring)."""
+    check_formats(weights, activations)
+    if weights == "bf16" and activations == "bf16":
+        return "bf16"
+    if activations == "bf16":
+        return f"{weights}_weight_only"
+    if weights != activations:
+        return f"w{weights}a{activations}_simulated"
+    if weights == "int8":
+        if device.type == "cuda":
+            # cuBLASLt int8 GEMM needs K and N multiples of 8 (M is padded at call time)
+            aligned = in_features % 8 == 0 and out_features % 8 == 0
+            return "int8_mm_cuda" if aligned else "int8_simulated"
+        if device.type == "cpu" and hasattr(torch, "_int_mm"):
+            return "int8_mm_cpu"
+        return "int8_simulated"
+    aligned = device.type != "cuda" or (in_features % 16 == 0 and out_features % 16 == 0)
+    if aligned and _scaled_mm_works(device.type, device.index if device.type == "cuda" else None):
+        return "fp8_scaled_mm"
+    return "fp8_simulated"
+
+
+def _int8_gemm(xq: torch.Tensor, wq: torch.Tensor, path: str) -> torch.Tensor:
+    """int32 accumulator xq @ wq^T for int8 xq [M, K], wq [N, K]; the same integers on every path."""
+    if path == "int8_mm_cuda":
+        m = xq.shape[0]
+        if m <= 16 or m % 8:  # cuBLASLt's int8 GEMM wants M > 16 and M % 8 == 0: pad with zero rows
+            pad = max(24, (m + 7) // 8 * 8) - m
+            xq = F.pad(xq, (0, 0, 0, pad))
+        return torch._int_mm(xq, wq.t())[:m]
+    if path == "int8_mm_cpu":
+        return torch._int_mm(xq, wq.t())
+    exact = torch.float32 if xq.shape[1] <= _FP32_EXACT_K else torch.float64
+    return (xq.to(exact) @ wq.to(exact).t()).round_().to(torch.int32)
+
+
+def quant_linear_forward(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                         weights: str, activations: str, path: str) -> torch.Tensor:
+    """y = x W^T (+ b) with W given as codes `wq` [N, K] and scales `w_scale` [N, 1]; see module doc."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if path == "bf16":
+        y = F.linear(x2, wq.to(x.dtype))
+    elif path.endswith("_weight_only"):
+        y = F.linear(x2, dequantize(wq, w_scale, x.dtype))
+    elif path in ("int8_mm_cuda", "int8_mm_cpu", "int8_simulated"):
+        xq, xs = quantize_rowwise(x2, "int8")
+        acc = _int8_gemm(xq, wq, path)
+        y = (acc.float() * xs * w_scale.t()).to(x.dtype)
+    elif path == "fp8_scaled_mm":
+        xq, xs = quantize_rowwise(x2, "fp8")
+        out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float32) else torch.float32
+        y = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=w_scale.t().contiguous(),
+                             out_dtype=out_dtype).to(x.dtype)
+    elif path == "fp8_simulated":
+        xq, xs = quantize_rowwise(x2, "fp8")
+        y = ((xq.float() @ wq.float().t()) * xs * w_scale.t()).to(x.dtype)
+    else:  # mixed formats: fake-quantize both sides
+        x_hat = fake_quantize(x2.float(), activations)
+        w_hat = wq.float() if weights == "bf16" else dequantize(wq, w_scale)
+        y = F.linear(x_hat, w_hat).to(x.dtype)
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.reshape(*lead, y.shape[-1])
+
+
+class QuantLinear(nn.Module):
+    """Drop-in for nn.Linear at inference. State (what a compressed-tensors checkpoint stores):
+    `weight` codes [out, in] (int8, float8_e4m3fn, or bfloat16 when weights=bf16),
+    `weight_scale` float32 [out, 1], optional `bias`. No gradients: rollout only."""
+
+    def __init__(self, in_features: int, out_features: int, weights: str, activations: str,
+                 bias: bool = False, device: torch.device | str | None = None,
+                 bias_dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        check_formats(weights, activations)
+        self.in_features, self.out_features = in_features, out_features
+        self.weights, self.activations = weights, activations
+        store = _STORAGE_DTYPE.get(weights, torch.bfloat16)
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=store, device=device))
+        self.register_buffer("weight_scale", torch.ones(out_features, 1, dtype=torch.float32, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=bias_dtype, device=device) if bias else None)
+        self.path = select_path(weights, activations, self.weight.device, in_features, out_features)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, weights: str, activations: str) -> QuantLinear:
+        w = linear.weight
+        q = cls(linear.in_features, linear.out_features, weights, activations, bias=linear.bias is not None,
+                device=w.device, bias_dtype=linear.bias.dtype if linear.bias is not None else torch.bfloat16)
+        q.set_weight(w.detach())
+        if linear.bias is not None:
+            q.set_bias(linear.bias.detach())
+        return q
+
+    @torch.no_grad()
+    def set_weight(self, w: torch.Tensor) -> None:
+        """Re-quantize from a new full-precision weight, in place (same storage: weight sync)."""
+        if tuple(w.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"QuantLinear.set_weight: shape {tuple(w.shape)} != "
+                             f"{(self.out_features, self.in_features)}")
+        w = w.to(self.weight.device)
+        if self.weights == "bf16":
+            self.weight.copy_(w.to(torch.bfloat16))
+            return
+        q, s = quantize_rowwise(w, self.weights)
+        self.weight.copy_(q)
+        self.weight_scale.copy_(s)
+
+    @torch.no_grad()
+    def set_rows(self, start: int, w_rows: torch.Tensor) -> None:
+        """Re-quantize rows [start, start + len) only; per-channel scales make rows independent."""
+        stop = start + w_rows.shape[0]
+        if w_rows.shape[1] != self.in_features or stop > self.out_features:
+            raise ValueError(f"QuantLinear.set_rows: rows {start}:{stop} x {w_rows.shape[1]} do not fit "
+                             f"{(self.out_features, self.in_features)}")
+        w_rows = w_rows.to(self.weight.device)
+        if self.weights == "bf16":
+            self.weight[start:stop].copy_(w_rows.to(torch.bfloat16))
+            return
+        q, s = quantize_rowwise(w_rows, self.weights)
+        self.weight[start:stop].copy_(q)
+        self.weight_scale[start:stop].copy_(s)
+
+    @torch.no_grad()
+    def set_bias(self, b: torch.Tensor) -> None:
+        if self.bias is None:
+            raise ValueError("QuantLinear.set_bias: this layer was built without a bias")
+        self.bias.copy_(b)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.weight.to(dtype) if self.weights == "bf16" else dequantize(self.weight, self.weight_scale, dtype)
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001 - nn.Module signature
+        # `model.to(torch.bfloat16)` must not cast the codes (float8 counts as floating point) or the
+        # float32 scales: take only the device from `fn`; the bias follows the model's dtype.
+        device = fn(torch.zeros(0, device=self.weight.device)).device
+        for name in ("weight", "weight_scale"):
+            self._buffers[name] = self._buffers[name].to(device)
+        if self._buffers.get("bias") is not None:
+            self._buffers["bias"] = fn(self._buffers["bias"])
+        # a move to another device can change which kernel is available
+        self.path = select_path(self.weights, self.activations, device, self.in_features, self.out_features)
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return quant_linear_forward(x, self.weight, self.weight_scale, self.bias, self.weights,
+                                    self.activations, self.path)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, weights={self.weights}, "
+                f"activations={self.activations}, path={self.path}")

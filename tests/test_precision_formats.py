@@ -1,0 +1,98 @@
+"""INT8 / FP8 row-wise formats against float64 references and their documented error bounds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from parity.precision.formats import (
+    FP8_MAX,
+    dequantize,
+    fake_quantize,
+    fp8_error_bound,
+    int8_error_bound,
+    quantize_fp8_per_channel,
+    quantize_fp8_per_token,
+    quantize_int8_per_channel,
+    quantize_int8_per_token,
+    quantize_rowwise,
+)
+
+F32_SLACK = 2.0 ** -20  # float32 rounding of x / s and of the scale itself
+
+
+def _weights() -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 96, generator=g) * torch.logspace(-3, 1, 64).unsqueeze(1)
+    w[3] = 0.0  # an all-zero channel
+    w[5, 7] = 40.0  # an outlier channel
+    w[9] = torch.linspace(-1e-3, 1e-3, 96)  # values in FP8's subnormal range relative to the row max
+    w[9, 0] = 1.0
+    return w
+
+
+def test_int8_per_channel_within_bound_against_float64() -> None:
+    w = _weights()
+    q, s = quantize_int8_per_channel(w)
+    assert q.dtype == torch.int8 and s.dtype == torch.float32 and s.shape == (64, 1)
+    w64 = w.double()
+    amax = w64.abs().amax(1, keepdim=True)
+    s_ref = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    torch.testing.assert_close(s.double(), s_ref, rtol=2 ** -23, atol=0)
+    assert int(q.abs().max()) == 127 and q[3].eq(0).all()
+    err = (w64 - q.double() * s.double()).abs()
+    bound = s_ref / 2
+    assert (err <= bound * (1 + F32_SLACK)).all()
+    # the bound is tight: some element sits near half a step away (so the test can fail)
+    assert (err / bound).max() > 0.95
+    assert torch.equal(int8_error_bound(w), s / 2)
+
+
+def test_int8_codes_are_round_half_even_of_float64_division() -> None:
+    w = _weights()
+    q, s = quantize_int8_per_channel(w)
+    ref = torch.round(w.double() / s.double()).clamp(-127, 127)
+    # float32 division may land on the other side of a .5 tie only when within 2^-20 of it
+    diff = (q.double() - ref).abs()
+    near_tie = ((w.double() / s.double()).abs() % 1 - 0.5).abs() < 1e-4
+    assert (diff[~near_tie] == 0).all() and (diff <= 1).all()
+
+
+def test_int8_on_grid_values_are_exact() -> None:
+    q0 = torch.randint(-127, 128, (8, 32), generator=torch.Generator().manual_seed(1)).float()
+    q0[:, 0] = 127
+    s0 = torch.tensor([2.0 ** -k for k in range(8)]).unsqueeze(1)
+    x = q0 * s0
+    q, s = quantize_int8_per_token(x)
+    assert torch.equal(s, s0) and torch.equal(q.float(), q0) and torch.equal(dequantize(q, s), x)
+
+
+def test_fp8_per_channel_within_bound_against_float64() -> None:
+    w = _weights()
+    q, s = quantize_fp8_per_channel(w)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (64, 1)
+    assert float(q.float().abs().max()) == FP8_MAX
+    w64 = w.double()
+    err = (w64 - q.double() * s.double()).abs()
+    amax = w64.abs().amax(1, keepdim=True)
+    s_ref = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
+    bound = torch.maximum(w64.abs() * 2 ** -4, s_ref * 2 ** -10)
+    assert (err <= bound * (1 + F32_SLACK) + 1e-300).all()
+    assert (err / bound).max() > 0.9
+    assert torch.allclose(fp8_error_bound(w), bound, rtol=1e-6)
+    # row 9 exercises the subnormal branch: its absolute error exceeds the relative bound somewhere
+    sub = err[9] > w64[9].abs() * 2 ** -4
+    assert sub.any()
+
+
+def test_fp8_per_token_shapes_and_saturation_free() -> None:
+    x = torch.randn(2, 5, 48, dtype=torch.bfloat16) * 1000
+    q, s = quantize_fp8_per_token(x)
+    assert q.shape == x.shape and s.shape == (2, 5, 1)
+    assert torch.isfinite(q.float()).all()
+    xh = fake_quantize(x, "fp8")
+    assert xh.dtype == torch.bfloat16 and xh.shape == x.shape
+
+
+def test_unknown_format_is_named() -> None:
+    with pytest.raises(ValueError, match="'int3'"):
+        quantize_rowwise(torch.ones(2, 2), "int3")

@@ -1,0 +1,161 @@
+"""QuantLinear: every kernel path against a float64 reference built from the same codes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from parity.precision.formats import quantize_rowwise
+from parity.precision.linear import QuantLinear, quant_linear_forward, select_path
+from torch import nn
+
+
+def _linear(k: int = 96, n: int = 40, bias: bool = False, seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    lin = nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        lin.weight.mul_(torch.logspace(-1, 1, n).unsqueeze(1))
+    return lin
+
+
+def _w8a8_reference(x: torch.Tensor, lin: nn.Linear, fmt: str) -> torch.Tensor:
+    """float64: per-token codes of x times per-channel codes of W, both scaled."""
+    xq, xs = quantize_rowwise(x.reshape(-1, x.shape[-1]), fmt)
+    wq, ws = quantize_rowwise(lin.weight.detach(), fmt)
+    y = (xq.double() * xs.double()) @ (wq.double() * ws.double()).t()
+    if lin.bias is not None:
+        y = y + lin.bias.detach().double()
+    return y.reshape(*x.shape[:-1], -1)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_w8a8_matches_float64_reference(fmt: str) -> None:
+    lin = _linear(bias=True)
+    q = QuantLinear.from_linear(lin, fmt, fmt)
+    assert q.path == ("int8_mm_cpu" if fmt == "int8" else "fp8_scaled_mm")
+    x = torch.randn(3, 7, 96)
+    y = q(x)
+    assert y.dtype == torch.float32 and y.shape == (3, 7, 40)
+    ref = _w8a8_reference(x, lin, fmt)
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+    # and it is really quantized: far from the float64 product of the unquantized tensors
+    exact = x.double() @ lin.weight.detach().double().t() + lin.bias.detach().double()
+    assert (y.double() - exact).abs().max() > 1e-3
+
+
+def test_w8a8_int8_error_within_analytic_bound() -> None:
+    """|y - x W^T| <= sum_k |x_k| e_w + e_x |W_jk| + e_x e_w, with e = s / 2 per row (float64)."""
+    lin = _linear()
+    q = QuantLinear.from_linear(lin, "int8", "int8")
+    x = torch.randn(16, 96)
+    y = q(x).double()
+    w = lin.weight.detach().double()
+    exact = x.double() @ w.t()
+    ex = x.double().abs().amax(1, keepdim=True) / 127 / 2
+    ew = w.abs().amax(1, keepdim=True) / 127 / 2
+    bound = x.double().abs() @ ew.expand(-1, 96).t() + ex * w.abs().sum(1) + ex * ew.t() * 96
+    err = (y - exact).abs()
+    assert (err <= bound * 1.0001 + 1e-6).all()
+    assert (err / bound).max() > 0.01
+
+
+def test_int8_paths_give_identical_results() -> None:
+    lin = _linear(k=2048 + 8, n=24)  # K beyond float32-exact range: simulated path switches to float64
+    wq, ws = quantize_rowwise(lin.weight.detach(), "int8")
+    x = torch.randn(5, 2056, dtype=torch.bfloat16)
+    outs = [quant_linear_forward(x, wq, ws, None, "int8", "int8", p) for p in ("int8_mm_cpu", "int8_simulated")]
+    assert torch.equal(outs[0], outs[1]) and outs[0].dtype == torch.bfloat16
+
+
+def test_fp8_paths_agree() -> None:
+    lin = _linear()
+    wq, ws = quantize_rowwise(lin.weight.detach(), "fp8")
+    x = torch.randn(9, 96)
+    a = quant_linear_forward(x, wq, ws, None, "fp8", "fp8", "fp8_scaled_mm")
+    b = quant_linear_forward(x, wq, ws, None, "fp8", "fp8", "fp8_simulated")
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_weight_only_is_linear_of_dequantized_weight(fmt: str) -> None:
+    lin = _linear()
+    q = QuantLinear.from_linear(lin, fmt, "bf16")
+    assert q.path == f"{fmt}_weight_only"
+    x = torch.randn(4, 96)
+    assert torch.equal(q(x), nn.functional.linear(x, q.dequantized_weight()))
+
+
+def test_mixed_formats_use_simulation() -> None:
+    lin = _linear()
+    q = QuantLinear.from_linear(lin, "int8", "fp8")
+    assert q.path == "wint8afp8_simulated"
+    x = torch.randn(4, 96)
+    xq, xs = quantize_rowwise(x, "fp8")
+    ref = (xq.double() * xs.double()) @ q.dequantized_weight(torch.float64).t()
+    torch.testing.assert_close(q(x).double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmts", [("int8", "int8"), ("fp8", "fp8"), ("int8", "bf16"), ("bf16", "bf16")])
+def test_set_weight_matches_from_linear_exactly(fmts: tuple[str, str]) -> None:
+    a, b = _linear(seed=0, bias=True), _linear(seed=1, bias=True)
+    qa = QuantLinear.from_linear(a, *fmts)
+    ptr = qa.weight.data_ptr()
+    qa.set_weight(b.weight.detach())
+    qa.set_bias(b.bias.detach())
+    qb = QuantLinear.from_linear(b, *fmts)
+    assert qa.weight.data_ptr() == ptr  # in place: an engine holding the buffer sees the update
+    for name in ("weight", "weight_scale", "bias"):
+        assert torch.equal(getattr(qa, name).float(), getattr(qb, name).float()), name
+    x = torch.randn(3, 96)
+    assert torch.equal(qa(x), qb(x))
+
+
+def test_set_rows_equals_full_requantization() -> None:
+    a, b = _linear(seed=0), _linear(seed=1)
+    q = QuantLinear.from_linear(a, "int8", "int8")
+    q.set_rows(8, b.weight.detach()[8:20])
+    w = a.weight.detach().clone()
+    w[8:20] = b.weight.detach()[8:20]
+    ref = QuantLinear.from_linear(nn.Linear(96, 40, bias=False).requires_grad_(False), "int8", "int8")
+    ref.set_weight(w)
+    assert torch.equal(q.weight, ref.weight) and torch.equal(q.weight_scale, ref.weight_scale)
+
+
+def test_dtype_cast_keeps_codes_and_scales() -> None:
+    q = QuantLinear.from_linear(_linear(bias=True), "fp8", "fp8")
+    codes = q.weight.clone()
+    q.to(torch.bfloat16)
+    assert q.weight.dtype == torch.float8_e4m3fn and q.weight_scale.dtype == torch.float32
+    assert q.bias.dtype == torch.bfloat16 and torch.equal(q.weight.float(), codes.float())
+    assert q(torch.randn(2, 96, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_bad_inputs_are_named() -> None:
+    with pytest.raises(ValueError, match="precision.weights"):
+        QuantLinear.from_linear(_linear(), "int4", "bf16")
+    with pytest.raises(ValueError, match="precision.activations"):
+        QuantLinear.from_linear(_linear(), "int8", "int16")
+    q = QuantLinear.from_linear(_linear(), "int8", "int8")
+    with pytest.raises(ValueError, match=r"shape \(40, 95\)"):
+        q.set_weight(torch.zeros(40, 95))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m", [1, 7, 33])
+def test_cuda_int8_gemm_matches_cpu(m: int) -> None:
+    lin = _linear(k=128, n=64, bias=True)
+    q_cpu = QuantLinear.from_linear(lin, "int8", "int8")
+    q_gpu = QuantLinear.from_linear(lin, "int8", "int8").cuda()
+    assert q_gpu.path == "int8_mm_cuda"
+    x = torch.randn(m, 128)
+    torch.testing.assert_close(q_gpu(x.cuda()).cpu(), q_cpu(x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fp8_scaled_mm_matches_simulation() -> None:
+    lin = _linear(k=128, n=64)
+    q = QuantLinear.from_linear(lin, "fp8", "fp8").cuda()
+    expected = "fp8_scaled_mm" if torch.cuda.get_device_capability() >= (8, 9) else "fp8_simulated"
+    assert q.path == expected == select_path("fp8", "fp8", torch.device("cuda"), 128, 64)
+    x = torch.randn(20, 128, dtype=torch.bfloat16, device="cuda")
+    sim = quant_linear_forward(x, q.weight, q.weight_scale, None, "fp8", "fp8", "fp8_simulated")
+    torch.testing.assert_close(q(x).float(), sim.float(), rtol=1e-2, atol=1e-2)
