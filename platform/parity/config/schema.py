@@ -76,10 +76,31 @@ class DataConfig:
 
 
 @dataclass
+class PrecisionValidationConfig:
+    """`python -m parity validate`: quantized vs BF16 on held-out prompts; a None threshold is not checked."""
+
+    num_prompts: int = 32
+    samples_per_prompt: int = 2
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    seed: int = 0
+    max_mean_abs_prob_diff: float | None = 0.02
+    max_p99_abs_prob_diff: float | None = None
+    max_k3_kl: float | None = 0.01
+    min_top1_agreement: float | None = 0.9
+    max_ppl_ratio: float | None = 1.1
+    max_accuracy_drop: float | None = None
+
+
+@dataclass
 class PrecisionConfig:
     weights: str = "bf16"  # bf16 | int8 | fp8
     activations: str = "bf16"  # bf16 | int8 | fp8  (int8 = per-token dynamic)
-    kv_cache: str = "bf16"  # bf16 | int8 | int4_per_token_head | fp8
+    kv_cache: str = "bf16"  # bf16 | int8 | int4_per_token_head | fp8 | fp8_per_token_head
+    kv_hadamard: bool = True  # int4 KV: rotate by vLLM's randomized Hadamard transform before quantizing
+    # `quantize` writes <export_dir>/<model>-W8A8-INT8/ (checkpoint + config.json), the seed's path pattern
+    export_dir: str = "${outputs_dir}/precision_validation"
+    validation: PrecisionValidationConfig = field(default_factory=PrecisionValidationConfig)
 
 
 @dataclass
