@@ -11,9 +11,9 @@ kinds (the numerics of vLLM 0.32's kernels of the same name, see vllm/v1/attenti
     fp8                  (= vLLM fp8 without calibration) E4M3 with one per-tensor scale (default 1.0),
                          saturating at +-448
     fp8_per_token_head   E4M3, s = max(max|x| / 448, 1e-6)
-    int4_per_token_head  asymmetric: s = max((max - min) / 15, 1e-6), zero point
+    int4_per_token_head  asymmetric over [min(x, 0), max(x, 0)]: s = max((max - min) / 15, 1e-6), zero point
                          z = clamp(round_half_away(-min / s), 0, 15), q = clamp(round_half_away(x / s + z),
-                         0, 15), x_hat = (q - z) s; two codes per byte (element 2i in the low nibble,
+                         0, 15), x_hat = (q - z) s, |x - x_hat| <= s / 2; two codes per byte (element 2i in the low nibble,
                          2i + 1 in the high one). vLLM hides z in the 4 low mantissa bits of the float32
                          scale, so dequantization uses s with those bits cleared: mirrored here. vLLM also
                          rotates K/V (and Q) by a randomized Hadamard transform before quantizing; with
@@ -198,7 +198,11 @@ class Int4PerTokenHeadKVCodec(KVCodec):
     def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Codes q (float, integral in [0, 15]), the dequantization scale and zero point per row."""
         xf = hadamard_rotate(x).to(x.dtype).float() if self.hadamard else x.float()
-        lo, hi = xf.amin(-1, keepdim=True), xf.amax(-1, keepdim=True)
+        # the grid must contain 0 (the zero point is a code in [0, 15]); vLLM takes min/max as they are,
+        # which is the same whenever the row straddles 0 (nearly always after the rotation) and clamps
+        # half the row otherwise
+        lo = xf.amin(-1, keepdim=True).clamp_max(0.0)
+        hi = xf.amax(-1, keepdim=True).clamp_min(0.0)
         scale = ((hi - lo) / 15.0).clamp_min(_MIN_SCALE)
         zero = _round_half_away(-lo / scale).clamp_(0, 15)
         q = _round_half_away(xf * (1.0 / scale) + zero).clamp_(0, 15)

@@ -1,0 +1,209 @@
+"""Resolve the rollout precision from the config, and read the quantized checkpoint's config file.
+
+Two ways to ask for a precision, both in the same config:
+- `rollout.precision.{weights, activations, kv_cache}` (Parity's own keys);
+- the verl-style seed block `actor_rollout_ref.rollout` (DESIGN.md, Precision): `quantization: int8`
+  selects W8A8 INT8, `fp8` W8A8 FP8, and `engine_kwargs.vllm.kv_cache_dtype` the KV cache (vLLM's
+  names: int4_per_token_head, int8_per_token_head, fp8, fp8_per_token_head, auto).
+When the seed block sets something, it wins over a default `rollout.precision`; a non-default
+`rollout.precision` that contradicts it is an error naming both keys.
+
+`quantization_config_file` is the config.json of the quantized checkpoint that `python -m parity
+quantize` writes (outputs/precision_validation/<model>-W8A8-INT8/config.json): the Hugging Face
+config with a compressed-tensors `quantization_config`; the checkpoint is its folder. It is read
+only by the steps that need the checkpoint (vLLM engine, validate), through
+`load_quantization_config_file`, never at resolve time.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from parity.precision.formats import ACTIVATION_FORMATS, WEIGHT_FORMATS
+from parity.precision.kv import KV_KINDS
+
+# seed block `quantization` -> (weights, activations)
+QUANTIZATION_NAMES: dict[str, tuple[str, str]] = {
+    "int8": ("int8", "int8"), "w8a8_int8": ("int8", "int8"), "int8_w8a8": ("int8", "int8"),
+    "fp8": ("fp8", "fp8"), "w8a8_fp8": ("fp8", "fp8"), "fp8_dynamic": ("fp8", "fp8"),
+    "int8_weight_only": ("int8", "bf16"), "w8a16_int8": ("int8", "bf16"),
+    "fp8_weight_only": ("fp8", "bf16"), "w8a16_fp8": ("fp8", "bf16"),
+    "none": ("bf16", "bf16"), "bf16": ("bf16", "bf16"),
+}
+# vLLM's kv_cache_dtype -> our KV kind
+VLLM_KV_DTYPES: dict[str, str] = {
+    "auto": "bf16", "bfloat16": "bf16", "bf16": "bf16",
+    "int8_per_token_head": "int8", "int8": "int8",
+    "int4_per_token_head": "int4_per_token_head",
+    "fp8": "fp8", "fp8_e4m3": "fp8", "fp8_per_token_head": "fp8_per_token_head",
+}
+# our KV kind -> the kv_cache_dtype the vLLM engine passes
+KV_TO_VLLM: dict[str, str] = {"bf16": "auto", "int8": "int8_per_token_head", "fp8": "fp8",
+                              "fp8_per_token_head": "fp8_per_token_head",
+                              "int4_per_token_head": "int4_per_token_head"}
+
+SEED = "actor_rollout_ref.rollout"
+
+
+class PrecisionConfigError(ValueError):
+    """A precision setting or the quantized checkpoint's config file is wrong; the message names it."""
+
+
+def _get(node: Any, key: str, default: Any = None) -> Any:
+    if node is None:
+        return default
+    if isinstance(node, dict):
+        return node.get(key, default)
+    try:
+        return node.get(key, default)  # DictConfig
+    except AttributeError:
+        return getattr(node, key, default)
+
+
+def _seed_formats(seed: Any) -> tuple[str, str] | None:
+    q = _get(seed, "quantization")
+    if q is None:
+        return None
+    name = str(q).lower()
+    if name not in QUANTIZATION_NAMES:
+        raise PrecisionConfigError(f"config key `{SEED}.quantization`: unknown quantization {q!r}; known: "
+                                   f"{', '.join(QUANTIZATION_NAMES)}")
+    return QUANTIZATION_NAMES[name]
+
+
+def _seed_kv(seed: Any) -> str | None:
+    kv = _get(_get(_get(seed, "engine_kwargs"), "vllm"), "kv_cache_dtype")
+    if kv is None:
+        return None
+    if str(kv) not in VLLM_KV_DTYPES:
+        raise PrecisionConfigError(f"config key `{SEED}.engine_kwargs.vllm.kv_cache_dtype`: unsupported KV cache "
+                                   f"dtype {kv!r}; known: {', '.join(VLLM_KV_DTYPES)}")
+    return VLLM_KV_DTYPES[str(kv)]
+
+
+def _merge(key: str, own: str, seed_value: str | None, seed_key: str) -> str:
+    if seed_value is None or own == seed_value:
+        return own
+    if own != "bf16":
+        raise PrecisionConfigError(f"config keys `rollout.precision.{key}`={own!r} and `{seed_key}` (which selects "
+                                   f"{seed_value!r}) disagree; set only one of them")
+    return seed_value
+
+
+def head_dim_from_config(cfg: Any) -> int | None:
+    """head_dim of the tiny model from the config (None when the model is an HF checkpoint: its head
+    size is known only once loaded, where `kv_codec_for_model` checks it)."""
+    model = _get(cfg, "model")
+    if _get(model, "source", "tiny") != "tiny":
+        return None
+    tiny = _get(model, "tiny")
+    hd = _get(tiny, "head_dim")
+    return int(hd) if hd else None
+
+
+def check_kv_head_dim(kv_cache: str, head_dim: int | None, key: str = "model.tiny.head_dim") -> None:
+    if kv_cache == "int4_per_token_head" and head_dim is not None and head_dim % 2:
+        raise PrecisionConfigError(f"config key `{key}`={head_dim}: an int4_per_token_head KV cache packs two "
+                                   "4-bit values per byte and needs an even head size")
+
+
+def resolve_precision(cfg: Any) -> Any:
+    """The rollout precision (a PrecisionConfig) selected by `cfg` (see module docstring)."""
+    # lazily: the schema lives in parity.config, whose package imports hydra
+    from parity.config.schema import PrecisionConfig
+
+    own = _get(_get(cfg, "rollout"), "precision")
+    weights = str(_get(own, "weights", "bf16"))
+    activations = str(_get(own, "activations", "bf16"))
+    kv = str(_get(own, "kv_cache", "bf16"))
+    for key, value, known in (("weights", weights, WEIGHT_FORMATS), ("activations", activations, ACTIVATION_FORMATS),
+                              ("kv_cache", kv, KV_KINDS)):
+        if value not in known:
+            raise PrecisionConfigError(f"config key `rollout.precision.{key}`: unknown value {value!r}; "
+                                       f"known: {', '.join(known)}")
+    seed = _get(_get(cfg, "actor_rollout_ref"), "rollout")
+    formats = _seed_formats(seed)
+    if formats is not None:
+        weights = _merge("weights", weights, formats[0], f"{SEED}.quantization")
+        activations = _merge("activations", activations, formats[1], f"{SEED}.quantization")
+    kv = _merge("kv_cache", kv, _seed_kv(seed), f"{SEED}.engine_kwargs.vllm.kv_cache_dtype")
+    check_kv_head_dim(kv, head_dim_from_config(cfg))
+    extra = {k: _get(own, k) for k in ("kv_hadamard",) if _get(own, k) is not None}
+    return PrecisionConfig(weights=weights, activations=activations, kv_cache=kv, **extra)
+
+
+def quantization_config_path(cfg: Any) -> str | None:
+    """The seed block's quantization_config_file, interpolations (${oc.env:SC_INT8_CONFIG,...}) resolved."""
+    return _get(_get(_get(cfg, "actor_rollout_ref"), "rollout"), "quantization_config_file")
+
+
+@dataclass
+class QuantizedCheckpointInfo:
+    """What `load_quantization_config_file` found: the checkpoint folder and its formats."""
+
+    config_file: Path
+    checkpoint_dir: Path
+    weights: str
+    activations: str
+    ignore: list[str] = field(default_factory=list)
+    quantization_config: dict = field(default_factory=dict)
+    hf_config: dict = field(default_factory=dict)
+
+
+def _args_format(args: Any, where: str) -> str:
+    if not isinstance(args, dict):
+        raise PrecisionConfigError(f"{where}: expected an object, got {type(args).__name__}")
+    bits, typ = args.get("num_bits"), args.get("type")
+    if bits == 8 and typ == "int":
+        return "int8"
+    if bits == 8 and typ == "float":
+        return "fp8"
+    raise PrecisionConfigError(f"{where}: unsupported quantization {bits}-bit {typ!r} (supported: 8-bit int, 8-bit float)")
+
+
+def load_quantization_config_file(path: str | Path, expect: tuple[str, str] | None = None,
+                                  key: str = f"{SEED}.quantization_config_file") -> QuantizedCheckpointInfo:
+    """Read and check the quantized checkpoint's config.json (or a bare compressed-tensors
+    quantization_config JSON). Errors name the config key and the file; `expect` = (weights,
+    activations) the config asked for, checked against the file."""
+    p = Path(str(path))
+    if not p.is_file():
+        raise PrecisionConfigError(f"config key `{key}`: file not found: {p} (write it with `python -m parity "
+                                   "quantize`, or point SC_INT8_CONFIG at an existing one)")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise PrecisionConfigError(f"config key `{key}`: {p} is not valid JSON (line {e.lineno}, column {e.colno}: "
+                                   f"{e.msg})") from e
+    if not isinstance(data, dict):
+        raise PrecisionConfigError(f"config key `{key}`: {p} must hold a JSON object, got {type(data).__name__}")
+    qc = data.get("quantization_config", data if "quant_method" in data else None)
+    if not isinstance(qc, dict):
+        raise PrecisionConfigError(f"config key `{key}`: {p} has no `quantization_config` object")
+    if qc.get("quant_method") != "compressed-tensors":
+        raise PrecisionConfigError(f"config key `{key}`: {p}: quantization_config.quant_method is "
+                                   f"{qc.get('quant_method')!r}, expected 'compressed-tensors'")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise PrecisionConfigError(f"config key `{key}`: {p}: quantization_config.config_groups is missing or empty")
+    formats = set()
+    for gname, g in groups.items():
+        where = f"config key `{key}`: {p}: config_groups.{gname}"
+        if not isinstance(g, dict) or "weights" not in g:
+            raise PrecisionConfigError(f"{where} has no `weights` entry")
+        w = _args_format(g["weights"], f"{where}.weights")
+        a = "bf16" if g.get("input_activations") is None else _args_format(g["input_activations"],
+                                                                            f"{where}.input_activations")
+        formats.add((w, a))
+    if len(formats) != 1:
+        raise PrecisionConfigError(f"config key `{key}`: {p}: config groups mix formats {sorted(formats)}")
+    weights, activations = formats.pop()
+    if expect is not None and tuple(expect) != (weights, activations):
+        raise PrecisionConfigError(f"config key `{key}`: {p} holds a W={weights} A={activations} checkpoint but the "
+                                   f"config asks for W={expect[0]} A={expect[1]}")
+    return QuantizedCheckpointInfo(config_file=p, checkpoint_dir=p.parent, weights=weights, activations=activations,
+                                   ignore=list(qc.get("ignore") or []), quantization_config=qc,
+                                   hf_config=data if "quantization_config" in data else {})
