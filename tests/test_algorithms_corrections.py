@@ -1,0 +1,190 @@
+"""TIS / IcePop / MIS weights and masks and the DC-GRPO dual variable against hand computations;
+checkpoint round trip; the configuration errors."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from parity.algorithms import StepMetrics, build_corrections, loss_denominators, rl_objective
+from parity.algorithms.corrections import CorrectionContext
+from parity.algorithms.corrections.dual import dual_update
+from parity.config.schema import AlgorithmConfig, CorrectionConfig
+from parity.types import RolloutBatch
+
+NAN = float("nan")
+
+
+def close(t: torch.Tensor, expected: list[list[float]]) -> bool:
+    return torch.allclose(t.double(), torch.tensor(expected, dtype=torch.float64), rtol=1e-6, atol=1e-7)
+
+
+def ctx_from_ratios(ratios: list[list[float]], q: float = 0.5) -> CorrectionContext:
+    """Sampled-token ratios p_train/p_inf per row; NaN marks padding (whose log-probs are garbage)."""
+    r = torch.tensor(ratios, dtype=torch.float64)
+    mask = ~torch.isnan(r)
+    rollout = torch.where(mask, torch.full_like(r, math.log(q)), torch.tensor(-1e4, dtype=torch.float64))
+    train = torch.where(mask, torch.log(r.nan_to_num(1.0)) + math.log(q), torch.tensor(3.0, dtype=torch.float64))
+    return CorrectionContext(mask=mask, logprobs=train.float(), train_logprobs=train.float(), rollout_logprobs=rollout.float())
+
+
+def single(name: str, **section: object):
+    cfg = CorrectionConfig(name=name)
+    for k, v in section.items():
+        setattr(getattr(cfg, name.replace("seq_", "")), k, v)
+    return build_corrections(cfg).corrections[0]
+
+
+def test_tis_token_and_sequence_weights_by_hand() -> None:
+    ctx = ctx_from_ratios([[0.5, 3.0, NAN], [1.5, 1.0, 2.5]])
+    tok = single("tis").weights(ctx)
+    assert close(tok, [[0.5, 2.0, 0.0], [1.5, 1.0, 2.0]])
+    seq = single("tis", level="sequence").weights(ctx)
+    # row 0: 0.5 * 3 = 1.5 (padding's garbage ratio e^1e4 excluded); row 1: 1.5 * 1 * 2.5 = 3.75 -> 2
+    assert close(seq, [[1.5, 1.5, 0.0], [2.0, 2.0, 2.0]])
+    assert close(single("seq_tis", C=3.0).weights(ctx), [[1.5, 1.5, 0.0], [3.0, 3.0, 3.0]])
+    m = StepMetrics()
+    single("tis").record(ctx, m)
+    assert m.compute()["correction/clipped_frac"] == pytest.approx(2 / 5)
+
+
+def test_icepop_weights_by_hand() -> None:
+    ctx = ctx_from_ratios([[0.4, 3.0, NAN], [5.5, 1.0, 0.5]])
+    w = single("icepop").weights(ctx)
+    assert close(w, [[0.0, 3.0, 0.0], [0.0, 1.0, 0.5]])
+    m = StepMetrics()
+    single("icepop").record(ctx, m)
+    assert m.compute()["correction/icepop_masked_frac"] == pytest.approx(2 / 5)
+
+
+def test_mis_sequence_masks_by_hand() -> None:
+    ratios = [[0.5, 3.0, NAN], [1.01, 0.99, 1.0], [3.0, 3.0, NAN], [0.2, NAN, NAN]]
+    ctx = ctx_from_ratios(ratios)
+    # k1 = mean(-log r): row0 -log(1.5)/2 = -0.2027, row1 ~0, row2 -log 3 = -1.0986, row3 log 5 = 1.609
+    k1 = single("mis", statistic="k1", threshold=0.1).keep_mask(ctx)
+    assert k1.any(-1).tolist() == [False, True, False, False]
+    assert single("mis", statistic="k1", threshold=0.25).keep_mask(ctx).any(-1).tolist() == [True, True, False, False]
+    # k3 = mean(r - 1 - log r): row0 (0.19315 + 0.90139) / 2 = 0.5473
+    k3_row0 = ((0.5 - 1 - math.log(0.5)) + (3 - 1 - math.log(3))) / 2
+    assert single("mis", statistic="k3", threshold=k3_row0 + 1e-4).keep_mask(ctx).any(-1).tolist() == [True, True, False, False]
+    assert single("mis", statistic="k3", threshold=k3_row0 - 1e-4).keep_mask(ctx).any(-1).tolist() == [False, True, False, False]
+    # geo_mean = exp(mean log r): sqrt(1.5) = 1.2247, ~1, 3, 0.2
+    geo = single("mis", statistic="geo_mean", lo=0.5, hi=2.0).keep_mask(ctx)
+    assert geo.any(-1).tolist() == [True, True, False, False]
+    assert (geo <= ctx.mask).all()  # never keeps padding
+    m = StepMetrics()
+    single("mis", statistic="geo_mean").record(ctx, m)
+    assert m.compute()["correction/mis_seq_masked_frac"] == pytest.approx(2 / 4)
+
+
+def _dual_batch(p_train: list[list[float]], p_inf: list[list[float]], adv: list[float]):
+    pt, pi = torch.tensor(p_train), torch.tensor(p_inf)
+    mask = ~torch.isnan(pt)
+    b, r = pt.shape
+    batch = RolloutBatch(prompts=torch.zeros(b, 1, dtype=torch.long), prompt_mask=torch.ones(b, 1, dtype=torch.bool),
+                         responses=torch.zeros(b, r, dtype=torch.long), response_mask=mask,
+                         rollout_logprobs=torch.log(pi.nan_to_num(1.0)), rewards=torch.zeros(b),
+                         truncated=torch.zeros(b, dtype=torch.bool), group_ids=torch.zeros(b, dtype=torch.long),
+                         prompt_ids=torch.zeros(b, dtype=torch.long))
+    return batch, torch.log(pt.nan_to_num(1.0)), torch.tensor(adv)
+
+
+def _objective(stack, batch, old, adv, metrics):
+    hidden = torch.zeros(*batch.responses.shape, 2, requires_grad=True)
+    weight = torch.zeros(3, 2, requires_grad=True)
+    cfg = AlgorithmConfig(policy_loss="reinforce")
+    return rl_objective(hidden, weight, batch, adv, old, 1.0, stack, cfg, loss_denominators(batch.response_mask), metrics)
+
+
+def test_dual_advantage_shift_and_lambda_update_by_hand() -> None:
+    cfg = CorrectionConfig(name="dual")
+    stack = build_corrections(cfg)
+    # delta = |p_train - p_inf|: [[0.1, 0.05], [0.0, pad]]
+    batch, old, adv = _dual_batch([[0.5, 0.9], [0.2, NAN]], [[0.4, 0.95], [0.2, NAN]], [1.0, -1.0])
+    m = StepMetrics()
+    _objective(stack, batch, old, adv, m)
+    shifted = [1 - 0.1 * 0.1, 1 - 0.1 * 0.05, -1.0]
+    assert m.compute()["actor/advantage_mean"] == pytest.approx(sum(shifted) / 3, rel=1e-6)
+    assert m.compute()["correction/lambda"] == 0.1
+    # a second micro-batch of the same step: delta 0.3 on one token
+    batch2, old2, adv2 = _dual_batch([[0.7]], [[0.4]], [0.5])
+    _objective(stack, batch2, old2, adv2, m)
+    out = stack.end_step()
+    mean_delta = (0.1 + 0.05 + 0.0 + 0.3) / 4
+    assert out["correction/dual_delta_mean"] == pytest.approx(mean_delta, rel=1e-6)
+    assert out["correction/lambda_next"] == pytest.approx(0.1 + 1.0 * (mean_delta - 0.0037), rel=1e-6)
+    assert stack.corrections[0].lam == out["correction/lambda_next"]
+
+
+def test_dual_lambda_clamps() -> None:
+    assert dual_update(0.1, mean_delta=0.0, c=0.5, eta=1.0, lambda_max=10.0) == 0.0
+    assert dual_update(0.1, mean_delta=5.0, c=0.0, eta=1.0, lambda_max=0.2) == 0.2
+    cfg = CorrectionConfig(name="dual")
+    cfg.dual.c, cfg.dual.lambda_max = 0.0, 0.25
+    stack = build_corrections(cfg)
+    batch, old, adv = _dual_batch([[0.9]], [[0.1]], [1.0])
+    for _ in range(3):
+        _objective(stack, batch, old, adv, StepMetrics())
+        lam = stack.end_step()["correction/lambda_next"]
+    assert lam == 0.25
+
+
+def test_dual_state_survives_checkpoint_exactly() -> None:
+    cfg = CorrectionConfig(name="tis+dual")
+    cfg.dual.eta = 0.37
+    stack = build_corrections(cfg)
+    batch, old, adv = _dual_batch([[0.5, 0.9], [0.2, NAN]], [[0.41, 0.95], [0.23, NAN]], [1.0, -1.0])
+    for _ in range(3):
+        _objective(stack, batch, old, adv, StepMetrics())
+        stack.end_step()
+    _objective(stack, batch, old, adv, StepMetrics())  # a half-accumulated step is state too
+    buf = io.BytesIO()
+    torch.save(stack.state_dict(), buf)
+    buf.seek(0)
+    resumed = build_corrections(cfg)
+    resumed.load_state_dict(torch.load(buf))
+    assert resumed.corrections[1].lam == stack.corrections[1].lam
+    assert resumed.end_step() == stack.end_step()
+    with pytest.raises(ValueError, match="no state for correction 'dual'"):
+        build_corrections(cfg).load_state_dict({"version": 1, "names": ["tis"], "corrections": {"tis": {}}})
+
+
+def test_build_accepts_dictconfig_and_composes() -> None:
+    dc = OmegaConf.structured(CorrectionConfig(name="score_centering + tis"))
+    stack = build_corrections(dc, policy_loss="reinforce", topk_logprobs=8)
+    assert stack.names == ["score_centering", "tis"] and stack.needs_topk and stack.is_weight is not None
+    assert build_corrections(OmegaConf.create({"name": "none"})).names == ["none"]
+
+
+@pytest.mark.parametrize(("cfg", "kwargs", "match"), [
+    ({"name": "foo"}, {}, r"algorithm\.correction\.name: unknown correction 'foo'"),
+    ({"name": "tis++dual"}, {}, r"algorithm\.correction\.name: empty part"),
+    ({"name": "tis+tis"}, {}, r"algorithm\.correction\.name: a correction appears twice"),
+    ({"name": "tis+icepop"}, {}, r"at most one importance-weight correction"),
+    ({"name": "dual", "dual": {"c": -0.1}}, {}, r"algorithm\.correction\.dual\.c: the tolerance must be >= 0"),
+    ({"name": "none", "tolerance": -1.0}, {}, r"algorithm\.correction\.tolerance"),
+    ({"name": "tis", "tis": {"C": -2.0}}, {}, r"algorithm\.correction\.tis\.C"),
+    ({"name": "tis", "tis": {"C": 2.0, "bogus": 1}}, {}, r"algorithm\.correction\.tis\.bogus: unknown key"),
+    ({"name": "icepop", "icepop": {"lo": 2.0, "hi": 1.0}}, {}, r"algorithm\.correction\.icepop\.hi"),
+    ({"name": "mis", "mis": {"statistic": "k2"}}, {}, r"algorithm\.correction\.mis\.statistic"),
+    ({"name": "score_centering"}, {"policy_loss": "ppo_clip"}, r"algorithm\.policy_loss: score_centering"),
+    ({"name": "score_centering"}, {"topk_logprobs": 0}, r"rollout\.topk_logprobs"),
+    ({"name": "score_centering+tis", "tis": {"level": "sequence"}}, {}, r"algorithm\.correction\.tis\.level"),
+])
+def test_bad_configs_name_the_key(cfg: dict, kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        build_corrections(OmegaConf.create(cfg), **kwargs)
+
+
+def test_score_centering_errors_at_run_time() -> None:
+    batch, old, adv = _dual_batch([[0.5]], [[0.4]], [1.0])
+    stack = build_corrections(CorrectionConfig(name="score_centering"))
+    with pytest.raises(ValueError, match="score_centering but the batch has no top-K log-probs"):
+        _objective(stack, batch, old, adv, StepMetrics())
+    hidden = torch.zeros(1, 1, 2, requires_grad=True)
+    with pytest.raises(ValueError, match="algorithm.policy_loss"):
+        rl_objective(hidden, torch.zeros(3, 2), batch, adv, old, 1.0, stack, AlgorithmConfig(policy_loss="ppo_clip"),
+                     loss_denominators(batch.response_mask), StepMetrics())
