@@ -5,8 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-from parity.moe import DecodeStats, RoutingBatch, decode_naive, decode_streaming, encode_routing, routing_dtype
+from parity.moe import (
+    DecodeStats,
+    RoutingBatch,
+    decode_naive,
+    decode_streaming,
+    encode_routing,
+    routing_dtype,
+)
 
 L, K = 3, 2
 

@@ -47,19 +47,24 @@ class RoutingRecorder:
         self._lead: list[tuple[int, ...] | None] = [None] * self.n_layers
         self._handles = []
         for ref in self._refs:
-            self._handles.append(ref.block.register_forward_pre_hook(self._block_hook(ref.moe_index)))
-            self._handles.append(ref.router.register_forward_hook(self._router_hook(ref.moe_index)))
+            self._handles.append(ref.block.register_forward_pre_hook(self._block_hook(ref)))
+            self._handles.append(ref.router.register_forward_hook(self._router_hook(ref)))
 
-    def _block_hook(self, i: int):
+    # A deepcopy of the model copies these hooks too; `module is ref...` keeps a copy from recording here.
+    def _block_hook(self, ref: RouterRef):
+        i = ref.moe_index
+
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-            if self._active:
+            if self._active and module is ref.block:
                 # the router sees tokens flattened; the block's input keeps the forward's [batch, seq] shape
                 self._lead[i] = tuple(args[0].shape[:-1])
         return hook
 
-    def _router_hook(self, i: int):
+    def _router_hook(self, ref: RouterRef):
+        i = ref.moe_index
+
         def hook(module: nn.Module, args: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-            if not self._active:
+            if not self._active or module is not ref.router:
                 return
             if self._ids[i] is not None:
                 raise RuntimeError(f"RoutingRecorder: MoE layer {i} ran a second forward before pop(); "

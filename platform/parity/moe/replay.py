@@ -32,6 +32,7 @@ from parity.moe.decode import decode_streaming
 from parity.moe.routers import RouterRef, find_moe_routers, router_device
 
 _ATTR = "_parity_routing_replay"
+_SLOT = "_parity_replay_slot"
 DISAGREEMENT = "r3/routing_disagreement"
 DISAGREEMENT_REPLAYED = "r3/routing_disagreement_replayed"
 
@@ -53,8 +54,12 @@ class RoutingReplay:
         self.top_k = int(self._refs[0].router.top_k)
         self.num_experts = int(self._refs[0].router.num_experts)
         self._state: _ReplayState | None = None
+        for ref in self._refs:
+            # the hook finds its replay through the router, not a closure, so a deepcopy of the model
+            # (e.g. a reference policy) carries a working, independent replay of its own
+            object.__setattr__(ref.router, _SLOT, (self, ref.moe_index, ref.name))
         # prepend: replay rewrites the router output before any other hook (e.g. a RoutingRecorder) sees it
-        self._handles = [ref.router.register_forward_hook(self._hook(ref), prepend=True) for ref in self._refs]
+        self._handles = [ref.router.register_forward_hook(_replay_hook, prepend=True) for ref in self._refs]
 
     @property
     def active(self) -> bool:
@@ -92,6 +97,8 @@ class RoutingReplay:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for ref in self._refs:
+            ref.router.__dict__.pop(_SLOT, None)
         if getattr(self._model, _ATTR, None) is self:
             delattr(self._model, _ATTR)
 
@@ -101,27 +108,26 @@ class RoutingReplay:
     def __exit__(self, *exc: object) -> None:
         self.remove()
 
-    def _hook(self, ref: RouterRef):
-        layer = ref.moe_index
-
-        def hook(module: nn.Module, args: tuple[Any, ...], output: tuple[torch.Tensor, ...]):
-            st = self._state
-            if st is None:
-                return None
-            logits, _, live_idx = output
-            n = int(logits.shape[0])
-            if n != st.ids.shape[0]:
-                raise ValueError(f"replay routing covers {st.shape[0]}x{st.shape[1]} = {st.ids.shape[0]} tokens, "
-                                 f"but router {ref.name} sees {n} tokens in this forward")
-            forced = st.ids[:, layer].to(torch.long)
-            idx = torch.where(st.mask[:, None], forced, live_idx)
-            # the router's own rule (fp32 softmax, gather, renormalise) evaluated at the chosen ids
-            weights = F.softmax(logits, dim=-1, dtype=torch.float).gather(-1, idx)
-            if module.norm_topk_prob:
-                weights = weights / weights.sum(dim=-1, keepdim=True)
-            return logits, weights.to(logits.dtype), idx
-
-        return hook
+def _replay_hook(module: nn.Module, args: tuple[Any, ...], output: tuple[torch.Tensor, ...]):
+    replay, layer, name = module.__dict__[_SLOT]
+    st = replay._state
+    if st is None:
+        return None
+    logits, live_weights, live_idx = output
+    n = int(logits.shape[0])
+    if n != st.ids.shape[0]:
+        raise ValueError(f"replay routing covers {st.shape[0]}x{st.shape[1]} = {st.ids.shape[0]} tokens, "
+                         f"but router {name} sees {n} tokens in this forward")
+    forced = st.ids[:, layer].to(torch.long)
+    # the router's own rule (softmax in at least fp32, gather, renormalise) at the forced ids
+    weights = F.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
+    weights = weights.gather(-1, forced)
+    if module.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    keep = st.mask[:, None]
+    # unmarked tokens keep the router's own output untouched (bit for bit)
+    return (logits, torch.where(keep, weights.to(live_weights.dtype), live_weights),
+            torch.where(keep, forced, live_idx))
 
 
 def _check_ids(ids: torch.Tensor, mask: torch.Tensor, num_experts: int) -> None:
