@@ -1,0 +1,158 @@
+"""quantize_model_ on tiny HF Qwen3 / Qwen3-MoE models and load_weights_ (weight sync)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from parity.precision.apply import QuantExperts, kv_codec_for_model, load_weights_, quantize_model_
+from parity.precision.formats import fake_quantize
+from parity.precision.linear import QuantLinear
+from torch import nn
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
+
+COMMON = dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, max_position_embeddings=64)
+
+
+def _dense(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(Qwen3Config(intermediate_size=128, **COMMON)).eval()
+
+
+def _moe(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(intermediate_size=128, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                         **COMMON)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(0))
+
+
+def test_dense_replacement_leaves_embeddings_head_norms() -> None:
+    m = _dense()
+    info = quantize_model_(m, {"weights": "int8", "activations": "int8", "kv_cache": "int4_per_token_head"})
+    assert info["quantized_linear"] == 2 * 7 and info["paths"] == {"int8_mm_cpu": 14}
+    assert info["kv"]["kind"] == "int4_per_token_head"
+    quant = {n for n, mod in m.named_modules() if isinstance(mod, QuantLinear)}
+    assert "model.layers.1.mlp.down_proj" in quant and "model.layers.0.self_attn.k_proj" in quant
+    assert type(m.lm_head) is nn.Linear and type(m.model.embed_tokens) is nn.Embedding
+    assert m.model.layers[0].input_layernorm.weight.dtype == torch.float32
+    assert not any(isinstance(mod, nn.Linear) and ".layers." in n for n, mod in m.named_modules())
+
+
+def test_dense_logits_match_float64_fake_quant_reference() -> None:
+    """Reference: the same model in float64 where each decoder Linear computes
+    F.linear(fq(x), fq(W)) with fq = per-token / per-channel INT8 quantize-dequantize."""
+    base = _dense()
+    q = copy.deepcopy(base)
+    quantize_model_(q, {"weights": "int8", "activations": "int8"})
+    ref = copy.deepcopy(base).double()
+    for name, mod in ref.named_modules():
+        if isinstance(mod, nn.Linear) and ".layers." in name:
+            wq = fake_quantize(mod.weight.detach(), "int8")
+            mod.forward = (lambda w: lambda x: F.linear(fake_quantize(x, "int8"), w))(wq)
+    ids = _ids()
+    got = q(ids).logits.double()
+    want = ref(ids).logits
+    bf16 = base(ids).logits.double()
+    err = (got - want).abs().max()
+    assert err < 2e-4, err
+    assert (bf16 - want).abs().max() > 20 * err  # quantization is visible, the reference explains it
+
+
+def test_moe_experts_quantized_router_kept() -> None:
+    m = _moe()
+    info = quantize_model_(m, {"weights": "int8", "activations": "int8"})
+    assert info["quantized_experts"] == 2 and info["quantized_linear"] == 2 * 4
+    mlp = m.model.layers[0].mlp
+    assert isinstance(mlp.experts, QuantExperts) and type(mlp.gate).__name__ == "Qwen3MoeTopKRouter"
+    assert mlp.gate.weight.dtype == torch.float32
+    assert m(_ids()).logits.isfinite().all()
+
+
+def test_moe_weight_only_equals_dequantized_reference() -> None:
+    base = _moe()
+    q = copy.deepcopy(base)
+    quantize_model_(q, {"weights": "int8", "activations": "bf16"})
+    ref = copy.deepcopy(base)
+    with torch.no_grad():
+        for lq, lr in zip(q.model.layers, ref.model.layers):
+            lr.mlp.experts.gate_up_proj.copy_(lq.mlp.experts.dequantized("gate_up_proj"))
+            lr.mlp.experts.down_proj.copy_(lq.mlp.experts.dequantized("down_proj"))
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                getattr(lr.self_attn, name).weight.copy_(getattr(lq.self_attn, name).dequantized_weight())
+    ids = _ids()
+    torch.testing.assert_close(q(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("build", [_dense, _moe])
+def test_load_weights_equals_quantizing_the_new_weights(build) -> None:  # noqa: ANN001
+    engine = build(seed=0)
+    quantize_model_(engine, {"weights": "int8", "activations": "int8"})
+    trainer = build(seed=1)  # "after an optimizer step": different weights, same names
+    load_weights_(engine, ((n, p.detach().to(torch.bfloat16)) for n, p in trainer.named_parameters()))
+    expected = copy.deepcopy(trainer)
+    with torch.no_grad():  # the parameters only: `.to(bfloat16)` would also round the RoPE buffers
+        for prm in expected.parameters():
+            prm.copy_(prm.to(torch.bfloat16))
+    quantize_model_(expected, {"weights": "int8", "activations": "int8"})
+    got, want = engine.state_dict(), expected.state_dict()
+    assert got.keys() == want.keys()
+    for k in got:
+        assert torch.equal(got[k].float(), want[k].float()), k
+    ids = _ids()
+    assert torch.equal(engine(ids).logits, expected(ids).logits)
+
+
+def test_load_weights_checkpoint_expert_names() -> None:
+    """Per-expert names as save_pretrained writes them land in the fused quantized tensors."""
+    engine = _moe(seed=0)
+    quantize_model_(engine, {"weights": "fp8", "activations": "fp8"})
+    trainer = _moe(seed=1)
+    expected = copy.deepcopy(trainer)
+    quantize_model_(expected, {"weights": "fp8", "activations": "fp8"})
+    i = 32
+
+    def checkpoint_names():
+        for n, p in trainer.named_parameters():
+            if n.endswith("experts.gate_up_proj"):
+                stem = n[: -len("gate_up_proj")]
+                for e in range(p.shape[0]):
+                    yield f"{stem}{e}.gate_proj.weight", p[e, :i].detach()
+                    yield f"{stem}{e}.up_proj.weight", p[e, i:].detach()
+            elif n.endswith("experts.down_proj"):
+                stem = n[: -len("down_proj")]
+                for e in range(p.shape[0]):
+                    yield f"{stem}{e}.down_proj.weight", p[e].detach()
+            else:
+                yield n, p.detach()
+
+    load_weights_(engine, checkpoint_names())
+    for k, v in expected.state_dict().items():
+        assert torch.equal(engine.state_dict()[k].float(), v.float()), k
+
+
+def test_load_weights_bad_names_and_shapes() -> None:
+    m = _dense()
+    quantize_model_(m, {"weights": "int8", "activations": "int8"})
+    with pytest.raises(KeyError, match="model.layers.0.self_attn.qq_proj.weight"):
+        load_weights_(m, [("model.layers.0.self_attn.qq_proj.weight", torch.zeros(3))])
+    with pytest.raises(ValueError, match=r"shape \(64, 63\)"):
+        load_weights_(m, [("model.layers.0.self_attn.q_proj.weight", torch.zeros(64, 63))])
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        load_weights_(m, [("model.norm.weight", torch.zeros(3))])
+
+
+def test_int4_kv_with_odd_head_dim_model() -> None:
+    # transformers refuses an odd head_dim for Qwen3 (RoPE), so a model-like module carries the config
+    m = nn.Module()
+    m.config = Qwen3Config(intermediate_size=32, **COMMON)
+    m.config.head_dim = 15
+    with pytest.raises(ValueError, match=r"kv_cache='int4_per_token_head' for model with head_dim=15"):
+        quantize_model_(m, {"weights": "int8", "activations": "int8", "kv_cache": "int4_per_token_head"})
+    assert kv_codec_for_model(m, {"kv_cache": "int8"}).kind == "int8"
