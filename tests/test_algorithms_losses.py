@@ -129,3 +129,17 @@ def test_objective_is_micro_batch_invariant(name: str) -> None:
     assert a.keys() == b.keys() and "mismatch/k3_kl" in a
     for k in a:
         assert b[k] == pytest.approx(a[k], rel=1e-9, abs=1e-12), k
+
+
+def test_micro_batch_without_response_tokens() -> None:
+    batch, hidden, weight, old = make_problem(3)
+    empty = batch.select([0, 1])
+    empty.response_mask[:] = False
+    w = weight.float().requires_grad_(True)
+    h = hidden[:2].float().requires_grad_(True)
+    m = StepMetrics()
+    loss = rl_objective(h, w, empty, torch.ones(2), None, T, build_corrections(None), AlgorithmConfig(),
+                        loss_denominators(batch.response_mask), m)
+    loss.backward()
+    assert loss.item() == 0.0 and not w.grad.any() and not h.grad.any()
+    assert "mismatch/k3_kl" not in m.compute()

@@ -33,9 +33,12 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         for s in range(0, n, chunk_size):
             e = min(s + chunk_size, n)
             logits = _chunk_logits(hidden[s:e], weight, temperature)
-            lse_c = torch.logsumexp(logits, dim=-1)
-            out[s:e] = logits.gather(1, ids[s:e]) - lse_c[:, None]
-            lse[s:e] = lse_c
+            picked = logits.gather(1, ids[s:e])
+            # log-sum-exp in place: no second [chunk x V] temporary
+            top = logits.amax(dim=-1, keepdim=True)
+            lse_c = logits.sub_(top).exp_().sum(dim=-1, keepdim=True).log_().add_(top)
+            out[s:e] = picked - lse_c
+            lse[s:e] = lse_c[:, 0]
             del logits
         ctx.save_for_backward(hidden, weight, ids, lse)
         ctx.temperature = temperature
@@ -51,23 +54,28 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if need_h else None
         # summing chunk partials in bf16 would lose the low bits, so accumulate in fp32 (or wider)
         acc_dtype = weight.dtype if weight.dtype in (torch.float32, torch.float64) else torch.float32
-        grad_w = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_w else None
+        grad_w: torch.Tensor | None = None
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
-            g = grad_out[s:e].float()
-            # d/dz of sum_m g_m (z[id_m] - lse) = onehot-scatter(g) - softmax * sum_m g_m, then / T
+            g = grad_out[s:e].float() / ctx.temperature  # the 1/T of z / T, folded into the [chunk x M] side
+            # d/dz of sum_m g_m (z[id_m] - lse) = onehot-scatter(g) - softmax(z) * sum_m g_m
             dlogits = _chunk_logits(hidden[s:e], weight, ctx.temperature)
             dlogits.sub_(lse[s:e, None]).exp_().mul_(-g.sum(dim=-1, keepdim=True))
             dlogits.scatter_add_(1, ids[s:e], g)
-            if ctx.temperature != 1.0:
-                dlogits.div_(ctx.temperature)
             dl = dlogits.to(weight.dtype)
             del dlogits
             if grad_h is not None:
                 grad_h[s:e] = (dl @ weight).to(hidden.dtype)
-            if grad_w is not None:
-                part = dl.T @ hidden[s:e].to(weight.dtype)
-                grad_w.add_(part if part.dtype == acc_dtype else part.to(acc_dtype))
+            if need_w:
+                h = hidden[s:e].to(weight.dtype)
+                if grad_w is None:
+                    grad_w = (dl.T @ h).to(acc_dtype)
+                elif acc_dtype == weight.dtype:
+                    grad_w.addmm_(dl.T, h)
+                else:
+                    grad_w.add_((dl.T @ h).to(acc_dtype))
+        if need_w and grad_w is None:  # no rows: a zero gradient, not a missing one
+            grad_w = torch.zeros_like(weight)
         if grad_w is not None and grad_w.dtype != weight.dtype:
             grad_w = grad_w.to(weight.dtype)
         return grad_h, grad_w, None, None, None
