@@ -230,16 +230,29 @@ class TrainerConfig:
 
 @dataclass
 class EvalConfig:
+    """`evaluate` (parity.evaluation). Sampling keys are defaults that `benchmarks.<name>` overrides per
+    benchmark (temperature, top_p, max_new_tokens, k, prompt_template, limit, and the hub_* keys)."""
+
     suite: list[str] = field(default_factory=lambda: ["arithmetic"])
-    temperature: float = 0.0
+    source: str = "local"  # local (data.datasets_dir) | hub (public HF datasets, needs `datasets` + network)
+    prompt_template: str | None = None  # None = data.prompt_template
+    chat_template: bool = False  # wrap the prompt with the tokenizer's chat template (instruct models)
+    temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     max_new_tokens: int = 16
-    k: int = 1
+    k: int = 1  # samples per problem: avg@k, pass@k, maj@k
+    seed: int = 0
+    batch_size: int = 256  # response rows per engine call
+    max_model_len: int | None = None  # None = the model's own limit; longer prompts are left-truncated
     grade_timeout_s: float = 5.0
     grade_workers: int = 2
     limit: int | None = None  # problems per benchmark (None = all)
     bootstrap: int = 1000
+    ci_level: float = 0.95
     benchmarks: dict[str, Any] = field(default_factory=dict)  # per-benchmark overrides
+    model_path: str | None = None  # checkpoint folder to evaluate; else run_name's latest checkpoint; else prepare's
+    run_name: str | None = None  # a training run (outputs/runs/<run_name>) whose latest checkpoint is evaluated
+    out_dir: str | None = None  # None = ${outputs_dir}/eval/<run or model>-<timestamp>
 
 
 @dataclass

@@ -66,9 +66,10 @@ def _parse_boxed(content: str) -> list:
 
 
 @lru_cache(maxsize=8192)
-def _parse_gold(answer: str) -> tuple:
-    # Cached: in RL the same reference is graded G times per step; parsed sympy objects are immutable.
-    return tuple(_parse_boxed(answer))
+def _parse_cached(content: str) -> tuple:
+    # Cached: in RL a reference is graded G times per step and samples often agree on their answer;
+    # parsed sympy objects are immutable, so sharing them is safe.
+    return tuple(_parse_boxed(content))
 
 
 def _grade_unprotected(response: str, answer: str, max_answer_chars: int) -> GradeResult:
@@ -79,10 +80,10 @@ def _grade_unprotected(response: str, answer: str, max_answer_chars: int) -> Gra
         return GradeResult(0.0, extracted, TOO_LONG)
     if answer is None or not str(answer).strip():
         return GradeResult(0.0, extracted, BAD_GOLD)
-    gold = _parse_gold(str(answer))
+    gold = _parse_cached(str(answer))
     if not gold:
         return GradeResult(0.0, extracted, BAD_GOLD)
-    pred = _parse_boxed(extracted)
+    pred = list(_parse_cached(extracted))
     if not pred:
         return GradeResult(0.0, extracted, UNPARSABLE)
     ok = _mv().verify(list(gold), pred, timeout_seconds=None)  # type: ignore[arg-type]
@@ -140,5 +141,5 @@ def serve(conn: Any, timeout_s: float, max_answer_chars: int) -> None:
 def warm_up() -> None:
     """Import math-verify and fill its lazily built regexes/caches, so forked workers start warm."""
     _quiet_math_verify()
-    gold = _parse_gold("\\frac{1}{2}")
+    gold = _parse_cached("\\frac{1}{2}")
     _mv().verify(list(gold), _parse_boxed("0.5"), timeout_seconds=None)  # type: ignore[arg-type]
