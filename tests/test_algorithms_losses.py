@@ -38,14 +38,14 @@ def make_problem(seed: int = 0):
     # old log-probs 0.3 nats off either way, so some ratios leave [0.8, 1.2] on both sides
     cur = torch.log_softmax(hidden @ weight.T / T, -1).gather(-1, responses[..., None])[..., 0]
     old = (cur + 0.3 * torch.randn(B, R, generator=g, dtype=torch.float64)).float()
-    return batch, hidden, weight, old
+    return batch, hidden, weight, torch.where(mask, old, torch.nan)  # NaN padding: must not reach any gradient
 
 
 def reference_loss(hidden, weight, batch, adv, old, policy, mode, clip=(0.2, 0.2)):
     lp = torch.log_softmax(hidden @ weight.T / T, -1).gather(-1, batch.responses[..., None])[..., 0]
     a = adv.double()[:, None]
     if policy == "ppo_clip":
-        ratio = torch.exp(lp - old.double())
+        ratio = torch.exp(lp - old.double().nan_to_num(0.0))
         per = torch.maximum(-a * ratio, -a * ratio.clamp(1 - clip[0], 1 + clip[1]))
     else:
         per = -a * lp

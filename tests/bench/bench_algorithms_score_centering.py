@@ -172,18 +172,22 @@ def main() -> None:
     n_tok = denom.num_tokens
     print(f"device={dev} dtype={args.dtype} vocab={args.vocab} hidden={args.hidden} tokens={n_tok} "
           f"top-K={args.topk} chunk={args.chunk} reps={args.reps} threads={torch.get_num_threads()}")
-    base_t, base_m = statistics.median(times["grpo"]), peaks["grpo"]
-    print(f"{'mode':>16} {'median s':>9} {'time x':>7} {'transient MiB':>14} {'mem x':>6} {'total MiB':>10} {'total x':>8}")
+    # foreign load only ever adds time: the minimum is the cleanest estimate, the median of ratios of
+    # adjacent runs the most robust one when load drifts
+    base_min, base_m = min(times["grpo"]), peaks["grpo"]
+    print(f"{'mode':>16} {'min s':>7} {'median s':>9} {'time x(min)':>11} {'time x(pairs)':>13} "
+          f"{'transient MiB':>14} {'mem x':>6} {'total MiB':>10} {'total x':>8}")
+    paired = {m: statistics.median(a / b for a, b in zip(times[m], times["grpo"])) for m in modes}
     for m in modes:
-        t = statistics.median(times[m])
-        print(f"{m:>16} {t:9.3f} {t / base_t:7.3f} {peaks[m] / 2**20:14.1f} {peaks[m] / base_m:6.3f} "
+        print(f"{m:>16} {min(times[m]):7.3f} {statistics.median(times[m]):9.3f} {min(times[m]) / base_min:11.3f} "
+              f"{paired[m]:13.3f} {peaks[m] / 2**20:14.1f} {peaks[m] / base_m:6.3f} "
               f"{(resting + peaks[m]) / 2**20:10.1f} {(resting + peaks[m]) / (resting + base_m):8.3f}")
-    sc_t = statistics.median(times["score_centering"]) / base_t
+    sc_t = min(times["score_centering"]) / base_min
     sc_m = (resting + peaks["score_centering"]) / (resting + base_m)
-    print(json.dumps({"sc_time_ratio": round(sc_t, 4), "sc_total_mem_ratio": round(sc_m, 4),
+    print(json.dumps({"sc_time_ratio_min": round(sc_t, 4), "sc_time_ratio_pairs": round(paired["score_centering"], 4),
+                      "sc_total_mem_ratio": round(sc_m, 4),
                       "sc_transient_mem_ratio": round(peaks["score_centering"] / base_m, 4),
-                      "goal_time": sc_t <= 1.15, "goal_mem": sc_m <= 1.10}))
-
+                      "goal_time": max(sc_t, paired["score_centering"]) <= 1.15, "goal_mem": sc_m <= 1.10}))
 
 if __name__ == "__main__":
     main()

@@ -67,12 +67,15 @@ def rl_objective(hidden: torch.Tensor, lm_head_weight: torch.Tensor, batch: Roll
     if with_head:
         corrections.check_batch(batch)
     mask = batch.response_mask.bool()
-    chunk = int(getattr(alg_cfg, "logprob_chunk_size", 1024) or 1024)
+    chunk = int(getattr(alg_cfg, "logprob_chunk_size", 1024))
+    if chunk < 1:
+        raise ValueError(f"algorithm.logprob_chunk_size must be >= 1, got {chunk}")
 
     ids, head_lq, head_valid = _gather_ids(batch, mask, corrections.top_k, with_head)
     flat = chunked_token_logprobs(hidden[mask], lm_head_weight, ids, temperature, chunk)
     logprobs = _scatter(flat[:, 0], mask)
-    train_lp = (old_logprobs.float() if old_logprobs is not None else logprobs).detach()
+    # padding of old log-probs may hold garbage: keep it out of ratios (a NaN there would poison backward)
+    train_lp = logprobs.detach() if old_logprobs is None else torch.where(mask, old_logprobs.float(), 0.0)
     ctx = CorrectionContext(mask=mask, logprobs=logprobs, train_logprobs=train_lp,
                             rollout_logprobs=batch.rollout_logprobs.float(),
                             head_logprobs=flat[:, 1:] if with_head else None,
@@ -92,8 +95,7 @@ def rl_objective(hidden: torch.Tensor, lm_head_weight: torch.Tensor, batch: Roll
         if k is not None:
             keep = keep & k
 
-    anchor = old_logprobs.float().detach() if old_logprobs is not None else logprobs.detach()
-    per_token, pg_metrics = policy_loss(logprobs, anchor, adv, weights, alg_cfg)
+    per_token, pg_metrics = policy_loss(logprobs, train_lp, adv, weights, alg_cfg)
     for c in corrections:
         extra = c.extra_loss(ctx, adv, corrections.is_weight)
         if extra is not None:
