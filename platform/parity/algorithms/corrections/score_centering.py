@@ -12,7 +12,11 @@ of q is modelled as rho * p with rho = max(1 - Q_H, floor) / max(1 - P_H, floor)
 alpha = rho * w(1 / rho) (alpha = rho without IS). Since sum_v p_v grad log p_v = 0, the tail's
 contribution collapses onto the head as -alpha p_v, which is why only K log-probs are needed. With
 K = V the gradient is the exact centred score; on-policy (q = p) the term is exactly 0.
-Used with the REINFORCE loss: -A (w_y log p_y - sum_H sg(c_v) log p_v)."""
+Used with the REINFORCE loss: -A (w_y log p_y - sum_H sg(c_v) log p_v), w_y the stack's IS weight.
+
+H may be any set of ids whose q is exact (an engine that appends the sampled token as a K+1-th column
+is fine); entries with a -inf log-prob are padding and ignored; an id listed twice would be counted
+twice. q must be the distribution sampled from (top_p = 1)."""
 
 from __future__ import annotations
 
