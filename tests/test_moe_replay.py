@@ -39,6 +39,12 @@ def tiny_moe(layers: int = 2, mlp_only: list[int] | None = None, seed: int = 0) 
     return model.eval()
 
 
+def _moe_with_experts(n: int) -> torch.nn.Module:
+    cfg = Qwen3MoeConfig(num_hidden_layers=2, num_experts=n, num_experts_per_tok=TOPK, moe_intermediate_size=32,
+                         **COMMON)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
 def random_routing(b: int, t: int, n_layers: int, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     perm = torch.rand(b, t, n_layers, E, generator=g).argsort(-1)
@@ -177,12 +183,19 @@ def test_replayed_block_matches_float64_reference_and_gradcheck() -> None:
         got = block(x)
     assert torch.allclose(got, _reference_block(block, x, forced[:, :, 0], mask), atol=1e-12, rtol=0)
 
-    def block_of_router_weight(w: torch.Tensor) -> torch.Tensor:
-        return torch.func.functional_call(block, {"gate.weight": w}, (x,))
+    # router weight W0 + z_e * D_e on each expert row e: 8 inputs keep the full (not fast-mode) check cheap
+    w0 = block.gate.weight.detach().clone()
+    d = torch.randn(w0.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
 
-    w = block.gate.weight.detach().clone().requires_grad_(True)
+    def block_of_router_weight(z: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(block, {"gate.weight": w0 + z[:, None] * d}, (x,))
+
+    z = torch.zeros(E, dtype=torch.float64, requires_grad=True)
     with replayed_routing(model, forced):  # all tokens replayed: the whole path is float64
-        assert torch.autograd.gradcheck(block_of_router_weight, (w,), eps=1e-6, atol=1e-8, fast_mode=True)
+        y = block_of_router_weight(z)
+        (grad,) = torch.autograd.grad(y.square().sum(), z)
+        assert bool((grad != 0).all())  # every expert's router row gets a gradient
+        assert torch.autograd.gradcheck(block_of_router_weight, (z,), eps=1e-6, atol=1e-9)
 
 
 def test_router_receives_gradients_under_replay_also_with_checkpointing() -> None:
@@ -291,5 +304,9 @@ def test_rollout_replay_inputs_errors() -> None:
         rollout_replay_inputs(routing, mask[:1], prompt_len=4)
     with pytest.raises(ValueError, match="not right-padded"):
         rollout_replay_inputs(routing, torch.tensor([[True, True, True], [False, True, False]]), prompt_len=4)
+    with pytest.raises(ValueError, match="routed_experts has num_experts=8, the training model has 16"):
+        rollout_replay_inputs(routing, mask, prompt_len=4, model=_moe_with_experts(16))
+    with pytest.raises(ValueError, match=r"routed_experts has n_layers \(MoE layers\)=2, the training model has 3"):
+        rollout_replay_inputs(routing, mask, prompt_len=4, model=tiny_moe(layers=3))
     with pytest.raises(ValueError, match="prompt_len must be >= 1"):
         rollout_replay_inputs(routing, torch.tensor([[True, True, True], [True, False, False]]), prompt_len=0)

@@ -7,6 +7,7 @@ from parity.moe.replay import (
     DISAGREEMENT,
     DISAGREEMENT_REPLAYED,
     RoutingReplay,
+    check_routing_matches_model,
     enable_routing_replay,
     replayed_routing,
     rollout_replay_inputs,
@@ -18,7 +19,7 @@ from parity.moe.routers import RouterRef, find_moe_routers
 
 __all__ = [
     "DISAGREEMENT", "DISAGREEMENT_REPLAYED", "DecodeStats", "RouterRef", "RoutingBatch", "RoutingRecorder",
-    "RoutingReplay", "decode_naive", "decode_routing", "decode_streaming", "enable_routing_replay",
+    "RoutingReplay", "check_routing_matches_model", "decode_naive", "decode_routing", "decode_streaming", "enable_routing_replay",
     "encode_routing", "find_moe_routers", "replayed_routing", "rollout_replay_inputs", "routing_disagreement",
     "routing_disagreement_metrics", "routing_dtype", "routing_torch_dtype", "set_replay_routing",
 ]

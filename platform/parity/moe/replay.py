@@ -174,13 +174,27 @@ def replayed_routing(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor | N
         replay._state = saved
 
 
+def check_routing_matches_model(routing: RoutingBatch, model: nn.Module) -> None:
+    """Clear error when a batch's routing was recorded on a model of another MoE shape."""
+    refs = find_moe_routers(model)
+    have = (len(refs), int(refs[0].router.top_k), int(refs[0].router.num_experts))
+    got = (routing.n_layers, routing.top_k, routing.num_experts)
+    for name, g, h in zip(("n_layers (MoE layers)", "top_k", "num_experts"), got, have):
+        if g != h:
+            raise ValueError(f"routed_experts has {name}={g}, the training model has {h}")
+
+
 def rollout_replay_inputs(routing: RoutingBatch, response_mask: torch.Tensor, prompt_len: int,
-                          device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          device: torch.device | str | None = None,
+                          model: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Place a batch's per-response routing on the training sequence cat(prompts, responses) [B, P + R].
 
     Response token j's routing goes to position P - 1 + j (the position whose logits give its log-prob,
     parity.moe.codec); returns ids [B, P + R, n_layers, top_k] (compact dtype, 0 where unmarked) and the
-    mask [B, P + R]. Each response's routing length must equal its number of sampled tokens."""
+    mask [B, P + R]. Each response's routing length must equal its number of sampled tokens; with
+    `model`, the routing's layer count, top-k and expert count must equal the model's."""
+    if model is not None:
+        check_routing_matches_model(routing, model)
     if response_mask.ndim != 2:
         raise ValueError(f"response_mask must be [B, R], got shape {tuple(response_mask.shape)}")
     b, r = (int(x) for x in response_mask.shape)
