@@ -112,7 +112,14 @@ def test_dense_model_and_layer_count_errors() -> None:
         set_replay_routing(model, bad)
     mask = torch.ones(2, 4, dtype=torch.bool)
     mask[1, 2] = False  # the same bad id on an unmarked token is ignored
+    bad[0, 3] = -1  # as is padding from a decode with pad_value=-1
+    mask[0, 3] = False
     set_replay_routing(model, bad, mask)
+    with RoutingRecorder(model) as rec:
+        rec.start()
+        model(torch.randint(0, V, (2, 4)))
+        used = rec.pop()
+    assert torch.equal(used[mask].long(), bad[mask])
     dup = random_routing(2, 4, 2)
     dup[0, 0, 1, 1] = dup[0, 0, 1, 0]
     with pytest.raises(ValueError, match="same expert twice"):

@@ -89,8 +89,11 @@ class RoutingReplay:
             raise TypeError(f"replay routing ids must be integers, got {ids.dtype}")
         _check_ids(ids, mask, self.num_experts)
         device = router_device(self._refs)
-        compact = ids.to(device=device, dtype=routing_torch_dtype(self.num_experts))
-        self._state = _ReplayState(compact.reshape(b * t, n_layers, top_k), mask.to(device).reshape(b * t), (b, t))
+        mask = mask.to(device)
+        # unmarked positions may hold padding (e.g. -1): zero them so the hook's gather stays in range
+        ids = torch.where(mask[:, :, None, None], ids.to(device), 0)
+        compact = ids.to(dtype=routing_torch_dtype(self.num_experts))
+        self._state = _ReplayState(compact.reshape(b * t, n_layers, top_k), mask.reshape(b * t), (b, t))
 
     def remove(self) -> None:
         self._state = None
@@ -107,6 +110,7 @@ class RoutingReplay:
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
+
 
 def _replay_hook(module: nn.Module, args: tuple[Any, ...], output: tuple[torch.Tensor, ...]):
     replay, layer, name = module.__dict__[_SLOT]
