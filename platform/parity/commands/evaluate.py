@@ -1,0 +1,90 @@
+"""`python -m parity evaluate [overrides]`: evaluate a model on a benchmark suite.
+
+The model is, in order: `eval.model_path` (a checkpoint folder, or a run folder whose latest valid
+checkpoint is taken), `eval.run_name` (the latest valid checkpoint of outputs/runs/<run_name>), or the
+run's prepared starting model (`prepare`). The engine is the configured rollout engine at the configured
+rollout precision, so "train in BF16, deploy in FP8" is the same command with
+`rollout.precision.weights=fp8 rollout.precision.activations=fp8`.
+
+Presets: `+eval=dcmdp` (the DCMDP paper's protocol), `+eval=quick` (a smoke run on the tiny model).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from parity.errors import ParityError
+
+
+def _checkpoint_of_run(run_dir: Path, key: str) -> Path:
+    from parity.training.checkpoint import CheckpointManager
+
+    if not run_dir.is_dir():
+        raise ParityError(f"config key `{key}`: no training run at {run_dir}")
+    latest = CheckpointManager(run_dir).latest_valid()
+    if latest is None:
+        raise ParityError(f"config key `{key}`: run {run_dir} has no valid checkpoint under {run_dir / 'checkpoints'}")
+    return latest
+
+
+def resolve_eval_model(cfg: Any) -> tuple[Path | str, str]:
+    """(model folder or hub id, how it was chosen)."""
+    e = cfg.eval
+    if e.model_path:
+        p = Path(str(e.model_path)).expanduser()
+        if (p / "config.json").is_file():
+            return p, "eval.model_path"
+        if (p / "checkpoints").is_dir():
+            return _checkpoint_of_run(p, "eval.model_path"), "eval.model_path (latest checkpoint)"
+        raise ParityError(f"config key `eval.model_path`: {p} is neither a checkpoint (config.json) nor a run "
+                          "folder (checkpoints/)")
+    if e.run_name:
+        name = str(e.run_name)
+        if name in (".", "..") or any(c in name for c in "/\\\0") or name.startswith("."):
+            raise ParityError(f"config key `eval.run_name`: {name!r} is not a valid run name")
+        return _checkpoint_of_run(Path(cfg.outputs_dir) / "runs" / name, "eval.run_name"), "eval.run_name"
+    from parity.models.prepare import prepare_model
+
+    return Path(prepare_model(cfg)["model_dir"]), "prepared default"
+
+
+def _out_dir(cfg: Any, model: Path | str) -> Path:
+    if cfg.eval.out_dir:
+        return Path(str(cfg.eval.out_dir))
+    label = str(cfg.eval.run_name) if cfg.eval.run_name else Path(str(model)).name
+    return Path(cfg.outputs_dir) / "eval" / f"{label}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def run(cfg: DictConfig) -> dict:
+    from transformers import AutoTokenizer
+
+    from parity.evaluation.runner import evaluate
+    from parity.rollout import build_engine
+
+    model, chosen = resolve_eval_model(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    engine = build_engine(cfg, model)
+    eval_cfg = cfg.eval
+    if not eval_cfg.max_model_len and cfg.rollout.name == "vllm":
+        eval_cfg = cfg.eval.copy()
+        eval_cfg.max_model_len = int(cfg.rollout.max_model_len)  # the limit vLLM was built with
+    try:
+        summary = evaluate(engine, tokenizer, list(cfg.eval.suite), eval_cfg, _out_dir(cfg, model), data_cfg=cfg.data)
+    finally:
+        engine.close()
+    print(summary["table"], file=sys.stderr, flush=True)
+    return {
+        "command": "evaluate", "model": str(model), "model_from": chosen, "engine": summary["engine"],
+        "out_dir": summary["out_dir"], "samples": summary["samples_path"],
+        "macro": {m: round(v["value"], 4) for m, v in summary["macro"].items()},
+        "benchmarks": {n: {"k": r["k"], "problems": r["problems"],
+                           **{m: round(v["value"], 4) for m, v in r["metrics"].items()},
+                           "prompts_truncated": r["prompts_truncated"]}
+                       for n, r in summary["benchmarks"].items()},
+        "grading": summary["grading"], "seconds": summary["seconds"],
+    }
