@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import pkgutil
 import sys
 
-import parity.commands as commands_pkg
+# Before torch loads OpenMP: on shared machines busy-waiting threads make CPU work 10-30x slower.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import parity.commands as commands_pkg  # noqa: E402
 
 FLAG_COMMANDS = {"grade"}
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from parity.config.schema import ParityConfig
@@ -17,6 +16,8 @@ _REGISTERED = False
 def register_schema() -> None:
     global _REGISTERED
     if not _REGISTERED:
+        from hydra.core.config_store import ConfigStore  # lazy: the numerical core runs without hydra
+
         ConfigStore.instance().store(name="parity_schema", node=ParityConfig)
         _REGISTERED = True
 

@@ -47,7 +47,9 @@ class ModelConfig:
     arch: str = "qwen3"  # qwen3 | qwen3_moe (tiny only)
     path: str | None = None  # HF checkpoint folder or hub id (source=hf); prepared folder otherwise
     name: str = "tiny_qwen3"
-    dtype: str = "bfloat16"  # training/master dtype of the forward: bfloat16 | float32
+    # compute dtype of trainer forward and rollout engine: auto = bfloat16 on CUDA and on CPUs with native
+    # bf16 (AMX / AVX512-BF16), float32 elsewhere (bf16 is emulated ~7x slower on AVX2 CPUs)
+    dtype: str = "auto"
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
 
@@ -203,6 +205,8 @@ class AlgorithmConfig:
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
     logprob_chunk_size: int = 1024  # rows per chunk of the full-vocabulary log-softmax (parity.algorithms.logprobs)
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    # MoE routing replay (R3): training forwards use the experts the rollout used (needs rollout.capture_routing)
+    routing_replay: bool = False
 
 
 @dataclass

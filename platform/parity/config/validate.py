@@ -40,14 +40,15 @@ def validate_config(cfg: DictConfig) -> None:
     _check(a.policy_loss in ("ppo_clip", "reinforce"), "algorithm.policy_loss", f"unknown loss {a.policy_loss!r}")
     _check(cfg.model.source in ("tiny", "hf"), "model.source", f"must be tiny or hf, got {cfg.model.source!r}")
     _check(cfg.model.arch in ("qwen3", "qwen3_moe"), "model.arch", f"must be qwen3 or qwen3_moe, got {cfg.model.arch!r}")
-    _check(cfg.model.dtype in ("bfloat16", "float32"), "model.dtype", f"must be bfloat16 or float32, got {cfg.model.dtype!r}")
-    try:  # correction names, their parameters and conflicts are checked by the registry that owns them
-        from parity.algorithms.corrections import build_corrections
-    except ImportError:
-        return
+    _check(cfg.model.dtype in ("auto", "bfloat16", "float32"), "model.dtype",
+           f"must be auto, bfloat16 or float32, got {cfg.model.dtype!r}")
+    if a.routing_replay:
+        _check(cfg.model.arch == "qwen3_moe" or cfg.model.source == "hf", "algorithm.routing_replay",
+               "routing replay needs an MoE model (model.arch=qwen3_moe)")
+        _check(bool(r.capture_routing), "rollout.capture_routing", "must be true when algorithm.routing_replay is on")
+    from parity.algorithms.corrections import build_corrections  # the registry checks names, values, conflicts
+
     try:
         build_corrections(a.correction, policy_loss=a.policy_loss, topk_logprobs=r.topk_logprobs)
-    except TypeError:
-        build_corrections(a.correction)
     except ValueError as e:
         raise ConfigError(str(e)) from e

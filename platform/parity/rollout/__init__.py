@@ -1,0 +1,64 @@
+"""Rollout engines behind one interface (parity.rollout.base.Engine)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from parity.rollout.base import Engine, SamplingSpec
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _cpu_has_native_bf16() -> bool:
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def compute_dtype(cfg: Any, device: torch.device) -> torch.dtype:
+    """The dtype of trainer forwards and engine weights (model.dtype; auto picks bf16 where it is native)."""
+    name = cfg.model.dtype
+    if name == "auto":
+        name = "bfloat16" if device.type == "cuda" or _cpu_has_native_bf16() else "float32"
+    return torch.bfloat16 if name == "bfloat16" else torch.float32
+
+
+def rollout_precision(cfg: Any) -> Any:
+    """The rollout's precision: the seed block's `actor_rollout_ref.rollout` when it sets a quantization,
+    else `rollout.precision` (parity.precision.config resolves both)."""
+    try:
+        from parity.precision.config import resolve_precision
+    except ImportError:
+        return cfg.rollout.precision
+    return resolve_precision(cfg)
+
+
+def build_engine(cfg: Any, model_dir: str | Path, precision: Any = None) -> Engine:
+    precision = rollout_precision(cfg) if precision is None else precision
+    device = resolve_device(cfg.trainer.device)
+    if cfg.rollout.name == "torch":
+        from parity.rollout.torch_engine import TorchEngine
+        return TorchEngine(model_dir, precision=precision, device=str(device), dtype=compute_dtype(cfg, device),
+                           capture_routing=bool(cfg.rollout.capture_routing))
+    if cfg.rollout.name == "vllm":
+        from parity.rollout.vllm_engine import VllmEngine  # lazy: vLLM is optional for the numerical core
+        return VllmEngine(cfg, model_dir, precision=precision)
+    raise ValueError(f"config key `rollout.name`: unknown engine {cfg.rollout.name!r}; known: torch, vllm")
+
+
+def sampling_spec(cfg: Any, seed: int) -> SamplingSpec:
+    r = cfg.rollout
+    return SamplingSpec(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens, n=r.n,
+                        topk_logprobs=r.topk_logprobs, seed=seed)
+
+
+__all__ = ["Engine", "SamplingSpec", "build_engine", "sampling_spec", "resolve_device", "compute_dtype"]

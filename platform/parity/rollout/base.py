@@ -19,6 +19,8 @@ class SamplingSpec:
     n: int = 1  # responses per prompt; rows of one prompt are adjacent and share a group id
     topk_logprobs: int = 0  # 0 = off; else K top log-probs (after temperature) per response position
     seed: int | None = None
+    # left-pad prompts to at least this length: shards of one batch padded alike give bit-identical rows
+    pad_prompts_to: int = 0
 
 
 @runtime_checkable

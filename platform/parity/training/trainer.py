@@ -1,0 +1,163 @@
+"""The policy trainer: one RL update from a graded RolloutBatch.
+
+fp32 master weights, BF16 compute (autocast) when model.dtype=bfloat16. Per RL step: advantages from the
+batch's rewards; for each mini-batch the loss denominators are fixed once (so the gradient does not depend on
+the micro-batch split), micro-batches accumulate gradients, then clip and AdamW. A non-finite loss or gradient
+skips the optimizer step, is counted, and `max_bad_steps` in a row stop the run."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from parity.algorithms.advantages import compute_advantages
+from parity.algorithms.aggregation import loss_denominators
+from parity.algorithms.corrections import build_corrections
+from parity.algorithms.mismatch import StepMetrics
+from parity.algorithms.objective import rl_objective
+from parity.errors import ParityError
+from parity.rollout import compute_dtype
+from parity.types import RolloutBatch
+
+
+class NonFiniteError(ParityError):
+    pass
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+class Trainer:
+    def __init__(self, model: torch.nn.Module, cfg: Any, device: torch.device) -> None:
+        self.model, self.cfg, self.device = model.to(device), cfg, device
+        self.alg, self.tcfg = cfg.algorithm, cfg.trainer
+        self.compute_dtype = compute_dtype(cfg, device)
+        self.temperature = float(cfg.rollout.temperature)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.tcfg.lr, betas=tuple(self.tcfg.betas),
+                                           weight_decay=self.tcfg.weight_decay)
+        self.corrections = build_corrections(self.alg.correction)
+        self.bad_steps = 0  # consecutive non-finite steps
+        self.skipped_steps = 0
+        if self.tcfg.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.routing_replay = bool(cfg.algorithm.routing_replay)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    def response_hidden(self, mb: RolloutBatch) -> torch.Tensor:
+        """Final-norm hidden states at the positions that predict each response token: [b, R, H]."""
+        ids, am = mb.input_ids.to(self.device), mb.attention_mask.to(self.device)
+        P = mb.prompts.shape[1]
+        with self._autocast():
+            out = self.model.model(input_ids=ids, attention_mask=am, position_ids=position_ids(am))
+        return out.last_hidden_state[:, P - 1:-1]
+
+    @torch.no_grad()
+    def logprobs(self, mb: RolloutBatch) -> torch.Tensor:
+        from parity.algorithms.logprobs import chunked_token_logprobs
+        h = self.response_hidden(mb)
+        b, R, H = h.shape
+        lp = chunked_token_logprobs(h.reshape(b * R, H), self.model.lm_head.weight,
+                                    mb.responses.to(self.device).reshape(b * R, 1), self.temperature)
+        return lp.reshape(b, R).float() * mb.response_mask.to(self.device)
+
+    def _routing(self, mb: RolloutBatch, metrics: StepMetrics) -> contextlib.AbstractContextManager:
+        """MoE routing replay (R3): force the rollout's experts on the positions that predict response tokens."""
+        if mb.routed_experts is None:
+            return contextlib.nullcontext()
+        from parity.moe.replay import replayed_routing, routing_disagreement_metrics, rollout_replay_inputs
+        ids, mask = rollout_replay_inputs(mb.routed_experts, mb.response_mask, mb.prompts.shape[1],
+                                          device=self.device, model=self.model)
+        if not self._r3_metrics:  # telemetry on the step's first micro-batch: two extra no-grad forwards
+            am = mb.attention_mask.to(self.device)
+            with self._autocast():
+                self._r3_metrics = routing_disagreement_metrics(
+                    self.model, ids, mask, input_ids=mb.input_ids.to(self.device), attention_mask=am,
+                    position_ids=position_ids(am))
+        if not self.routing_replay:
+            return contextlib.nullcontext()
+        return replayed_routing(self.model, ids, mask)
+
+    def _micro_batches(self, idx: torch.Tensor) -> Iterator[torch.Tensor]:
+        yield from idx.split(self.tcfg.micro_batch_size)
+
+    def step(self, batch: RolloutBatch) -> dict[str, float]:
+        self.model.train()
+        adv = compute_advantages(self.alg.adv_estimator, batch.rewards.float(), batch.group_ids,
+                                 norm_by_std=self.alg.norm_adv_by_std)
+        metrics = StepMetrics()
+        self._r3_metrics: dict[str, float] = {}
+        B = batch.batch_size
+        order = torch.arange(B)
+        minis = order.chunk(self.tcfg.mini_batches)
+        need_old = self.tcfg.mini_batches > 1 or self.tcfg.ppo_epochs > 1
+        old = None
+        if need_old:  # log-probs of the policy that the whole step starts from (PPO's pi_old)
+            old = torch.cat([self.logprobs(batch.select(i)) for i in order.split(self.tcfg.micro_batch_size)])
+        grad_norms, losses, stepped = [], [], 0
+        for _ in range(self.tcfg.ppo_epochs):
+            for mini in minis:
+                denom = loss_denominators(batch.response_mask[mini])
+                self.optimizer.zero_grad(set_to_none=True)
+                total = 0.0
+                for micro in self._micro_batches(mini):
+                    mb = batch.select(micro).to(self.device)
+                    with self._routing(mb, metrics):
+                        hidden = self.response_hidden(mb)
+                        loss = rl_objective(hidden, self.model.lm_head.weight, mb, adv[micro].to(self.device),
+                                            None if old is None else old[micro], self.temperature, self.corrections,
+                                            self.alg, denom, metrics)
+                        loss.backward()  # inside the replay block: checkpointed recomputation replays too
+                    total += float(loss.detach())
+                gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.grad_clip)
+                if not (torch.isfinite(gn) and torch.isfinite(torch.tensor(total))):
+                    self.optimizer.zero_grad(set_to_none=True)
+                    self.skipped_steps += 1
+                    self.bad_steps += 1
+                    if self.bad_steps >= self.tcfg.max_bad_steps:
+                        raise NonFiniteError(f"{self.bad_steps} consecutive optimizer steps had a non-finite loss or "
+                                             f"gradient (loss={total}, grad_norm={float(gn)}); stopping the run")
+                    continue
+                self.bad_steps = 0
+                self.optimizer.step()
+                stepped += 1
+                grad_norms.append(float(gn))
+                losses.append(total)
+        out = metrics.compute()
+        out.update(self._r3_metrics)
+        out.update(self.corrections.end_step())
+        r = batch.rewards.float()
+        out.update({
+            "train/loss": sum(losses) / max(1, len(losses)) if losses else float("nan"),
+            "train/grad_norm": sum(grad_norms) / max(1, len(grad_norms)) if grad_norms else float("nan"),
+            "train/skipped_steps": float(self.skipped_steps),
+            "train/optimizer_steps": float(stepped),
+            "reward/mean": float(r.mean()),
+            "reward/std": float(r.std()) if B > 1 else 0.0,
+            "response/length_mean": float(batch.response_lengths().float().mean()),
+            "response/truncated_frac": float(batch.truncated.float().mean()),
+            "adv/abs_mean": float(adv.abs().mean()),
+        })
+        return out
+
+    def sync_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Trainer weights for the rollout engine, one tensor at a time (BF16), so the host never holds a
+        second full copy during a sync."""
+        for name, p in self.model.named_parameters():
+            yield name, p.detach().to(torch.bfloat16)
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "corrections": self.corrections.state_dict(),
+                "bad_steps": self.bad_steps, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.corrections.load_state_dict(state["corrections"])
+        self.bad_steps, self.skipped_steps = state["bad_steps"], state["skipped_steps"]

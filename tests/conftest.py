@@ -1,0 +1,45 @@
+"""Shared fixtures: a session-wide outputs folder and a quickly prepared tiny model."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+REPO = Path(__file__).resolve().parents[1]
+DATASETS = Path(os.environ.get("PARITY_DATASETS", REPO.parent / "shared" / "datasets"))
+os.environ.setdefault("PARITY_DATASETS", str(DATASETS))
+
+# Settings of a run that takes seconds: small warm start, few prompts, short responses.
+QUICK = [
+    "model.warm_start.steps=30", "model.warm_start.eval_problems=16", "trainer.eval_problems=16",
+    "trainer.prompts_per_step=2", "rollout.n=4", "rollout.max_new_tokens=12", "trainer.total_steps=2",
+    "trainer.checkpoint_every=1", "trainer.eval_every=0", "eval.grade_workers=1",
+]
+
+
+@pytest.fixture(scope="session")
+def outputs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("outputs")
+
+
+@pytest.fixture(scope="session")
+def quick_cfg(outputs_dir: Path):
+    """Compose a config with the quick settings, writing under the session's outputs folder."""
+    from parity.config import load_config
+
+    def make(*overrides: str):
+        return load_config([f"outputs_dir={outputs_dir}", *QUICK, *overrides])
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def prepared_model(quick_cfg) -> Path:
+    from parity.models.prepare import prepare_model
+
+    return Path(prepare_model(quick_cfg())["model_dir"])

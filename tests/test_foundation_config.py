@@ -1,0 +1,75 @@
+"""Config tree: presets compose, the schema rejects unknown keys and wrong types naming the key."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from omegaconf.errors import ConfigCompositionException
+
+from parity.config import ConfigError, load_config
+
+
+def _compose_error(overrides: list[str]) -> str:
+    with pytest.raises((ConfigCompositionException, ConfigError, Exception)) as ei:
+        load_config(overrides)
+    e = ei.value
+    return f"{e} {e.__cause__ or ''}"
+
+
+def test_default_is_arith_tiny():
+    cfg = load_config([])
+    assert cfg.experiment_name == "arith_tiny"
+    assert cfg.model.arch == "qwen3" and cfg.rollout.name == "torch"
+
+
+def test_unknown_key_names_the_key():
+    msg = _compose_error(["trainer.lrr=0.1"])
+    assert "lrr" in msg
+
+
+def test_wrong_type_names_the_key():
+    msg = _compose_error(["trainer.total_steps=many"])
+    assert "total_steps" in msg
+
+
+def test_negative_lr_is_rejected():
+    with pytest.raises(ConfigError, match="trainer.lr"):
+        load_config(["trainer.lr=-1e-4"])
+
+
+def test_topk_above_vocab_is_rejected():
+    with pytest.raises(ConfigError, match="rollout.topk_logprobs"):
+        load_config(["model.tiny.vocab_size=99", "rollout.topk_logprobs=128"])
+
+
+def test_plus_experiment_form_and_user_config_dir(tmp_path):
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "mine.yaml").write_text("# @package _global_\nexperiment_name: mine\ntrainer:\n  lr: 0.5\n")
+    cfg = load_config(["+experiment=mine"], extra_config_dir=str(tmp_path))
+    assert cfg.experiment_name == "mine" and cfg.trainer.lr == 0.5
+
+
+def test_cli_prints_resolved_config_without_running(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "parity", "train", "trainer.total_steps=7", "--cfg", "job", "--resolve"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "total_steps: 7" in out.stdout
+
+
+def test_cli_unknown_key_is_one_clear_error():
+    out = subprocess.run([sys.executable, "-m", "parity", "train", "trainer.nope=1"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode != 0
+    assert "nope" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_cli_grade_prints_json_last_line():
+    out = subprocess.run([sys.executable, "-m", "parity", "grade", "--response", "so \\boxed{42}", "--answer", "42"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["score"] == 1

@@ -1,0 +1,58 @@
+"""Arithmetic task and dataset loading."""
+
+from __future__ import annotations
+
+import pytest
+
+from parity.config import load_config
+from parity.data.arithmetic import ArithmeticStream, arithmetic_problems
+from parity.data.prompts import load_jsonl_problems
+from parity.errors import DataError
+
+
+def test_arithmetic_is_deterministic_and_splits_are_disjoint():
+    cfg = load_config([]).data.arithmetic
+    test = arithmetic_problems("test", 200, cfg)
+    assert test == arithmetic_problems("test", 200, cfg)
+    train = ArithmeticStream(cfg).take(3000)
+    assert not {p.problem for p in test} & {p.problem for p in train}
+    for p in test[:50] + train[:50]:
+        assert int(p.answer) == eval(p.problem, {"__builtins__": {}})  # noqa: S307 -- our own generated text
+    ops = {op for p in train for op in "+-*" if op in p.problem[1:]}
+    assert ops == {"+", "-", "*"}
+
+
+def test_stream_resumes_at_its_position():
+    cfg = load_config([]).data.arithmetic
+    a = ArithmeticStream(cfg)
+    a.take(10)
+    b = ArithmeticStream(cfg)
+    b.load_state_dict(a.state_dict())
+    assert a.take(5) == b.take(5)
+
+
+def test_row_without_answer_names_file_and_row(tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"problem": "1+1", "answer": "2"}\n{"problem": "2+2"}\n')
+    with pytest.raises(DataError, match=r"d.jsonl: row 2 has no answer"):
+        load_jsonl_problems(f, "problem", "answer", skip_missing_answers=False)
+
+
+@pytest.mark.parametrize("content,match", [
+    (b'{"problem": "1+1", "answer": "2"}\n{"problem": \n', "row 2 is not valid JSON"),
+    (b'{"problem": "\xff\xfe", "answer": "2"}\n', "row 1 is not valid UTF-8"),
+    (b"", "empty"),
+])
+def test_malformed_files_give_clear_errors(tmp_path, content, match):
+    f = tmp_path / "bad.jsonl"
+    f.write_bytes(content)
+    with pytest.raises(DataError, match=match):
+        load_jsonl_problems(f, "problem", "answer", skip_missing_answers=False)
+
+
+def test_math_train_drops_rows_without_answers():
+    from pathlib import Path
+
+    path = Path(load_config([]).data.datasets_dir) / "math_train" / "train.jsonl"
+    problems, dropped = load_jsonl_problems(path, "problem", "answer", skip_missing_answers=True)
+    assert dropped == 4 and len(problems) == 7474 - 4
