@@ -1,0 +1,98 @@
+"""`python -m parity evaluate`: model selection (checkpoint, run's latest checkpoint), the preset, the
+summary it prints, and clear errors for a bad model path or run name."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from parity.config.schema import TinyModelConfig
+from parity.errors import ParityError
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                        num_key_value_heads=1, head_dim=16)
+
+
+@pytest.fixture(scope="module")
+def run_folder(tmp_path_factory):
+    """outputs/runs/r1 with checkpoints at steps 1 and 2 of a (random) tiny model."""
+    from parity.models.tiny import build_tiny_model
+    from parity.models.tokenizer import build_char_tokenizer
+    from parity.training.checkpoint import CheckpointManager
+
+    outputs = tmp_path_factory.mktemp("outputs")
+    model, tok = build_tiny_model("qwen3", SMALL), build_char_tokenizer()
+    mgr = CheckpointManager(outputs / "runs" / "r1", keep=3)
+    mgr.save(1, model, tok, {"step": 1})
+    mgr.save(2, model, tok, {"step": 2})
+    return outputs
+
+
+def _cfg(outputs: Path, *overrides: str):
+    from parity.config import load_config
+
+    return load_config([f"outputs_dir={outputs}", "+eval=quick", "eval.limit=2", "++eval.benchmarks.arithmetic.limit=4",
+                        "eval.max_new_tokens=6", "eval.grade_workers=1", *overrides])
+
+
+def test_model_selection(run_folder):
+    from parity.commands.evaluate import resolve_eval_model
+
+    ckpt = run_folder / "runs" / "r1" / "checkpoints"
+    assert resolve_eval_model(_cfg(run_folder, "eval.run_name=r1")) == (ckpt / "step_000002", "eval.run_name")
+    assert resolve_eval_model(_cfg(run_folder, f"eval.model_path={ckpt / 'step_000001'}"))[0] == ckpt / "step_000001"
+    assert resolve_eval_model(_cfg(run_folder, f"eval.model_path={run_folder / 'runs' / 'r1'}"))[0] == ckpt / "step_000002"
+
+
+@pytest.mark.parametrize(("override", "match"), [
+    ("eval.model_path=/nonexistent/model", r"`eval.model_path`: /nonexistent/model is neither a checkpoint"),
+    ("eval.run_name=nope", r"`eval.run_name`: no training run at .*runs/nope"),
+    ("eval.run_name=../x", r"`eval.run_name`: '../x' is not a valid run name"),
+])
+def test_bad_model_selection_names_the_key(run_folder, override, match):
+    from parity.commands.evaluate import resolve_eval_model
+
+    with pytest.raises(ParityError, match=match):
+        resolve_eval_model(_cfg(run_folder, override))
+
+
+def test_corrupt_latest_checkpoint_falls_back(tmp_path):
+    from parity.commands.evaluate import resolve_eval_model
+    from parity.models.tiny import build_tiny_model
+    from parity.models.tokenizer import build_char_tokenizer
+    from parity.training.checkpoint import CheckpointManager
+
+    mgr = CheckpointManager(tmp_path / "runs" / "r2", keep=3)
+    model, tok = build_tiny_model("qwen3", SMALL), build_char_tokenizer()
+    mgr.save(1, model, tok, {})
+    last = mgr.save(2, model, tok, {})
+    (last / "model.safetensors").write_bytes(b"corrupt")
+    assert resolve_eval_model(_cfg(tmp_path, "eval.run_name=r2"))[0] == mgr.path(1)
+    (mgr.path(1) / "MANIFEST.json").unlink()
+    with pytest.raises(ParityError, match="has no valid checkpoint"):
+        resolve_eval_model(_cfg(tmp_path, "eval.run_name=r2"))
+
+
+def test_evaluate_command_end_to_end(run_folder, tmp_path):
+    """The real CLI: last stdout line is the JSON summary; every benchmark of the quick preset is there."""
+    out = tmp_path / "eval"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "parity", "evaluate", f"outputs_dir={run_folder}", "+eval=quick", "eval.limit=2",
+         "++eval.benchmarks.arithmetic.limit=4", "++eval.benchmarks.aime24.k=3", "eval.max_new_tokens=6",
+         "eval.grade_workers=1", "eval.run_name=r1", f"eval.out_dir={out}"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["command"] == "evaluate" and summary["model"].endswith("step_000002")
+    names = ["arithmetic", "aime24", "aime25", "amc23", "math500", "minerva_math", "olympiadbench"]
+    assert list(summary["benchmarks"]) == names
+    assert summary["benchmarks"]["aime24"]["k"] == 3 and summary["benchmarks"]["arithmetic"]["problems"] == 4
+    assert set(summary["macro"]) == {"avg@k", "pass@1", "pass@k", "maj@k"}
+    lines = (out / "samples.jsonl").read_text().splitlines()
+    assert len(lines) == 4 + 2 * 3 + 5 * 2
+    assert (out / "table.md").is_file() and "| macro average |" in proc.stderr
+    assert summary["benchmarks"]["olympiadbench"]["prompts_truncated"] >= 1  # long prompts vs 256 positions
