@@ -8,7 +8,10 @@ and is counted, and the other items carry on. The pool never waits on a worker w
 
 Workers come from a forkserver that preloads math-verify once (parity.rewards._preload), so the
 trainer process (which holds torch and its threads) is never forked, and replacing a killed worker
-is a cheap fork rather than a fresh interpreter importing sympy.
+is a cheap fork rather than a fresh interpreter importing sympy. As with any 'spawn'/'forkserver'
+multiprocessing, a worker re-imports the parent's main *script* (not `python -m pkg`), so a script that
+creates a pool must keep its top level import-safe (`if __name__ == "__main__":`); workers that keep
+dying before they are ready make grading raise instead of retrying forever.
 """
 
 from __future__ import annotations
@@ -75,8 +78,9 @@ class _Worker:
 class GraderPool:
     """Process pool grading (response, answer) pairs with math-verify.
 
-    timeout_s is the per-item budget (soft, inside the worker); a worker still busy kill_grace_s
-    after it is killed. Not thread-safe to share across threads without its lock (taken internally).
+    timeout_s is the per-item budget, enforced inside the worker; a worker still busy kill_grace_s
+    later is killed and replaced. Boxed answers longer than max_answer_chars score 0 unparsed (no
+    reference answer is near that long). Calls from several threads are serialised by a lock.
     """
 
     def __init__(self, workers: int = 2, timeout_s: float = 5.0, kill_grace_s: float = 0.5,
