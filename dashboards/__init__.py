@@ -1,0 +1,1 @@
+"""Parity's Streamlit dashboard (read-only views of MLflow, the registry and outputs/)."""
