@@ -52,7 +52,7 @@ def warm_start(model: torch.nn.Module, tok: Any, data_cfg: Any, ws: Any, dtype: 
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     model.eval()
     return losses

@@ -1,0 +1,64 @@
+"""End to end on the quick settings: train writes metrics/checkpoints, resume continues exactly, bad inputs are clear."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from parity.errors import ParityError
+from parity.training.loop import MetricsLog, train
+
+
+def _weights(path):
+    from safetensors.torch import load_file
+    return load_file(str(path / "model.safetensors"))
+
+
+def test_train_then_resume_matches_uninterrupted(quick_cfg, prepared_model):
+    full = train(quick_cfg("trainer.run_name=full", "trainer.total_steps=3"))
+    rows = MetricsLog(__import__("pathlib").Path(full["run_dir"]) / "metrics.jsonl").read()
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    for key in ("reward/mean", "mismatch/abs_prob_diff_mean", "mismatch/k3_kl", "perf/step_s", "train/loss"):
+        assert key in rows[1], key
+    # same run in two parts: 2 steps, then resume to 3
+    train(quick_cfg("trainer.run_name=parts", "trainer.total_steps=2"))
+    resumed = train(quick_cfg("trainer.run_name=parts", "trainer.total_steps=3", "trainer.resume=true"))
+    assert resumed["start_step"] == 2
+    rows2 = MetricsLog(__import__("pathlib").Path(resumed["run_dir"]) / "metrics.jsonl").read()
+    assert [r["step"] for r in rows2] == [0, 1, 2, 3]
+    assert rows2[3]["reward/mean"] == rows[3]["reward/mean"]
+    a = _weights(__import__("pathlib").Path(full["latest_checkpoint"]))
+    b = _weights(__import__("pathlib").Path(resumed["latest_checkpoint"]))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_existing_run_without_resume_is_refused(quick_cfg, prepared_model):
+    train(quick_cfg("trainer.run_name=once", "trainer.total_steps=1"))
+    with pytest.raises(ParityError, match="trainer.resume"):
+        train(quick_cfg("trainer.run_name=once", "trainer.total_steps=1"))
+
+
+def test_run_name_cannot_escape_outputs(quick_cfg):
+    with pytest.raises(ParityError, match="trainer.run_name"):
+        train(quick_cfg("trainer.run_name=../../etc"))
+
+
+def test_missing_model_path_is_one_clear_error(outputs_dir):
+    out = subprocess.run([sys.executable, "-m", "parity", "train", f"outputs_dir={outputs_dir}",
+                          "model.path=/nonexistent/model"], capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert "model.path" in out.stderr and "/nonexistent/model" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_cli_train_prints_summary_json(outputs_dir, prepared_model):
+    from tests.conftest import QUICK
+    out = subprocess.run([sys.executable, "-m", "parity", "train", f"outputs_dir={outputs_dir}", *QUICK,
+                          "trainer.run_name=cli", "trainer.total_steps=1"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["command"] == "train" and summary["steps"] == 1 and summary["latest_checkpoint"]
