@@ -1,0 +1,99 @@
+"""`train-and-eval`: prepare -> quantize -> validate -> train -> evaluate -> register.
+
+Parameters are Hydra overrides composed exactly as `python -m parity <command>` composes them, so any
+experiment runs through this flow. A failed validation stops the flow before training, with the
+validation report's verdict as the reason."""
+
+from __future__ import annotations
+
+import time
+
+from omegaconf import OmegaConf
+from parity.config import load_config
+from prefect import flow
+
+from tasks.recording import PipelineRef, close_pipeline, open_pipeline, plain, stage
+from tasks.records import record_artifact_task, record_evaluation_task, register_model_task
+from tasks.stages import (
+    ValidationFailed,
+    evaluate_task,
+    precision_label,
+    prepare_task,
+    quantize_task,
+    train_task,
+    validate_task,
+)
+
+FLOW_NAME = "train-and-eval"
+
+
+def compose(overrides: list[str], extra_config_dir: str | None = None) -> OmegaConf:
+    """The run gets its own run name unless the overrides choose one, so pipelines never collide."""
+    cfg = load_config(overrides, extra_config_dir=extra_config_dir)
+    if not any(o.lstrip("+~").startswith("trainer.run_name=") for o in overrides):
+        OmegaConf.update(cfg, "trainer.run_name", f"{cfg.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}-"
+                                                  f"{time.time_ns() % 10**6:06d}")
+    return cfg
+
+
+def run_stages(ref: PipelineRef, cfg: OmegaConf) -> dict:
+    c = plain(cfg)
+    r = ref.as_dict()
+    with stage(ref, "prepare") as st:
+        base = st.done(prepare_task(c))
+    base_id = record_artifact_task(r, "base", base["model_dir"], "bf16")
+    with stage(ref, "quantize") as st:
+        q = quantize_task(c, base["model_dir"])
+        st.skip(q["reason"], q) if q.get("skipped") else st.done(q)
+    rollout_id = base_id if q.get("skipped") else record_artifact_task(r, "quantized", q["path"], q["precision"],
+                                                                        parent_id=base_id)
+    with stage(ref, "validate") as st:
+        v = validate_task(c, base["model_dir"], q)
+        if v["status"] == "failed":
+            st.done(v)
+            raise ValidationFailed(f"precision validation failed for {q['precision']}: {v.get('reason')} "
+                                   f"(report: {v.get('report_path')})")
+        st.skip(str(v["reason"]), v) if v["status"] == "not_required" else st.done(v)
+    if v["status"] == "passed":
+        rollout_id = record_artifact_task(r, "validated", q["path"], q["precision"], parent_id=rollout_id,
+                                          validation_status="passed", report=v.get("report"),
+                                          report_path=v.get("report_path"))
+    with stage(ref, "train") as st:
+        t = st.done(train_task(c, ref.tracking_uri, st.run_id, float(cfg.tracking.flush_wait_s)))
+    precision = precision_label(cfg)
+    ckpt_id = record_artifact_task(r, "checkpoint", t["latest_checkpoint"], precision, parent_id=rollout_id,
+                                   validation_status=v["status"])
+    with stage(ref, "evaluate") as st:
+        e = evaluate_task(c, t["latest_checkpoint"])
+        e["result_ids"] = record_evaluation_task(r, e, ckpt_id, st.run_id)
+        st.done({"macro": e["macro"], "out_dir": e["out_dir"], "result_ids": e["result_ids"]})
+    registered = None
+    if cfg.tracking.log_model:
+        with stage(ref, "register") as st:
+            registered = st.done(register_model_task(
+                r, st.run_id, ckpt_id, t["latest_checkpoint"], str(cfg.tracking.model_name),
+                {"precision": precision, "validation_status": v["status"], "pipeline_id": str(ref.pipeline_id),
+                 "run_name": str(cfg.trainer.run_name)}))
+    return {"pipeline_id": ref.pipeline_id, "mlflow_run_id": ref.run_id, "run_name": str(cfg.trainer.run_name),
+            "precision": precision, "validation": v["status"], "checkpoint": t["latest_checkpoint"],
+            "initial_accuracy": t["initial_accuracy"], "final_accuracy": t["final_accuracy"],
+            "final_reward": t["final_reward"], "train_seconds": t["seconds"], "evaluation": e["macro"],
+            "benchmarks": e["benchmarks"], "eval_out_dir": e["out_dir"], "registered_model": registered}
+
+
+def run_pipeline(overrides: list[str], extra_config_dir: str | None = None) -> dict:
+    cfg = compose(list(overrides), extra_config_dir)
+    ref = open_pipeline(FLOW_NAME, cfg, list(overrides))
+    try:
+        result = run_stages(ref, cfg)
+    except BaseException as e:
+        close_pipeline(ref, ok=False, reason=f"{type(e).__name__}: {e}"[:5000])
+        raise
+    close_pipeline(ref, ok=True)
+    return result
+
+
+@flow(name=FLOW_NAME, log_prints=True)
+def train_and_eval(overrides: list[str] | None = None, extra_config_dir: str | None = None) -> dict:
+    """Hydra overrides, e.g. ["experiment=arith_tiny", "algorithm.correction.name=tis"]."""
+    return run_pipeline(list(overrides or []), extra_config_dir)

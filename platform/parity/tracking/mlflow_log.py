@@ -1,0 +1,212 @@
+"""MLflow logging of a pipeline: one parent run, a nested run per stage, the flattened resolved config
+as params (secrets masked), per-step training metrics through `MlflowCallback`, artifacts, and the
+trained model registered as a model version.
+
+MLflow is imported lazily: the callback is handed to `parity.training.loop.train`, and the numerical
+core must not import it."""
+
+from __future__ import annotations
+
+import logging
+import re
+import socket
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from parity.tracking.secrets import mask_params, mask_url
+
+log = logging.getLogger(__name__)
+PARAM_BATCH = 100  # MLflow accepts at most 100 params per log_batch call
+METRIC_BATCH = 1000
+PARAM_VALUE_MAX = 6000
+_BAD_METRIC_CHARS = re.compile(r"[^\w\-. :/]")
+
+
+def client(tracking_uri: str) -> Any:
+    from mlflow import MlflowClient
+
+    if tracking_uri.startswith("sqlite:///"):
+        Path(tracking_uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    return MlflowClient(tracking_uri=tracking_uri)
+
+
+def experiment_id(c: Any, name: str, artifact_dir: str | None = None) -> str:
+    """The experiment's id, created on first use. A SQLite store keeps artifacts beside it (artifact_dir),
+    not in ./mlruns of whatever directory the process happens to run in."""
+    exp = c.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    location = Path(artifact_dir).resolve().as_uri() if artifact_dir else None
+    try:
+        return c.create_experiment(name, artifact_location=location)
+    except Exception:  # created concurrently by another process
+        exp = c.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return exp.experiment_id
+
+
+def default_artifact_dir(tracking_uri: str) -> str | None:
+    if tracking_uri.startswith("sqlite:///"):
+        return str(Path(tracking_uri.removeprefix("sqlite:///")).parent / "mlartifacts")
+    return None
+
+
+def start_run(c: Any, exp_id: str, name: str, parent_run_id: str | None = None,
+              tags: dict[str, str] | None = None) -> str:
+    tags = dict(tags or {})
+    if parent_run_id:
+        tags["mlflow.parentRunId"] = parent_run_id
+    return c.create_run(exp_id, run_name=name, tags=tags).info.run_id
+
+
+def end_run(c: Any, run_id: str, ok: bool) -> None:
+    c.set_terminated(run_id, "FINISHED" if ok else "FAILED")
+
+
+def param_entities(params: dict[str, Any]) -> list[Any]:
+    from mlflow.entities import Param
+
+    out = []
+    for k, v in mask_params(params).items():
+        s = "None" if v is None else str(v)
+        out.append(Param(k, s if len(s) <= PARAM_VALUE_MAX else s[: PARAM_VALUE_MAX - 3] + "..."))
+    return out
+
+
+def log_params(c: Any, run_id: str, params: dict[str, Any]) -> None:
+    ents = param_entities(params)
+    for i in range(0, len(ents), PARAM_BATCH):
+        c.log_batch(run_id, params=ents[i: i + PARAM_BATCH])
+
+
+def log_metrics(c: Any, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    ents = [Metric(metric_key(k), float(v), now, int(step)) for k, v in metrics.items() if _is_number(v)]
+    for i in range(0, len(ents), METRIC_BATCH):
+        c.log_batch(run_id, metrics=ents[i: i + METRIC_BATCH])
+
+
+def log_artifact(c: Any, run_id: str, path: str | Path, artifact_path: str | None = None) -> None:
+    p = Path(path)
+    if p.is_dir():
+        c.log_artifacts(run_id, str(p), artifact_path)
+    elif p.is_file():
+        c.log_artifact(run_id, str(p), artifact_path)
+
+
+def register_model(c: Any, run_id: str, model_dir: str | Path, name: str, tags: dict[str, str]) -> str:
+    """Log the checkpoint folder as the run's `model` artifact and register it as a version of `name`."""
+    from mlflow.exceptions import MlflowException
+
+    log_artifact(c, run_id, model_dir, "model")
+    try:
+        c.create_registered_model(name)
+    except MlflowException as e:
+        if "RESOURCE_ALREADY_EXISTS" not in str(e.error_code) and "already exists" not in str(e):
+            raise
+    source = f"{c.get_run(run_id).info.artifact_uri}/model"
+    mv = c.create_model_version(name, source=source, run_id=run_id, tags={k: str(v) for k, v in tags.items()})
+    return str(mv.version)
+
+
+def metric_key(key: str) -> str:
+    """MLflow accepts only [alphanumerics _ - . space : /] in names: avg@k becomes avg_at_k."""
+    return _BAD_METRIC_CHARS.sub("_", key.replace("@", "_at_"))
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _endpoint(tracking_uri: str) -> tuple[str, int] | None:
+    u = urlparse(tracking_uri)
+    if u.scheme not in ("http", "https") or not u.hostname:
+        return None
+    return u.hostname, u.port or (443 if u.scheme == "https" else 80)
+
+
+class MlflowCallback:
+    """`train(cfg, callbacks=[MlflowCallback(...)])`: logs each step's metrics to a run. When the store is
+    unreachable the metrics stay in a buffer (training goes on) and are written, with their original
+    steps and timestamps, once it answers again. An HTTP store is probed with a short TCP connect
+    first, because MLflow's own client retries for minutes before it gives up."""
+
+    def __init__(self, tracking_uri: str, run_id: str, retry_after_s: float = 5.0, probe_timeout_s: float = 0.5,
+                 max_buffer: int = 1_000_000, mlflow_client: Any = None) -> None:
+        self.tracking_uri = tracking_uri
+        self.run_id = run_id
+        self.retry_after_s = retry_after_s
+        self.probe_timeout_s = probe_timeout_s
+        self.max_buffer = max_buffer
+        self._client = mlflow_client
+        self.buffer: list[Any] = []
+        self.outages = 0
+        self.dropped = 0
+        self.written = 0
+        self._down_since: float | None = None
+        self._next_try = 0.0
+
+    def on_step(self, step: int, metrics: dict[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.buffer.extend(Metric(metric_key(k), float(v), now, int(step)) for k, v in metrics.items() if _is_number(v))
+        if len(self.buffer) > self.max_buffer:  # bounded memory over a very long outage: oldest go first
+            self.dropped += len(self.buffer) - self.max_buffer
+            del self.buffer[: len(self.buffer) - self.max_buffer]
+        if time.monotonic() >= self._next_try:
+            self.flush()
+
+    def _reachable(self) -> bool:
+        ep = _endpoint(self.tracking_uri)
+        if ep is None:
+            return True
+        try:
+            with socket.create_connection(ep, timeout=self.probe_timeout_s):
+                return True
+        except OSError:
+            return False
+
+    def flush(self) -> bool:
+        """Write the buffer; True when it is empty afterwards. Never raises."""
+        if not self.buffer:
+            return True
+        try:
+            if not self._reachable():
+                raise ConnectionError(f"MLflow store {mask_url(self.tracking_uri)} is not reachable")
+            if self._client is None:
+                self._client = client(self.tracking_uri)
+            while self.buffer:
+                chunk = self.buffer[:METRIC_BATCH]
+                self._client.log_batch(self.run_id, metrics=chunk)
+                del self.buffer[: len(chunk)]
+                self.written += len(chunk)
+        except Exception as e:  # any store failure: keep the metrics, keep training
+            if self._down_since is None:
+                self._down_since = time.monotonic()
+                self.outages += 1
+                log.warning("MLflow logging paused, %d metric values buffered: %s", len(self.buffer),
+                            mask_url(str(e))[:300])
+            self._next_try = time.monotonic() + self.retry_after_s
+            return False
+        if self._down_since is not None:
+            log.warning("MLflow store is back after %.0f s; buffered metrics written",
+                        time.monotonic() - self._down_since)
+            self._down_since = None
+        return True
+
+    def close(self, wait_s: float = 0.0) -> bool:
+        """Final flush, retrying for up to wait_s seconds; False (and a warning) if metrics remain."""
+        deadline = time.monotonic() + wait_s
+        while not self.flush():
+            if time.monotonic() >= deadline:
+                log.warning("MLflow store unreachable at the end of training: %d metric values not written",
+                            len(self.buffer))
+                return False
+            time.sleep(min(1.0, self.retry_after_s))
+        return True

@@ -1,0 +1,203 @@
+"""`make run` / `make stop` on the embedded default, and the process plumbing the flow tests share.
+
+run:  start a local Prefect server (127.0.0.1, its database under outputs/prefect), serve the
+      deployments (flows/deployments.py), `prefect deployment run train-and-eval/local`, wait for it,
+      print the result and how to open the MLflow UI and the dashboard.
+stop: stop what `run` started (pid files under outputs/pids), SIGTERM first, then SIGINT/SIGKILL.
+
+Everything it starts binds 127.0.0.1, and every path it writes is under $PARITY_OUTPUTS (default outputs/)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+def outputs_dir() -> Path:
+    return Path(os.environ.get("PARITY_OUTPUTS", REPO / "outputs")).resolve()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def prefect_env(home: Path, api_url: str | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home}/prefect.db",
+                "PREFECT_LOCAL_STORAGE_PATH": str(home / "storage"), "PREFECT_UI_ENABLED": "true",
+                "PREFECT_SERVER_API_HOST": "127.0.0.1", "OMP_WAIT_POLICY": "PASSIVE",
+                "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.pathsep.join(
+                    [str(REPO), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])})
+    if api_url:
+        env["PREFECT_API_URL"] = api_url
+    return env
+
+
+def start_server(home: Path, port: int, log_path: Path) -> subprocess.Popen:
+    home.mkdir(parents=True, exist_ok=True)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen([str(Path(PY).parent / "prefect"), "server", "start", "--host", "127.0.0.1",
+                             "--port", str(port)], env=prefect_env(home), stdout=log_path.open("ab"),
+                            stderr=subprocess.STDOUT, start_new_session=True, cwd=str(REPO))
+
+
+def wait_healthy(api_url: str, proc: subprocess.Popen | None = None, timeout_s: float = 300.0) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"Prefect server exited with code {proc.returncode} before it was healthy")
+        try:
+            with urllib.request.urlopen(f"{api_url}/health", timeout=5) as r:
+                if r.status == 200:
+                    return time.monotonic() - t0
+        except OSError:
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"Prefect server at {api_url} not healthy after {timeout_s:.0f} s")
+
+
+def start_serving(home: Path, api_url: str, log_path: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    env = {**prefect_env(home, api_url), **(extra_env or {})}
+    return subprocess.Popen([PY, "-m", "flows.deployments"], env=env, stdout=log_path.open("ab"),
+                            stderr=subprocess.STDOUT, start_new_session=True, cwd=str(REPO))
+
+
+def wait_deployment(api_url: str, name: str, proc: subprocess.Popen | None = None, timeout_s: float = 300.0) -> None:
+    flow_name, dep = name.split("/", 1)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the serving process exited with code {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"{api_url}/deployments/name/{flow_name}/{dep}", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"deployment {name} not served after {timeout_s:.0f} s")
+
+
+def stop_process(pid: int, grace_s: float = 15.0) -> None:
+    """The process group started for a server or a serve loop: SIGTERM, then SIGINT (a Prefect runner
+    needs it), then SIGKILL."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGKILL):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < grace_s:
+            try:
+                os.kill(pid, 0)
+                if _reaped(pid):
+                    return
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+
+
+def _reaped(pid: int) -> bool:
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == pid
+    except ChildProcessError:
+        return False
+
+
+def _pids_dir() -> Path:
+    return outputs_dir() / "pids"
+
+
+def write_pid(name: str, pid: int) -> None:
+    _pids_dir().mkdir(parents=True, exist_ok=True)
+    (_pids_dir() / f"{name}.pid").write_text(str(pid))
+
+
+def stop_all() -> list[str]:
+    stopped = []
+    for f in sorted(_pids_dir().glob("*.pid")) if _pids_dir().is_dir() else []:
+        try:
+            pid = int(f.read_text().strip())
+        except ValueError:
+            f.unlink()
+            continue
+        stop_process(pid)
+        f.unlink()
+        stopped.append(f"{f.stem} (pid {pid})")
+    return stopped
+
+
+def run(args: argparse.Namespace) -> int:
+    out = outputs_dir()
+    home, logs = out / "prefect", out / "logs"
+    stop_all()  # a previous `make run` that was interrupted
+    port = args.port or free_port()
+    api_url = f"http://127.0.0.1:{port}/api"
+    t0 = time.monotonic()
+    server = start_server(home, port, logs / "prefect-server.log")
+    write_pid("prefect-server", server.pid)
+    print(f"[run] Prefect server on {api_url} (log {logs / 'prefect-server.log'})", flush=True)
+    wait_healthy(api_url, server)
+    serving = start_serving(home, api_url, logs / "serve.log")
+    write_pid("serve", serving.pid)
+    wait_deployment(api_url, "train-and-eval/local", serving)
+    print(f"[run] deployments served after {time.monotonic() - t0:.0f} s (log {logs / 'serve.log'})", flush=True)
+    params = json.dumps({"overrides": list(args.overrides)})
+    cmd = [str(Path(PY).parent / "prefect"), "deployment", "run", "train-and-eval/local", "--params", params,
+           "--watch", "--watch-timeout", str(args.timeout)]
+    rc = subprocess.call(cmd, env=prefect_env(home, api_url), cwd=str(REPO))
+    summary = latest_summary(out)
+    print(json.dumps(summary, indent=1, default=str))
+    print(f"\nflow run {'completed' if rc == 0 else 'FAILED'} in {time.monotonic() - t0:.0f} s.\n"
+          f"Prefect UI:   {api_url.removesuffix('/api')}   (server and deployments keep running; `make stop` ends them)\n"
+          f"MLflow UI:    make mlflow-ui   then open http://127.0.0.1:5000\n"
+          f"Dashboard:    make dashboard   (streamlit, reads MLflow and {out / 'registry.db'})\n"
+          f"Again:        PREFECT_API_URL={api_url} .venv/bin/prefect deployment run train-and-eval/local --watch",
+          flush=True)
+    (out / "pids" / "prefect-api-url").write_text(api_url)
+    return rc
+
+
+def latest_summary(out: Path) -> dict:
+    """The last train-and-eval pipeline as the registry recorded it."""
+    db = out / "registry.db"
+    if not db.is_file():
+        return {"error": f"no registry at {db}"}
+    from parity.tracking.registry import Registry
+
+    with Registry(f"sqlite:///{db}") as reg:
+        return reg.latest_pipeline("train-and-eval") or {"error": "no train-and-eval pipeline recorded"}
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="scripts/run_local.py")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="server + deployments + one train-and-eval/local run")
+    r.add_argument("--port", type=int, default=int(os.environ.get("PARITY_PREFECT_PORT", "0")))
+    r.add_argument("--timeout", type=int, default=840, help="seconds to wait for the flow run")
+    r.add_argument("overrides", nargs="*", help="Hydra overrides for the flow run")
+    sub.add_parser("stop", help="stop what `run` started")
+    args = p.parse_args(argv)
+    if args.cmd == "stop":
+        stopped = stop_all()
+        print("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
+        return 0
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""What every pipeline stage records, in one place: a registry row (pipelines/stages tables) and an
+MLflow run nested under the pipeline's parent run. A stage that raises is marked failed with the
+reason, and the rows of earlier stages stay as they were (each write is its own transaction)."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from parity.config import flatten, to_yaml
+from parity.tracking import mlflow_log
+from parity.tracking.registry import Registry
+from parity.tracking.secrets import mask_url
+
+log = logging.getLogger(__name__)
+_REGISTRIES: dict[str, Registry] = {}
+_CLIENTS: dict[str, Any] = {}
+
+
+def registry(url: str) -> Registry:
+    """One Registry (engine and pool) per URL and process: stages of a flow run share it."""
+    if url not in _REGISTRIES:
+        _REGISTRIES[url] = Registry(url)
+    return _REGISTRIES[url]
+
+
+def mlflow_client(uri: str) -> Any:
+    if uri not in _CLIENTS:
+        _CLIENTS[uri] = mlflow_log.client(uri)
+    return _CLIENTS[uri]
+
+
+@dataclass
+class PipelineRef:
+    """Small and serialisable: what a task needs to find the pipeline's records."""
+
+    flow: str
+    registry_url: str
+    tracking_uri: str
+    experiment_id: str
+    pipeline_id: int
+    run_id: str  # the MLflow parent run
+    flow_run_id: str | None = None
+    stages: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _flow_run_id() -> str | None:
+    try:
+        from prefect.runtime import flow_run
+
+        return str(flow_run.id) if flow_run.id else None
+    except Exception:
+        return None
+
+
+def open_pipeline(flow: str, cfg: DictConfig, overrides: list[str]) -> PipelineRef:
+    """Registry row + MLflow parent run with the flattened resolved config as params (secrets masked)
+    and the resolved config as an artifact."""
+    t = cfg.tracking
+    reg = registry(str(t.registry_url))
+    flow_run_id = _flow_run_id()
+    pid = reg.start_pipeline(flow, overrides=[mask_url(o) for o in overrides], experiment=str(cfg.experiment_name),
+                             flow_run_id=flow_run_id)
+    c = mlflow_client(str(t.tracking_uri))
+    exp = mlflow_log.experiment_id(c, str(t.experiment), mlflow_log.default_artifact_dir(str(t.tracking_uri)))
+    run_id = mlflow_log.start_run(c, exp, f"{flow}-{pid}", tags={
+        "parity.flow": flow, "parity.pipeline_id": str(pid), "parity.flow_run_id": str(flow_run_id),
+        "parity.experiment": str(cfg.experiment_name)})
+    reg.set_pipeline_mlflow_run(pid, run_id)
+    mlflow_log.log_params(c, run_id, flatten(cfg))
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / "config.yaml"
+        p.write_text(mask_url(to_yaml(cfg)))
+        mlflow_log.log_artifact(c, run_id, p)
+    return PipelineRef(flow, str(t.registry_url), str(t.tracking_uri), exp, pid, run_id, flow_run_id)
+
+
+def close_pipeline(ref: PipelineRef, ok: bool, reason: str | None = None) -> None:
+    registry(ref.registry_url).finish_pipeline(ref.pipeline_id, "completed" if ok else "failed", reason)
+    mlflow_log.end_run(mlflow_client(ref.tracking_uri), ref.run_id, ok)
+
+
+class StageHandle:
+    def __init__(self, ref: PipelineRef, name: str, stage_id: int, run_id: str) -> None:
+        self.ref, self.name, self.stage_id, self.run_id = ref, name, stage_id, run_id
+        self.result: dict | None = None
+        self.skipped: str | None = None
+
+    @property
+    def client(self) -> Any:
+        return mlflow_client(self.ref.tracking_uri)
+
+    def done(self, result: dict) -> dict:
+        self.result = result
+        return result
+
+    def skip(self, reason: str, result: dict | None = None) -> dict:
+        self.skipped = reason
+        self.result = result or {}
+        return self.result
+
+
+def _reason(e: BaseException) -> str:
+    msg = f"{type(e).__name__}: {e}"
+    return mask_url(msg if str(e) else "".join(traceback.format_exception_only(e)).strip())
+
+
+@contextmanager
+def stage(ref: PipelineRef, name: str) -> Iterator[StageHandle]:
+    reg = registry(ref.registry_url)
+    c = mlflow_client(ref.tracking_uri)
+    run_id = mlflow_log.start_run(c, ref.experiment_id, name, parent_run_id=ref.run_id,
+                                  tags={"parity.stage": name, "parity.pipeline_id": str(ref.pipeline_id)})
+    h = StageHandle(ref, name, reg.start_stage(ref.pipeline_id, name, mlflow_run_id=run_id), run_id)
+    ref.stages.append(name)
+    try:
+        yield h
+    except BaseException as e:
+        reason = _reason(e)
+        reg.end_stage(h.stage_id, "failed", result=h.result, reason=reason)
+        c.set_tag(run_id, "parity.failure", reason[:5000])
+        mlflow_log.end_run(c, run_id, ok=False)
+        raise
+    result = _jsonable(h.result or {})
+    reg.end_stage(h.stage_id, "skipped" if h.skipped else "completed", result=result, reason=h.skipped)
+    numbers = {k: v for k, v in result.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+    if numbers:
+        mlflow_log.log_metrics(c, run_id, {f"{name}/{k}": v for k, v in numbers.items()})
+    mlflow_log.end_run(c, run_id, ok=True)
+
+
+def _jsonable(x: Any) -> Any:
+    import json
+
+    return json.loads(json.dumps(x, default=str))
+
+
+def as_config(cfg: dict | DictConfig) -> DictConfig:
+    """A task's config (passed as a resolved plain dict so it serialises) back as a typed DictConfig."""
+    if isinstance(cfg, DictConfig):
+        return cfg
+    from parity.config.schema import ParityConfig
+
+    return OmegaConf.merge(OmegaConf.structured(ParityConfig), cfg)  # type: ignore[return-value]
+
+
+def plain(cfg: DictConfig) -> dict:
+    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
