@@ -273,11 +273,28 @@ class DistributedConfig:
 
 
 @dataclass
+class RegressionConfig:
+    """`benchmark-regression` flow: paired bootstrap per problem against the stored baseline."""
+
+    margin: float = 0.02  # fail when the mean per-problem drop exceeds this and its CI lies below 0
+    bootstrap: int = 2000
+    ci_level: float = 0.95
+    seed: int = 0
+    models: int = 1  # how many of the latest registered models are checked
+    baseline_if_missing: bool = True  # no baseline yet: the first result becomes it (recorded, not failed)
+    cron: str = "0 2 * * *"  # schedule of the benchmark-regression/nightly deployment
+
+
+@dataclass
 class TrackingConfig:
     enabled: bool = False
     tracking_uri: str = "${oc.env:PARITY_TRACKING_URI,sqlite:///${outputs_dir}/mlflow.db}"
     registry_url: str = "${oc.env:PARITY_REGISTRY_URL,sqlite:///${outputs_dir}/registry.db}"
     experiment: str = "parity"
+    model_name: str = "parity-${experiment_name}"  # MLflow registered model of the pipeline's trained model
+    log_model: bool = True  # log the trained checkpoint as an MLflow artifact and register a version
+    flush_wait_s: float = 10.0  # after training, how long to retry writing metrics buffered during an outage
+    regression: RegressionConfig = field(default_factory=RegressionConfig)
 
 
 @dataclass
