@@ -48,7 +48,7 @@ case "$role" in
     ;;
   dashboard)
     exec streamlit run dashboards/app.py --server.address=0.0.0.0 \
-      --server.port="${PARITY_DASHBOARD_PORT:-8501}" --server.headless=true \
+      --server.port="${DASHBOARD_PORT:-8501}" --server.headless=true \
       --browser.gatherUsageStats=false "$@"
     ;;
   mlflow)

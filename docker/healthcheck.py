@@ -27,7 +27,7 @@ def role_urls(role: str) -> list[str]:
         # every Ray node runs a dashboard agent; this endpoint is KubeRay's readiness probe
         return [f"http://127.0.0.1:{_env('RAY_DASHBOARD_AGENT_PORT', '52365')}/api/local_raylet_healthz"]
     if role == "dashboard":
-        return [f"http://127.0.0.1:{_env('PARITY_DASHBOARD_PORT', '8501')}/_stcore/health"]
+        return [f"http://127.0.0.1:{_env('DASHBOARD_PORT', '8501')}/_stcore/health"]
     if role == "mlflow":
         return [f"http://127.0.0.1:{_env('MLFLOW_PORT', '5000')}/health"]
     if role == "prefect-server":
