@@ -1,0 +1,149 @@
+"""Ray: join a cluster or start a local one, and place the actors with one placement group.
+
+`distributed.address` empty starts a local Ray sized from the config and shuts it down at the end; `auto` or
+`ray://host:port` (or a GCS address host:port) joins an existing cluster, which is left running. When Ray is
+already initialised in this process (tests, notebooks) it is used as it is."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+from parity.errors import ParityError
+
+log = logging.getLogger(__name__)
+
+STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+def bundles(dcfg: Any) -> list[dict[str, float]]:
+    """One bundle per rollout worker, then the trainer's; zero GPU counts are left out (a CPU node has none)."""
+    def bundle(cpus: float, gpus: float) -> dict[str, float]:
+        b = {"CPU": float(cpus)}
+        if gpus:
+            b["GPU"] = float(gpus)
+        return b
+    return ([bundle(dcfg.rollout_cpus, dcfg.rollout_gpus) for _ in range(dcfg.num_rollout_workers)]
+            + [bundle(dcfg.trainer_cpus, dcfg.trainer_gpus)])
+
+
+def check_config(dcfg: Any) -> None:
+    def need(ok: bool, key: str, msg: str) -> None:
+        if not ok:
+            raise ParityError(f"config key `distributed.{key}`: {msg}")
+    need(dcfg.num_rollout_workers >= 1, "num_rollout_workers", f"must be >= 1, got {dcfg.num_rollout_workers}")
+    for key in ("rollout_cpus", "rollout_gpus", "trainer_cpus", "trainer_gpus"):
+        need(float(dcfg[key]) >= 0, key, f"must be >= 0, got {dcfg[key]}")
+    need(dcfg.rollout_cpus > 0 or dcfg.rollout_gpus > 0, "rollout_cpus", "a rollout worker needs some CPU or GPU")
+    need(dcfg.max_worker_restarts >= 0, "max_worker_restarts", f"must be >= 0, got {dcfg.max_worker_restarts}")
+    need(dcfg.max_shard_retries >= 0, "max_shard_retries", f"must be >= 0, got {dcfg.max_shard_retries}")
+    need(dcfg.placement_strategy in STRATEGIES, "placement_strategy",
+         f"must be one of {', '.join(STRATEGIES)}, got {dcfg.placement_strategy!r}")
+    need(dcfg.start_attempts >= 1, "start_attempts", f"must be >= 1, got {dcfg.start_attempts}")
+    need(dcfg.num_cpus is None or dcfg.num_cpus >= 1, "num_cpus", f"must be >= 1 or null, got {dcfg.num_cpus}")
+
+
+def _local_env() -> dict[str, str]:
+    """Environment for the Ray processes we start (they inherit ours at start).
+
+    OMP_WAIT_POLICY=PASSIVE: busy-waiting OpenMP threads slow shared CPUs 10-30x. Bytecode caching: when
+    PYTHONDONTWRITEBYTECODE is set every Ray agent and worker compiles ray/torch from source at start, which on a
+    loaded 2-core machine overruns the raylet's fixed 15 s wait for its agents; a private cache folder avoids
+    that without writing into the installed packages."""
+    env = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+           "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "false"),
+           "RAY_USAGE_STATS_ENABLED": "0"}
+    if os.environ.get("PYTHONDONTWRITEBYTECODE"):
+        env["PYTHONPYCACHEPREFIX"] = os.environ.get(
+            "PYTHONPYCACHEPREFIX", os.path.join(tempfile.gettempdir(), f"parity-pycache-{os.getuid()}"))
+    return env
+
+
+@contextlib.contextmanager
+def _patched_env(set_vars: dict[str, str], unset: tuple[str, ...]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in (*set_vars, *unset)}
+    os.environ.update(set_vars)
+    for k in unset:
+        os.environ.pop(k, None)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def local_num_cpus(dcfg: Any) -> int:
+    return int(dcfg.num_cpus) if dcfg.num_cpus else max(1, math.ceil(sum(b["CPU"] for b in bundles(dcfg))))
+
+
+@contextlib.contextmanager
+def ray_session(dcfg: Any) -> Iterator[dict]:
+    """Connect (or start) Ray for the duration of the block; yields a description of the cluster."""
+    import ray
+
+    check_config(dcfg)
+    if ray.is_initialized():
+        yield {"address": "existing", "started": False}
+        return
+    address = str(dcfg.address or "")
+    common = {"include_dashboard": False, "log_to_driver": True, "logging_level": logging.WARNING,
+              "configure_logging": True}
+    if address:
+        ray.init(address=address, **common)
+        info = {"address": address, "started": False}
+    else:
+        env = _local_env()
+        unset = ("PYTHONDONTWRITEBYTECODE",) if "PYTHONPYCACHEPREFIX" in env else ()
+        with _patched_env(env, unset):
+            _start_local(ray, dcfg, common)
+        info = {"address": ray.get_runtime_context().gcs_address, "started": True}
+    try:
+        yield info
+    finally:
+        ray.shutdown()  # stops the local Ray we started; only disconnects from a joined cluster
+
+
+def _start_local(ray: Any, dcfg: Any, common: dict) -> None:
+    last: Exception | None = None
+    for attempt in range(1, int(dcfg.start_attempts) + 1):
+        try:
+            ray.init(num_cpus=local_num_cpus(dcfg), num_gpus=None, object_store_memory=int(dcfg.object_store_mb) << 20,
+                     **common)
+            return
+        except Exception as e:  # Ray raises a bare Exception when its node misses the start deadline
+            last = e
+            log.warning("local Ray did not start (attempt %d of %d): %s", attempt, dcfg.start_attempts, e)
+            with contextlib.suppress(Exception):
+                ray.shutdown()
+    raise ParityError(f"could not start a local Ray in {dcfg.start_attempts} attempts "
+                      f"(config key `distributed.start_attempts`): {last}")
+
+
+def placement(dcfg: Any, timeout_s: float = 300.0) -> Any:
+    """Reserve every actor's resources at once, so a run never starts with only part of its workers."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    pg = placement_group(bundles(dcfg), strategy=str(dcfg.placement_strategy), name="")
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        avail = ray.available_resources()
+        raise ParityError(f"the placement group {bundles(dcfg)} ({dcfg.placement_strategy}) could not be placed in "
+                          f"{timeout_s:.0f} s; the cluster has {avail} free (config keys distributed.rollout_cpus, "
+                          "distributed.rollout_gpus, distributed.trainer_cpus, distributed.trainer_gpus)")
+    return pg
+
+
+def in_bundle(pg: Any, index: int) -> Any:
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index,
+                                            placement_group_capture_child_tasks=False)

@@ -1,0 +1,188 @@
+"""The RL loop as a driver over Ray actors; same run folder, metrics.jsonl and summary as parity.training.loop.
+
+    per step:  rollout (sharded over N workers) -> grade (here) -> trainer step (actor) -> publish weights
+               (one ray.put) -> every worker loads them -> (eval, checkpoint, log)
+
+With `distributed.off_policy_overlap` the rollout of step t+1 is submitted before the trainer's step t, so it is
+sampled with weights one update old (perf/staleness = 1) while grading and training proceed. Resume: rerun the
+same command with trainer.resume=true; the trainer actor restores weights, optimizer, correction state and RNG
+from the latest valid checkpoint, the driver the data position, and metrics.jsonl is cut back to that step."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from parity.data.arithmetic import arithmetic_problems
+from parity.data.prompts import build_train_stream, render_prompt
+from parity.distributed.actors import RolloutWorker, TrainerWorker
+from parity.distributed.cluster import in_bundle, placement, ray_session
+from parity.distributed.rollout_pool import PendingRollout, RolloutPool
+from parity.errors import ParityError
+from parity.models.prepare import prepare_model
+from parity.rollout import sampling_spec
+from parity.training.checkpoint import CheckpointManager
+from parity.training.heldout import heldout_accuracy
+from parity.training.loop import Callback, MetricsLog, run_dir_of
+
+log = logging.getLogger(__name__)
+
+
+def start_actors(cfg: Any, pg: Any, base_dir: str, start_dir: str, resume_from: str | None,
+                 start_step: int) -> tuple[Any, list[Any]]:
+    """The trainer in the last bundle, rollout worker i in bundle i; the workers restart on their own."""
+    import ray
+
+    d, plain = cfg.distributed, OmegaConf.to_container(cfg, resolve=True)
+    trainer = ray.remote(TrainerWorker).options(
+        num_cpus=d.trainer_cpus, num_gpus=d.trainer_gpus, max_restarts=0,
+        scheduling_strategy=in_bundle(pg, d.num_rollout_workers)).remote(plain, base_dir, resume_from, d.trainer_cpus)
+    remote_worker = ray.remote(RolloutWorker)
+    workers = [remote_worker.options(num_cpus=d.rollout_cpus, num_gpus=d.rollout_gpus,
+                                     max_restarts=d.max_worker_restarts, max_task_retries=0,
+                                     scheduling_strategy=in_bundle(pg, i)).remote(plain, start_dir, start_step,
+                                                                                  d.rollout_cpus)
+               for i in range(d.num_rollout_workers)]
+    ray.get([trainer.ready.remote(), *[w.ready.remote() for w in workers]])
+    return trainer, workers
+
+
+def train_distributed(cfg: Any, callbacks: list[Callback] | None = None) -> dict:
+    import ray
+    from transformers import AutoTokenizer
+
+    from parity.rewards.grader import GraderPool
+
+    callbacks = list(callbacks or [])
+    t_start, seed, tc = time.time(), int(cfg.trainer.seed), cfg.trainer
+    run_dir = run_dir_of(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    ckpts = CheckpointManager(run_dir, keep=tc.keep_checkpoints)
+    if not tc.resume and ckpts.list():
+        raise ParityError(f"run {run_dir} already has checkpoints; set trainer.resume=true to continue it or "
+                          "choose another trainer.run_name")
+    resume_from = ckpts.latest_valid() if tc.resume else None
+    base = str(prepare_model(cfg)["model_dir"])
+    start_dir = str(resume_from or base)
+    tok = AutoTokenizer.from_pretrained(base)
+    stream = build_train_stream(cfg.data, seed=seed)
+    start_step = 0
+    if resume_from is not None:
+        import torch
+        state = torch.load(resume_from / "state.pt", weights_only=False)
+        stream.load_state_dict(state["data"])
+        start_step = int(state["step"])
+        log.info("resumed %s from %s (step %d)", run_dir.name, resume_from, start_step)
+    metrics_log = MetricsLog(run_dir / "metrics.jsonl")
+    metrics_log.truncate_after(start_step)
+    test_problems = arithmetic_problems("test", tc.eval_problems, cfg.data.arithmetic)
+
+    with ray_session(cfg.distributed) as cluster:
+        pg = placement(cfg.distributed)
+        trainer, workers = start_actors(cfg, pg, base, start_dir, str(resume_from) if resume_from else None,
+                                        start_step)
+        pool = RolloutPool(workers, tok.pad_token_id, cfg.distributed, version=start_step)
+        summary: dict[str, Any] = {"run_dir": str(run_dir), "start_step": start_step, "engine": pool.describe(),
+                                   "distributed": {**cluster, "rollout_workers": len(workers),
+                                                   "off_policy_overlap": bool(cfg.distributed.off_policy_overlap)}}
+        try:
+            with GraderPool(workers=cfg.eval.grade_workers, timeout_s=cfg.eval.grade_timeout_s) as grader:
+                loop = _Loop(cfg, tok, stream, pool, trainer, grader, ckpts, metrics_log, callbacks, test_problems)
+                summary.update(loop.run(start_step))
+        finally:
+            pool.close()
+            ray.kill(trainer)
+            ray.util.remove_placement_group(pg)
+        summary["distributed"]["worker_restarts"] = pool.restarts_total
+
+    rows = metrics_log.read()
+    accs = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
+    summary.update({"steps": tc.total_steps, "final_accuracy": accs[-1] if accs else None,
+                    "initial_accuracy": summary.get("initial_accuracy", rows[0].get("eval/accuracy") if rows else None),
+                    "final_reward": next((r["reward/mean"] for r in reversed(rows) if "reward/mean" in r), None),
+                    "latest_checkpoint": str(ckpts.list()[-1]) if ckpts.list() else None,
+                    "seconds": round(time.time() - t_start, 1)})
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    return summary
+
+
+class _Loop:
+    """The per-step sequence; a class only so the pieces it shares stay named instead of passed around."""
+
+    def __init__(self, cfg: Any, tok: Any, stream: Any, pool: RolloutPool, trainer: Any, grader: Any,
+                 ckpts: CheckpointManager, metrics_log: MetricsLog, callbacks: list, test_problems: list) -> None:
+        self.cfg, self.tok, self.stream, self.pool, self.trainer, self.grader = cfg, tok, stream, pool, trainer, grader
+        self.ckpts, self.metrics_log, self.callbacks, self.test_problems = ckpts, metrics_log, callbacks, test_problems
+        self.overlap = bool(cfg.distributed.off_policy_overlap)
+
+    def evaluate(self) -> float:
+        c = self.cfg
+        return heldout_accuracy(self.pool, self.tok, self.test_problems, c.data.prompt_template, self.grader,
+                                c.rollout.max_new_tokens)
+
+    def launch(self, step: int) -> PendingRollout:
+        """Take the step's prompts and submit their rollout; the data position after the take is what a
+        checkpoint at the end of this step must record (overlap takes the next step's prompts earlier)."""
+        c = self.cfg
+        problems = self.stream.take(c.trainer.prompts_per_step)
+        ids = [self.tok(render_prompt(c.data.prompt_template, p.problem))["input_ids"] for p in problems]
+        pending = self.pool.submit(ids, sampling_spec(c, seed=int(c.trainer.seed) * 1_000_003 + step),
+                                   prompt_ids=list(range(len(problems))))
+        pending.extra = {"problems": problems, "data": dict(self.stream.state_dict()), "t_submit": time.perf_counter()}
+        return pending
+
+    def run(self, start_step: int) -> dict:
+        import ray
+
+        tc, out = self.cfg.trainer, {}
+        if start_step == 0:
+            out["initial_accuracy"] = acc = self.evaluate()
+            self.emit(0, {"eval/accuracy": acc})
+        pending = self.launch(start_step) if start_step < tc.total_steps else None
+        for step in range(start_step, tc.total_steps):
+            t0 = time.perf_counter()
+            result = self.pool.collect(pending)
+            t_roll = time.perf_counter()
+            batch, extra = result.batch, pending.extra
+            nxt = self.launch(step + 1) if self.overlap and step + 1 < tc.total_steps else None
+            problems = extra["problems"]
+            batch.texts = self.tok.batch_decode(batch.responses, skip_special_tokens=True)
+            batch.answers = [problems[int(g)].answer for g in batch.group_ids]
+            batch.rewards = self.grader.grade(batch.texts, batch.answers, batch.truncated.tolist())
+            t_grade = time.perf_counter()
+            metrics, weights = ray.get(self.trainer.step.remote(batch))
+            t_train = time.perf_counter()
+            metrics["perf/sync_s"] = self.pool.broadcast(weights, step + 1, wait=not self.overlap)
+            n_tok = int(batch.response_mask.sum())
+            # rollout time counts from submission: with overlap most of it hid behind the previous step
+            roll_s = t_roll - extra["t_submit"]
+            metrics.update({"perf/rollout_s": roll_s, "perf/rollout_wait_s": t_roll - t0,
+                            "perf/grade_s": t_grade - t_roll, "perf/trainer_call_s": t_train - t_grade,
+                            "perf/step_s": time.perf_counter() - t0,
+                            "perf/rollout_tokens_per_s": n_tok / max(1e-9, roll_s),
+                            "perf/train_tokens_per_s": n_tok / max(1e-9, metrics["perf/train_s"]),
+                            "perf/staleness": float(step - result.min_version),
+                            "faults/worker_restarts": float(self.pool.pop_restarts())})
+            done = step + 1
+            if tc.eval_every and (done % tc.eval_every == 0 or done == tc.total_steps):
+                metrics["eval/accuracy"] = self.evaluate()
+            if tc.checkpoint_every and (done % tc.checkpoint_every == 0 or done == tc.total_steps):
+                ray.get(self.trainer.save_checkpoint.remote(str(self.ckpts.root.parent), done, extra["data"],
+                                                            int(tc.keep_checkpoints)))
+            self.emit(done, metrics)
+            pending = nxt if self.overlap else (self.launch(done) if done < tc.total_steps else None)
+            log.info("step %d/%d reward %.3f", done, tc.total_steps, metrics["reward/mean"])
+        return out
+
+    def emit(self, step: int, metrics: dict[str, float]) -> None:
+        self.metrics_log.append(step, metrics)
+        for cb in self.callbacks:
+            cb.on_step(step, metrics)
+
+
+__all__ = ["train_distributed", "start_actors"]
