@@ -261,15 +261,26 @@ class EvalConfig:
 
 @dataclass
 class DistributedConfig:
+    """The RL loop over Ray actors (parity.distributed): N rollout workers and one trainer, placed together by
+    one placement group (bundle i = rollout worker i, last bundle = trainer)."""
+
     enabled: bool = False
-    address: str = ""  # "" = start a local Ray; "auto" or "ray://host:port" joins a cluster
+    # "" = start a local Ray (and shut it down); "auto" or "ray://host:port" joins a cluster
+    address: str = "${oc.env:PARITY_RAY_ADDRESS,''}"
     num_rollout_workers: int = 1
     rollout_cpus: float = 1.0
     rollout_gpus: float = 0.0
     trainer_cpus: float = 1.0
     trainer_gpus: float = 0.0
-    max_worker_restarts: int = 3
-    off_policy_overlap: bool = False
+    max_worker_restarts: int = 3  # Ray restarts of a dead rollout worker (its shard is then retried)
+    max_shard_retries: int = 2  # attempts after the first of one shard of one rollout call
+    restart_timeout_s: float = 120.0  # how long to wait for a restarted worker to come back
+    off_policy_overlap: bool = False  # roll out step t+1 while the trainer does step t (staleness 1)
+    placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
+    # local Ray only: logical CPUs (None = what the placement group asks for), object store size
+    num_cpus: int | None = None
+    object_store_mb: int = 512
+    start_attempts: int = 3  # a loaded machine can miss Ray's 15 s agent start deadline; start again
 
 
 @dataclass
