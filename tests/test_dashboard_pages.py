@@ -1,0 +1,247 @@
+"""Every dashboard page under streamlit's AppTest, against stores filled by a real tiny pipeline: a 2-step
+training run logged by parity.tracking's MlflowCallback under a pipeline parent run, its checkpoint
+evaluated at BF16 and at W8A8 INT8 and recorded in the registry, and regression checks. Built once per
+test session (the browser test reuses it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+APP = str(REPO / "dashboards" / "app.py")
+
+
+def _read_samples(path: Path) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            out.setdefault(r["benchmark"], []).append({k: r.get(k) for k in ("problem_id", "sample", "score",
+                                                                              "extracted", "status")})
+    return out
+
+
+def _evaluate(cfg, reg, c, exp, parent: str, pid: int, ckpt: str, precision: str, int8: bool) -> int:
+    from parity.commands import evaluate as evaluate_cmd
+    from parity.tracking import mlflow_log
+
+    ecfg = cfg.copy()
+    e = ecfg.eval
+    e.suite, e.limit, e.k, e.temperature, e.bootstrap, e.model_path = ["arithmetic"], 24, 2, 1.0, 200, ckpt
+    e.out_dir = str(Path(cfg.outputs_dir) / "eval" / f"{cfg.trainer.run_name}-{precision}-20261129-000000")
+    if int8:
+        ecfg.rollout.precision.weights = ecfg.rollout.precision.activations = "int8"
+    run_id = mlflow_log.start_run(c, exp, "evaluate", parent_run_id=parent, tags={"parity.stage": "evaluate"})
+    res = evaluate_cmd.run(ecfg)
+    art = reg.add_artifact("checkpoint", ckpt, precision, pipeline_id=pid)
+    row = res["benchmarks"]["arithmetic"]
+    rid = reg.add_evaluation("arithmetic", row["k"], row["problems"],
+                             {k: v for k, v in row.items() if k not in ("k", "problems")},
+                             _read_samples(Path(res["samples"]))["arithmetic"], pipeline_id=pid, artifact_id=art,
+                             out_dir=res["out_dir"])
+    mlflow_log.log_metrics(c, run_id, {"eval/arithmetic/avg@k": row["avg@k"],
+                                       **{f"eval/macro/{m}": v for m, v in res["macro"].items()}})
+    mlflow_log.end_run(c, run_id, ok=True)
+    return rid
+
+
+def build_stores(quick_cfg, base: Path) -> dict:
+    """MLflow store + registry + outputs of one tiny pipeline; idempotent within a session (marker file)."""
+    marker = base / "dashboard_stores.json"
+    if marker.is_file():
+        return json.loads(marker.read_text())
+    from parity.config import flatten
+    from parity.tracking import mlflow_log
+    from parity.tracking.registry import Registry
+    from parity.tracking.regression import compare
+    from parity.training.loop import train
+
+    uri, reg_url = f"sqlite:///{base}/dash_mlflow.db", f"sqlite:///{base}/dash_registry.db"
+    cfg = quick_cfg("trainer.run_name=dash-dual", "algorithm.correction.name=dual", f"tracking.tracking_uri={uri}",
+                    f"tracking.registry_url={reg_url}")
+    c = mlflow_log.client(uri)
+    exp = mlflow_log.experiment_id(c, "parity", mlflow_log.default_artifact_dir(uri))
+    with Registry(reg_url) as reg:
+        pid = reg.start_pipeline("train-and-eval", overrides=["algorithm.correction.name=dual"],
+                                 experiment=str(cfg.experiment_name))
+        parent = mlflow_log.start_run(c, exp, f"train-and-eval-{pid}", tags={"parity.flow": "train-and-eval"})
+        reg.set_pipeline_mlflow_run(pid, parent)
+        mlflow_log.log_params(c, parent, flatten(cfg))
+        train_run = mlflow_log.start_run(c, exp, "train", parent_run_id=parent, tags={"parity.stage": "train"})
+        cb = mlflow_log.MlflowCallback(uri, train_run)
+        summary = train(cfg, callbacks=[cb])
+        assert cb.close(wait_s=5.0)
+        mlflow_log.end_run(c, train_run, ok=True)
+        ckpt = str(summary["latest_checkpoint"])
+        bf16 = _evaluate(cfg, reg, c, exp, parent, pid, ckpt, "bf16", False)
+        int8 = _evaluate(cfg, reg, c, exp, parent, pid, ckpt, "wint8-aint8-kvbf16", True)
+        real = compare("arithmetic", reg.sample_scores(bf16), reg.sample_scores(int8), margin=0.05, n_boot=200)
+        reg.add_regression_check(benchmark="arithmetic", baseline_result_id=bf16, candidate_result_id=int8,
+                                 paired_problems=real.paired_problems, delta=real.delta, ci_low=real.ci_low,
+                                 ci_high=real.ci_high, margin=real.margin, passed=real.passed, message=real.message,
+                                 pipeline_id=pid)
+        time.sleep(0.01)  # a later created_at: the flagged check is the newest
+        reg.add_regression_check(benchmark="arithmetic", baseline_result_id=bf16, candidate_result_id=int8,
+                                 paired_problems=24, delta=-0.25, ci_low=-0.4, ci_high=-0.1, margin=0.05,
+                                 passed=False, message="arithmetic: REGRESSION: dashboard test drop", pipeline_id=pid)
+        mlflow_log.end_run(c, parent, ok=True)
+        reg.finish_pipeline(pid, "completed")
+    history = [json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    out = {"tracking_uri": uri, "registry_url": reg_url, "outputs_dir": str(cfg.outputs_dir), "parent": parent,
+           "train_run": train_run, "history": history, "real_check_passed": bool(real.passed),
+           "evals": {"bf16": reg_eval_metrics(reg_url, bf16), "int8": reg_eval_metrics(reg_url, int8)}}
+    marker.write_text(json.dumps(out))
+    return out
+
+
+def reg_eval_metrics(url: str, result_id: int) -> dict:
+    from parity.tracking.registry import Registry
+
+    with Registry(url, upgrade=False) as reg:
+        return reg.evaluation(result_id)["metrics"]
+
+
+@pytest.fixture(scope="session")
+def dashboard_stores(quick_cfg, outputs_dir: Path, prepared_model) -> dict:
+    return build_stores(quick_cfg, outputs_dir)
+
+
+@pytest.fixture
+def app_env(dashboard_stores, monkeypatch):
+    monkeypatch.setenv("PARITY_TRACKING_URI", dashboard_stores["tracking_uri"])
+    monkeypatch.setenv("PARITY_REGISTRY_URL", dashboard_stores["registry_url"])
+    monkeypatch.setenv("PARITY_OUTPUTS", dashboard_stores["outputs_dir"])
+    return dashboard_stores
+
+
+def _app(page: str | None = None):
+    from streamlit.testing.v1 import AppTest
+
+    at = AppTest.from_file(APP, default_timeout=300).run()
+    if page:
+        at.switch_page(f"views/{page}.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def _texts(elements) -> list[str]:
+    return [e.value for e in elements]
+
+
+def test_runs_page_lists_pipeline_and_stages_with_values(app_env):
+    at = _app()
+    df = at.dataframe[0].value
+    assert {"train-and-eval-1", "train", "evaluate"} <= set(df["run_name"])
+    train = df[df["run_name"] == "train"].iloc[0]
+    last_reward = [r["reward/mean"] for r in app_env["history"] if "reward/mean" in r][-1]
+    assert train["final_reward"] == pytest.approx(last_reward)
+    assert train["correction"] == "dual" and train["precision"] == "bf16" and train["stage"] == "train"
+    assert train["status"] == "FINISHED"
+    assert train["mlflow"].endswith(f"/runs/{app_env['train_run']}")
+    # the benchmark average of the pipeline's evaluate stage (its latest macro avg@k) shows on the train run
+    assert train["benchmark_avg"] == pytest.approx(app_env["evals"]["int8"]["avg@k"])
+    at.multiselect(key="runs_filter_stage").set_value(["train"]).run()
+    assert at.dataframe[0].value["run_name"].tolist() == ["train"]
+    at.multiselect(key="runs_filter_stage").set_value([]).run()
+    at.text_input(key="runs_filter_text").set_value("nothing-matches").run()
+    assert at.dataframe[0].value.empty
+
+
+def _chart_values(at) -> list[dict]:
+    """Rows of every vega-lite chart's inline datasets (Arrow IPC streams in the proto)."""
+    import pyarrow as pa
+
+    rows = []
+    for ch in at.get("arrow_vega_lite_chart"):
+        for ds in ch.proto.datasets:
+            rows += pa.ipc.open_stream(ds.data.data).read_all().to_pylist()
+    return rows
+
+
+def test_compare_page_plots_the_logged_curves(app_env):
+    at = _app("compare")
+    at.multiselect(key="compare_runs").set_value([app_env["train_run"]])
+    at.multiselect(key="compare_metrics").set_value(["reward/mean", "correction/lambda", "correction/sc_term_abs"]).run()
+    assert not at.exception
+    rows = _chart_values(at)
+    want = {(r["step"], r["reward/mean"]) for r in app_env["history"] if "reward/mean" in r}
+    got = {(r["step"], r["value"]) for r in rows if r.get("key") == "reward/mean"}
+    assert {(s, round(v, 9)) for s, v in got} == {(s, round(v, 9)) for s, v in want}
+    assert any(r.get("key") == "correction/lambda" for r in rows)
+    # dual logs no score-centering term: the page says so instead of drawing an empty chart
+    assert any("train: correction/sc_term_abs" in t for t in _texts(at.info))
+    csv = at.get("download_button")[0]
+    assert csv.proto.label == "Download data (CSV)"
+    # smoothing changes the plotted values by the EMA
+    at.slider(key="compare_smoothing").set_value(0.5).run()
+    sm = sorted((r["step"], r["value"]) for r in _chart_values(at) if r.get("key") == "reward/mean")
+    raw = sorted(want)
+    assert sm[0][1] == pytest.approx(raw[0][1])
+    assert sm[1][1] == pytest.approx((0.25 * raw[0][1] + 0.5 * raw[1][1]) / 0.75)
+
+
+def test_benchmarks_page_shows_bf16_and_int8_side_by_side(app_env):
+    at = _app("benchmarks")
+    table = at.dataframe[0].value
+    row = table[table["benchmark"] == "arithmetic"].iloc[0]
+    assert row["run"] == "train-and-eval-1"
+    assert list(table.columns)[:3] == ["run", "benchmark", "bf16"] and "wint8-aint8-kvbf16" in table.columns
+    for prec, key in [("bf16", "bf16"), ("wint8-aint8-kvbf16", "int8")]:
+        assert row[prec].startswith(f"{100 * app_env['evals'][key]['avg@k']:.1f} [")
+    at.radio(key="bench_by").set_value("correction").run()
+    assert at.dataframe[0].value.iloc[0]["correction"] == "dual"
+
+
+def test_regression_page_highlights_flagged_drop(app_env):
+    at = _app("regression")
+    assert any("1 of 2 checks flagged" in t or "2 of 2 checks flagged" in t for t in _texts(at.error))
+    df = at.dataframe[0].value
+    assert df.iloc[0]["flagged"] and df.iloc[0]["delta"] == pytest.approx(-25.0)
+    assert bool(df.iloc[1]["flagged"]) == (not app_env["real_check_passed"])
+
+
+def test_precision_page_reads_validation_reports(tmp_path, monkeypatch):
+    folder = tmp_path / "precision_validation" / "tiny_qwen3-W8A8-INT8"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")  # the quantization config next to the report is not a report
+    (folder / "report.json").write_text(json.dumps({"modes": {
+        "w8a8": {"mean_abs_prob_diff": 0.012, "k3_kl": 0.003, "accuracy": 0.41},
+        "w8a8_kv_int4": {"mean_abs_prob_diff": 0.03, "k3_kl": 0.02, "accuracy": 0.37}}, "passed": False}))
+    (folder / "broken.json").write_text("{not json")
+    monkeypatch.setenv("PARITY_OUTPUTS", str(tmp_path))
+    at = _app("precision")
+    df = at.dataframe[0].value
+    assert df["mode"].tolist() == ["w8a8", "w8a8_kv_int4"]
+    assert df["k3_kl"].tolist() == pytest.approx([0.003, 0.02]) and "accuracy" in df.columns
+    assert any("broken.json" in t for t in _texts(at.warning))
+
+
+@pytest.mark.parametrize("page", [None, "compare", "benchmarks", "regression", "precision"])
+def test_empty_stores_give_messages(page, tmp_path, monkeypatch):
+    monkeypatch.setenv("PARITY_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    monkeypatch.setenv("PARITY_REGISTRY_URL", f"sqlite:///{tmp_path}/registry.db")
+    monkeypatch.setenv("PARITY_OUTPUTS", str(tmp_path))
+    at = _app(page)
+    assert _texts(at.info) + _texts(at.warning), "an empty store must say so"
+    assert not list(tmp_path.iterdir()), "the dashboard created files"
+
+
+def test_unreachable_mlflow_server(monkeypatch, tmp_path):
+    monkeypatch.setenv("PARITY_TRACKING_URI", "http://127.0.0.1:9")
+    monkeypatch.setenv("PARITY_OUTPUTS", str(tmp_path))
+    at = _app("compare")
+    assert any("unreachable" in t for t in _texts(at.warning))
+
+
+def test_store_untouched_by_the_dashboard(app_env):
+    paths = [Path(app_env["tracking_uri"].removeprefix("sqlite:///")), Path(app_env["registry_url"].removeprefix("sqlite:///"))]
+    before = [(p.stat().st_mtime_ns, p.stat().st_size) for p in paths]
+    for page in [None, "compare", "benchmarks", "regression"]:
+        _app(page)
+    assert [(p.stat().st_mtime_ns, p.stat().st_size) for p in paths] == before
+    assert os.environ["PARITY_TRACKING_URI"] == app_env["tracking_uri"]
