@@ -39,6 +39,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class TorchEngine:
     name = "torch"
+    fast_decode = True  # CUDA only: parity.rollout.cuda_decode (static KV cache, CUDA graphs); False = plain loop
 
     def __init__(self, model_dir: str | Path, precision: Any = None, device: str = "cpu",
                  dtype: torch.dtype = torch.bfloat16, pad_token_id: int | None = None,
@@ -129,6 +130,12 @@ class TorchEngine:
     @torch.no_grad()
     def generate(self, prompt_token_ids: list[list[int]], spec: SamplingSpec,
                  prompt_ids: list[int] | None = None) -> RolloutBatch:
+        # ---- dispatch to the CUDA fast path (same inputs and RolloutBatch; see cuda_decode's docstring) ----
+        if self.fast_decode and self.device.type == "cuda":
+            from parity.rollout.cuda_decode import fast_generate, supports
+            if supports(self):
+                return fast_generate(self, prompt_token_ids, spec, prompt_ids)
+        # ---- the plain loop ----
         dev, n, R = self.device, spec.n, spec.max_new_tokens
         prompt_ids = list(range(len(prompt_token_ids))) if prompt_ids is None else list(prompt_ids)
         rows = [(i, j) for i in range(len(prompt_token_ids)) for j in range(n)]

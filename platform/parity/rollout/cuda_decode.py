@@ -1,0 +1,270 @@
+"""The torch engine's fast decode path: a static KV cache and one CUDA graph per decode step.
+
+TorchEngine.generate dispatches here on CUDA (see `supports`). What differs from the plain loop, and why:
+
+- The KV cache is one preallocated [B, n_kv, S, D] pair per layer (S = prompt + new tokens rounded up to
+  `_S_ALIGN`), and a decode step attends over all S slots with a mask, so every step has the same shapes and
+  the whole step (28 layers, sampling, bookkeeping) is captured once as a CUDA graph and replayed: the plain
+  loop spends its time launching ~800 small kernels a step, not computing.
+- All per-step state lives on the device (step counter, write slot, positions, done flags); a replay reads
+  the token the previous replay sampled, so the host only replays and, every `_DONE_CHECK` steps, looks at
+  whether every row has finished.
+- Decode attention is grouped-query attention written as two batched matmuls over the cache (the query
+  heads of one KV head form the rows), softmax in float32: no K/V head repetition.
+- Sampling with top_p = 1 draws by inverse CDF over the vocabulary in index order instead of sorted order:
+  the same distribution, the same per-row uniforms, without a [B, V] sort per step. Greedy and top_p < 1
+  use TorchEngine._sample unchanged (bit-identical rules).
+
+The prefill is the engine's own forward (`TorchEngine._forward`) writing into the static cache. The last
+captured graph is kept on the engine and replayed by later calls of the same shape; weights are updated in
+place by `update_weights`, which a replay sees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from parity.rollout.base import SamplingSpec
+from parity.types import RolloutBatch
+
+_S_ALIGN = 64  # cache length granularity: prompts of nearby lengths reuse one captured graph
+_DONE_CHECK = 16  # host looks at the done flags every this many steps (each look is a sync)
+
+
+def supports(engine: Any) -> bool:
+    """Dense Qwen3-style models without routing capture; MoE blocks route data-dependently (not capturable)."""
+    cfg = engine.model.config
+    return engine.recorder is None and not getattr(cfg, "num_experts", 0)
+
+
+def sample_inverse_cdf(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Token index i with cdf[i-1] < u * total <= cdf[i] over probs = exp(logp) in vocabulary order.
+    P(i) = p_i / sum(p) exactly as the sorted inverse-CDF draw; only which uniform maps to which token differs."""
+    cdf = logp.exp().cumsum(-1)
+    target = (u.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
+    return torch.searchsorted(cdf, target).clamp_max(cdf.shape[-1] - 1).squeeze(-1)
+
+
+def rope_tables(engine: Any, max_pos: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [max_pos, D] from the model's own rotary module (so scaling variants match the prefill)."""
+    inner = engine.model.model
+    pos = torch.arange(max_pos, device=engine.device)[None]
+    probe = torch.zeros(1, max_pos, 1, dtype=dtype, device=engine.device)
+    cos, sin = inner.rotary_emb(probe, pos)
+    return cos[0].to(dtype), sin[0].to(dtype)
+
+
+@dataclass
+class _State:
+    """Every tensor a decode step reads or writes; fixed addresses so a graph can replay over them."""
+
+    key: tuple
+    caches: list[tuple[torch.Tensor, torch.Tensor]]
+    cos: torch.Tensor
+    sin: torch.Tensor
+    t: torch.Tensor  # [1] long: the step being sampled
+    start: torch.Tensor  # [1] long: P, the cache slot of response token 0
+    plen: torch.Tensor  # [B] long: real prompt lengths (rope position of response token 0)
+    key_ok: torch.Tensor  # [B, S] bool: real prompt tokens and response slots
+    uniforms: torch.Tensor  # [B, R] float64
+    logits: torch.Tensor  # [B, V] float32: the logits the next sample draws from
+    tok: torch.Tensor  # [B] long
+    done: torch.Tensor  # [B] bool
+    responses: torch.Tensor
+    rmask: torch.Tensor
+    logps: torch.Tensor
+    topk_ids: torch.Tensor | None
+    topk_lp: torch.Tensor | None
+    graph: Any = None
+    extras: dict = field(default_factory=dict)
+
+
+def _decode_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, kmask: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """q [B, H, D] against the cache [B, n_kv, S, D]; query head h reads KV head h // (H / n_kv) as in HF."""
+    B, H, D = q.shape
+    n_kv = ck.shape[1]
+    qg = q.view(B, n_kv, H // n_kv, D)
+    scores = torch.matmul(qg, ck.transpose(-1, -2)).float() * scale  # [B, n_kv, g, S]
+    scores = scores.masked_fill(~kmask[:, None, None, :], float("-inf"))
+    p = torch.softmax(scores, dim=-1).to(cv.dtype)
+    return torch.matmul(p, cv).reshape(B, H * D)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def _decode_forward(engine: Any, st: _State, tok: torch.Tensor) -> torch.Tensor:
+    """One token per row at slot start + t, rope position plen + t: logits [B, V] float32."""
+    inner, D = engine.model.model, engine.head_dim
+    B = tok.shape[0]
+    pos = st.plen + st.t
+    slot = st.start + st.t
+    cos, sin = st.cos[pos][:, None, :], st.sin[pos][:, None, :]  # [B, 1, D], broadcast over heads
+    S = st.key_ok.shape[1]
+    kmask = (torch.arange(S, device=tok.device)[None, :] <= slot) & st.key_ok
+    h = inner.embed_tokens(tok[:, None])  # [B, 1, hidden]
+    for layer, (ck, cv) in zip(inner.layers, st.caches):
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        q = attn.q_norm(attn.q_proj(x).view(B, -1, D))
+        k = attn.k_norm(attn.k_proj(x).view(B, -1, D))
+        v = attn.v_proj(x).view(B, -1, D)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        if engine.kv_codec is not None:
+            k, v = engine.kv_codec.roundtrip(k), engine.kv_codec.roundtrip(v)
+        ck.index_copy_(2, slot, k[:, :, None].to(ck.dtype))
+        cv.index_copy_(2, slot, v[:, :, None].to(cv.dtype))
+        out = _decode_attention(q.to(ck.dtype), ck, cv, kmask, attn.scaling)
+        h = h + attn.o_proj(out.to(h.dtype)[:, None])
+        mlp_out = layer.mlp(layer.post_attention_layernorm(h))
+        h = h + (mlp_out[0] if isinstance(mlp_out, tuple) else mlp_out)
+    return engine.model.lm_head(inner.norm(h[:, -1])).float()
+
+
+def _sample_and_record(engine: Any, st: _State, spec: SamplingSpec) -> None:
+    """Draw token t from st.logits and write it, its log-prob and the done flags (all in place)."""
+    greedy = spec.temperature == 0.0
+    temp = 1.0 if greedy else spec.temperature
+    logp = torch.log_softmax(st.logits / temp, dim=-1)
+    u = st.uniforms.index_select(1, st.t).squeeze(1)
+    if greedy or spec.top_p < 1.0:
+        tok = engine._sample(logp, spec.top_p, u, greedy)
+    else:
+        tok = sample_inverse_cdf(logp, u)
+    live = ~st.done
+    tok_out = torch.where(live, tok, engine.pad_id)
+    st.responses.index_copy_(1, st.t, tok_out[:, None])
+    st.rmask.index_copy_(1, st.t, live[:, None])
+    lp = torch.where(live, logp.gather(-1, tok[:, None]).squeeze(-1), 0.0)
+    st.logps.index_copy_(1, st.t, lp[:, None])
+    if st.topk_ids is not None:
+        v, ix = logp.topk(spec.topk_logprobs, dim=-1)
+        st.topk_lp.index_copy_(1, st.t, (v * live[:, None])[:, None])
+        st.topk_ids.index_copy_(1, st.t, (ix.int() * live[:, None])[:, None])
+    st.done.logical_or_(live & (tok == engine.eos_id))
+    st.tok.copy_(tok_out)
+
+
+def _step(engine: Any, st: _State, spec: SamplingSpec) -> None:
+    """Sample token t, then run the forward that gives the logits of token t + 1, then t += 1."""
+    _sample_and_record(engine, st, spec)
+    st.logits.copy_(_decode_forward(engine, st, st.tok))
+    st.t.add_(1)
+
+
+def _new_state(engine: Any, key: tuple, B: int, S: int, R: int, K: int, dtype: torch.dtype) -> _State:
+    dev = engine.device
+    max_pos = engine.model.config.max_position_embeddings
+    cos, sin = rope_tables(engine, max_pos, dtype)
+    caches = [(torch.zeros(B, engine.n_kv, S, engine.head_dim, dtype=dtype, device=dev),
+               torch.zeros(B, engine.n_kv, S, engine.head_dim, dtype=dtype, device=dev))
+              for _ in engine.model.model.layers]
+    return _State(
+        key=key, caches=caches, cos=cos, sin=sin,
+        t=torch.zeros(1, dtype=torch.long, device=dev), start=torch.zeros(1, dtype=torch.long, device=dev),
+        plen=torch.zeros(B, dtype=torch.long, device=dev), key_ok=torch.zeros(B, S, dtype=torch.bool, device=dev),
+        uniforms=torch.zeros(B, R, dtype=torch.float64, device=dev),
+        logits=torch.zeros(B, engine.vocab_size, dtype=torch.float32, device=dev),
+        tok=torch.zeros(B, dtype=torch.long, device=dev), done=torch.zeros(B, dtype=torch.bool, device=dev),
+        responses=torch.zeros(B, R, dtype=torch.long, device=dev), rmask=torch.zeros(B, R, dtype=torch.bool, device=dev),
+        logps=torch.zeros(B, R, dtype=torch.float32, device=dev),
+        topk_ids=torch.zeros(B, R, K, dtype=torch.int32, device=dev) if K else None,
+        topk_lp=torch.zeros(B, R, K, dtype=torch.float32, device=dev) if K else None,
+    )
+
+
+def _capture(engine: Any, st: _State, spec: SamplingSpec) -> Any:
+    """Record one decode step as a CUDA graph. The warm-up runs on a side stream as CUDA graphs require;
+    it is step 0 for real (lazy caches such as the Hadamard matrix get built there, outside capture)."""
+    side = torch.cuda.Stream(device=engine.device)
+    side.wait_stream(torch.cuda.current_stream(engine.device))
+    with torch.cuda.stream(side):
+        _step(engine, st, spec)
+    torch.cuda.current_stream(engine.device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _step(engine, st, spec)  # recorded, not executed: t stays 1
+    return graph
+
+
+def fast_generate(engine: Any, prompt_token_ids: list[list[int]], spec: SamplingSpec,
+                  prompt_ids: list[int] | None = None, use_graphs: bool | None = None) -> RolloutBatch:
+    """TorchEngine.generate on the static-cache path; same inputs, same RolloutBatch layout and meta."""
+    from parity.rollout.torch_engine import _row_seed
+
+    dev, n, R = engine.device, spec.n, spec.max_new_tokens
+    use_graphs = dev.type == "cuda" if use_graphs is None else use_graphs
+    prompt_ids = list(range(len(prompt_token_ids))) if prompt_ids is None else list(prompt_ids)
+    rows = [(i, j) for i in range(len(prompt_token_ids)) for j in range(n)]
+    if not prompt_token_ids or min(len(p) for p in prompt_token_ids) == 0:
+        raise ValueError("every prompt needs at least one token")
+    B, P = len(rows), max(spec.pad_prompts_to, max(len(p) for p in prompt_token_ids))
+    max_pos = engine.model.config.max_position_embeddings
+    if P + R > max_pos:
+        raise ValueError(f"prompt ({P}) + max_new_tokens ({R}) exceeds the model's "
+                         f"max_position_embeddings ({max_pos})")
+    S = min(-(-(P + R) // _S_ALIGN) * _S_ALIGN, max_pos)
+    K = spec.topk_logprobs
+    w = engine.model.lm_head.weight
+    dtype = w.dtype if w.is_floating_point() else torch.bfloat16
+    key = (B, S, R, K, spec.temperature, spec.top_p, dtype, use_graphs)
+    st = engine.__dict__.get("_fast_state")
+    if st is None or st.key != key:
+        engine._fast_state = None  # free the old cache before allocating the new one
+        st = _new_state(engine, key, B, S, R, K, dtype)
+        engine._fast_state = st
+
+    prompts = torch.full((B, P), engine.pad_id, dtype=torch.long)
+    pmask = torch.zeros((B, P), dtype=torch.bool)
+    for r, (i, _) in enumerate(rows):
+        toks = prompt_token_ids[i]
+        prompts[r, P - len(toks):] = torch.tensor(toks)
+        pmask[r, P - len(toks):] = True
+    prompts, pmask = prompts.to(dev), pmask.to(dev)
+    seed = 0 if spec.seed is None else spec.seed
+    st.uniforms.copy_(torch.stack([torch.rand(R, generator=torch.Generator().manual_seed(
+        _row_seed(seed, prompt_ids[i], j)), dtype=torch.float64) for i, j in rows]))
+    st.key_ok.zero_()
+    st.key_ok[:, :P] = pmask
+    st.key_ok[:, P:P + R] = True
+    st.plen.copy_(pmask.sum(-1))
+    st.start.fill_(P)
+    st.t.zero_()
+    st.done.zero_()
+    st.responses.fill_(engine.pad_id)  # what the plain loop leaves in steps after every row finished
+    for x in (st.rmask, st.logps, st.topk_ids, st.topk_lp):
+        if x is not None:
+            x.zero_()
+
+    q_idx = torch.arange(P, device=dev)
+    causal = q_idx[:, None] >= q_idx[None, :]
+    mask = (causal[None] & pmask[:, None, :]) | torch.eye(P, dtype=torch.bool, device=dev)[None]
+    pos = (pmask.long().cumsum(-1) - 1).clamp_min(0)
+    st.logits.copy_(engine._forward(prompts, pos, st.caches, 0, mask[:, None]))
+
+    steps = 0
+    if use_graphs and st.graph is None:
+        st.graph = _capture(engine, st, spec)
+        steps = 1
+    while steps < R:
+        st.graph.replay() if use_graphs else _step(engine, st, spec)
+        steps += 1
+        if steps % _DONE_CHECK == 0 and steps < R and bool(st.done.all()):
+            break  # later steps would only write pad tokens, which the buffers already hold
+    truncated = ~st.done
+    batch = RolloutBatch(
+        prompts=prompts.cpu(), prompt_mask=pmask.cpu(), responses=st.responses.cpu(), response_mask=st.rmask.cpu(),
+        rollout_logprobs=st.logps.cpu(), rewards=torch.zeros(B, dtype=torch.float32), truncated=truncated.cpu(),
+        group_ids=torch.tensor([i for i, _ in rows], dtype=torch.long),
+        prompt_ids=torch.tensor([prompt_ids[i] for i, _ in rows], dtype=torch.long),
+        topk_ids=None if st.topk_ids is None else st.topk_ids.cpu(),
+        topk_logprobs=None if st.topk_lp is None else st.topk_lp.cpu(),
+        meta={"engine": engine.name, **engine.describe()},
+    )
+    return batch
