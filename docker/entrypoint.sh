@@ -44,7 +44,7 @@ case "$role" in
       ray start --address="${RAY_HEAD_ADDRESS}" --num-cpus=0 --num-gpus=0
     fi
     require PREFECT_API_URL
-    exec python -m flows.serve "$@"
+    exec python -m flows.deployments "$@"
     ;;
   dashboard)
     exec streamlit run dashboards/app.py --server.address=0.0.0.0 \

@@ -157,7 +157,17 @@ def test_entrypoint_flows_joins_ray_then_serves(fake_bin: Path) -> None:
                          PREFECT_API_URL="http://prefect-server:4200/api")
     assert res.returncode == 0, res.stderr
     assert res.stdout.split("\n")[:-1] == ["ray", "start", "--address=ray-head:6379", "--num-cpus=0", "--num-gpus=0",
-                                           "python", "-m", "flows.serve"]
+                                           "python", "-m", "flows.deployments"]
+
+
+def test_the_programs_the_roles_run_exist() -> None:
+    entry = (DOCKER / "entrypoint.sh").read_text()
+    module = re.search(r"exec python -m (flows\.\w+)", entry)
+    assert module, "the flows role runs a module of flows/"
+    source = (REPO / (module[1].replace(".", "/") + ".py")).read_text()
+    assert 'if __name__ == "__main__":' in source, f"{module[1]} does nothing when run with -m"
+    app = re.search(r"streamlit run (\S+)", entry)
+    assert app and (REPO / app[1]).is_file()
 
 
 @pytest.mark.parametrize(("role", "needs"), [("mlflow", "MLFLOW_BACKEND_STORE_URI"), ("ray-worker", "RAY_HEAD_ADDRESS"),
