@@ -150,3 +150,14 @@ def test_grade_command():
     assert out["score"] == 0 and out["extracted"] == "3"
     out = grade_main(["--response", PATHOLOGICAL["power_tower"], "--answer", "5", "--timeout", "1"])
     assert out["score"] == 0 and out["status"] == "timeout"
+
+
+def test_broken_environment_fails_loudly_not_as_zero_rewards(tmp_path, monkeypatch):
+    """Workers that cannot import math-verify must stop grading with an error, not score everything 0."""
+    fake = tmp_path / "math_verify"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('broken on purpose')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # spawned workers inherit the parent's sys.path
+    with GraderPool(workers=1, timeout_s=TIMEOUT, start_method="spawn") as p:
+        with pytest.raises(RuntimeError, match="cannot import math-verify.*broken on purpose"):
+            p.grade(["\\boxed{1}"], ["1"])

@@ -29,6 +29,7 @@ import torch
 from parity.rewards.extract import last_boxed
 from parity.rewards.mathverify import (
     CRASH,
+    ERROR,
     TIMEOUT,
     TRUNCATED,
     GradeResult,
@@ -60,6 +61,7 @@ class PoolStats:
     truncated: int = 0
     timeouts: int = 0  # soft (worker timer) plus hard (worker killed)
     crashes: int = 0  # worker died while grading an item
+    errors: int = 0  # math-verify raised on an item (scored 0, worker kept)
     restarts: int = 0  # workers replaced (after a hard timeout or a crash)
 
     def as_dict(self) -> dict[str, int]:
@@ -179,6 +181,8 @@ class GraderPool:
                         self._boot_failed(i)
                         continue
                     self._boot_failures = 0
+                    if msg[0] == "fatal":
+                        raise RuntimeError(f"GraderPool: a worker cannot grade at all: {msg[1]}")
                     self._workers[i].ready = msg[0] == "ready"
                 now = time.monotonic()
                 for i in booting.values():
@@ -246,6 +250,7 @@ class GraderPool:
         self.stats.correct += sum(r.score == 1.0 for r in results)
         self.stats.timeouts += sum(r.status == TIMEOUT for r in results)
         self.stats.crashes += sum(r.status == CRASH for r in results)
+        self.stats.errors += sum(r.status == ERROR for r in results)
         return results
 
     def _dispatch(self, jobs: list[int], responses: list[str], answers: list[str]) -> dict[int, GradeResult]:
@@ -295,6 +300,8 @@ class GraderPool:
                         fail(i, CRASH)
                     continue
                 self._boot_failures = 0
+                if msg[0] == "fatal":
+                    raise RuntimeError(f"GraderPool: a worker cannot grade at all: {msg[1]}")
                 if msg[0] == "ready":
                     w.ready = True
                     continue

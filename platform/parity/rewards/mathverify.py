@@ -32,6 +32,7 @@ TOO_LONG = "too_long"  # boxed content longer than max_answer_chars
 TRUNCATED = "truncated"  # the response hit the length limit without EOS
 TIMEOUT = "timeout"
 CRASH = "crash"
+ERROR = "error"  # math-verify raised (a bug on some input): scored 0, counted, the worker lives on
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,8 @@ def grade_one(response: str, answer: str, timeout_s: float | None = 5.0,
         return GradeResult(0.0, last_boxed(response), TIMEOUT)
     except RecursionError:
         return GradeResult(0.0, last_boxed(response), UNPARSABLE)
+    except Exception:
+        return GradeResult(0.0, last_boxed(response), ERROR)
     finally:
         if armed:
             signal.setitimer(signal.ITIMER_REAL, 0.0)
@@ -119,6 +122,11 @@ def serve(conn: Any, timeout_s: float, max_answer_chars: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _quiet_math_verify()
     try:
+        try:
+            _mv()
+        except Exception as e:  # a broken environment: no item could ever be graded, so say so once
+            conn.send(("fatal", f"cannot import math-verify: {e!r}"))
+            return
         # A fresh worker may still be importing; the pool starts an item's clock only after this.
         conn.send(("ready", os.getpid()))
     except (BrokenPipeError, OSError):
