@@ -1,0 +1,333 @@
+"""One-run GPU benchmark of the numerical core on the Qwen3-0.6B shape (issue 12), random bf16 weights.
+
+    PYTHONUNBUFFERED=1 python3 tests/bench/bench_gpu.py --out $OUT/bench_gpu.json
+
+(on the lent H200: PYTHONPATH=platform:<omegaconf/hydra/antlr4 site dir>; see docs/PERFORMANCE.md).
+Sections, each timed with CUDA synchronisation around the region, each failure reported not fatal:
+  ceilings      device-to-device copy bandwidth, bf16 8192^3 matmul rate
+  rollout       batch 64, 128-token prompts, 256 sampled tokens (no EOS: min_new_tokens / random weights):
+                HF generate, TorchEngine plain loop, TorchEngine fast path BF16, INT8 W8A8, INT8 W8A8 + INT4 KV
+  check         fast path == plain loop in float32 (greedy and top-p: same tokens, log-probs to rounding);
+                BF16 fast-path log-probs vs a teacher-forced HF forward (and the plain loop's, for scale)
+  sync          update_weights seconds: BF16 -> BF16 engine, BF16 -> INT8 W8A8 engine
+  trainer       parity Trainer.step at batch 8 x 1024 (128 prompt + 896 response tokens): tokens/s, MFU, peak
+                memory; plain GRPO vs score centering (top-K 128); eager vs compiled decoder layers
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import torch
+
+R_TOKENS, P_TOKENS, BATCH = 256, 128, 64
+SHAPE = dict(vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+             num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
+             tie_word_embeddings=True, rope_theta=1_000_000.0, eos_token_id=151_645, pad_token_id=151_643,
+             bos_token_id=151_643)
+RESULTS: dict = {}
+OUT_PATH = ["bench_gpu.json"]
+
+
+def dump() -> None:
+    """Written after every section, so a run cut off by a time limit still leaves its figures."""
+    with open(OUT_PATH[0], "w") as f:
+        json.dump({k: v for k, v in RESULTS.items() if not k.startswith("_")}, f, indent=1, default=str)
+
+
+def sync() -> None:
+    torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], object], reps: int = 1) -> tuple[float, object]:
+    """Median seconds of `reps` runs (after the caller's warm-up) and the last result."""
+    times, out = [], None
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        out = fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def section(name: str):
+    def deco(fn):
+        def run(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                fn(*a, **k)
+            except Exception as e:  # noqa: BLE001 - one broken section must not hide the others
+                RESULTS.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"
+                traceback.print_exc()
+            print(f"[{name}] {time.perf_counter() - t0:.1f}s {json.dumps(RESULTS.get(name, {}), default=str)}", flush=True)
+            dump()
+        return run
+    return deco
+
+
+@section("ceilings")
+def ceilings() -> None:
+    x = torch.randn(2**30, device="cuda", dtype=torch.bfloat16)  # 2 GiB
+    y = torch.empty_like(x)
+    y.copy_(x)
+    t, _ = timed(lambda: y.copy_(x), 10)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    a @ b
+    tm, _ = timed(lambda: a @ b, 10)
+    RESULTS["ceilings"] = {"copy_TBps": 2 * x.numel() * 2 / t / 1e12, "bf16_matmul_TFLOPs": 2 * 8192**3 / tm / 1e12}
+
+
+def build_model_dir() -> str:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    d = tempfile.mkdtemp(prefix="qwen3_06b_")
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen3ForCausalLM(Qwen3Config(**SHAPE)).to(torch.bfloat16)
+    model.save_pretrained(d)
+    return d
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a decode step must read: every matrix once (the embedding table is gathered, not read)."""
+    total = 0
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if "embed_tokens" in name and not model.config.tie_word_embeddings:
+            continue
+        total += t.numel() * t.element_size()
+    return total
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 151_000, (n, P_TOKENS), generator=g).tolist()
+
+
+@section("rollout")
+def rollout(d: str, reps: int) -> None:
+    from parity.rollout.base import SamplingSpec
+    from parity.rollout.torch_engine import TorchEngine
+    from transformers import AutoModelForCausalLM
+    out: dict = {}
+    RESULTS["rollout"] = out
+    spec = SamplingSpec(temperature=1.0, top_p=1.0, max_new_tokens=R_TOKENS, n=1, seed=0)
+    ps = prompts(BATCH)
+    n_tok = BATCH * R_TOKENS
+
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).cuda().eval()
+    out["weight_bytes"] = weight_bytes(hf)
+    ids = torch.tensor(ps, device="cuda")
+    am = torch.ones_like(ids)
+
+    def hf_gen(new: int, hf: torch.nn.Module = hf) -> torch.Tensor:
+        return hf.generate(input_ids=ids, attention_mask=am, do_sample=True, top_k=0, top_p=1.0,
+                           max_new_tokens=new, min_new_tokens=new, pad_token_id=SHAPE["pad_token_id"])
+    hf_gen(4)
+    t, seq = timed(lambda f=hf_gen: f(R_TOKENS))
+    assert seq.shape[1] == P_TOKENS + R_TOKENS, seq.shape
+    out["hf_generate_tok_s"] = n_tok / t
+    del hf, hf_gen
+
+    eng = TorchEngine(d, device="cuda", dtype=torch.bfloat16)
+    eng.fast_decode = False
+    eng.generate(ps[:4], SamplingSpec(max_new_tokens=4, seed=0))
+    t, plain = timed(lambda: eng.generate(ps, spec))
+    out["torch_plain_tok_s"] = n_tok / t
+    eng.fast_decode = True
+    t0 = time.perf_counter()
+    eng.generate(ps, spec)  # allocates the static cache and captures the graph
+    sync()
+    out["fast_first_call_s"] = time.perf_counter() - t0
+    t, fast = timed(lambda: eng.generate(ps, spec), reps)
+    assert int(fast.response_mask.sum()) == n_tok, "EOS cut some rows short: token count would be wrong"
+    out["torch_fast_bf16_tok_s"] = n_tok / t
+    out["fast_over_hf"] = out["torch_fast_bf16_tok_s"] / out["hf_generate_tok_s"]
+    roof = 4.3e12 / out["weight_bytes"] * BATCH
+    if "ceilings" in RESULTS:
+        roof = RESULTS["ceilings"]["copy_TBps"] * 1e12 / out["weight_bytes"] * BATCH
+    out["roof_tok_s"] = roof
+    out["fast_bf16_of_roof"] = out["torch_fast_bf16_tok_s"] / roof
+    logprob_check(eng, fast, plain)
+    RESULTS["_engines"] = {"bf16": eng}
+
+    for label, prec in [("int8_w8a8", SimpleNamespace(weights="int8", activations="int8", kv_cache="bf16")),
+                        ("int8_w8a8_int4kv", SimpleNamespace(weights="int8", activations="int8",
+                                                             kv_cache="int4_per_token_head"))]:
+        q = TorchEngine(d, precision=prec, device="cuda", dtype=torch.bfloat16)
+        out[f"{label}_linear_path"] = q.linear_path
+        q.generate(ps, spec)
+        t, b = timed(lambda q=q: q.generate(ps, spec), reps)
+        out[f"torch_fast_{label}_tok_s"] = n_tok / t
+        out[f"{label}_over_bf16"] = out[f"torch_fast_{label}_tok_s"] / out["torch_fast_bf16_tok_s"]
+        out[f"{label}_mean_abs_dlogp_vs_bf16_forward"] = teacher_forced_gap(eng.model, b)[0]
+        RESULTS["_engines"][label] = q
+
+
+def teacher_forced_gap(model: torch.nn.Module, b, temperature: float = 1.0) -> tuple[float, float]:
+    """mean and max |rollout log-prob - log-prob of a full forward of `model` on the same tokens|."""
+    diffs = []
+    P = b.prompts.shape[1]
+    with torch.no_grad():
+        for rows in torch.arange(b.batch_size).split(8):
+            mb = b.select(rows)
+            am = mb.attention_mask.cuda()
+            logits = model(input_ids=mb.input_ids.cuda(), attention_mask=am,
+                           position_ids=(am.long().cumsum(-1) - 1).clamp_min(0)).logits[:, P - 1:-1].float()
+            ref = torch.log_softmax(logits / temperature, -1).gather(-1, mb.responses.cuda()[..., None])[..., 0]
+            m = mb.response_mask.cuda()
+            diffs.append((mb.rollout_logprobs.cuda() - ref)[m].abs())
+    d = torch.cat(diffs)
+    return float(d.mean()), float(d.max())
+
+
+def logprob_check(eng, fast, plain) -> None:
+    out = RESULTS.setdefault("check", {})
+    out["bf16_fast_vs_forward_mean_abs"], out["bf16_fast_vs_forward_max_abs"] = teacher_forced_gap(eng.model, fast)
+    out["bf16_plain_vs_forward_mean_abs"], out["bf16_plain_vs_forward_max_abs"] = teacher_forced_gap(eng.model, plain)
+
+
+@section("check")
+def check_fp32(d: str) -> None:
+    """Graph replay vs the plain loop in float32: the sampling rules are the same for greedy and top-p."""
+    from parity.rollout.base import SamplingSpec
+    from parity.rollout.torch_engine import TorchEngine
+    out = RESULTS.setdefault("check", {})
+    eng = TorchEngine(d, device="cuda", dtype=torch.float32)
+    ps = prompts(16, seed=1)
+    for label, spec in [("greedy", SamplingSpec(temperature=0.0, max_new_tokens=32, seed=3)),
+                        ("top_p", SamplingSpec(temperature=1.0, top_p=0.9, max_new_tokens=32, n=2, seed=4,
+                                               topk_logprobs=8))]:
+        eng.fast_decode = False
+        a = eng.generate(ps, spec)
+        eng.fast_decode = True
+        eng.generate(ps, spec)  # capture
+        b = eng.generate(ps, spec)  # replay of the captured graph
+        out[f"fp32_{label}_tokens_equal_frac"] = float((a.responses == b.responses).float().mean())
+        out[f"fp32_{label}_max_abs_dlogp"] = float((a.rollout_logprobs - b.rollout_logprobs).abs().max())
+    del eng
+
+
+@section("sync")
+def weight_sync() -> None:
+    out: dict = {}
+    RESULTS["sync"] = out
+    engines = RESULTS.get("_engines", {})
+    src = engines["bf16"].model
+    named = [(n, p.detach().clone()) for n, p in src.named_parameters()]  # the trainer's BF16 stream
+    for label, eng in engines.items():
+        eng.update_weights(iter(named))
+        t, _ = timed(lambda eng=eng: eng.update_weights(iter(named)), 3)
+        out[f"bf16_to_{label}_s"] = t
+
+
+def make_train_batch(topk: int):
+    from parity.types import RolloutBatch
+    g = torch.Generator().manual_seed(0)
+    B, P, R, V = 8, 128, 896, SHAPE["vocab_size"]
+    kw = {}
+    if topk:
+        base = torch.randint(0, V, (B, R, 1), generator=g)
+        kw["topk_ids"] = ((base + torch.arange(topk)) % V).int()
+        p = torch.softmax(torch.randn(B, R, topk, generator=g), -1) * 0.5
+        kw["topk_logprobs"] = p.sort(-1, descending=True).values.log()
+    return RolloutBatch(
+        prompts=torch.randint(0, V, (B, P), generator=g), prompt_mask=torch.ones(B, P, dtype=torch.bool),
+        responses=torch.randint(0, V, (B, R), generator=g), response_mask=torch.ones(B, R, dtype=torch.bool),
+        rollout_logprobs=torch.full((B, R), -11.93), rewards=torch.randn(B, generator=g),
+        truncated=torch.zeros(B, dtype=torch.bool), group_ids=torch.arange(B) // 4, prompt_ids=torch.arange(B) // 4,
+        **kw)
+
+
+def train_flops_per_step(B: int = 8, P: int = 128, R: int = 896) -> float:
+    """Matmul FLOPs of forward + backward actually executed: 6 x params x tokens for the layers, the LM head
+    on response tokens only (the chunked log-prob head), causal attention 6 x S x (H D) per token per layer."""
+    h, i, L, nh, nkv, hd, V = (SHAPE[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                                  "num_attention_heads", "num_key_value_heads", "head_dim",
+                                                  "vocab_size"))
+    per_layer = h * nh * hd * 2 + h * nkv * hd * 2 + 3 * h * i
+    S = P + R
+    return 6 * per_layer * L * B * S + 6 * V * h * B * R + 6 * S * nh * hd * L * B * S
+
+
+@section("trainer")
+def trainer(d: str, compile_layers: bool) -> None:
+    from parity.config import load_config
+    from parity.training.trainer import Trainer
+    from transformers import AutoModelForCausalLM
+    out: dict = {}
+    RESULTS["trainer"] = out
+    peak = RESULTS.get("ceilings", {}).get("bf16_matmul_TFLOPs", 790.0) * 1e12
+    flops = train_flops_per_step()
+    out["flops_per_step"] = flops
+    modes = [("grpo", "none", 0), ("score_centering", "score_centering", 128)]
+    for comp in ([False, True] if compile_layers else [False]):
+        for label, corr, topk in modes:
+            cfg = load_config(["trainer.micro_batch_size=8", "model.dtype=bfloat16", "trainer.device=cuda",
+                               "algorithm.policy_loss=reinforce", f"algorithm.correction.name={corr}", f"rollout.topk_logprobs={topk}"])
+            model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+            tr = Trainer(model, cfg, torch.device("cuda"))
+            if comp:
+                from parity.training.fast_compile import compile_decoder_layers_
+                compile_decoder_layers_(tr.model)
+            batch = make_train_batch(topk)
+            t0 = time.perf_counter()
+            tr.step(batch)
+            tr.step(batch)
+            sync()
+            warm = time.perf_counter() - t0
+            torch.cuda.reset_peak_memory_stats()
+            t, m = timed(lambda tr=tr, batch=batch: tr.step(batch), 4)
+            key = f"{label}{'_compiled' if comp else ''}"
+            out[f"{key}_step_s"] = t
+            out[f"{key}_warmup_s"] = warm
+            out[f"{key}_tok_s"] = 8 * 1024 / t
+            out[f"{key}_mfu"] = flops / t / peak
+            out[f"{key}_peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30
+            out[f"{key}_loss"] = m.get("train/loss")
+            del tr, model
+            torch.cuda.empty_cache()
+        suffix = "_compiled" if comp else ""
+        if f"score_centering{suffix}_step_s" in out:
+            out[f"sc_time_ratio{suffix}"] = out[f"score_centering{suffix}_step_s"] / out[f"grpo{suffix}_step_s"]
+            out[f"sc_mem_ratio{suffix}"] = out[f"score_centering{suffix}_peak_GiB"] / out[f"grpo{suffix}_peak_GiB"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="bench_gpu.json")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--skip", default="", help="comma-separated sections to skip: rollout,check,sync,trainer,compile")
+    args = p.parse_args()
+    OUT_PATH[0] = args.out
+    skip = set(filter(None, args.skip.split(",")))
+    RESULTS["device"] = torch.cuda.get_device_name()
+    RESULTS["torch"] = torch.__version__
+    t0 = time.perf_counter()
+    ceilings()
+    d = build_model_dir()
+    print(f"model built and saved in {time.perf_counter() - t0:.1f}s", flush=True)
+    if "rollout" not in skip:
+        rollout(d, args.reps)
+    if "check" not in skip:
+        check_fp32(d)
+    if "sync" not in skip and "_engines" in RESULTS:
+        weight_sync()
+    RESULTS.pop("_engines", None)
+    torch.cuda.empty_cache()
+    if "trainer" not in skip:
+        trainer(d, "compile" not in skip)
+    RESULTS["total_s"] = time.perf_counter() - t0
+    dump()
+    print(json.dumps(RESULTS, default=str))
+
+
+if __name__ == "__main__":
+    main()
