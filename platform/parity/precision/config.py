@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from parity.errors import ParityError
 from parity.precision.formats import ACTIVATION_FORMATS, WEIGHT_FORMATS
 from parity.precision.kv import KV_KINDS
 
@@ -48,7 +49,7 @@ KV_TO_VLLM: dict[str, str] = {"bf16": "auto", "int8": "int8_per_token_head", "fp
 SEED = "actor_rollout_ref.rollout"
 
 
-class PrecisionConfigError(ValueError):
+class PrecisionConfigError(ParityError, ValueError):
     """A precision setting or the quantized checkpoint's config file is wrong; the message names it."""
 
 

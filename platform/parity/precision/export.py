@@ -17,6 +17,7 @@ plus at most one shard of codes.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -142,7 +143,7 @@ def export_compressed_tensors(model: nn.Module, out_dir: str | Path, weights: st
     weight_map: dict[str, str] = {}
     total = 0
 
-    def flush(last: bool) -> None:
+    def flush() -> None:
         fname = f"model-{len(files) + 1:05d}.safetensors"
         save_file(shards[0], str(out / fname), metadata={"format": "pt"})
         files.append(fname)
@@ -153,11 +154,11 @@ def export_compressed_tensors(model: nn.Module, out_dir: str | Path, weights: st
     for name, t in compressed_tensors(model, weights, activations):
         nbytes = t.numel() * t.element_size()
         if shards[0] and sizes[0] + nbytes > max_shard_bytes:
-            flush(False)
+            flush()
         shards[0][name] = t.contiguous().cpu()
         sizes[0] += nbytes
         total += nbytes
-    flush(True)
+    flush()
     if len(files) == 1:
         (out / files[0]).rename(out / "model.safetensors")
     else:
@@ -174,6 +175,42 @@ def export_compressed_tensors(model: nn.Module, out_dir: str | Path, weights: st
     config_file.write_text(json.dumps(hf, indent=2, default=str))
     _copy_side_files(source_dir, out)
     return config_file
+
+
+_CKPT_EXPERT = re.compile(r"^(?P<mod>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.(?P<what>weight|weight_scale)$")
+
+
+@torch.no_grad()
+def load_compressed_checkpoint_(model: nn.Module, ckpt_dir: str | Path) -> int:
+    """Load an exported checkpoint's codes and scales verbatim (no re-quantization) into `model`, which
+    must already hold QuantLinear / QuantExperts of the same formats (quantize_model_). What the file
+    says is what runs, so a corrupted checkpoint shows in validation. Returns the tensor count."""
+    modules = dict(model.named_modules())
+    plain = dict(model.named_parameters(remove_duplicate=False))
+    n = 0
+    for name, t in load_compressed_checkpoint_state(ckpt_dir).items():
+        owner, _, attr = name.rpartition(".")
+        mod, m = modules.get(owner), _CKPT_EXPERT.match(name)
+        if isinstance(mod, QuantLinear) and attr in ("weight", "weight_scale", "bias"):
+            dst = getattr(mod, attr)
+        elif m and isinstance(modules.get(m["mod"]), QuantExperts):
+            ex, e = modules[m["mod"]], int(m["e"])
+            base = "down_proj" if m["proj"] == "down_proj" else "gate_up_proj"
+            dst = ex._buffers[base if m["what"] == "weight" else f"{base}_scale"][e]
+            i = ex.intermediate_dim
+            dst = dst if base == "down_proj" else dst[:i] if m["proj"] == "gate_proj" else dst[i:]
+        elif name in plain:
+            dst = plain[name]
+        else:
+            raise KeyError(f"checkpoint {ckpt_dir}: tensor {name!r} matches nothing in the model (was it quantized "
+                           "with the same formats?)")
+        codes = (isinstance(mod, QuantLinear) and attr == "weight") or bool(m and m["what"] == "weight")
+        if dst is None or dst.shape != t.shape or (codes and dst.dtype != t.dtype):
+            raise ValueError(f"checkpoint {ckpt_dir}: tensor {name!r} {tuple(t.shape)} {t.dtype} does not fit the "
+                             f"model's {None if dst is None else (tuple(dst.shape), dst.dtype)}")
+        dst.copy_(t)
+        n += 1
+    return n
 
 
 def load_compressed_checkpoint_state(out_dir: str | Path) -> dict[str, Any]:
