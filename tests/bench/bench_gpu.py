@@ -142,10 +142,17 @@ def rollout(d: str, reps: int) -> None:
     t, plain = timed(lambda: eng.generate(ps, spec))
     out["torch_plain_tok_s"] = n_tok / t
     eng.fast_decode = True
+    eng.fast_compile = False
+    eng.generate(ps, spec)
+    t, _ = timed(lambda: eng.generate(ps, spec), reps)
+    out["torch_fast_bf16_graph_only_tok_s"] = n_tok / t
+    eng.fast_compile = True
     t0 = time.perf_counter()
-    eng.generate(ps, spec)  # allocates the static cache and captures the graph
+    b0 = eng.generate(ps, spec)  # allocates the static cache, compiles the layer functions, captures the graph
     sync()
     out["fast_first_call_s"] = time.perf_counter() - t0
+    out["decode_path"] = b0.meta.get("decode_path")
+    out["compile_error"] = getattr(eng, "fast_compile_error", None)
     t, fast = timed(lambda: eng.generate(ps, spec), reps)
     assert int(fast.response_mask.sum()) == n_tok, "EOS cut some rows short: token count would be wrong"
     out["torch_fast_bf16_tok_s"] = n_tok / t
@@ -212,6 +219,10 @@ def check_fp32(d: str) -> None:
         b = eng.generate(ps, spec)  # replay of the captured graph
         out[f"fp32_{label}_tokens_equal_frac"] = float((a.responses == b.responses).float().mean())
         out[f"fp32_{label}_max_abs_dlogp"] = float((a.rollout_logprobs - b.rollout_logprobs).abs().max())
+        t_ = 1.0 if spec.temperature == 0 else spec.temperature
+        if label == "top_p":  # tokens diverge on near-ties of a near-uniform random model: check each path
+            out["fp32_fast_vs_forward_max_abs"] = teacher_forced_gap(eng.model, b, t_)[1]
+            out["fp32_plain_vs_forward_max_abs"] = teacher_forced_gap(eng.model, a, t_)[1]
     del eng
 
 
@@ -244,6 +255,16 @@ def make_train_batch(topk: int):
         rollout_logprobs=torch.full((B, R), -11.93), rewards=torch.randn(B, generator=g),
         truncated=torch.zeros(B, dtype=torch.bool), group_ids=torch.arange(B) // 4, prompt_ids=torch.arange(B) // 4,
         **kw)
+
+
+def top_kernels(fn: Callable[[], object], n: int = 12) -> list[str]:
+    """The n CUDA kernels with the most device time in one call of fn (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync()
+    rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:n]
+    return [f"{e.device_time_total / 1e3:8.1f} ms x{e.count:<5} {e.key[:90]}" for e in rows]
 
 
 def train_flops_per_step(B: int = 8, P: int = 128, R: int = 896) -> float:
@@ -286,6 +307,8 @@ def trainer(d: str, compile_layers: bool) -> None:
             torch.cuda.reset_peak_memory_stats()
             t, m = timed(lambda tr=tr, batch=batch: tr.step(batch), 4)
             key = f"{label}{'_compiled' if comp else ''}"
+            if label == "grpo":
+                out[f"{key}_top_kernels"] = top_kernels(lambda tr=tr, batch=batch: tr.step(batch))
             out[f"{key}_step_s"] = t
             out[f"{key}_warmup_s"] = warm
             out[f"{key}_tok_s"] = 8 * 1024 / t

@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
+from parity.precision.linear import quant_linear_forward
 from parity.rollout.base import SamplingSpec
 from parity.types import RolloutBatch
 
@@ -35,9 +37,20 @@ _DONE_CHECK = 16  # host looks at the done flags every this many steps (each loo
 
 
 def supports(engine: Any) -> bool:
-    """Dense Qwen3-style models without routing capture; MoE blocks route data-dependently (not capturable)."""
+    """Dense Qwen3-style layers (q/k norms, SiLU-gated MLP, Linear or QuantLinear projections) without
+    routing capture; MoE blocks route data-dependently (not capturable) and take the plain loop."""
+    from parity.precision.linear import QuantLinear
     cfg = engine.model.config
-    return engine.recorder is None and not getattr(cfg, "num_experts", 0)
+    if engine.recorder is not None or getattr(cfg, "num_experts", 0) or getattr(cfg, "hidden_act", "") != "silu":
+        return False
+    lin = (torch.nn.Linear, QuantLinear)
+    for layer in engine.model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        projs = [getattr(a, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        projs += [getattr(m, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        if not all(isinstance(x, lin) for x in projs) or not hasattr(a, "q_norm") or not hasattr(a, "k_norm"):
+            return False
+    return True
 
 
 def sample_inverse_cdf(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -99,31 +112,89 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF Qwen3RMSNorm's arithmetic: float32 normalisation, cast back, then the weight."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+def _linear(x: torch.Tensor, lin: tuple) -> torch.Tensor:
+    """lin = (weight, scale | None, bias | None, kind): kind None = plain nn.Linear, else QuantLinear's
+    (weights, activations, path), computed by its own forward function."""
+    w, scale, bias, kind = lin
+    if kind is None:
+        return F.linear(x, w, bias)
+    return quant_linear_forward(x, w, scale, bias, *kind)
+
+
+def _pre_attention(h: torch.Tensor, ln: torch.Tensor, eps: float, lq: tuple, lk: tuple, lv: tuple, qn: torch.Tensor,
+                   kn: torch.Tensor, eps_qk: float, cos: torch.Tensor, sin: torch.Tensor, D: int):
+    """h [B, 1, hidden] -> rotated q [B, H, D], rotated k and v [B, n_kv, D] (HF Qwen3Attention's order)."""
+    B = h.shape[0]
+    x = _rms(h, ln, eps)[:, 0]
+    q = _rope(_rms(_linear(x, lq).view(B, -1, D), qn, eps_qk), cos, sin)
+    k = _rope(_rms(_linear(x, lk).view(B, -1, D), kn, eps_qk), cos, sin)
+    return q, k, _linear(x, lv).view(B, -1, D)
+
+
+def _post_attention(h: torch.Tensor, q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, kmask: torch.Tensor,
+                    scale: float, lo: tuple, ln: torch.Tensor, eps: float, lg: tuple, lu: tuple, ld: tuple):
+    """Attention over the cache, o_proj, residual, post-norm, SiLU-gated MLP, residual."""
+    out = _decode_attention(q.to(ck.dtype), ck, cv, kmask, scale).to(h.dtype)
+    h = h + _linear(out, lo)[:, None]
+    x = _rms(h, ln, eps)
+    return h + _linear(F.silu(_linear(x, lg)) * _linear(x, lu), ld)
+
+
+def _lin_of(mod: torch.nn.Module) -> tuple:
+    if isinstance(mod, torch.nn.Linear):
+        return (mod.weight, None, mod.bias, None)
+    return (mod.weight, mod.weight_scale, mod.bias, (mod.weights, mod.activations, mod.path))
+
+
+def _layer_args(layer: torch.nn.Module) -> tuple[tuple, tuple]:
+    """The tensors (and constants) of one decoder layer for _pre_attention / _post_attention. The tensors
+    are the modules' own (no copies): in-place weight updates are seen by a replay."""
+    a, m = layer.self_attn, layer.mlp
+    pre = (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon, _lin_of(a.q_proj),
+           _lin_of(a.k_proj), _lin_of(a.v_proj), a.q_norm.weight, a.k_norm.weight, a.q_norm.variance_epsilon)
+    post = (a.scaling, _lin_of(a.o_proj), layer.post_attention_layernorm.weight,
+            layer.post_attention_layernorm.variance_epsilon, _lin_of(m.gate_proj), _lin_of(m.up_proj),
+            _lin_of(m.down_proj))
+    return pre, post
+
+
+def _compiled(engine: Any, want: bool) -> tuple[Any, Any]:
+    """The two per-layer functions, compiled with Inductor when `want` (every layer has the same shapes, so
+    each compiles once and serves all 28); plain functions otherwise."""
+    if not want:
+        return _pre_attention, _post_attention
+    fns = engine.__dict__.get("_fast_compiled")
+    if fns is None:
+        fns = (torch.compile(_pre_attention, dynamic=False, fullgraph=True),
+               torch.compile(_post_attention, dynamic=False, fullgraph=True))
+        engine._fast_compiled = fns
+    return fns
+
+
 def _decode_forward(engine: Any, st: _State, tok: torch.Tensor) -> torch.Tensor:
     """One token per row at slot start + t, rope position plen + t: logits [B, V] float32."""
     inner, D = engine.model.model, engine.head_dim
-    B = tok.shape[0]
+    pre_fn, post_fn = st.extras["fns"]
     pos = st.plen + st.t
     slot = st.start + st.t
     cos, sin = st.cos[pos][:, None, :], st.sin[pos][:, None, :]  # [B, 1, D], broadcast over heads
     S = st.key_ok.shape[1]
     kmask = (torch.arange(S, device=tok.device)[None, :] <= slot) & st.key_ok
     h = inner.embed_tokens(tok[:, None])  # [B, 1, hidden]
-    for layer, (ck, cv) in zip(inner.layers, st.caches):
-        attn = layer.self_attn
-        x = layer.input_layernorm(h)
-        q = attn.q_norm(attn.q_proj(x).view(B, -1, D))
-        k = attn.k_norm(attn.k_proj(x).view(B, -1, D))
-        v = attn.v_proj(x).view(B, -1, D)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    for (pre, post), (ck, cv) in zip(st.extras["layers"], st.caches):
+        q, k, v = pre_fn(h, *pre, cos, sin, D)
         if engine.kv_codec is not None:
             k, v = engine.kv_codec.roundtrip(k), engine.kv_codec.roundtrip(v)
         ck.index_copy_(2, slot, k[:, :, None].to(ck.dtype))
         cv.index_copy_(2, slot, v[:, :, None].to(cv.dtype))
-        out = _decode_attention(q.to(ck.dtype), ck, cv, kmask, attn.scaling)
-        h = h + attn.o_proj(out.to(h.dtype)[:, None])
-        mlp_out = layer.mlp(layer.post_attention_layernorm(h))
-        h = h + (mlp_out[0] if isinstance(mlp_out, tuple) else mlp_out)
+        h = post_fn(h, q, ck, cv, kmask, *post)
     return engine.model.lm_head(inner.norm(h[:, -1])).float()
 
 
@@ -213,11 +284,14 @@ def fast_generate(engine: Any, prompt_token_ids: list[list[int]], spec: Sampling
     K = spec.topk_logprobs
     w = engine.model.lm_head.weight
     dtype = w.dtype if w.is_floating_point() else torch.bfloat16
-    key = (B, S, R, K, spec.temperature, spec.top_p, dtype, use_graphs)
+    compile_layers = use_graphs and getattr(engine, "fast_compile", True)
+    key = (B, S, R, K, spec.temperature, spec.top_p, dtype, use_graphs, compile_layers)
     st = engine.__dict__.get("_fast_state")
     if st is None or st.key != key:
         engine._fast_state = None  # free the old cache before allocating the new one
         st = _new_state(engine, key, B, S, R, K, dtype)
+        st.extras["fns"] = _compiled(engine, compile_layers)
+        st.extras["layers"] = [_layer_args(layer) for layer in engine.model.model.layers]
         engine._fast_state = st
 
     prompts = torch.full((B, P), engine.pad_id, dtype=torch.long)
@@ -250,7 +324,15 @@ def fast_generate(engine: Any, prompt_token_ids: list[list[int]], spec: Sampling
 
     steps = 0
     if use_graphs and st.graph is None:
-        st.graph = _capture(engine, st, spec)
+        try:
+            st.graph = _capture(engine, st, spec)
+        except Exception as e:  # noqa: BLE001 - Inductor missing or failing: the uncompiled step is the same math
+            if not compile_layers:
+                raise
+            engine.fast_compile = False
+            engine.fast_compile_error = f"{type(e).__name__}: {e}"[:500]
+            engine._fast_state = None
+            return fast_generate(engine, prompt_token_ids, spec, prompt_ids, use_graphs)
         steps = 1
     while steps < R:
         st.graph.replay() if use_graphs else _step(engine, st, spec)
@@ -265,6 +347,8 @@ def fast_generate(engine: Any, prompt_token_ids: list[list[int]], spec: Sampling
         prompt_ids=torch.tensor([prompt_ids[i] for i, _ in rows], dtype=torch.long),
         topk_ids=None if st.topk_ids is None else st.topk_ids.cpu(),
         topk_logprobs=None if st.topk_lp is None else st.topk_lp.cpu(),
-        meta={"engine": engine.name, **engine.describe()},
+        meta={"engine": engine.name, **engine.describe(),
+              "decode_path": ("cuda_graph" if use_graphs else "static_cache_eager")
+              + ("+inductor_layers" if compile_layers else "")},
     )
     return batch
