@@ -48,7 +48,9 @@ def run_stages(ref: PipelineRef, cfg: OmegaConf) -> dict:
     rollout_id = base_id if q.get("skipped") else record_artifact_task(r, "quantized", q["path"], q["precision"],
                                                                         parent_id=base_id)
     with stage(ref, "validate") as st:
-        v = validate_task(c, base["model_dir"], q)
+        v = validate_task(c, q)
+        for f in (v.get("report_path"), v.get("report_md")):
+            st.artifact(f, "validation")
         if v["status"] == "failed":
             st.done(v)
             raise ValidationFailed(f"precision validation failed for {q['precision']}: {v.get('reason')} "
@@ -78,7 +80,10 @@ def run_stages(ref: PipelineRef, cfg: OmegaConf) -> dict:
             "precision": precision, "validation": v["status"], "checkpoint": t["latest_checkpoint"],
             "initial_accuracy": t["initial_accuracy"], "final_accuracy": t["final_accuracy"],
             "final_reward": t["final_reward"], "train_seconds": t["seconds"], "evaluation": e["macro"],
-            "benchmarks": e["benchmarks"], "eval_out_dir": e["out_dir"], "registered_model": registered}
+            "benchmarks": e["benchmarks"], "eval_out_dir": e["out_dir"], "registered_model": registered,
+            "lib_seconds": {"prepare": base.get("lib_seconds", 0.0), "quantize": q.get("lib_seconds", 0.0),
+                            "validate": v.get("lib_seconds", 0.0), "train": t.get("lib_seconds", 0.0),
+                            "evaluate": e.get("lib_seconds", 0.0)}}
 
 
 def run_pipeline(overrides: list[str], extra_config_dir: str | None = None) -> dict:

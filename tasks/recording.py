@@ -86,8 +86,16 @@ def open_pipeline(flow: str, cfg: DictConfig, overrides: list[str]) -> PipelineR
 
 
 def close_pipeline(ref: PipelineRef, ok: bool, reason: str | None = None) -> None:
-    registry(ref.registry_url).finish_pipeline(ref.pipeline_id, "completed" if ok else "failed", reason)
-    mlflow_log.end_run(mlflow_client(ref.tracking_uri), ref.run_id, ok)
+    """Mark the pipeline finished. On the failure path a store that is down must not hide the stage's
+    own error, so errors are logged there instead of raised."""
+    try:
+        registry(ref.registry_url).finish_pipeline(ref.pipeline_id, "completed" if ok else "failed",
+                                                   None if reason is None else mask_url(reason))
+        mlflow_log.end_run(mlflow_client(ref.tracking_uri), ref.run_id, ok)
+    except Exception as e:
+        if ok:
+            raise
+        log.error("could not record the failure of pipeline %s: %s", ref.pipeline_id, mask_url(str(e)))
 
 
 class StageHandle:
@@ -103,6 +111,11 @@ class StageHandle:
     def done(self, result: dict) -> dict:
         self.result = result
         return result
+
+    def artifact(self, path: str | Path | None, artifact_path: str | None = None) -> None:
+        """Attach a file or folder to the stage's MLflow run (a missing one is skipped)."""
+        if path and Path(path).exists():
+            mlflow_log.log_artifact(self.client, self.run_id, path, artifact_path)
 
     def skip(self, reason: str, result: dict | None = None) -> dict:
         self.skipped = reason

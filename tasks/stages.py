@@ -63,7 +63,9 @@ def _prepare_key(_ctx: TaskRunContext, params: dict[str, Any]) -> str:
 def prepare_task(cfg: dict) -> dict:
     from parity.models.prepare import prepare_model
 
-    return prepare_model(as_config(cfg))
+    t0 = time.perf_counter()
+    out = prepare_model(as_config(cfg))
+    return {**out, "lib_seconds": time.perf_counter() - t0}
 
 
 def precision_label(cfg: Any) -> str:
@@ -76,79 +78,55 @@ def precision_label(cfg: Any) -> str:
 
 
 def _quantize_key(_ctx: TaskRunContext, params: dict[str, Any]) -> str:
+    from parity.commands.quantize import quantized_checkpoint_dir
+    from parity.precision.config import resolve_precision
+
     cfg = as_config(params["cfg"])
     model_dir = Path(params["model_dir"])
     stamp = (model_dir / "config.json").stat().st_mtime_ns if (model_dir / "config.json").exists() else 0
-    key = f"quantize-{_digest([str(model_dir), stamp, precision_label(cfg), str(cfg.rollout.precision.export_dir)])}"
-    return _present_or_nonce(key, Path(str(cfg.rollout.precision.export_dir)))
+    if precision_label(cfg) == "bf16":
+        return f"quantize-bf16-{_digest([str(model_dir), stamp])}"
+    out = quantized_checkpoint_dir(cfg, resolve_precision(cfg))
+    key = f"quantize-{_digest([str(model_dir), stamp, precision_label(cfg), str(out)])}"
+    return _present_or_nonce(key, out / "config.json")
 
 
 @task(name="quantize", cache_key_fn=_quantize_key, cache_expiration=timedelta(days=30), persist_result=True,
       retries=1, retry_delay_seconds=5, retry_condition_fn=_transient)
 def quantize_task(cfg: dict, model_dir: str) -> dict:
-    """Writes the compressed-tensors checkpoint of the starting model at the rollout precision; BF16 needs none."""
+    """The compressed-tensors checkpoint of the starting model at the rollout precision; BF16 needs none."""
+    from parity.commands import quantize as quantize_cmd
+
     c = as_config(cfg)
     label = precision_label(c)
     if label == "bf16":
         return {"skipped": True, "reason": "BF16 rollout: nothing to quantize", "precision": label,
-                "path": model_dir}
-    try:
-        from parity.commands import quantize as quantize_cmd  # the precision agent's command, when present
-    except ImportError:
-        quantize_cmd = None
-    if quantize_cmd is not None:
-        out = dict(quantize_cmd.run(c.copy() if c.model.path else _with_model(c, model_dir)))
-        path = out.get("out_dir") or out.get("checkpoint") or out.get("path") or out.get("config_file")
-        return {"skipped": False, "precision": label, "path": str(Path(str(path)).parent
-                                                                  if str(path).endswith(".json") else path),
-                "result": out}
-    return _export_directly(c, model_dir, label)
-
-
-def _with_model(cfg: Any, model_dir: str) -> Any:
-    from omegaconf import OmegaConf
-
-    c = cfg.copy()
-    OmegaConf.update(c, "model.path", str(model_dir), force_add=True)
-    return c
-
-
-def _export_directly(cfg: Any, model_dir: str, label: str) -> dict:
-    import torch
-    from parity.precision.config import resolve_precision
-    from parity.precision.export import EXPORTABLE, checkpoint_dir_name, export_compressed_tensors
-    from transformers import AutoModelForCausalLM
-
-    p = resolve_precision(cfg)
-    if (p.weights, p.activations) not in EXPORTABLE:
-        raise ParityError(f"config key `rollout.precision`: weights={p.weights} activations={p.activations} has no "
-                          f"compressed-tensors export; exportable: {sorted(EXPORTABLE)}")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    out = Path(str(cfg.rollout.precision.export_dir)) / checkpoint_dir_name(str(cfg.model.name), p.weights,
-                                                                            p.activations)
-    config_file = export_compressed_tensors(model, out, p.weights, p.activations, source_dir=model_dir)
-    return {"skipped": False, "precision": label, "path": str(out), "config_file": str(config_file)}
+                "path": model_dir, "lib_seconds": 0.0}
+    t0 = time.perf_counter()
+    out = quantize_cmd.run(c)
+    return {"skipped": False, "precision": label, "path": out["checkpoint_dir"], "config_file": out["config_file"],
+            "checkpoint_bytes": out.get("checkpoint_bytes"), "lib_seconds": time.perf_counter() - t0}
 
 
 @task(name="validate", retries=0)
-def validate_task(cfg: dict, model_dir: str, quantized: dict) -> dict:
+def validate_task(cfg: dict, quantized: dict) -> dict:
     """Quantized vs BF16 on held-out prompts. Returns {'status': passed|failed|not_required, 'report': ...};
-    the flow stops on 'failed' with the report's verdict as the reason."""
-    c = as_config(cfg)
+    the flow stops on 'failed' with the report's failures as the reason."""
+    from parity.commands import validate as validate_cmd
+    from parity.precision.validate import PrecisionValidationError
+
     if quantized.get("skipped"):
-        return {"status": "not_required", "reason": quantized.get("reason"), "report": None}
+        return {"status": "not_required", "reason": quantized.get("reason"), "report": None, "lib_seconds": 0.0}
+    report_json = Path(quantized["path"]) / "validation.json"
+    t0 = time.perf_counter()
     try:
-        from parity.commands import validate as validate_cmd
-    except ImportError as e:
-        raise ParityError("precision validation is not available (parity.commands.validate is missing): refusing "
-                          "to train on an unvalidated quantized rollout") from e
-    report = dict(validate_cmd.run(_with_model(c, model_dir)))
-    passed = report.get("passed", report.get("ok"))
-    if passed is None and "status" in report:
-        passed = str(report["status"]).lower() in ("passed", "pass", "ok")
-    return {"status": "passed" if passed else "failed", "report": report,
-            "report_path": report.get("report_path") or report.get("report"),
-            "reason": report.get("reason") or report.get("failures") or report.get("verdict")}
+        validate_cmd.run(as_config(cfg))
+        status, reason = "passed", None
+    except PrecisionValidationError as e:  # the command writes the report before it raises
+        status, reason = "failed", str(e)
+    report = json.loads(report_json.read_text()) if report_json.is_file() else None
+    return {"status": status, "reason": reason, "report": report, "report_path": str(report_json),
+            "report_md": str(report_json.with_suffix(".md")), "lib_seconds": time.perf_counter() - t0}
 
 
 def _train_retry_resumes(cfg: Any) -> Any:
@@ -175,13 +153,15 @@ def train_task(cfg: dict, tracking_uri: str | None = None, mlflow_run_id: str | 
 
         cb = MlflowCallback(tracking_uri, mlflow_run_id)
         callbacks.append(cb)
+    t0 = time.perf_counter()
     summary = train(c, callbacks=callbacks)
+    summary["lib_seconds"] = time.perf_counter() - t0
     if cb is not None:
         summary["mlflow_unwritten_metrics"] = 0 if cb.close(wait_s=flush_wait_s) else len(cb.buffer)
         summary["mlflow_outages"] = cb.outages
     return {k: summary.get(k) for k in ("run_dir", "initial_accuracy", "final_accuracy", "final_reward",
                                         "latest_checkpoint", "steps", "seconds", "mlflow_unwritten_metrics",
-                                        "mlflow_outages")}
+                                        "mlflow_outages", "lib_seconds")}
 
 
 @task(name="evaluate", retries=1, retry_delay_seconds=5, retry_condition_fn=_transient)
@@ -192,4 +172,6 @@ def evaluate_task(cfg: dict, model_path: str) -> dict:
     c = as_config(cfg).copy()
     OmegaConf.update(c, "eval.model_path", str(model_path))
     OmegaConf.update(c, "eval.run_name", None)
-    return dict(evaluate_cmd.run(c))
+    t0 = time.perf_counter()
+    out = dict(evaluate_cmd.run(c))
+    return {**out, "lib_seconds": time.perf_counter() - t0}

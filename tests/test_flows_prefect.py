@@ -1,7 +1,7 @@
 """The front door end to end: a real Prefect server on 127.0.0.1 (its home and DB in a temp dir), the
 deployments served by `python -m flows.deployments`, `train-and-eval/local` triggered through the
-Prefect REST API with tiny settings. Then a second run that fails in its train stage: the flow run is
-Failed with the reason, the stages before it keep their records."""
+Prefect REST API with tiny settings. Then a second run whose INT8 precision validation fails: the flow
+run is Failed with the report's verdict before training, the stages before it keep their records."""
 
 from __future__ import annotations
 
@@ -24,6 +24,10 @@ from tests.conftest import QUICK
 
 pytestmark = pytest.mark.slow
 RUN_NAME = "flowtest"
+INT8_FAILING = ["rollout.precision.weights=int8", "rollout.precision.activations=int8",
+                "rollout.precision.validation.num_prompts=4", "rollout.precision.validation.samples_per_prompt=1",
+                "rollout.precision.validation.max_new_tokens=8",
+                "rollout.precision.validation.max_mean_abs_prob_diff=1e-12"]
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
 
@@ -110,17 +114,29 @@ def test_train_and_eval_completes_then_failed_stage_keeps_earlier_records(prefec
     mv = c.get_model_version("flowtest-model", ckpt["mlflow_model_version"])
     assert mv.tags["precision"] == "bf16" and mv.tags["validation_status"] == "not_required"
 
-    # the same run name again: train refuses to overwrite the run, nothing before it is lost
-    fr2 = _run_deployment(api, "train-and-eval/local", _overrides(out))
+    # an INT8 rollout whose validation cannot pass: the flow stops before training, the reason is the
+    # report's verdict, and the stages before it (and the first pipeline) keep their records
+    fr2 = _run_deployment(api, "train-and-eval/local", [*_overrides(out), "trainer.run_name=flowtest-int8",
+                                                        *INT8_FAILING])
     assert fr2["state"]["type"] == "FAILED"
-    assert "already has checkpoints" in fr2["state"]["message"]
+    assert "precision validation failed" in fr2["state"]["message"]
+    assert "abs_prob_diff_mean" in fr2["state"]["message"]
     (pid2,) = reg.pipelines_of_flow_run(fr2["id"])
     p2 = reg.pipeline(pid2)
-    assert p2["status"] == "failed" and "already has checkpoints" in p2["reason"]
+    assert p2["status"] == "failed" and "precision validation failed" in p2["reason"]
     assert [(s["name"], s["status"]) for s in p2["stages"]] == [
-        ("prepare", "completed"), ("quantize", "skipped"), ("validate", "skipped"), ("train", "failed")]
-    assert "already has checkpoints" in p2["stages"][3]["reason"]
-    assert p2["stages"][0]["result"]["model_dir"] == p["stages"][0]["result"]["model_dir"]
+        ("prepare", "completed"), ("quantize", "completed"), ("validate", "failed")]
+    assert "abs_prob_diff_mean" in p2["stages"][2]["reason"]
+    assert p2["stages"][2]["result"]["report"]["passed"] is False
+    assert p2["stages"][1]["result"]["path"].endswith("W8A8-INT8")
+    assert not (out / "runs" / "flowtest-int8").exists()  # training never started
     assert reg.pipeline(pid) == p  # the first pipeline's records are untouched
-    assert c.get_run(p2["mlflow_run_id"]).info.status == "FAILED"
+    run2 = c.get_run(p2["mlflow_run_id"])
+    assert run2.info.status == "FAILED"
+    val_run = next(r for r in c.search_runs([run2.info.experiment_id],
+                                            f"tags.mlflow.parentRunId = '{run2.info.run_id}'")
+                   if r.info.run_name == "validate")
+    assert val_run.info.status == "FAILED"
+    assert {a.path for a in c.list_artifacts(val_run.info.run_id, "validation")} == {
+        "validation/validation.json", "validation/validation.md"}
     reg.close()

@@ -1,0 +1,36 @@
+"""`python -m parity pipeline [overrides]`: the train-and-eval flow (quantize -> validate -> train ->
+evaluate -> register) in this process, with the same overrides a deployment run takes.
+
+Without PREFECT_API_URL, Prefect starts a temporary local server for the run (its home under
+<outputs>/prefect); with it (e.g. after `make run`) the flow run appears in that server's UI.
+For scheduled and on-demand runs use the deployments: `prefect deployment run train-and-eval/local`."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+
+def _overrides() -> list[str]:
+    """The override strings this command was called with (the flow composes the config itself)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return list(HydraConfig.get().overrides.task)
+    except ValueError:  # called outside a Hydra app (tests): no overrides to forward
+        return []
+
+
+def run(cfg: DictConfig) -> dict:
+    from parity.config import repo_root
+
+    os.environ.setdefault("PREFECT_HOME", str(Path(str(cfg.outputs_dir)).resolve() / "prefect"))
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    if str(repo_root()) not in sys.path:  # flows/ and tasks/ live beside platform/, not in the package
+        sys.path.insert(0, str(repo_root()))
+    from flows.train_and_eval import train_and_eval
+
+    return {"command": "pipeline", **train_and_eval(overrides=_overrides())}
