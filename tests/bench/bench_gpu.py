@@ -162,6 +162,7 @@ def rollout(d: str, reps: int) -> None:
         roof = RESULTS["ceilings"]["copy_TBps"] * 1e12 / out["weight_bytes"] * BATCH
     out["roof_tok_s"] = roof
     out["fast_bf16_of_roof"] = out["torch_fast_bf16_tok_s"] / roof
+    out["decode_step_profile"] = profile_decode_step(eng)
     logprob_check(eng, fast, plain)
     RESULTS["_engines"] = {"bf16": eng}
 
@@ -176,6 +177,29 @@ def rollout(d: str, reps: int) -> None:
         out[f"{label}_over_bf16"] = out[f"torch_fast_{label}_tok_s"] / out["torch_fast_bf16_tok_s"]
         out[f"{label}_mean_abs_dlogp_vs_bf16_forward"] = teacher_forced_gap(eng.model, b)[0]
         RESULTS["_engines"][label] = q
+
+
+def profile_decode_step(eng) -> dict:
+    """Kernels of 4 decode steps run eagerly over the captured step's own functions and buffers: device
+    time per step against wall time per graph replay tells launch gaps from kernel time."""
+    from parity.rollout.base import SamplingSpec
+    from parity.rollout.cuda_decode import _step
+    st = eng._fast_state
+    spec = SamplingSpec(temperature=1.0, top_p=1.0, max_new_tokens=R_TOKENS)
+    st.t.fill_(100)
+    t_replay, _ = timed(lambda: [st.graph.replay() for _ in range(4)], 3)
+    st.t.fill_(100)
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(4):
+            _step(eng, st, spec)
+        sync()
+    ev = prof.key_averages()
+    total = sum(e.device_time_total for e in ev) / 1e3 / 4
+    rows = sorted(ev, key=lambda e: -e.device_time_total)[:12]
+    return {"replay_ms_per_step": t_replay * 1e3 / 4, "kernel_ms_per_step": total,
+            "kernels_per_step": sum(e.count for e in ev) / 4,
+            "top": [f"{e.device_time_total / 4e3:7.3f} ms x{e.count // 4:<4} {e.key[:80]}" for e in rows]}
 
 
 def teacher_forced_gap(model: torch.nn.Module, b, temperature: float = 1.0) -> tuple[float, float]:
@@ -288,9 +312,10 @@ def trainer(d: str, compile_layers: bool) -> None:
     peak = RESULTS.get("ceilings", {}).get("bf16_matmul_TFLOPs", 790.0) * 1e12
     flops = train_flops_per_step()
     out["flops_per_step"] = flops
-    modes = [("grpo", "none", 0), ("score_centering", "score_centering", 128)]
+    modes = [("grpo", "none", 0), ("score_centering", "score_centering", 128), ("grpo_tf32", "none", 0)]
     for comp in ([False, True] if compile_layers else [False]):
         for label, corr, topk in modes:
+            torch.backends.cuda.matmul.allow_tf32 = label.endswith("tf32")
             cfg = load_config(["trainer.micro_batch_size=8", "model.dtype=bfloat16", "trainer.device=cuda",
                                "algorithm.policy_loss=reinforce", f"algorithm.correction.name={corr}", f"rollout.topk_logprobs={topk}"])
             model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
@@ -317,6 +342,7 @@ def trainer(d: str, compile_layers: bool) -> None:
             out[f"{key}_loss"] = m.get("train/loss")
             del tr, model
             torch.cuda.empty_cache()
+        torch.backends.cuda.matmul.allow_tf32 = False
         suffix = "_compiled" if comp else ""
         if f"score_centering{suffix}_step_s" in out:
             out[f"sc_time_ratio{suffix}"] = out[f"score_centering{suffix}_step_s"] / out[f"grpo{suffix}_step_s"]
