@@ -38,11 +38,14 @@ def start_actors(cfg: Any, pg: Any, base_dir: str, start_dir: str, resume_from: 
     import ray
 
     d, plain = cfg.distributed, OmegaConf.to_container(cfg, resolve=True)
+    # named after the run: a second driver of the same run in the same namespace fails fast instead of
+    # training alongside, and operators (and tests) can find a worker with ray.get_actor
+    name = f"parity-{cfg.trainer.run_name}"
     trainer = ray.remote(TrainerWorker).options(
-        num_cpus=d.trainer_cpus, num_gpus=d.trainer_gpus, max_restarts=0,
+        name=f"{name}-trainer", num_cpus=d.trainer_cpus, num_gpus=d.trainer_gpus, max_restarts=0,
         scheduling_strategy=in_bundle(pg, d.num_rollout_workers)).remote(plain, base_dir, resume_from, d.trainer_cpus)
     remote_worker = ray.remote(RolloutWorker)
-    workers = [remote_worker.options(num_cpus=d.rollout_cpus, num_gpus=d.rollout_gpus,
+    workers = [remote_worker.options(name=f"{name}-rollout-{i}", num_cpus=d.rollout_cpus, num_gpus=d.rollout_gpus,
                                      max_restarts=d.max_worker_restarts, max_task_retries=0,
                                      scheduling_strategy=in_bundle(pg, i)).remote(plain, start_dir, start_step,
                                                                                   d.rollout_cpus)
