@@ -9,6 +9,12 @@ TorchEngine.generate dispatches here on CUDA (see `supports`). What differs from
 - All per-step state lives on the device (step counter, write slot, positions, done flags); a replay reads
   the token the previous replay sampled, so the host only replays and, every `_DONE_CHECK` steps, looks at
   whether every row has finished.
+- A layer's decode is two pure-tensor functions (_pre_attention, _post_attention: HF Qwen3's arithmetic,
+  QuantLinear's forward for quantized projections), compiled once by Inductor on CUDA and shared by all
+  layers: the graph alone still replays ~45 tiny kernels a layer; fused element-wise work nearly halves the
+  step (docs/PERFORMANCE.md). A compile failure falls back to the same functions uncompiled
+  (`engine.fast_compile_error`); `engine.fast_compile = False` turns compilation off. The KV codec's
+  roundtrip (low-precision cache) stays eager inside the graph.
 - Decode attention is grouped-query attention written as two batched matmuls over the cache (the query
   heads of one KV head form the rows), softmax in float32: no K/V head repetition.
 - Sampling with top_p = 1 draws by inverse CDF over the vocabulary in index order instead of sorted order:
@@ -178,24 +184,6 @@ def _compiled(engine: Any, want: bool) -> tuple[Any, Any]:
     return fns
 
 
-def _kv_pair(codec: Any, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return codec.roundtrip(k), codec.roundtrip(v)
-
-
-def _kv_roundtrip(engine: Any, st: _State, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the low-precision cache returns for the new K/V. The codec's eager form is ~25 small kernels per
-    tensor (Hadamard rotation, scales, rounding); compiled it is a few. Graph breaks are allowed here (the
-    codec caches its Hadamard matrix), and a failure to compile falls back to the eager codec."""
-    fn = st.extras.get("kv_fn")
-    if fn is not None:
-        try:
-            return fn(engine.kv_codec, k, v)
-        except Exception as e:  # noqa: BLE001 - same math eagerly
-            st.extras["kv_fn"] = None
-            engine.fast_kv_compile_error = f"{type(e).__name__}: {e}"[:500]
-    return _kv_pair(engine.kv_codec, k, v)
-
-
 def _decode_forward(engine: Any, st: _State, tok: torch.Tensor) -> torch.Tensor:
     """One token per row at slot start + t, rope position plen + t: logits [B, V] float32."""
     inner, D = engine.model.model, engine.head_dim
@@ -209,7 +197,8 @@ def _decode_forward(engine: Any, st: _State, tok: torch.Tensor) -> torch.Tensor:
     for (pre, post), (ck, cv) in zip(st.extras["layers"], st.caches):
         q, k, v = pre_fn(h, *pre, cos, sin, D)
         if engine.kv_codec is not None:
-            k, v = _kv_roundtrip(engine, st, k, v)
+            # eager inside the graph: Dynamo cannot trace the codec's functools.cache'd Hadamard matrix
+            k, v = engine.kv_codec.roundtrip(k), engine.kv_codec.roundtrip(v)
         ck.index_copy_(2, slot, k[:, :, None].to(ck.dtype))
         cv.index_copy_(2, slot, v[:, :, None].to(cv.dtype))
         h = post_fn(h, q, ck, cv, kmask, *post)
@@ -309,7 +298,6 @@ def fast_generate(engine: Any, prompt_token_ids: list[list[int]], spec: Sampling
         engine._fast_state = None  # free the old cache before allocating the new one
         st = _new_state(engine, key, B, S, R, K, dtype)
         st.extras["fns"] = _compiled(engine, compile_layers)
-        st.extras["kv_fn"] = torch.compile(_kv_pair, dynamic=False) if compile_layers else None
         st.extras["layers"] = [_layer_args(layer) for layer in engine.model.model.layers]
         engine._fast_state = st
 
