@@ -2,16 +2,12 @@
 summary it prints, and clear errors for a bad model path or run name."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from parity.config.schema import TinyModelConfig
 from parity.errors import ParityError
 
-REPO = Path(__file__).resolve().parents[1]
 SMALL = TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                         num_key_value_heads=1, head_dim=16)
 
@@ -76,17 +72,17 @@ def test_corrupt_latest_checkpoint_falls_back(tmp_path):
         resolve_eval_model(_cfg(tmp_path, "eval.run_name=r2"))
 
 
-def test_evaluate_command_end_to_end(run_folder, tmp_path):
-    """The real CLI: last stdout line is the JSON summary; every benchmark of the quick preset is there."""
+def test_evaluate_command_end_to_end(run_folder, tmp_path, capsys):
+    """The CLI dispatcher (in-process, as `python -m parity evaluate ...` runs it): the last stdout line
+    is the JSON summary, and every benchmark of the quick preset is in it."""
+    from parity.__main__ import main
+
     out = tmp_path / "eval"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "parity", "evaluate", f"outputs_dir={run_folder}", "+eval=quick", "eval.limit=2",
-         "++eval.benchmarks.arithmetic.limit=4", "++eval.benchmarks.aime24.k=3", "eval.max_new_tokens=6",
-         "eval.grade_workers=1", "eval.run_name=r1", f"eval.out_dir={out}"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    main(["evaluate", f"outputs_dir={run_folder}", "+eval=quick", "eval.limit=2",
+          "++eval.benchmarks.arithmetic.limit=4", "++eval.benchmarks.aime24.k=3", "eval.max_new_tokens=6",
+          "eval.grade_workers=1", "eval.run_name=r1", f"eval.out_dir={out}"])
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out.strip().splitlines()[-1])
     assert summary["command"] == "evaluate" and summary["model"].endswith("step_000002")
     names = ["arithmetic", "aime24", "aime25", "amc23", "math500", "minerva_math", "olympiadbench"]
     assert list(summary["benchmarks"]) == names
@@ -94,5 +90,14 @@ def test_evaluate_command_end_to_end(run_folder, tmp_path):
     assert set(summary["macro"]) == {"avg@k", "pass@1", "pass@k", "maj@k"}
     lines = (out / "samples.jsonl").read_text().splitlines()
     assert len(lines) == 4 + 2 * 3 + 5 * 2
-    assert (out / "table.md").is_file() and "| macro average |" in proc.stderr
+    assert (out / "table.md").is_file() and "| macro average |" in captured.err
     assert summary["benchmarks"]["olympiadbench"]["prompts_truncated"] >= 1  # long prompts vs 256 positions
+
+
+def test_evaluate_command_bad_key_exits_with_the_key(run_folder, capsys):
+    from parity.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["evaluate", f"outputs_dir={run_folder}", "eval.model_path=/nonexistent/m"])
+    assert e.value.code == 2
+    assert "`eval.model_path`" in capsys.readouterr().err
