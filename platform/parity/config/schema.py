@@ -119,6 +119,12 @@ class RolloutConfig:
     max_model_len: int = 256
     gpu_memory_utilization: float = 0.3
     seed: int = 0
+    # vLLM engine (rollout.name=vllm): in-process engine core (no extra process; starts in seconds on CPU),
+    # eager mode (no torch.compile / CUDA graphs), and how a W8A8 INT8/FP8 engine takes new weights:
+    # requantize (in place, re-prepacking each quantized linear layer) | rebuild (restart on a new checkpoint)
+    vllm_in_process: bool = True
+    vllm_enforce_eager: bool = True
+    vllm_quantized_sync: str = "requantize"
 
 
 @dataclass
