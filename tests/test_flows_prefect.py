@@ -140,3 +140,31 @@ def test_train_and_eval_completes_then_failed_stage_keeps_earlier_records(prefec
     assert {a.path for a in c.list_artifacts(val_run.info.run_id, "validation")} == {
         "validation/validation.json", "validation/validation.md"}
     reg.close()
+
+
+def test_benchmark_regression_fails_on_a_drop_and_records_the_check(prefect):
+    """A stored baseline that got every problem right; the registered tiny model does not: the
+    nightly deployment's run fails naming the benchmark, and the check is recorded."""
+    from parity.tracking.registry import Registry
+
+    api, out = prefect["api"], prefect["out"]
+    reg = Registry(f"sqlite:///{out}/registry.db")
+    model = reg.latest_artifacts(registered_only=True)[0]
+    first = reg.pipeline(model["pipeline_id"])
+    problems = sorted(reg.sample_scores(first["stages"][4]["result"]["result_ids"]["arithmetic"]))
+    assert len(problems) == 8
+    perfect = reg.add_evaluation("arithmetic", 1, len(problems), {"avg@k": 1.0},
+                                 [{"problem_id": p, "sample": 0, "score": 1.0} for p in problems])
+    reg.set_baseline("arithmetic", perfect, note="test: all correct")
+    fr = _run_deployment(api, "benchmark-regression/nightly",
+                         [f"outputs_dir={out}", "eval.suite=[arithmetic]", "eval.limit=8", "eval.grade_workers=1",
+                          "tracking.regression.bootstrap=500"])
+    assert fr["state"]["type"] == "FAILED"
+    msg = fr["state"]["message"]
+    assert "RegressionDetected" in msg and "arithmetic: REGRESSION" in msg and "8 paired problems" in msg
+    (pid,) = reg.pipelines_of_flow_run(fr["id"])
+    p = reg.pipeline(pid)
+    assert [(s["name"], s["status"]) for s in p["stages"]] == [("evaluate", "completed"), ("compare", "completed")]
+    assert p["status"] == "failed" and "REGRESSION" in p["reason"]
+    assert reg.count("regression_checks") == 1
+    reg.close()

@@ -1,0 +1,57 @@
+"""The flows' small decisions without a server: run names, sweep members, retry policy, sample files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from parity.errors import ParityError
+
+from flows.sweep import member_overrides
+from flows.train_and_eval import compose
+from tasks.records import read_samples
+from tasks.stages import ValidationFailed, _transient
+
+
+class _State:
+    def __init__(self, exc: BaseException | None) -> None:
+        self.exc = exc
+
+    def result(self):
+        if self.exc is not None:
+            raise self.exc
+        return 1
+
+
+def test_compose_gives_each_pipeline_its_own_run_name(tmp_path):
+    a = compose([f"outputs_dir={tmp_path}"])
+    b = compose([f"outputs_dir={tmp_path}"])
+    assert a.trainer.run_name.startswith("arith_tiny-") and a.trainer.run_name != b.trainer.run_name
+    assert compose([f"outputs_dir={tmp_path}", "trainer.run_name=mine"]).trainer.run_name == "mine"
+
+
+def test_sweep_members_one_per_correction():
+    m = member_overrides(["none", "score_centering+tis"], ["trainer.total_steps=3"], "S")
+    assert m == [["trainer.total_steps=3", "algorithm.correction.name=none", "trainer.run_name=sweep-S-none"],
+                 ["trainer.total_steps=3", "algorithm.correction.name=score_centering+tis",
+                  "trainer.run_name=sweep-S-score_centering_tis"]]
+
+
+@pytest.mark.parametrize("exc, retry", [(ConnectionError("db down"), True), (RuntimeError("worker died"), True),
+                                        (ParityError("config key `trainer.lr`"), False),
+                                        (ValidationFailed("k3 too high"), False), (ValueError("bad"), False),
+                                        (None, False)])
+def test_only_transient_failures_are_retried(exc, retry):
+    assert _transient(None, None, _State(exc)) is retry
+
+
+def test_read_samples_groups_by_benchmark_and_names_bad_row(tmp_path):
+    p = tmp_path / "samples.jsonl"
+    rows = [{"benchmark": "aime24", "problem_id": "1", "sample": 0, "score": 1.0, "extracted": "3"},
+            {"benchmark": "amc23", "problem_id": "7", "sample": 0, "score": 0.0}]
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
+    got = read_samples(p)
+    assert sorted(got) == ["aime24", "amc23"] and got["aime24"][0]["extracted"] == "3"
+    p.write_text(json.dumps(rows[0]) + "\n" + '{"benchmark": "amc23"}\n')
+    with pytest.raises(ValueError, match="row 2"):
+        read_samples(p)
