@@ -8,7 +8,7 @@ export OMP_WAIT_POLICY ?= PASSIVE
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup run test bench lint stop clean
+.PHONY: setup run stop test bench bench-gpu lint dashboard mlflow-ui lock clean
 
 setup: .venv/.stamp
 
@@ -19,9 +19,19 @@ setup: .venv/.stamp
 	$(PY) -m uv pip install --python $(PY) -q --no-deps -e .
 	@touch $@
 
+# run: set up, start a local Prefect server + the served deployments, run train-and-eval/local on the
+# embedded default, wait, print the summary. Server and deployments keep running until `make stop`.
 run: setup
-	$(PY) -m parity prepare experiment=arith_tiny
-	$(PY) -m parity train experiment=arith_tiny
+	$(PY) scripts/run_local.py run $(OVERRIDES)
+
+stop:
+	$(PY) scripts/run_local.py stop
+
+mlflow-ui: setup
+	$(PY) -m mlflow ui --backend-store-uri sqlite:///$(or $(PARITY_OUTPUTS),outputs)/mlflow.db --host 127.0.0.1 --port $(or $(MLFLOW_PORT),5000) --workers 1
+
+dashboard: setup  ## Streamlit dashboard on http://127.0.0.1:8501 (read-only)
+	.venv/bin/streamlit run dashboards/app.py --server.address 127.0.0.1 --server.headless true --browser.gatherUsageStats false
 
 test: setup
 	$(PY) -m pytest -q tests
@@ -30,7 +40,11 @@ bench: setup
 	@for f in tests/bench/bench_*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
 
 lint: setup
-	$(PY) -m ruff check platform tasks flows dashboards tests
+	bash scripts/lint.sh
+
+# GPU benchmark of issue 12, for a CUDA machine (see docs/PERFORMANCE.md)
+bench-gpu: setup
+	$(PY) tests/bench/bench_gpu.py
 
 lock:
 	uv pip compile requirements.in --python-version 3.11 --find-links $(FIND_LINKS) \
