@@ -30,8 +30,13 @@ def _client(tracking_uri: str) -> Any:
 
 
 @st.cache_data(show_spinner=False, ttl=TTL_S)
+def _records(tracking_uri: str) -> list[data.RunRecord]:
+    return data.fetch_runs(_client(tracking_uri))
+
+
+@st.cache_data(show_spinner=False, ttl=TTL_S)
 def load_runs(tracking_uri: str, mlflow_ui: str) -> pd.DataFrame:
-    return frames.runs_frame(data.fetch_runs(_client(tracking_uri)), mlflow_ui)
+    return frames.runs_frame(_records(tracking_uri), mlflow_ui)
 
 
 @st.cache_data(show_spinner=False, ttl=TTL_S)
@@ -39,10 +44,9 @@ def load_history(tracking_uri: str, run_ids: tuple[str, ...], keys: tuple[str, .
     return data.metric_history(_client(tracking_uri), list(run_ids), list(keys))
 
 
-@st.cache_data(show_spinner=False, ttl=TTL_S)
 def latest_metric_keys(tracking_uri: str, run_ids: tuple[str, ...]) -> list[str]:
     keys: set[str] = set()
-    for r in data.fetch_runs(_client(tracking_uri)):
+    for r in _records(tracking_uri):
         if r.run_id in run_ids:
             keys.update(r.metrics)
     return sorted(keys)

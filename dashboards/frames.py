@@ -284,16 +284,34 @@ def _scalars(d: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def report_rows(folder: str, report: dict) -> list[dict[str, Any]]:
-    """One row per precision mode of a validation report: a report with `modes` (an object keyed by mode, or
-    a list of objects with `mode`) gives one row each, any other report one row of its scalars (nested
-    objects flattened to dotted names)."""
+    """One row per precision mode of validation reports. `python -m parity validate` writes one mode per
+    report (parity.precision.validate: `quant` describes the quantized side, `metrics` the mismatch and
+    accuracy, `failures`/`passed` the threshold verdict); a report with `modes` (an object keyed by mode, or
+    a list of objects with `mode`) gives one row each. Thresholds become `threshold.<name>` columns."""
     modes = report.get("modes")
-    top = {k: v for k, v in _scalars({k: v for k, v in report.items() if k != "modes"}).items()}
-    label = str(report.get("mode") or report.get("precision") or folder)
     if isinstance(modes, dict):
         return [{"report": folder, "mode": str(m), **_scalars(v if isinstance(v, dict) else {"value": v})}
                 for m, v in modes.items()]
     if isinstance(modes, list):
         return [{"report": folder, "mode": str(v.get("mode", v.get("name", i))), **_scalars(v)}
                 for i, v in enumerate(modes) if isinstance(v, dict)]
-    return [{"report": folder, **{k: v for k, v in top.items() if k != "mode"}, "mode": label}]
+    quant = report.get("quant") if isinstance(report.get("quant"), dict) else {}
+    if any(k in quant for k in ("weights", "activations", "kv_cache")):
+        mode = precision_label({f"rollout.precision.{k}": str(quant.get(k, "bf16"))
+                                for k in ("weights", "activations", "kv_cache")})
+    else:
+        mode = str(report.get("mode") or report.get("precision") or folder)  # a quantized HF model: its folder
+    row: dict[str, Any] = {"report": folder, "mode": mode}
+    if quant.get("engine"):
+        row["engine"] = str(quant["engine"])
+    if "passed" in report:
+        row["passed"] = bool(report["passed"])
+    failures = report.get("failures")
+    if isinstance(failures, list):
+        row["failures"] = "; ".join(map(str, failures))
+    row.update(_scalars(report["metrics"]) if isinstance(report.get("metrics"), dict) else {})
+    if isinstance(report.get("thresholds"), dict):
+        row.update(_scalars(report["thresholds"], "threshold."))
+    skip = {"modes", "quant", "metrics", "thresholds", "failures", "passed", "mode", "precision"}
+    row.update({k: v for k, v in _scalars({k: v for k, v in report.items() if k not in skip}).items() if k not in row})
+    return [row]

@@ -101,7 +101,13 @@ def test_report_rows_per_mode_and_flat():
                                               "passed": True})
     assert rows == [{"report": "m-W8A8-INT8", "mode": "int8", "mean_abs_prob_diff": 0.01, "accuracy.quant": 0.5}]
     flat = frames.report_rows("d", {"precision": "w8a8", "metrics": {"k3_kl": 0.002}, "passed": False})
-    assert flat[0]["mode"] == "w8a8" and flat[0]["metrics.k3_kl"] == 0.002 and flat[0]["passed"] is False
+    assert flat[0]["mode"] == "w8a8" and flat[0]["k3_kl"] == 0.002 and flat[0]["passed"] is False
+    # the layout of parity.precision.validate: quant side described, metrics, thresholds, failures
+    v = frames.report_rows("m", {"quant": {"engine": "torch", "weights": "int8", "activations": "int8", "kv_cache": "bf16"},
+                                 "metrics": {"abs_prob_diff_mean": 0.01, "accuracy_drop": None}, "n_prompts": 8,
+                                 "thresholds": {"max_k3_kl": 0.01}, "failures": ["k3_kl 0.02 > 0.01"], "passed": False})
+    assert v == [{"report": "m", "mode": "wint8-aint8-kvbf16", "engine": "torch", "passed": False, "failures": "k3_kl 0.02 > 0.01",
+                  "abs_prob_diff_mean": 0.01, "accuracy_drop": None, "threshold.max_k3_kl": 0.01, "n_prompts": 8}]
 
 
 def test_readonly_url_never_creates_and_refuses_writes(tmp_path):

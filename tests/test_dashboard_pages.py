@@ -50,6 +50,35 @@ def _evaluate(cfg, reg, c, exp, parent: str, pid: int, ckpt: str, precision: str
     return rid
 
 
+def _validation_report(cfg, model_dir: str) -> dict | None:
+    """A real `parity.precision.validate` report of W8A8 INT8 vs BF16 on a few held-out prompts, where that
+    module exists (None otherwise: the real-report test then skips)."""
+    try:
+        from parity.precision.validate import validate_precision, write_report
+    except ImportError:
+        return None
+    import torch
+    from parity.data.arithmetic import arithmetic_problems
+    from parity.data.prompts import render_prompt
+    from parity.rollout import build_engine
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    qcfg = cfg.copy()
+    qcfg.rollout.precision.weights = qcfg.rollout.precision.activations = "int8"
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    prompts = [tok(render_prompt(cfg.data.prompt_template, p.problem))["input_ids"]
+               for p in arithmetic_problems("test", 8, cfg.data.arithmetic)]
+    engine = build_engine(qcfg, model_dir)
+    try:
+        report = validate_precision(model, engine, prompts, samples_per_prompt=2, max_new_tokens=8,
+                                    pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    finally:
+        engine.close()
+    write_report(report, Path(cfg.outputs_dir) / "precision_validation" / "tiny_qwen3-W8A8-INT8")
+    return report
+
+
 def build_stores(quick_cfg, base: Path) -> dict:
     """MLflow store + registry + outputs of one tiny pipeline; idempotent within a session (marker file)."""
     marker = base / "dashboard_stores.json"
@@ -91,9 +120,13 @@ def build_stores(quick_cfg, base: Path) -> dict:
                                  passed=False, message="arithmetic: REGRESSION: dashboard test drop", pipeline_id=pid)
         mlflow_log.end_run(c, parent, ok=True)
         reg.finish_pipeline(pid, "completed")
+    from parity.models.prepare import prepare_model
+
+    validation = _validation_report(cfg, str(prepare_model(cfg)["model_dir"]))
     history = [json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     out = {"tracking_uri": uri, "registry_url": reg_url, "outputs_dir": str(cfg.outputs_dir), "parent": parent,
            "train_run": train_run, "history": history, "real_check_passed": bool(real.passed),
+           "validation": validation,
            "evals": {"bf16": reg_eval_metrics(reg_url, bf16), "int8": reg_eval_metrics(reg_url, int8)}}
     marker.write_text(json.dumps(out))
     return out
@@ -157,7 +190,7 @@ def _chart_values(at) -> list[dict]:
     import pyarrow as pa
 
     rows = []
-    for ch in at.get("arrow_vega_lite_chart"):
+    for ch in at.get("vega_lite_chart"):
         for ds in ch.proto.datasets:
             rows += pa.ipc.open_stream(ds.data.data).read_all().to_pylist()
     return rows
@@ -219,6 +252,18 @@ def test_precision_page_reads_validation_reports(tmp_path, monkeypatch):
     assert df["mode"].tolist() == ["w8a8", "w8a8_kv_int4"]
     assert df["k3_kl"].tolist() == pytest.approx([0.003, 0.02]) and "accuracy" in df.columns
     assert any("broken.json" in t for t in _texts(at.warning))
+
+
+def test_precision_page_shows_a_real_validation_report(app_env):
+    rep = app_env["validation"]
+    if rep is None:
+        pytest.skip("parity.precision.validate is not available")
+    at = _app("precision")
+    df = at.dataframe[0].value
+    row = df[df["report"] == "tiny_qwen3-W8A8-INT8"].iloc[0]
+    assert row["mode"] == "wint8-aint8-kvbf16" and bool(row["passed"]) == rep["passed"]
+    for k in ("abs_prob_diff_mean", "k3_kl", "top1_agreement", "ppl_ratio"):
+        assert row[k] == pytest.approx(rep["metrics"][k])
 
 
 @pytest.mark.parametrize("page", [None, "compare", "benchmarks", "regression", "precision"])

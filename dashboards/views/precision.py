@@ -28,14 +28,20 @@ if table.empty:
             "writes one beside each quantized model's config.json.")
     st.stop()
 
-KEY_FIRST = ["report", "mode", "passed", "status"]
-mismatch = [c for c in table.columns if any(s in c for s in ("abs_prob_diff", "kl", "top1", "ppl", "prefix"))]
-accuracy = [c for c in table.columns if "accuracy" in c]
+KEY_FIRST = ["report", "mode", "engine", "passed"]
+MISMATCH = ("abs_prob_diff", "kl", "top1", "ppl", "prefix", "identical")
+metric_cols = [c for c in table.columns if not c.startswith("threshold.")]
+mismatch = [c for c in metric_cols if any(s in c for s in MISMATCH)]
+accuracy = [c for c in metric_cols if "accuracy" in c]
 first = [c for c in KEY_FIRST if c in table.columns]
 st.subheader("Mismatch and accuracy per mode")
-st.dataframe(table[first + mismatch + accuracy] if mismatch or accuracy else table, hide_index=True, width="stretch")
+main = first + mismatch + accuracy + (["failures"] if "failures" in table.columns else [])
+st.dataframe(table[main] if mismatch or accuracy else table, hide_index=True, width="stretch",
+             column_config={c: st.column_config.NumberColumn(c, format="%.4g") for c in mismatch + accuracy})
 failed = table[table["passed"].astype(str).str.lower().isin(["false", "0"])] if "passed" in table.columns else table[:0]
 if len(failed):
-    st.error(f"{len(failed)} mode(s) failed validation: " + ", ".join(failed["report"] + " / " + failed["mode"]))
-with st.expander("Every field of every report"):
+    st.error(f"{len(failed)} mode(s) failed validation: " + "; ".join(
+        f"{r['report']} / {r['mode']}" + (f" ({r['failures']})" if r.get("failures") else "")
+        for r in failed.to_dict("records")))
+with st.expander("Every field of every report (thresholds included)"):
     st.dataframe(table, hide_index=True, width="stretch")
