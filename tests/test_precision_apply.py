@@ -36,7 +36,7 @@ def _ids() -> torch.Tensor:
 def test_dense_replacement_leaves_embeddings_head_norms() -> None:
     m = _dense()
     info = quantize_model_(m, {"weights": "int8", "activations": "int8", "kv_cache": "int4_per_token_head"})
-    assert info["quantized_linear"] == 2 * 7 and info["paths"] == {"int8_mm_cpu": 14}
+    assert info["quantized_linear"] == 2 * 7 and info["paths"] == {"int8_simulated": 14}
     assert info["kv"]["kind"] == "int4_per_token_head"
     quant = {n for n, mod in m.named_modules() if isinstance(mod, QuantLinear)}
     assert "model.layers.1.mlp.down_proj" in quant and "model.layers.0.self_attn.k_proj" in quant
@@ -156,3 +156,19 @@ def test_int4_kv_with_odd_head_dim_model() -> None:
     with pytest.raises(ValueError, match=r"kv_cache='int4_per_token_head' for model with head_dim=15"):
         quantize_model_(m, {"weights": "int8", "activations": "int8", "kv_cache": "int4_per_token_head"})
     assert kv_codec_for_model(m, {"kv_cache": "int8"}).kind == "int8"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_quantized_model_on_cuda_matches_cpu(fmt: str) -> None:
+    m = _dense()
+    quantize_model_(m, {"weights": fmt, "activations": fmt})
+    ids = _ids()
+    cpu = m(ids).logits
+    info = quantize_model_(copy.deepcopy(_moe()).cuda(), {"weights": fmt, "activations": fmt})
+    assert set(info["paths"]) == {"int8_mm_cuda" if fmt == "int8" else "fp8_scaled_mm"}
+    m.cuda()
+    assert {mod.path for mod in m.modules() if isinstance(mod, QuantLinear)} == set(info["paths"])
+    gpu = m(ids.cuda()).logits.cpu()
+    # int8: same integers, float epilogue differs in order; fp8: bf16 output of the scaled GEMM
+    torch.testing.assert_close(gpu, cpu, rtol=0, atol=1e-3 if fmt == "int8" else 3e-2)

@@ -31,7 +31,7 @@ def _w8a8_reference(x: torch.Tensor, lin: nn.Linear, fmt: str) -> torch.Tensor:
 def test_w8a8_matches_float64_reference(fmt: str) -> None:
     lin = _linear(bias=True)
     q = QuantLinear.from_linear(lin, fmt, fmt)
-    assert q.path == ("int8_mm_cpu" if fmt == "int8" else "fp8_scaled_mm")
+    assert q.path == ("int8_simulated" if fmt == "int8" else "fp8_scaled_mm")
     x = torch.randn(3, 7, 96)
     y = q(x)
     assert y.dtype == torch.float32 and y.shape == (3, 7, 40)
@@ -59,11 +59,15 @@ def test_w8a8_int8_error_within_analytic_bound() -> None:
 
 
 def test_int8_paths_give_identical_results() -> None:
-    lin = _linear(k=2048 + 8, n=24)  # K beyond float32-exact range: simulated path switches to float64
+    lin = _linear(k=2048 + 8, n=24)  # K beyond one float32-exact chunk: the simulated path sums 2 chunks + a rest
     wq, ws = quantize_rowwise(lin.weight.detach(), "int8")
     x = torch.randn(5, 2056, dtype=torch.bfloat16)
     outs = [quant_linear_forward(x, wq, ws, None, "int8", "int8", p) for p in ("int8_mm_cpu", "int8_simulated")]
     assert torch.equal(outs[0], outs[1]) and outs[0].dtype == torch.bfloat16
+    # and the accumulator equals the int64 product of the codes
+    from parity.precision.linear import _int8_gemm
+    xq, _ = quantize_rowwise(x, "int8")
+    assert torch.equal(_int8_gemm(xq, wq, "int8_simulated").long(), xq.long() @ wq.long().t())
 
 
 def test_fp8_paths_agree() -> None:

@@ -11,8 +11,9 @@ quantized policy's (pi_inf), not BF16's:
 
 Which kernel runs is reported by `QuantLinear.path`:
     int8_mm_cuda     torch._int_mm on CUDA (cuBLASLt int8 GEMM)
-    int8_mm_cpu      torch._int_mm on CPU (oneDNN)
-    int8_simulated   integer codes multiplied in float32/float64 where that is exact (same result)
+    int8_simulated   integer codes multiplied by float32 GEMMs over K-chunks small enough to be exact (the
+                     same int32 accumulator; the CPU default)
+    int8_mm_cpu      torch._int_mm on CPU (exact too; selectable, slower on AVX2 CPUs)
     fp8_scaled_mm    torch._scaled_mm with row-wise scales (CUDA sm_89+, or CPU)
     fp8_simulated    codes in float32 (same up to summation order)
     int8_weight_only, fp8_weight_only, w<W>a<A>_simulated, bf16
@@ -82,8 +83,8 @@ def select_path(weights: str, activations: str, device: torch.device, in_feature
             # cuBLASLt int8 GEMM needs K and N multiples of 8 (M is padded at call time)
             aligned = in_features % 8 == 0 and out_features % 8 == 0
             return "int8_mm_cuda" if aligned else "int8_simulated"
-        if device.type == "cpu" and hasattr(torch, "_int_mm"):
-            return "int8_mm_cpu"
+        # On CPU torch._int_mm is exact but was 3-4x slower than even an emulated bf16 GEMM on an AVX2
+        # machine (bench_precision_linear); exact float32 GEMMs over K-chunks give the same integers faster.
         return "int8_simulated"
     aligned = device.type != "cuda" or (in_features % 16 == 0 and out_features % 16 == 0)
     if aligned and _scaled_mm_works(device.type, device.index if device.type == "cuda" else None):
@@ -101,8 +102,13 @@ def _int8_gemm(xq: torch.Tensor, wq: torch.Tensor, path: str) -> torch.Tensor:
         return torch._int_mm(xq, wq.t())[:m]
     if path == "int8_mm_cpu":
         return torch._int_mm(xq, wq.t())
-    exact = torch.float32 if xq.shape[1] <= _FP32_EXACT_K else torch.float64
-    return (xq.to(exact) @ wq.to(exact).t()).round_().to(torch.int32)
+    # every partial sum over <= _FP32_EXACT_K products of int8 codes is an integer below 2**24: exact in fp32
+    xf, wf = xq.float(), wq.float()
+    acc = None
+    for s in range(0, xq.shape[1], _FP32_EXACT_K):
+        part = (xf[:, s:s + _FP32_EXACT_K] @ wf[:, s:s + _FP32_EXACT_K].t()).to(torch.int32)
+        acc = part if acc is None else acc.add_(part)
+    return acc
 
 
 def quant_linear_forward(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
@@ -120,7 +126,8 @@ def quant_linear_forward(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tenso
         y = (acc.float() * xs * w_scale.t()).to(x.dtype)
     elif path == "fp8_scaled_mm":
         xq, xs = quantize_rowwise(x2, "fp8")
-        out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float32) else torch.float32
+        # row-wise scaled FP8 GEMM on CUDA (sm_90) writes bfloat16 only; the CPU kernel also writes float32
+        out_dtype = torch.bfloat16 if xq.is_cuda or x.dtype == torch.bfloat16 else torch.float32
         y = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=w_scale.t().contiguous(),
                              out_dtype=out_dtype).to(x.dtype)
     elif path == "fp8_simulated":

@@ -1,0 +1,55 @@
+"""`python -m parity quantize [overrides]`: write the rollout's quantized checkpoint.
+
+The precision is the rollout's (parity.precision.config.resolve_precision: `rollout.precision` or the
+seed block `actor_rollout_ref.rollout`). The checkpoint (compressed-tensors, what vLLM loads) goes to
+the folder of `actor_rollout_ref.rollout.quantization_config_file` when that is set (so the run that
+reads it finds it), else to `<rollout.precision.export_dir>/<model>-W8A8-INT8/` (-W8A8-FP8, -W8A16-FP8):
+outputs/precision_validation/<model>-W8A8-INT8/config.json, the seed's path pattern. A sidecar
+precision.json records the source model and the KV-cache format, which are runtime settings.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from parity.precision.config import PrecisionConfigError, quantization_config_path, resolve_precision
+
+
+def quantized_checkpoint_dir(cfg: Any, precision: Any) -> Path:
+    from parity.precision.export import checkpoint_dir_name
+
+    seed_file = quantization_config_path(cfg)
+    if seed_file:
+        return Path(str(seed_file)).parent
+    name = checkpoint_dir_name(str(cfg.model.name), precision.weights, precision.activations)
+    return Path(str(cfg.rollout.precision.export_dir)) / name
+
+
+def run(cfg: DictConfig) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from parity.models.prepare import prepare_model
+    from parity.precision.export import export_compressed_tensors
+
+    precision = resolve_precision(cfg)
+    if precision.weights == "bf16":
+        raise PrecisionConfigError("nothing to quantize: the rollout precision has BF16 weights; set "
+                                   "`actor_rollout_ref.rollout.quantization` (int8 | fp8) or `rollout.precision.weights`")
+    source = Path(prepare_model(cfg)["model_dir"])
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.bfloat16)
+    out = quantized_checkpoint_dir(cfg, precision)
+    config_file = export_compressed_tensors(model, out, precision.weights, precision.activations, source_dir=source)
+    seconds = time.perf_counter() - t0
+    side = {"source_model": str(source), "weights": precision.weights, "activations": precision.activations,
+            "kv_cache": precision.kv_cache, "kv_hadamard": precision.kv_hadamard}
+    (out / "precision.json").write_text(json.dumps(side, indent=2))
+    size = sum(f.stat().st_size for f in out.glob("model*.safetensors"))
+    return {"command": "quantize", "config_file": str(config_file), "checkpoint_dir": str(out), **side,
+            "checkpoint_bytes": size, "seconds": round(seconds, 3)}

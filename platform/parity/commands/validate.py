@@ -1,0 +1,99 @@
+"""`python -m parity validate [overrides]`: compare the quantized rollout with BF16 before training.
+
+Reads the checkpoint `quantize` wrote (its config.json is checked first: a missing or malformed file is
+one clear error), runs it in the configured rollout engine at the rollout precision (torch: the BF16
+model quantized in place, then the checkpoint's codes and scales loaded verbatim, KV-cache format
+included; vllm: the checkpoint folder as vLLM loads it), and compares it with the BF16 model on
+held-out prompts (parity.precision.validate). The report (validation.json + validation.md) is written
+beside config.json; a threshold in `rollout.precision.validation` that is exceeded stops the command
+with a non-zero exit naming it, so a pipeline stops before training on a broken model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from parity.precision.config import load_quantization_config_file, quantization_config_path, resolve_precision
+
+
+def heldout_prompts(cfg: Any, n: int, seed: int) -> list[tuple[str, str]]:
+    """(prompt text, reference answer): the arithmetic test split, or problems of the configured data
+    (the quantization is calibration-free, so any prompts are held out from it)."""
+    from parity.data.prompts import render_prompt
+
+    if cfg.data.name == "arithmetic":
+        from parity.data.arithmetic import arithmetic_problems
+
+        problems = arithmetic_problems("test", n, cfg.data.arithmetic, seed_offset=seed)
+    else:
+        from parity.data.prompts import build_train_stream
+
+        problems = build_train_stream(cfg.data, seed=seed + 7919).take(n)
+    return [(render_prompt(cfg.data.prompt_template, p.problem), p.answer) for p in problems]
+
+
+def _quant_side(cfg: Any, source: Path, ckpt_dir: Path, precision: Any) -> Any:
+    from parity.precision.export import load_compressed_checkpoint_
+    from parity.rollout import build_engine
+
+    if cfg.rollout.name == "vllm":
+        return build_engine(cfg, ckpt_dir, precision)
+    engine = build_engine(cfg, source, precision)  # BF16 weights quantized in place, KV codec set up
+    load_compressed_checkpoint_(engine.model, ckpt_dir)  # then exactly what the checkpoint holds
+    return engine
+
+
+def _grade(texts: list[str], answers: list[str]) -> list[float]:
+    from parity.rewards.grader import grade_answer
+
+    return [grade_answer(t, a)[0] for t, a in zip(texts, answers)]
+
+
+def run(cfg: DictConfig) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from parity.commands.quantize import quantized_checkpoint_dir
+    from parity.models.prepare import prepare_model
+    from parity.precision.validate import (
+        ValidationThresholds,
+        enforce_thresholds,
+        validate_precision,
+        write_report,
+    )
+    from parity.rollout import compute_dtype, resolve_device
+
+    precision = resolve_precision(cfg)
+    seed_file = quantization_config_path(cfg)
+    config_file = Path(str(seed_file)) if seed_file else quantized_checkpoint_dir(cfg, precision) / "config.json"
+    key = "actor_rollout_ref.rollout.quantization_config_file" if seed_file else "rollout.precision.export_dir"
+    info = load_quantization_config_file(config_file, expect=(precision.weights, precision.activations), key=key)
+    v = cfg.rollout.precision.validation
+    source = Path(prepare_model(cfg)["model_dir"])
+    tok = AutoTokenizer.from_pretrained(str(source))
+    device = resolve_device(cfg.trainer.device)
+    bf16 = AutoModelForCausalLM.from_pretrained(str(source), dtype=compute_dtype(cfg, device)).to(device).eval()
+    problems = heldout_prompts(cfg, int(v.num_prompts), int(v.seed))
+    prompts = [tok(text)["input_ids"] for text, _ in problems]
+    quant = _quant_side(cfg, source, info.checkpoint_dir, precision)
+    try:
+        with torch.no_grad():
+            report = validate_precision(
+                bf16, quant, prompts, ValidationThresholds.from_config(v), samples_per_prompt=int(v.samples_per_prompt),
+                max_new_tokens=int(v.max_new_tokens), temperature=float(v.temperature), seed=int(v.seed),
+                pad_token_id=int(tok.pad_token_id), eos_token_id=tok.eos_token_id, answers=[a for _, a in problems],
+                decode=lambda ids: tok.decode(ids, skip_special_tokens=True), accuracy_fn=_grade)
+    finally:
+        quant.close()
+    report.update(checkpoint_dir=str(info.checkpoint_dir), source_model=str(source),
+                  precision={"weights": precision.weights, "activations": precision.activations,
+                             "kv_cache": precision.kv_cache})
+    json_path, md_path = write_report(report, info.checkpoint_dir)
+    enforce_thresholds(report)  # after writing: the report says why
+    m = report["metrics"]
+    return {"command": "validate", "passed": True, "report_json": str(json_path), "report_md": str(md_path),
+            **{k: m[k] for k in ("abs_prob_diff_mean", "abs_prob_diff_p99", "k3_kl", "top1_agreement",
+                                 "greedy_prefix_mean", "ppl_ratio", "accuracy_bf16", "accuracy_quant")}}
