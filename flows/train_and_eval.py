@@ -44,22 +44,27 @@ def run_stages(ref: PipelineRef, cfg: OmegaConf) -> dict:
     base_id = record_artifact_task(r, "base", base["model_dir"], "bf16")
     with stage(ref, "quantize") as st:
         q = quantize_task(c, base["model_dir"])
-        st.skip(q["reason"], q) if q.get("skipped") else st.done(q)
+        if q.get("skipped"):
+            st.skip(q["reason"], q)
+        else:
+            st.done(q)
     rollout_id = base_id if q.get("skipped") else record_artifact_task(r, "quantized", q["path"], q["precision"],
                                                                         parent_id=base_id)
     with stage(ref, "validate") as st:
         v = validate_task(c, q)
         for f in (v.get("report_path"), v.get("report_md")):
             st.artifact(f, "validation")
-        if v["status"] == "failed":
+        if v["status"] == "not_required":
+            st.skip(str(v["reason"]), v)
+        else:
             st.done(v)
+            # lineage keeps failed validations too: which quantized model failed, with which report
+            rollout_id = record_artifact_task(r, "validated", q["path"], q["precision"], parent_id=rollout_id,
+                                              validation_status=v["status"], report=v.get("report"),
+                                              report_path=v.get("report_path"))
+        if v["status"] == "failed":
             raise ValidationFailed(f"precision validation failed for {q['precision']}: {v.get('reason')} "
                                    f"(report: {v.get('report_path')})")
-        st.skip(str(v["reason"]), v) if v["status"] == "not_required" else st.done(v)
-    if v["status"] == "passed":
-        rollout_id = record_artifact_task(r, "validated", q["path"], q["precision"], parent_id=rollout_id,
-                                          validation_status="passed", report=v.get("report"),
-                                          report_path=v.get("report_path"))
     with stage(ref, "train") as st:
         t = st.done(train_task(c, ref.tracking_uri, st.run_id, float(cfg.tracking.flush_wait_s)))
     precision = precision_label(cfg)

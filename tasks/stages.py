@@ -156,6 +156,9 @@ def train_task(cfg: dict, tracking_uri: str | None = None, mlflow_run_id: str | 
     t0 = time.perf_counter()
     summary = train(c, callbacks=callbacks)
     summary["lib_seconds"] = time.perf_counter() - t0
+    if not summary.get("latest_checkpoint"):
+        raise ParityError("config key `trainer.checkpoint_every`: the run wrote no checkpoint, so there is nothing "
+                          "to evaluate or register; set it > 0")
     if cb is not None:
         summary["mlflow_unwritten_metrics"] = 0 if cb.close(wait_s=flush_wait_s) else len(cb.buffer)
         summary["mlflow_outages"] = cb.outages
