@@ -174,14 +174,23 @@ def run(args: argparse.Namespace) -> int:
 
 
 def latest_summary(out: Path) -> dict:
-    """The last train-and-eval pipeline as the registry recorded it."""
-    db = out / "registry.db"
-    if not db.is_file():
-        return {"error": f"no registry at {db}"}
-    from parity.tracking.registry import Registry
+    """The last train-and-eval pipeline as the registry recorded it (stage results trimmed)."""
+    from parity.tracking.registry import Registry, RegistryError
+    from parity.tracking.secrets import mask_url
 
-    with Registry(f"sqlite:///{db}") as reg:
-        return reg.latest_pipeline("train-and-eval") or {"error": "no train-and-eval pipeline recorded"}
+    url = os.environ.get("PARITY_REGISTRY_URL") or f"sqlite:///{out / 'registry.db'}"
+    try:
+        with Registry(url) as reg:
+            p = reg.latest_pipeline("train-and-eval")
+    except RegistryError as e:
+        return {"error": str(e)}
+    if p is None:
+        return {"error": f"no train-and-eval pipeline recorded in {mask_url(url)}"}
+    keep = ("run_dir", "final_accuracy", "initial_accuracy", "final_reward", "latest_checkpoint", "macro", "out_dir",
+            "status", "precision", "version", "model_name", "seconds", "lib_seconds")
+    for st in p["stages"]:
+        st["result"] = {k: v for k, v in (st["result"] or {}).items() if k in keep}
+    return p
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="scripts/run_local.py")
