@@ -151,6 +151,8 @@ class RolloutPool:
 
         self.restarts_total += 1
         self._restarts_since += 1
+        # a queued weight load of the dead process is moot: the newest weights are pushed below
+        self.pending_updates = [(i, ref) for i, ref in self.pending_updates if i != index]
         worker, deadline = self.workers[index], time.monotonic() + self.restart_timeout_s
         while True:
             try:
