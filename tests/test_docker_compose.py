@@ -273,6 +273,10 @@ def test_every_service_has_a_healthcheck_and_state_is_on_named_volumes() -> None
         assert sources and sources <= named, f"{name}:{path} is not on a named volume"
 
 
+def test_flows_stops_with_the_signal_prefects_runner_handles() -> None:
+    assert resolved()["flows"]["stop_signal"] == "SIGINT"
+
+
 def test_ray_worker_can_scale() -> None:
     worker = resolved()["ray-worker"]
     assert "container_name" not in worker and "ports" not in worker
