@@ -137,3 +137,14 @@ def test_quantization_config_file_good_and_mismatch(tmp_path: Path) -> None:
     assert (info.weights, info.activations, info.checkpoint_dir, info.ignore) == ("int8", "int8", f.parent, ["lm_head"])
     with pytest.raises(PrecisionConfigError, match="holds a W=int8 A=int8 checkpoint but the config asks for W=fp8"):
         load_quantization_config_file(f, expect=("fp8", "fp8"))
+
+
+@pytest.mark.parametrize("preset, expected", [("w8a8_int8", ("int8", "int8", "bf16")),
+                                              ("w8a8_int8_kv_int4", ("int8", "int8", "int4_per_token_head")),
+                                              ("w8a8_fp8", ("fp8", "fp8", "bf16")),
+                                              ("w8a8_fp8_kv_fp8", ("fp8", "fp8", "fp8"))])
+def test_precision_presets_compose(preset: str, expected: tuple[str, str, str]) -> None:
+    from parity.config import load_config
+
+    p = resolve_precision(load_config([f"+precision={preset}"]))
+    assert (p.weights, p.activations, p.kv_cache) == expected
