@@ -143,3 +143,22 @@ def test_distributed_run_with_a_killed_worker_matches_the_in_process_loop(ray_cl
     assert any(not torch.equal(w_dist[k], w0[k]) for k in w0)  # training moved the weights
     for key in ("run_dir", "initial_accuracy", "final_accuracy", "final_reward", "latest_checkpoint", "steps"):
         assert key in dist
+
+
+def test_off_policy_overlap_logs_staleness_and_checkpoints_the_step_data_position(ray_cluster, quick_cfg,
+                                                                                  prepared_model) -> None:
+    from parity.data.prompts import build_train_stream
+    from parity.distributed.driver import train_distributed
+
+    cfg = quick_cfg(*DIST, "trainer.total_steps=3", "trainer.keep_checkpoints=3", "distributed.off_policy_overlap=true",
+                    "trainer.run_name=overlap3")
+    out = train_distributed(cfg)
+    rows = _rows(out["run_dir"])
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    # step t+1 was sampled before the trainer's step t: one update behind, except the first step
+    assert [r["perf/staleness"] for r in rows[1:]] == [0.0, 1.0, 1.0]
+    stream = build_train_stream(cfg.data, seed=int(cfg.trainer.seed))
+    for step in (1, 2):  # the prefetch of step+1 must not leak into the checkpoint of step
+        stream.take(cfg.trainer.prompts_per_step)
+        state = torch.load(Path(out["run_dir"]) / "checkpoints" / f"step_{step:06d}" / "state.pt", weights_only=False)
+        assert state["data"] == stream.state_dict()
