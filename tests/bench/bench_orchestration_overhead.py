@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -32,6 +33,7 @@ QUICK = ["model.warm_start.steps=30", "model.warm_start.eval_problems=16", "trai
 
 
 def main() -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the server
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="tiny settings (seconds of work: overhead dominates)")
     ap.add_argument("overrides", nargs="*")

@@ -148,10 +148,18 @@ class MlflowCallback:
         self.outages = 0
         self.dropped = 0
         self.written = 0
+        self.seconds = 0.0
         self._down_since: float | None = None
         self._next_try = 0.0
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._on_step(step, metrics)
+        finally:
+            self.seconds += time.perf_counter() - t0  # what logging cost the training loop
+
+    def _on_step(self, step: int, metrics: dict[str, float]) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
