@@ -140,18 +140,19 @@ def fetch_runs(client: Any, max_results: int = 5000) -> list[RunRecord]:
 def metric_history(client: Any, run_ids: list[str], keys: list[str]) -> pd.DataFrame:
     """Long table (run_id, key, step, value) of the given runs and metric keys; a run without a key
     contributes no rows (the page says which are missing)."""
-    rows: list[tuple[str, str, int, float]] = []
+    rows: list[tuple[str, str, int, float, int]] = []
     for rid in run_ids:
         for key in keys:
             try:
                 hist = client.get_metric_history(rid, key)
             except Exception as e:
                 raise SourceUnavailable(f"Metric history of run {rid} ({key}) could not be read: {e}") from e
-            rows.extend((rid, key, int(m.step), float(m.value)) for m in hist)
-    df = pd.DataFrame(rows, columns=["run_id", "key", "step", "value"])
+            rows.extend((rid, key, int(m.step), float(m.value), int(m.timestamp)) for m in hist)
+    cols = ["run_id", "key", "step", "value"]
+    df = pd.DataFrame(rows, columns=[*cols, "timestamp"]).sort_values(["run_id", "key", "step", "timestamp"],
+                                                                      kind="stable")
     # MLflow keeps every logged value; a resumed run can log a step twice, the last write wins
-    return df.drop_duplicates(["run_id", "key", "step"], keep="last").sort_values(["run_id", "key", "step"],
-                                                                                 ignore_index=True)
+    return df.drop_duplicates(["run_id", "key", "step"], keep="last")[cols].reset_index(drop=True)
 
 
 def mlflow_run_url(ui: str, experiment_id: str, run_id: str) -> str:

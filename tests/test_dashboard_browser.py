@@ -26,6 +26,8 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
                   "--window-size=1400,1800", "--remote-debugging-port=0", "--remote-allow-origins=*"]
 ERROR_JS = ("document.querySelectorAll('[data-testid=\"stException\"], [data-testid=\"stAlertContentError\"], "
             "[data-testid=\"stAlertContentWarning\"]').length")
+WIDGETS_JS = ("document.querySelectorAll('[data-testid=\"stMultiSelect\"], [data-testid=\"stSlider\"], "
+              "[data-testid=\"stCheckbox\"]').length")
 CHART_JS = "document.querySelectorAll('[data-testid=\"stVegaLiteChart\"] canvas, [data-testid=\"stVegaLiteChart\"] svg').length"
 
 
@@ -133,7 +135,7 @@ def test_compare_page_renders_chart_in_chromium(stores, tmp_path):
             cdp.call("Page.enable")
             cdp.call("Page.navigate", url=f"http://127.0.0.1:{port}/compare")
             deadline = time.monotonic() + 240  # first render imports mlflow and altair: slow on a loaded machine
-            while (cdp.eval(CHART_JS) or 0) < 1:
+            while (cdp.eval(CHART_JS) or 0) < 4 or (cdp.eval(WIDGETS_JS) or 0) < 3:
                 assert time.monotonic() < deadline, "the Compare page's chart did not render"
                 time.sleep(0.5)
             time.sleep(1.0)  # let vega finish drawing before the screenshot
@@ -150,6 +152,6 @@ def test_compare_page_renders_chart_in_chromium(stores, tmp_path):
     out.mkdir(parents=True, exist_ok=True)
     (out / "dashboard_compare.png").write_bytes(shot)
     assert shot[:8] == b"\x89PNG\r\n\x1a\n" and len(shot) > 20_000
-    assert charts >= 1
+    assert charts >= 4  # reward, accuracy and the two mismatch curves the page opens with
     assert errors == 0, "the page shows an error or warning element"
     assert title == "Compare runs"

@@ -186,13 +186,14 @@ def test_runs_page_lists_pipeline_and_stages_with_values(app_env):
 
 
 def _chart_values(at) -> list[dict]:
-    """Rows of every vega-lite chart's inline datasets (Arrow IPC streams in the proto)."""
+    """Rows of every vega-lite chart's data (Arrow IPC streams in the proto)."""
     import pyarrow as pa
 
     rows = []
     for ch in at.get("vega_lite_chart"):
-        for ds in ch.proto.datasets:
-            rows += pa.ipc.open_stream(ds.data.data).read_all().to_pylist()
+        blobs = [ds.data.data for ds in ch.proto.datasets] + ([ch.proto.data.data] if ch.proto.data.data else [])
+        for blob in blobs:
+            rows += pa.ipc.open_stream(blob).read_all().to_pylist()
     return rows
 
 
@@ -290,3 +291,17 @@ def test_store_untouched_by_the_dashboard(app_env):
         _app(page)
     assert [(p.stat().st_mtime_ns, p.stat().st_size) for p in paths] == before
     assert os.environ["PARITY_TRACKING_URI"] == app_env["tracking_uri"]
+
+
+def test_sql_fast_path_matches_the_mlflow_client(app_env):
+    from dashboards import data, frames, mlflow_sql
+
+    uri = app_env["tracking_uri"]
+    client_runs = data.fetch_runs(data.mlflow_client(uri))
+    eng = mlflow_sql.engine(uri)
+    sql_runs = mlflow_sql.fetch_runs(eng)
+    assert [r.__dict__ for r in sql_runs] == [r.__dict__ for r in client_runs]
+    assert len(client_runs) == 4 and any(r.params for r in sql_runs) and any(r.metrics for r in sql_runs)
+    ids, keys = [r.run_id for r in client_runs], frames.CURVE_METRICS
+    a, b = data.metric_history(data.mlflow_client(uri), ids, keys), mlflow_sql.metric_history(eng, ids, keys)
+    assert len(a) > 0 and a.equals(b)

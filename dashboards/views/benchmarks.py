@@ -24,11 +24,6 @@ def load_bench(tracking_uri: str, registry_url: str, outputs_dir: str, mlflow_ui
     summaries, problems = data.eval_summaries(src.outputs_dir)
     notes += problems
     by_dir = {str(p.parent): s for p, s in summaries}
-    try:
-        runs = common.load_runs(src.tracking_uri, src.mlflow_ui)
-    except data.SourceUnavailable as e:
-        runs = pd.DataFrame(columns=frames.RUN_COLUMNS)
-        notes.append(f"Runs and corrections are not labelled: {e}")
     rows: list[dict] = []
     try:
         evals = data.registry_evaluations(src.registry_url)
@@ -36,6 +31,11 @@ def load_bench(tracking_uri: str, registry_url: str, outputs_dir: str, mlflow_ui
         evals = None
         notes.append(str(e))
     if evals is not None and not evals.empty:
+        try:  # only the registry's rows need MLflow (their pipeline's run name and correction)
+            runs = common.load_runs(src.tracking_uri, src.mlflow_ui)
+        except data.SourceUnavailable as e:
+            runs = pd.DataFrame(columns=frames.RUN_COLUMNS)
+            notes.append(f"Runs and corrections are not labelled: {e}")
         for out_dir in set(evals["out_dir"].dropna().astype(str)) - set(by_dir):
             try:  # an evaluation recorded elsewhere: its metrics.json holds the intervals
                 by_dir[out_dir] = data.read_json(Path(out_dir) / "metrics.json")

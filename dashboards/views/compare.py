@@ -3,7 +3,6 @@ mean line with a min..max band; the plotted data as CSV and the figure as PNG.""
 
 from __future__ import annotations
 
-import altair as alt
 import pandas as pd
 import streamlit as st
 
@@ -56,13 +55,8 @@ for key in keys:
     d = plot[plot["key"] == key]
     if d.empty:
         continue
-    base = alt.Chart(d).encode(x=alt.X("step:Q", title="step"), color=alt.Color("series:N", title=None))
-    line = base.mark_line(point=len(d) < 60).encode(y=alt.Y("value:Q", title=key, scale=alt.Scale(zero=False)),
-                                                    tooltip=["series", "step", "value", "n"])
-    layers = [base.mark_area(opacity=0.2).encode(y="lo:Q", y2="hi:Q"), line] if group else [line]
     st.subheader(key)
-    st.altair_chart(alt.layer(*layers).properties(height=260), width="stretch")
-
+    st.vega_lite_chart(d, frames.curve_spec(key, banded=group, points=len(d) < 60), width="stretch")
 
 
 def _png(plot: pd.DataFrame, keys: list[str]) -> bytes:
@@ -72,7 +66,7 @@ def _png(plot: pd.DataFrame, keys: list[str]) -> bytes:
 
 
 c1, c2 = st.columns(2)
-c1.download_button("Download data (CSV)", frames.wide_csv(plot), file_name="parity_compare.csv", mime="text/csv",
+c1.download_button("Download data (CSV)", lambda: frames.wide_csv(plot), file_name="parity_compare.csv", mime="text/csv",
                    key="compare_csv")
 c2.download_button("Download figure (PNG)", lambda: _png(plot, keys), file_name="parity_compare.png",
                    mime="image/png", key="compare_png")
