@@ -63,6 +63,10 @@ class QuantExperts(nn.Module):
     def set_tensor(self, name: str, w: torch.Tensor, rows: slice | None = None, expert: int | None = None) -> None:
         """Re-quantize all of `name` (gate_up_proj | down_proj), or one expert's rows of it."""
         codes, scale = self._buffers[name], self._buffers[f"{name}_scale"]
+        if expert is None and rows is None and tuple(w.shape) == tuple(codes.shape):
+            for e in range(self.num_experts):  # one expert at a time: float32 temporaries of one expert only
+                self.set_tensor(name, w[e], expert=e)
+            return
         if expert is not None:
             codes, scale = codes[expert], scale[expert]
         if rows is not None:

@@ -170,6 +170,8 @@ def export_compressed_tensors(model: nn.Module, out_dir: str | Path, weights: st
         index = {"metadata": {"total_size": total}, "weight_map": {k: final[v] for k, v in weight_map.items()}}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     hf = model.config.to_dict() if hasattr(model, "config") else {}
+    if hf and not hf.get("architectures"):  # vLLM picks its model class from this list
+        hf["architectures"] = [type(model).__name__]
     hf["quantization_config"] = qconfig
     config_file = out / "config.json"
     config_file.write_text(json.dumps(hf, indent=2, default=str))
