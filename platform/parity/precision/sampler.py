@@ -69,8 +69,11 @@ class ModelSampler:
 
     def describe(self) -> dict:
         from parity.precision.apply import describe_model_precision
+        from parity.precision.linear import QuantLinear
 
-        return {"engine": self.name, "paths": describe_model_precision(self.model) or {"bf16": 0}}
+        q = next((m for m in self.model.modules() if isinstance(m, QuantLinear)), None)
+        return {"engine": self.name, "weights": q.weights if q else "bf16", "activations": q.activations if q else "bf16",
+                "kv_cache": "bf16", "paths": describe_model_precision(self.model) or {"bf16": 0}}
 
     @torch.no_grad()
     def generate(self, prompt_token_ids: list[list[int]], spec: SamplingSpec,
