@@ -217,6 +217,13 @@ def test_compare_page_plots_the_logged_curves(app_env):
     raw = sorted(want)
     assert sm[0][1] == pytest.approx(raw[0][1])
     assert sm[1][1] == pytest.approx((0.25 * raw[0][1] + 0.5 * raw[1][1]) / 0.75)
+    # seed grouping: one series per configuration, named by what defines it; one seed -> band of zero width
+    at.slider(key="compare_smoothing").set_value(0.0)
+    at.checkbox(key="compare_group").check().run()
+    grouped = [r for r in _chart_values(at) if r.get("key") == "reward/mean"]
+    assert {r["series"].split(" [")[0] for r in grouped} == {"dual | bf16 | tiny_qwen3"}
+    assert sorted((r["step"], r["value"], r["lo"], r["hi"], r["n"]) for r in grouped) == \
+        sorted((s, v, v, v, 1) for s, v in raw)
 
 
 def test_benchmarks_page_shows_bf16_and_int8_side_by_side(app_env):
