@@ -65,7 +65,7 @@ def test_greedy_prefix_hand_computed() -> None:
     b = _batch([[1, 2, 4], [5, 2, 3], [7, 0, 0]], [[True] * 3, [True] * 3, [True, False, False]])
     g = greedy_prefix(a, b)
     assert g["greedy_prefix_mean"] == pytest.approx(1.0)  # prefixes 2, 0, 1 (EOS-terminated at 1)
-    assert g["greedy_prefix_fraction"] == pytest.approx(1 / 3)
+    assert g["greedy_prefix_fraction"] == pytest.approx((2 / 3 + 0 + 1) / 3)  # of the reference's lengths 3, 3, 1
     assert g["greedy_identical_fraction"] == pytest.approx(1 / 3)
 
 
@@ -88,6 +88,7 @@ def test_bf16_against_itself_is_a_perfect_match() -> None:
     assert rep["passed"] and mt["n_tokens"] == 8 * 2 * 8
     assert mt["abs_prob_diff_max"] < 1e-6 and abs(mt["k1_kl"]) < 1e-6 and mt["k3_kl"] < 1e-9
     assert mt["top1_agreement"] == 1.0 and mt["greedy_identical_fraction"] == 1.0
+    assert mt["greedy_prefix_fraction"] == 1.0
     assert mt["rollout_vs_rescored_max_abs"] < 1e-4  # sampling log-probs equal teacher-forced ones
 
 

@@ -26,7 +26,7 @@ MODES = [  # (label, weights, activations, kv_cache)
     ("BF16 + INT4 KV", "bf16", "bf16", "int4_per_token_head"),
 ]
 COLUMNS = ["abs_prob_diff_mean", "abs_prob_diff_p99", "k3_kl", "top1_agreement", "greedy_prefix_fraction",
-           "ppl_ratio", "accuracy_bf16", "accuracy_quant"]
+           "greedy_identical_fraction", "ppl_ratio", "accuracy_bf16", "accuracy_quant"]
 
 
 def main(overrides: list[str]) -> list[dict]:

@@ -10,8 +10,8 @@ tokens x (float64 statistics):
     kl_exact        mean over positions of sum_v q_v log(q_v / p_v)  (when q's full logits are known)
     top1_agreement  share of positions where argmax p == argmax q
     ppl_bf16, ppl_quant, ppl_ratio = ppl_bf16 / ppl_quant   (token-level, on q's samples)
-    greedy prefix   tokens the two greedy decodes share before the first difference (mean, fraction of
-                    max_new_tokens, share of prompts identical)
+    greedy prefix   tokens the two greedy decodes share before the first difference (mean, share of the
+                    BF16 decode's length, share of prompts decoded identically)
     accuracy        of both greedy decodes, through an `accuracy_fn` hook (the math-verify grader)
 
 `quant` is either an nn.Module (an HF model quantized in place: full distributions are available) or
@@ -94,13 +94,15 @@ def exact_kl(full_p: torch.Tensor, full_q: torch.Tensor, mask: torch.Tensor) -> 
     return float((lq.exp() * (lq - lp)).sum(-1).mean())
 
 
-def greedy_prefix(a: RolloutBatch, b: RolloutBatch) -> dict[str, float]:
-    """Length of the common prefix of two greedy decodes of the same prompts (EOS included)."""
-    same = (a.responses == b.responses) & a.response_mask & b.response_mask
+def greedy_prefix(ref: RolloutBatch, other: RolloutBatch) -> dict[str, float]:
+    """Common prefix of two greedy decodes of the same prompts (EOS included): mean length in tokens,
+    mean share of the reference (BF16) decode's length, and share of prompts decoded identically."""
+    same = (ref.responses == other.responses) & ref.response_mask & other.response_mask
     prefix = same.long().cumprod(-1).sum(-1).double()
-    full = (a.response_mask == b.response_mask).all(-1) & ((a.responses == b.responses) | ~a.response_mask).all(-1)
-    r = a.responses.shape[1]
-    return {"greedy_prefix_mean": float(prefix.mean()), "greedy_prefix_fraction": float(prefix.mean() / r),
+    ref_len = ref.response_mask.sum(-1).double().clamp_min(1)
+    full = (ref.response_mask == other.response_mask).all(-1) & ((ref.responses == other.responses)
+                                                                 | ~ref.response_mask).all(-1)
+    return {"greedy_prefix_mean": float(prefix.mean()), "greedy_prefix_fraction": float((prefix / ref_len).mean()),
             "greedy_identical_fraction": float(full.double().mean())}
 
 
