@@ -31,7 +31,6 @@ def quantized_checkpoint_dir(cfg: Any, precision: Any) -> Path:
 
 
 def run(cfg: DictConfig) -> dict:
-    import torch
     from transformers import AutoModelForCausalLM
 
     from parity.models.prepare import prepare_model
@@ -43,7 +42,9 @@ def run(cfg: DictConfig) -> dict:
                                    "`actor_rollout_ref.rollout.quantization` (int8 | fp8) or `rollout.precision.weights`")
     source = Path(prepare_model(cfg)["model_dir"])
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.bfloat16)
+    # the stored dtype: codes then equal what an engine computes from the same weights, and the layers
+    # kept unquantized (embeddings, norms, lm_head, routers) are written as they are
+    model = AutoModelForCausalLM.from_pretrained(str(source), dtype="auto")
     out = quantized_checkpoint_dir(cfg, precision)
     config_file = export_compressed_tensors(model, out, precision.weights, precision.activations, source_dir=source)
     seconds = time.perf_counter() - t0
