@@ -69,8 +69,8 @@ class TorchEngine:
             info = quantize_model_(self.model, precision)
             self.linear_path, self.quantized = str(info.get("path", info)), True
         if precision.kv_cache != "bf16":
-            from parity.precision.kv import make_kv_codec
-            self.kv_codec = make_kv_codec(precision.kv_cache, self.head_dim)
+            from parity.precision.apply import kv_codec_for_model
+            self.kv_codec = kv_codec_for_model(self.model, precision)
 
     def describe(self) -> dict:
         p = self.precision

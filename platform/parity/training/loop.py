@@ -116,11 +116,9 @@ def train(cfg: Any, callbacks: list[Callback] | None = None) -> dict:
 
     # 2. the rollout engine starts from the trainer's weights (re-quantized where its precision says so)
     engine = build_engine(cfg, start_dir)
+    # long prompts (MATH with the tiny model's 256 positions) keep their end, where the question is
+    max_prompt = model.config.max_position_embeddings - cfg.rollout.max_new_tokens
     test_problems = arithmetic_problems("test", cfg.trainer.eval_problems, cfg.data.arithmetic)
-    replay = None
-    if cfg.rollout.capture_routing:
-        from parity.moe.replay import TrainerReplay
-        replay = trainer.replay = TrainerReplay(trainer.model)
     summary: dict[str, Any] = {"run_dir": str(run_dir), "start_step": start_step, "engine": engine.describe()}
     with GraderPool(workers=cfg.eval.grade_workers, timeout_s=cfg.eval.grade_timeout_s) as grader:
         def evaluate() -> float:
@@ -135,7 +133,7 @@ def train(cfg: Any, callbacks: list[Callback] | None = None) -> dict:
         for step in bar:
             t0 = time.perf_counter()
             problems = stream.take(cfg.trainer.prompts_per_step)
-            prompt_ids = [tok(render_prompt(cfg.data.prompt_template, p.problem))["input_ids"] for p in problems]
+            prompt_ids, n_cut = encode_prompts(tok, cfg.data.prompt_template, problems, max_prompt)
             batch = engine.generate(prompt_ids, sampling_spec(cfg, seed=seed * 1_000_003 + step),
                                     prompt_ids=list(range(len(problems))))
             t_roll = time.perf_counter()
@@ -146,6 +144,7 @@ def train(cfg: Any, callbacks: list[Callback] | None = None) -> dict:
             metrics = trainer.step(batch)
             t_train = time.perf_counter()
             metrics["perf/sync_s"] = engine.update_weights(trainer.sync_weights())
+            metrics["data/prompt_truncated_frac"] = n_cut / max(1, len(problems))
             n_tok = int(batch.response_mask.sum())
             metrics.update({"perf/rollout_s": t_roll - t0, "perf/grade_s": t_grade - t_roll,
                             "perf/train_s": t_train - t_grade, "perf/step_s": time.perf_counter() - t0,
@@ -170,6 +169,17 @@ def train(cfg: Any, callbacks: list[Callback] | None = None) -> dict:
                     "seconds": round(time.time() - t_start, 1)})
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary
+
+
+def encode_prompts(tok: Any, template: str, problems: list, max_prompt: int) -> tuple[list[list[int]], int]:
+    """Token ids of each rendered prompt, left-truncated to `max_prompt`; and how many were cut."""
+    out, cut = [], 0
+    for p in problems:
+        ids = tok(render_prompt(template, p.problem))["input_ids"]
+        if len(ids) > max_prompt:
+            ids, cut = ids[-max_prompt:], cut + 1
+        out.append(ids)
+    return out, cut
 
 
 def _emit(metrics_log: MetricsLog, callbacks: list, step: int, metrics: dict[str, float]) -> None:

@@ -59,12 +59,18 @@ class Trainer:
             out = self.model.model(input_ids=ids, attention_mask=am, position_ids=position_ids(am))
         return out.last_hidden_state[:, P - 1:-1]
 
+    def head_weight(self) -> torch.Tensor:
+        """lm_head in the compute dtype (bf16 products use tensor cores; the cast is differentiable, so the
+        fp32 master weight still receives the gradient)."""
+        w = self.model.lm_head.weight
+        return w if w.dtype == self.compute_dtype else w.to(self.compute_dtype)
+
     @torch.no_grad()
     def logprobs(self, mb: RolloutBatch) -> torch.Tensor:
         from parity.algorithms.logprobs import chunked_token_logprobs
         h = self.response_hidden(mb)
         b, R, H = h.shape
-        lp = chunked_token_logprobs(h.reshape(b * R, H), self.model.lm_head.weight,
+        lp = chunked_token_logprobs(h.reshape(b * R, H), self.head_weight(),
                                     mb.responses.to(self.device).reshape(b * R, 1), self.temperature)
         return lp.reshape(b, R).float() * mb.response_mask.to(self.device)
 
@@ -111,7 +117,7 @@ class Trainer:
                     mb = batch.select(micro).to(self.device)
                     with self._routing(mb, metrics):
                         hidden = self.response_hidden(mb)
-                        loss = rl_objective(hidden, self.model.lm_head.weight, mb, adv[micro].to(self.device),
+                        loss = rl_objective(hidden, self.head_weight(), mb, adv[micro].to(self.device),
                                             None if old is None else old[micro], self.temperature, self.corrections,
                                             self.alg, denom, metrics)
                         loss.backward()  # inside the replay block: checkpointed recomputation replays too
@@ -148,10 +154,10 @@ class Trainer:
         return out
 
     def sync_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Trainer weights for the rollout engine, one tensor at a time (BF16), so the host never holds a
+        """Trainer weights for the rollout engine, one tensor at a time (in the compute dtype), so the host never holds a
         second full copy during a sync."""
         for name, p in self.model.named_parameters():
-            yield name, p.detach().to(torch.bfloat16)
+            yield name, p.detach().to(self.compute_dtype)
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "corrections": self.corrections.state_dict(),
