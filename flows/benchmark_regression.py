@@ -6,10 +6,10 @@ A benchmark without a baseline gets this result as its baseline (tracking.regres
 from __future__ import annotations
 
 from omegaconf import OmegaConf
-from parity.config import load_config
-from parity.errors import ParityError
 from prefect import flow
 
+from parity.config import load_config
+from parity.errors import ParityError
 from tasks.recording import PipelineRef, close_pipeline, open_pipeline, plain, registry, stage
 from tasks.records import record_evaluation_task, regression_check_task
 from tasks.stages import evaluate_task

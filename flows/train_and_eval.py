@@ -9,9 +9,9 @@ from __future__ import annotations
 import time
 
 from omegaconf import OmegaConf
-from parity.config import load_config
 from prefect import flow
 
+from parity.config import load_config
 from tasks.recording import PipelineRef, close_pipeline, open_pipeline, plain, stage
 from tasks.records import record_artifact_task, record_evaluation_task, register_model_task
 from tasks.stages import (

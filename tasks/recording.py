@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+
 from parity.config import flatten, to_yaml
 from parity.tracking import mlflow_log
 from parity.tracking.registry import Registry

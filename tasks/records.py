@@ -9,10 +9,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from parity.tracking import mlflow_log
-from parity.tracking.regression import compare
 from prefect import task
 
+from parity.tracking import mlflow_log
+from parity.tracking.regression import compare
 from tasks.recording import mlflow_client, registry
 
 RETRY = {"retries": 2, "retry_delay_seconds": 3}

@@ -14,11 +14,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from parity.config import ConfigError
-from parity.errors import ParityError
 from prefect import task
 from prefect.context import TaskRunContext
 
+from parity.config import ConfigError
+from parity.errors import ParityError
 from tasks.recording import as_config
 
 PERMANENT = (ParityError, ConfigError, ValueError, KeyError, TypeError, FileNotFoundError)
@@ -172,6 +172,7 @@ def train_task(cfg: dict, tracking_uri: str | None = None, mlflow_run_id: str | 
 @task(name="evaluate", retries=1, retry_delay_seconds=5, retry_condition_fn=_transient)
 def evaluate_task(cfg: dict, model_path: str) -> dict:
     from omegaconf import OmegaConf
+
     from parity.commands import evaluate as evaluate_cmd
 
     c = as_config(cfg).copy()

@@ -7,6 +7,7 @@ import statistics
 
 import pytest
 import torch
+
 from parity.algorithms import compute_advantages, loss_denominators
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from parity.algorithms import AGG_MODES, aggregate_loss, loss_denominators
 
 LENGTHS = [5, 1, 0, 7, 3, 7, 2, 4]

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 from omegaconf import OmegaConf
+
 from parity.algorithms import StepMetrics, build_corrections, loss_denominators, rl_objective
 from parity.algorithms.corrections import CorrectionContext
 from parity.algorithms.corrections.dual import dual_update

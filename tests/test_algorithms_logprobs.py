@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from parity.algorithms import chunked_token_logprobs, masked_token_logprobs
 
 N, H, V = 11, 6, 37

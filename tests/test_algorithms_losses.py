@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from parity.algorithms import (
     AGG_MODES,
     StepMetrics,

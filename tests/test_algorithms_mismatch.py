@@ -7,6 +7,7 @@ import statistics
 
 import pytest
 import torch
+
 from parity.algorithms import StepMetrics, record_mismatch
 
 NAN = float("nan")

@@ -58,10 +58,11 @@ def _validation_report(cfg, model_dir: str) -> dict | None:
     except ImportError:
         return None
     import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from parity.data.arithmetic import arithmetic_problems
     from parity.data.prompts import render_prompt
     from parity.rollout import build_engine
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     qcfg = cfg.copy()
     qcfg.rollout.precision.weights = qcfg.rollout.precision.activations = "int8"

@@ -21,7 +21,6 @@ ray = pytest.importorskip("ray")
 
 from parity.distributed.cluster import ray_session  # noqa: E402
 from parity.training.loop import MetricsLog  # noqa: E402
-
 from tests.conftest import QUICK, REPO  # noqa: E402
 
 DIST = ["algorithm.correction.name=dual", "distributed.enabled=true", "distributed.num_rollout_workers=2",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from omegaconf import OmegaConf
+
 from parity.distributed.cluster import bundles, check_config, local_num_cpus
 from parity.distributed.sharding import Shard, global_spec, merge_batches, shard_prompts
 from parity.distributed.weights import pack_weights, unpack_weights

@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 from omegaconf import OmegaConf
+
 from parity.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]

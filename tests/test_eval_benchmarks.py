@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from parity.data.benchmarks import BENCHMARKS, load_benchmark, resolve_datasets_dir, strip_math_delimiters
 from parity.errors import DataError
 

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from parity.config.schema import TinyModelConfig
 from parity.errors import ParityError
 

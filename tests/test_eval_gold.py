@@ -7,6 +7,7 @@ about 40 s with 2 workers on a loaded 2-core machine)."""
 import time
 
 import pytest
+
 from parity.data.benchmarks import BENCHMARKS, load_benchmark
 from parity.rewards.grader import GraderPool
 

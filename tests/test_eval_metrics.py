@@ -6,6 +6,7 @@ from itertools import combinations
 
 import numpy as np
 import pytest
+
 from parity.evaluation.metrics import (
     benchmark_metrics,
     bootstrap_replicates,

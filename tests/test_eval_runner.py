@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf
+
 from parity.config.schema import DataConfig, EvalConfig, TinyModelConfig
 from parity.data.benchmarks import load_benchmark
 from parity.errors import ParityError

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from parity.errors import ParityError
 
 from flows.sweep import member_overrides
 from flows.train_and_eval import compose
+from parity.errors import ParityError
 from tasks.records import read_samples
 from tasks.stages import ValidationFailed, _transient
 

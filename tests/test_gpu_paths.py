@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from parity.config.schema import TinyModelConfig
 from parity.models.tiny import build_tiny_model
 from parity.rollout.base import SamplingSpec

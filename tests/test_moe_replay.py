@@ -7,6 +7,8 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
+
 from parity.moe import (
     DISAGREEMENT,
     DISAGREEMENT_REPLAYED,
@@ -19,7 +21,6 @@ from parity.moe import (
     routing_disagreement_metrics,
     set_replay_routing,
 )
-from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 
 E, TOPK, H, V = 8, 2, 64, 40
 COMMON = dict(vocab_size=V, hidden_size=H, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,

@@ -7,11 +7,12 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
+
 from parity.precision.apply import QuantExperts, kv_codec_for_model, load_weights_, quantize_model_
 from parity.precision.formats import fake_quantize
 from parity.precision.linear import QuantLinear
-from torch import nn
-from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 
 COMMON = dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               head_dim=16, max_position_embeddings=64)

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, Qwen3Config
+
 from parity.config import load_config
 from parity.models.tokenizer import EOS, PAD, save_char_tokenizer
 from parity.precision.config import PrecisionConfigError
 from parity.precision.validate import PrecisionValidationError
-from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, Qwen3Config
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
+
 from parity.config.schema import ParityConfig, PrecisionConfig
 from parity.precision.config import (
     PrecisionConfigError,

@@ -7,9 +7,11 @@ import copy
 import json
 from pathlib import Path
 
-import parity.precision.linear as linear_mod
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
+
+import parity.precision.linear as linear_mod
 from parity.precision.apply import QuantExperts, quantize_model_
 from parity.precision.export import (
     checkpoint_dir_name,
@@ -18,7 +20,6 @@ from parity.precision.export import (
     quantization_config_dict,
 )
 from parity.precision.linear import QuantLinear
-from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 
 COMMON = dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               head_dim=16, max_position_embeddings=64)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from parity.precision.formats import (
     FP8_MAX,
     dequantize,

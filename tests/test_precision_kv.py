@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 import torch
+
 from parity.precision.kv import (
     KV_KINDS,
     hadamard_rotate,

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
+
 from parity.precision.formats import quantize_rowwise
 from parity.precision.linear import QuantLinear, quant_linear_forward, select_path
-from torch import nn
 
 
 def _linear(k: int = 96, n: int = 40, bias: bool = False, seed: int = 0) -> nn.Linear:

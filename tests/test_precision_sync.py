@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, Qwen3Config
+
 from parity.config.schema import PrecisionConfig
 from parity.precision.apply import quantize_model_
 from parity.precision.linear import QuantLinear
 from parity.precision.sampler import response_logprobs
 from parity.rollout.base import SamplingSpec
 from parity.rollout.torch_engine import TorchEngine
-from transformers import AutoModelForCausalLM, Qwen3Config
 
 PROMPTS = [[2 + (5 * i + j) % 90 for j in range(4 + i % 3)] for i in range(6)]
 SPEC = SamplingSpec(temperature=1.0, max_new_tokens=8, n=2, seed=3)

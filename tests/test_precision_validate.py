@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, Qwen3Config
+
 from parity.precision.apply import quantize_model_
 from parity.precision.export import load_compressed_checkpoint_
 from parity.precision.sampler import ModelSampler
@@ -23,8 +26,6 @@ from parity.precision.validate import (
     write_report,
 )
 from parity.types import RolloutBatch
-from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, Qwen3Config
 
 
 def test_token_metrics_hand_computed() -> None:

@@ -3,6 +3,7 @@
 import time
 
 import pytest
+
 from parity.rewards.extract import last_boxed
 
 

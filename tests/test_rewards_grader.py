@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+
 from parity.commands.grade import main as grade_main
 from parity.rewards.grader import GraderPool, grade_answer, status_counts
 

@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+
 from parity.tracking import mlflow_log
 from parity.tracking.mlflow_log import MlflowCallback, metric_key
 from parity.tracking.secrets import MASK, mask_params, mask_url

@@ -14,9 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
+from sqlalchemy import inspect, text
+
 from parity.tracking.registry import Registry, RegistryError, migrate
 from parity.tracking.registry.store import make_engine
-from sqlalchemy import inspect, text
 
 PG_PASSWORD = "pg-s3cret-Pw"
 WRITERS, ROWS_EACH = 2, 60

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from parity.tracking.regression import bootstrap_mean_ci, compare, paired_differences
 
 

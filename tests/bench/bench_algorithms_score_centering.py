@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 
 import torch
+
 from parity.algorithms import (
     StepMetrics,
     build_corrections,

@@ -31,6 +31,7 @@ METRICS = ["reward/mean", "eval/accuracy", "mismatch/abs_prob_diff_mean", "misma
 def fill_store(uri: str, n_runs: int, steps: int) -> None:
     from mlflow import MlflowClient
     from mlflow.entities import Metric, Param
+
     from parity.config import flatten, load_config
 
     params = {k: str(v) for k, v in flatten(load_config([])).items()}

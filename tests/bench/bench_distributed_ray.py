@@ -60,6 +60,7 @@ def main() -> None:
     ap.add_argument("--outputs", default=None)
     args = ap.parse_args()
     import ray
+
     from parity.distributed.cluster import ray_session
     from parity.distributed.driver import train_distributed
 

@@ -113,9 +113,10 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 @section("rollout")
 def rollout(d: str, reps: int) -> None:
+    from transformers import AutoModelForCausalLM
+
     from parity.rollout.base import SamplingSpec
     from parity.rollout.torch_engine import TorchEngine
-    from transformers import AutoModelForCausalLM
     out: dict = {}
     RESULTS["rollout"] = out
     spec = SamplingSpec(temperature=1.0, top_p=1.0, max_new_tokens=R_TOKENS, n=1, seed=0)
@@ -304,9 +305,10 @@ def train_flops_per_step(B: int = 8, P: int = 128, R: int = 896) -> float:
 
 @section("trainer")
 def trainer(d: str, compile_layers: bool) -> None:
+    from transformers import AutoModelForCausalLM
+
     from parity.config import load_config
     from parity.training.trainer import Trainer
-    from transformers import AutoModelForCausalLM
     out: dict = {}
     RESULTS["trainer"] = out
     peak = RESULTS.get("ceilings", {}).get("bf16_matmul_TFLOPs", 790.0) * 1e12

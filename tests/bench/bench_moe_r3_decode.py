@@ -25,6 +25,7 @@ import sys
 
 import numpy as np
 import torch
+
 from parity.moe import DecodeStats, RoutingBatch, decode_naive, decode_streaming
 
 B, R, N_LAYERS, TOP_K, N_EXPERTS = 64, 2048, 16, 8, 128

@@ -54,9 +54,8 @@ def main() -> None:
         t_server = time.perf_counter() - t
         os.environ["PREFECT_API_URL"] = api
         t = time.perf_counter()
-        from parity.tracking import mlflow_log
-
         from flows.train_and_eval import train_and_eval
+        from parity.tracking import mlflow_log
 
         # the library's own imports (torch, transformers, the stage modules) are paid by a direct run too:
         # load them here so the pipeline timing below separates orchestration from import cost

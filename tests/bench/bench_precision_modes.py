@@ -30,12 +30,13 @@ COLUMNS = ["abs_prob_diff_mean", "abs_prob_diff_p99", "k3_kl", "top1_agreement",
 
 
 def main(overrides: list[str]) -> list[dict]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from parity.commands.validate import _grade, heldout_prompts
     from parity.config import load_config
     from parity.models.prepare import resolve_model_dir
     from parity.precision.validate import ValidationThresholds, validate_precision
     from parity.rollout import build_engine, compute_dtype, resolve_device
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cfg = load_config(overrides)
     model_dir = Path(resolve_model_dir(cfg))

@@ -26,8 +26,9 @@ import torch
 
 
 def _build(out: Path) -> torch.nn.Module:
-    from parity.models.tokenizer import EOS, PAD, save_char_tokenizer
     from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from parity.models.tokenizer import EOS, PAD, save_char_tokenizer
 
     tok = save_char_tokenizer(out)
     torch.manual_seed(0)
@@ -53,10 +54,11 @@ def _teacher_forced_logp(model: torch.nn.Module, seqs: list[tuple[list[int], lis
 
 def main() -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM, SamplingParams
+
     import parity.precision.linear as linear_mod
     from parity.precision.apply import quantize_model_
     from parity.precision.export import export_compressed_tensors
-    from vllm import LLM, SamplingParams
 
     work = Path(tempfile.mkdtemp(prefix="parity_vllm_"))
     bf16_dir, int8_dir = work / "bf16", work / "int8"

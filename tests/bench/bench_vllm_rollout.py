@@ -56,10 +56,11 @@ def _sync_seconds(engine, model, reps: int) -> float:
 
 def main() -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from transformers import AutoModelForCausalLM
+
     from parity.config import load_config
     from parity.models.prepare import prepare_model
     from parity.rollout import build_engine, compute_dtype
-    from transformers import AutoModelForCausalLM
 
     n_prompts, n = int(os.environ.get("BENCH_PROMPTS", 32)), int(os.environ.get("BENCH_N", 4))
     tokens, rounds = int(os.environ.get("BENCH_TOKENS", 64)), int(os.environ.get("BENCH_ROUNDS", 3))

@@ -46,7 +46,9 @@ def validate_config(cfg: DictConfig) -> None:
         _check(cfg.model.arch == "qwen3_moe" or cfg.model.source == "hf", "algorithm.routing_replay",
                "routing replay needs an MoE model (model.arch=qwen3_moe)")
         _check(bool(r.capture_routing), "rollout.capture_routing", "must be true when algorithm.routing_replay is on")
-    from parity.algorithms.corrections import build_corrections  # the registry checks names, values, conflicts
+    from parity.algorithms.corrections import (
+        build_corrections,  # the registry checks names, values, conflicts
+    )
 
     try:
         build_corrections(a.correction, policy_loss=a.policy_loss, topk_logprobs=r.topk_logprobs)

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 from omegaconf import OmegaConf
 
 from parity.errors import ParityError

@@ -78,7 +78,7 @@ class Trainer:
         """MoE routing replay (R3): force the rollout's experts on the positions that predict response tokens."""
         if mb.routed_experts is None:
             return contextlib.nullcontext()
-        from parity.moe.replay import replayed_routing, routing_disagreement_metrics, rollout_replay_inputs
+        from parity.moe.replay import replayed_routing, rollout_replay_inputs, routing_disagreement_metrics
         ids, mask = rollout_replay_inputs(mb.routed_experts, mb.response_mask, mb.prompts.shape[1],
                                           device=self.device, model=self.model)
         if not self._r3_metrics:  # telemetry on the step's first micro-batch: two extra no-grad forwards

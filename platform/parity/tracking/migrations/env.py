@@ -6,8 +6,9 @@ from __future__ import annotations
 import os
 
 from alembic import context
-from parity.tracking.registry.models import Base
 from sqlalchemy import create_engine, pool
+
+from parity.tracking.registry.models import Base
 
 config = context.config
 target_metadata = Base.metadata
