@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from omegaconf.errors import ConfigCompositionException
+from hydra.errors import ConfigCompositionException
 
 from parity.config import ConfigError, load_config
 
