@@ -29,6 +29,16 @@ DIST = ["algorithm.correction.name=dual", "distributed.enabled=true", "distribut
         "distributed.max_worker_restarts=2"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Ray gives each 1-CPU actor one OpenMP thread; the in-process references compared bit for bit with
+    the actors' results must use the same thread count (reduction order depends on it)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def ray_cluster(quick_cfg):
     with ray_session(quick_cfg(*DIST).distributed) as info:
