@@ -34,7 +34,7 @@ dashboard: setup  ## Streamlit dashboard on http://127.0.0.1:8501 (read-only)
 	.venv/bin/streamlit run dashboards/app.py --server.address 127.0.0.1 --server.headless true --browser.gatherUsageStats false
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 bench: setup
 	@for f in tests/bench/bench_*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
