@@ -43,3 +43,10 @@ def prepared_model(quick_cfg) -> Path:
     from parity.models.prepare import prepare_model
 
     return Path(prepare_model(quick_cfg())["model_dir"])
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run the vLLM tests first. vLLM's CPU start-up scans every loaded module's attributes, and a Flask
+    LocalProxy (imported into this process by the tests that run an MLflow server app) raises on that
+    scan. Only tests import Flask into a process that also builds a vLLM engine."""
+    items.sort(key=lambda item: 0 if item.path.name.startswith("test_vllm") else 1)
