@@ -45,8 +45,16 @@ def prepared_model(quick_cfg) -> Path:
     return Path(prepare_model(quick_cfg())["model_dir"])
 
 
+# Files whose tests import Flask into this process (an in-process MLflow server app). vLLM's CPU start-up
+# scans every loaded module's attributes, and Flask's LocalProxy objects raise on that scan, so the vLLM
+# tests run after everything else except these; vLLM in turn changes process-wide torch state, so the
+# tests compared bit for bit against Ray actors run before it.
+_FLASK_IMPORTERS = {"test_tracking_mlflow.py", "test_dashboard_pages.py", "test_docker_compose.py"}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Run the vLLM tests first. vLLM's CPU start-up scans every loaded module's attributes, and a Flask
-    LocalProxy (imported into this process by the tests that run an MLflow server app) raises on that
-    scan. Only tests import Flask into a process that also builds a vLLM engine."""
-    items.sort(key=lambda item: 0 if item.path.name.startswith("test_vllm") else 1)
+    def rank(item: pytest.Item) -> int:
+        name = item.path.name
+        return 2 if name in _FLASK_IMPORTERS else 1 if name.startswith("test_vllm") else 0
+
+    items.sort(key=rank)
