@@ -50,23 +50,22 @@ def _levels(cfg: Any) -> list[int]:
 
 
 def arithmetic_problems(split: str, n: int, cfg: Any, seed_offset: int = 0) -> list[Problem]:
-    """`n` problems of `split` ('train' or 'test'), deterministic in (cfg.seed, seed_offset), drawn from the
-    same level/operation distribution as the training stream. Easy levels have few distinct test problems
-    (30 one-digit ones), so repeats are allowed: a distinct-only draw would over-weight the hard levels and
-    measure a harder task than the one trained on."""
+    """`n` distinct problems of `split` ('train' or 'test'), deterministic in (cfg.seed, seed_offset)."""
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     levels, ops = _levels(cfg), list(cfg.ops)
     rng = random.Random(f"{cfg.seed}:{split}:{seed_offset}")
+    seen: set[str] = set()
     out: list[Problem] = []
     tries = 0
     while len(out) < n:
         tries += 1
         if tries > 200 * n + 10_000:
-            raise ValueError(f"could not draw {n} {split} arithmetic problems from levels {levels}")
+            raise ValueError(f"could not draw {n} distinct {split} arithmetic problems from levels {levels}")
         text, value = make_problem(rng, rng.choice(levels), ops)
-        if _is_test(text) != (split == "test"):
+        if text in seen or _is_test(text) != (split == "test"):
             continue
+        seen.add(text)
         out.append(Problem(id=f"arith-{split}-{len(out)}", problem=text, answer=str(value)))
     return out
 

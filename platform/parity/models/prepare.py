@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from parity.errors import ParityError
 
 log = logging.getLogger(__name__)
-PREPARE_VERSION = 2  # bump when the warm-start recipe changes, so caches are rebuilt
+PREPARE_VERSION = 1  # bump when the warm-start recipe changes, so caches are rebuilt
 
 
 def tiny_model_dir(cfg: Any) -> Path:
