@@ -144,7 +144,10 @@ def test_distributed_run_with_a_killed_worker_matches_the_in_process_loop(ray_cl
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert [r.get("faults/worker_restarts") for r in rows] == [None, 0.0, 1.0, 0.0]
     assert all(r["perf/staleness"] == 0.0 for r in rows[1:])
-    assert _non_perf(rows) == _non_perf(ref)
+    got, want = _non_perf(rows), _non_perf(ref)
+    assert [sorted(r) for r in got] == [sorted(r) for r in want]
+    # mismatch statistics of ~1e-8 are float noise of two processes' reductions; everything else is exact
+    assert got == [pytest.approx(r, rel=1e-6, abs=1e-6) for r in want]
     assert rows[-1]["correction/lambda"] != rows[1]["correction/lambda"]  # correction state moves step to step
     w_dist, w_ref = _weights(dist["latest_checkpoint"]), _weights(local["latest_checkpoint"])
     w0 = _weights(str(prepared_model))
