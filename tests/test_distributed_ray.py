@@ -105,7 +105,7 @@ def test_worker_killed_mid_rollout_is_restarted_with_latest_weights(workers, qui
 
 
 def _non_perf(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith(("perf/", "faults/"))} for r in rows]
+    return [{k: v for k, v in r.items() if not k.startswith(("perf/", "faults/", "data/"))} for r in rows]
 
 
 def _rows(run_dir: str) -> list[dict]:
