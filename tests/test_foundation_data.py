@@ -11,7 +11,7 @@ from parity.errors import DataError
 
 
 def test_arithmetic_is_deterministic_and_splits_are_disjoint():
-    cfg = load_config([]).data.arithmetic
+    cfg = load_config(['data.arithmetic.ops=["+","-","*"]', "data.arithmetic.max_level=3"]).data.arithmetic
     test = arithmetic_problems("test", 200, cfg)
     assert test == arithmetic_problems("test", 200, cfg)
     train = ArithmeticStream(cfg).take(3000)
@@ -20,6 +20,28 @@ def test_arithmetic_is_deterministic_and_splits_are_disjoint():
         assert int(p.answer) == eval(p.problem, {"__builtins__": {}})  # noqa: S307 -- our own generated text
     ops = {op for p in train for op in "+-*" if op in p.problem[1:]}
     assert ops == {"+", "-", "*"}
+
+
+def test_default_task_is_two_digit_addition_and_subtraction():
+    cfg = load_config([]).data.arithmetic
+    train = ArithmeticStream(cfg).take(500)
+    assert {op for p in train for op in "+-*" if op in p.problem[1:]} == {"+", "-"}
+    assert max(len(t.lstrip("-")) for p in train for t in p.problem[1:].replace("-", "+").split("+")) == 2
+
+
+def test_teacher_slip_is_systematic_and_rate_controlled():
+    import random
+
+    from parity.training.sft import teacher_answer
+
+    rng = random.Random(0)
+    outs = [teacher_answer("-129", "last_digit", 0.6, rng) for _ in range(2000)]
+    assert set(outs) == {"-129", "-120"}
+    assert abs(outs.count("-120") / len(outs) - 0.6) < 0.04
+    assert teacher_answer("57", "drop_sign", 1.0, rng) == "57" and teacher_answer("-57", "drop_sign", 1.0, rng) == "57"
+    assert teacher_answer("57", "last_digit", 0.0, rng) == "57"
+    with pytest.raises(ValueError, match="model.warm_start.teacher_error"):
+        teacher_answer("5", "typo", 1.0, rng)
 
 
 def test_stream_resumes_at_its_position():

@@ -38,6 +38,11 @@ class WarmStartConfig:
     weight_decay: float = 0.0
     eval_problems: int = 256
     seed: int = 0
+    # An imperfect teacher: with probability `teacher_error_rate` a warm-start target carries a systematic
+    # slip instead of the right answer: last_digit (last digit one too high, mod 10) | drop_sign (a negative
+    # result written without its minus) | none. RL with the verifiable reward has to un-learn it.
+    teacher_error: str = "none"
+    teacher_error_rate: float = 0.0
 
 
 @dataclass

@@ -40,6 +40,11 @@ def validate_config(cfg: DictConfig) -> None:
     _check(a.policy_loss in ("ppo_clip", "reinforce"), "algorithm.policy_loss", f"unknown loss {a.policy_loss!r}")
     _check(cfg.model.source in ("tiny", "hf"), "model.source", f"must be tiny or hf, got {cfg.model.source!r}")
     _check(cfg.model.arch in ("qwen3", "qwen3_moe"), "model.arch", f"must be qwen3 or qwen3_moe, got {cfg.model.arch!r}")
+    ws = cfg.model.warm_start
+    _check(ws.teacher_error in ("none", "last_digit", "drop_sign"), "model.warm_start.teacher_error",
+           f"unknown slip {ws.teacher_error!r}; known: none, last_digit, drop_sign")
+    _check(0.0 <= ws.teacher_error_rate <= 1.0, "model.warm_start.teacher_error_rate",
+           f"must be in [0, 1], got {ws.teacher_error_rate}")
     _check(cfg.model.dtype in ("auto", "bfloat16", "float32"), "model.dtype",
            f"must be auto, bfloat16 or float32, got {cfg.model.dtype!r}")
     if a.routing_replay:

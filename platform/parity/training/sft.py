@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from typing import Any
 
 import torch
@@ -12,12 +13,28 @@ from parity.data.arithmetic import ArithmeticStream
 from parity.data.prompts import render_prompt
 
 
-def _encode_batch(tok: Any, problems: list, template: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+TEACHER_ERRORS = ("none", "last_digit", "drop_sign")
+
+
+def teacher_answer(answer: str, kind: str, rate: float, rng: random.Random) -> str:
+    """The warm-start target: the right answer, or with probability `rate` the teacher's systematic slip."""
+    if kind == "none" or rate <= 0.0 or rng.random() >= rate:
+        return answer
+    if kind == "last_digit":
+        return answer[:-1] + str((int(answer[-1]) + 1) % 10)
+    if kind == "drop_sign":
+        return answer.lstrip("-")
+    raise ValueError(f"config key `model.warm_start.teacher_error`: unknown slip {kind!r}; known: {TEACHER_ERRORS}")
+
+
+def _encode_batch(tok: Any, problems: list, template: str, answers: list[str] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Left-padded prompt+target rows, attention mask and loss mask (target tokens and EOS only)."""
     seqs, tgt = [], []
-    for p in problems:
+    for i, p in enumerate(problems):
         prompt = tok(render_prompt(template, p.problem))["input_ids"]
-        target = tok(f"\\boxed{{{p.answer}}}")["input_ids"] + [tok.eos_token_id]
+        answer = p.answer if answers is None else answers[i]
+        target = tok(f"\\boxed{{{answer}}}")["input_ids"] + [tok.eos_token_id]
         seqs.append(prompt + target)
         tgt.append(len(target))
     T = max(map(len, seqs))
@@ -38,10 +55,13 @@ def warm_start(model: torch.nn.Module, tok: Any, data_cfg: Any, ws: Any, dtype: 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, ws.warmup_steps))
                                               * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, ws.steps)))))
     stream = ArithmeticStream(data_cfg.arithmetic, seed=10_000 + ws.seed)
+    teacher_rng = random.Random(f"teacher:{ws.seed}")
     losses = []
     bar = tqdm(range(ws.steps), desc="warm start", unit="step", mininterval=2.0)
     for _ in bar:
-        ids, am, lm = _encode_batch(tok, stream.take(ws.batch_size), data_cfg.prompt_template)
+        problems = stream.take(ws.batch_size)
+        answers = [teacher_answer(p.answer, ws.teacher_error, ws.teacher_error_rate, teacher_rng) for p in problems]
+        ids, am, lm = _encode_batch(tok, problems, data_cfg.prompt_template, answers)
         ids, am, lm = ids.to(device), am.to(device), lm.to(device)
         pos = (am.long().cumsum(-1) - 1).clamp_min(0)
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
