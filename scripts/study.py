@@ -26,7 +26,10 @@ from pathlib import Path
 PRECISIONS = {
     "bf16": [],
     "int8_int4kv": ["+precision=w8a8_int8_kv_int4"],
-    # harsher: FP8 (e4m3) weights and activations, INT4 KV without the Hadamard rotation
+    # harshest: RTN INT4 weights (per channel), INT8 activations, INT4 KV (torch engine simulation)
+    "w4a8_int4kv": ["rollout.precision.weights=int4", "rollout.precision.activations=int8",
+                    "rollout.precision.kv_cache=int4_per_token_head"],
+    # harsher than the seed: FP8 (e4m3) weights and activations, INT4 KV without the Hadamard rotation
     "fp8_int4kv_norot": ["rollout.precision.weights=fp8", "rollout.precision.activations=fp8",
                          "rollout.precision.kv_cache=int4_per_token_head", "rollout.precision.kv_hadamard=false"],
 }

@@ -45,6 +45,15 @@ def test_topk_above_vocab_is_rejected():
         load_config(["model.tiny.vocab_size=99", "rollout.topk_logprobs=128"])
 
 
+def test_int4_weights_on_vllm_and_unknown_teacher_slip_are_rejected():
+    with pytest.raises(ConfigError, match="rollout.precision.weights"):
+        load_config(["rollout.name=vllm", "rollout.precision.weights=int4"])
+    with pytest.raises(ConfigError, match="model.warm_start.teacher_error"):
+        load_config(["model.warm_start.teacher_error=typo"])
+    with pytest.raises(ConfigError, match="model.warm_start.teacher_error_rate"):
+        load_config(["model.warm_start.teacher_error_rate=1.5"])
+
+
 def test_plus_experiment_form_and_user_config_dir(tmp_path):
     (tmp_path / "experiment").mkdir()
     (tmp_path / "experiment" / "mine.yaml").write_text("# @package _global_\nexperiment_name: mine\ntrainer:\n  lr: 0.5\n")

@@ -24,6 +24,8 @@ MODES = [  # (label, weights, activations, kv_cache)
     ("W8A16 INT8 (weight-only)", "int8", "bf16", "bf16"),
     ("BF16 + INT8 KV", "bf16", "bf16", "int8"),
     ("BF16 + INT4 KV", "bf16", "bf16", "int4_per_token_head"),
+    ("W4A16 INT4 (weight-only, torch engine only)", "int4", "bf16", "bf16"),
+    ("W4A8 INT4/INT8 + INT4 KV (harsh)", "int4", "int8", "int4_per_token_head"),
 ]
 COLUMNS = ["abs_prob_diff_mean", "abs_prob_diff_p99", "k3_kl", "top1_agreement", "greedy_prefix_fraction",
            "greedy_identical_fraction", "ppl_ratio", "accuracy_bf16", "accuracy_quant"]

@@ -22,11 +22,14 @@ def validate_config(cfg: DictConfig) -> None:
     _check(t.micro_batch_size >= 1, "trainer.micro_batch_size", f"must be >= 1, got {t.micro_batch_size}")
     _check(t.mini_batches >= 1, "trainer.mini_batches", f"must be >= 1, got {t.mini_batches}")
     _check(t.grad_clip > 0, "trainer.grad_clip", f"must be > 0, got {t.grad_clip}")
+    _check(t.max_bad_steps >= 1, "trainer.max_bad_steps", f"must be >= 1, got {t.max_bad_steps}")
     _check(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "trainer.betas",
            f"must be two values in [0, 1), got {list(t.betas)}")
     _check(t.device in ("auto", "cpu", "cuda") or str(t.device).startswith("cuda:"), "trainer.device",
            f"must be auto, cpu or cuda[:N], got {t.device!r}")
     _check(r.name in ("torch", "vllm"), "rollout.name", f"unknown engine {r.name!r}; known: torch, vllm")
+    _check(not (r.name == "vllm" and r.precision.weights == "int4"), "rollout.precision.weights",
+           "int4 weights are simulated by the torch engine only (rollout.name=torch); vLLM has no such checkpoint here")
     _check(r.temperature > 0, "rollout.temperature", f"must be > 0, got {r.temperature}")
     _check(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
     _check(r.n >= 1, "rollout.n", f"must be >= 1, got {r.n}")

@@ -27,7 +27,10 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 FP8_MANTISSA_BITS = 3
 FP8_MIN_NORMAL_EXP = -6  # smallest normal of E4M3 is 2**-6; subnormal spacing 2**-9
 
-WEIGHT_FORMATS = ("bf16", "int8", "fp8")
+INT4_QMAX = 7
+# int4: weight-only RTN INT4 (symmetric, one scale per output channel, codes in [-7, 7] kept in an int8
+# container); a harsher deployment format simulated by the torch engine only (not exported, not vLLM)
+WEIGHT_FORMATS = ("bf16", "int8", "fp8", "int4")
 ACTIVATION_FORMATS = ("bf16", "int8", "fp8")
 
 
@@ -42,6 +45,13 @@ def quantize_int8_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric INT8 with one float32 scale per row (last dim): q in [-127, 127]."""
     scale = _row_scale(x, INT8_QMAX)
     q = torch.round(x.float() / scale).clamp_(-INT8_QMAX, INT8_QMAX).to(torch.int8)
+    return q, scale
+
+
+def quantize_int4_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric INT4 with one float32 scale per row (last dim): q in [-7, 7], stored as int8."""
+    scale = _row_scale(x, INT4_QMAX)
+    q = torch.round(x.float() / scale).clamp_(-INT4_QMAX, INT4_QMAX).to(torch.int8)
     return q, scale
 
 
@@ -77,12 +87,14 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.
 
 
 def quantize_rowwise(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatch by format name: int8 | fp8."""
+    """Dispatch by format name: int8 | fp8 | int4."""
     if fmt == "int8":
         return quantize_int8_rowwise(x)
     if fmt == "fp8":
         return quantize_fp8_rowwise(x)
-    raise ValueError(f"unknown quantized format {fmt!r}; known: int8, fp8")
+    if fmt == "int4":
+        return quantize_int4_rowwise(x)
+    raise ValueError(f"unknown quantized format {fmt!r}; known: int8, fp8, int4")
 
 
 def fake_quantize(x: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -96,6 +108,11 @@ def fake_quantize(x: torch.Tensor, fmt: str) -> torch.Tensor:
 def int8_error_bound(x: torch.Tensor) -> torch.Tensor:
     """Per-element bound of |x - dequantize(quantize_int8_rowwise(x))|: scale / 2."""
     return _row_scale(x, INT8_QMAX) / 2
+
+
+def int4_error_bound(x: torch.Tensor) -> torch.Tensor:
+    """Per-element bound of |x - dequantize(quantize_int4_rowwise(x))|: scale / 2 = max|row| / 14."""
+    return _row_scale(x, INT4_QMAX) / 2
 
 
 def fp8_error_bound(x: torch.Tensor) -> torch.Tensor:
