@@ -71,7 +71,7 @@ def table(results: list[dict]) -> str:
         if "error" not in r:
             groups.setdefault((r["precision"], r["correction"], r["lr"]), []).append(r)
     for (prec, corr, lr), rs in groups.items():
-        def m(key: str) -> float:
+        def m(key: str, rs: list[dict] = rs) -> float:
             return statistics.fmean(x[key] for x in rs)
         lines.append(f"| {prec} | {corr} | {lr} | {len(rs)} | {m('acc_start'):.3f} -> {m('acc_final'):.3f} "
                      f"({m('acc_best'):.3f}) | {m('reward_first20'):.3f} -> {m('reward_last20'):.3f} | "

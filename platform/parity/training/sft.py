@@ -12,7 +12,6 @@ from tqdm import tqdm
 from parity.data.arithmetic import ArithmeticStream
 from parity.data.prompts import render_prompt
 
-
 TEACHER_ERRORS = ("none", "last_digit", "drop_sign")
 
 
