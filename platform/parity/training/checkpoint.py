@@ -16,7 +16,13 @@ from typing import Any
 
 import torch
 
+from parity.errors import ParityError
+
 log = logging.getLogger(__name__)
+
+
+class CheckpointWriteError(ParityError, OSError):
+    """A checkpoint could not be written (a full disk, a file-size limit, an I/O error); earlier ones are intact."""
 
 
 def _sha256(path: Path) -> str:
@@ -49,7 +55,8 @@ class CheckpointManager:
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.path(step)
         tmp = self.root / f".tmp_step_{step:06d}_{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
+        for stale in self.root.glob(".tmp_step_*"):  # left by a writer that was killed mid-save
+            shutil.rmtree(stale, ignore_errors=True)
         try:
             tmp.mkdir()
             model.save_pretrained(str(tmp), safe_serialization=True)
@@ -66,6 +73,13 @@ class CheckpointManager:
                 shutil.rmtree(final)
             os.replace(tmp, final)
             _fsync_dir(self.root)
+        except Exception as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            kept = [p.name for p in self.list() if p != final]
+            raise CheckpointWriteError(
+                f"could not write checkpoint {final} ({type(e).__name__}: {e}); nothing of it was kept, and the "
+                f"earlier checkpoints ({', '.join(kept) or 'none'}) are intact: free space under {self.root} and "
+                "rerun with trainer.resume=true") from e
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

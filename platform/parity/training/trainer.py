@@ -8,6 +8,7 @@ skips the optimizer step, is counted, and `max_bad_steps` in a row stop the run.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,6 +23,7 @@ from parity.errors import ParityError
 from parity.rollout import compute_dtype
 from parity.types import RolloutBatch
 
+log = logging.getLogger(__name__)
 
 class NonFiniteError(ParityError):
     pass
@@ -107,7 +109,7 @@ class Trainer:
         old = None
         if need_old:  # log-probs of the policy that the whole step starts from (PPO's pi_old)
             old = torch.cat([self.logprobs(batch.select(i)) for i in order.split(self.tcfg.micro_batch_size)])
-        grad_norms, losses, stepped = [], [], 0
+        grad_norms, losses, stepped, skipped = [], [], 0, 0
         for _ in range(self.tcfg.ppo_epochs):
             for mini in minis:
                 denom = loss_denominators(batch.response_mask[mini])
@@ -127,9 +129,14 @@ class Trainer:
                     self.optimizer.zero_grad(set_to_none=True)
                     self.skipped_steps += 1
                     self.bad_steps += 1
+                    skipped += 1
                     if self.bad_steps >= self.tcfg.max_bad_steps:
                         raise NonFiniteError(f"{self.bad_steps} consecutive optimizer steps had a non-finite loss or "
-                                             f"gradient (loss={total}, grad_norm={float(gn)}); stopping the run")
+                                             f"gradient (loss={total}, grad_norm={float(gn)}); stopping the run "
+                                             f"(config key `trainer.max_bad_steps`={self.tcfg.max_bad_steps})")
+                    log.warning("non-finite loss or gradient (loss=%s, grad_norm=%s): optimizer step skipped "
+                                "(%d in a row, %d in this run; the run stops at trainer.max_bad_steps=%d in a row)",
+                                total, float(gn), self.bad_steps, self.skipped_steps, self.tcfg.max_bad_steps)
                     continue
                 self.bad_steps = 0
                 self.optimizer.step()
@@ -144,6 +151,8 @@ class Trainer:
             "train/loss": sum(losses) / max(1, len(losses)) if losses else float("nan"),
             "train/grad_norm": sum(grad_norms) / max(1, len(grad_norms)) if grad_norms else float("nan"),
             "train/skipped_steps": float(self.skipped_steps),
+            "train/skipped_in_step": float(skipped),
+            "train/bad_steps_in_a_row": float(self.bad_steps),
             "train/optimizer_steps": float(stepped),
             "reward/mean": float(r.mean()),
             "reward/std": float(r.std()) if B > 1 else 0.0,

@@ -7,6 +7,7 @@ every response token the step saw (all micro-batches). lambda is state and is ch
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -69,7 +70,8 @@ class Dual(Correction):
         out = {"correction/lambda": used}
         if count > 0:
             mean_delta = float(self._delta_sum) / count
-            self.lam = dual_update(self.lam, mean_delta, self.cfg.c, self.cfg.eta, self.cfg.lambda_max)
+            if math.isfinite(mean_delta):  # a non-finite step (skipped by the trainer) must not poison lambda
+                self.lam = dual_update(self.lam, mean_delta, self.cfg.c, self.cfg.eta, self.cfg.lambda_max)
             out["correction/dual_delta_mean"] = mean_delta
         out["correction/lambda_next"] = self.lam
         self.steps += 1
