@@ -35,16 +35,19 @@ class RegistryError(RuntimeError):
     """The registry DB could not be reached or refused a write; the message names the (masked) URL."""
 
 
-def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
-    # WAL lets a reader and a writer overlap; busy_timeout makes concurrent writers wait instead of failing
-    cur = dbapi_conn.cursor()
-    cur.execute("PRAGMA journal_mode=WAL")
-    cur.execute("PRAGMA busy_timeout=30000")
-    cur.execute("PRAGMA foreign_keys=ON")
-    cur.close()
+def _sqlite_pragmas(busy_timeout_s: float) -> Any:
+    def on_connect(dbapi_conn: Any, _record: Any) -> None:
+        # WAL lets a reader and a writer overlap; busy_timeout makes concurrent writers wait instead of failing
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.close()
+    return on_connect
 
 
-def make_engine(url: str) -> Engine:
+def make_engine(url: str, busy_timeout_s: float = 30.0) -> Engine:
+    """An engine on `url`; on SQLite a write waits up to `busy_timeout_s` for another writer's lock, then fails."""
     try:
         parsed = make_url(url)
     except ArgumentError as e:
@@ -54,16 +57,16 @@ def make_engine(url: str) -> Engine:
             from pathlib import Path
 
             Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(parsed, connect_args={"timeout": 30})
-        event.listen(engine, "connect", _sqlite_pragmas)
+        engine = create_engine(parsed, connect_args={"timeout": busy_timeout_s})
+        event.listen(engine, "connect", _sqlite_pragmas(busy_timeout_s))
         return engine
     return create_engine(parsed, pool_pre_ping=True, pool_size=2, max_overflow=2)
 
 
 class Registry:
-    def __init__(self, url: str, upgrade: bool = True) -> None:
+    def __init__(self, url: str, upgrade: bool = True, busy_timeout_s: float = 30.0) -> None:
         self.url = url
-        self.engine = make_engine(url)
+        self.engine = make_engine(url, busy_timeout_s)
         self._session = sessionmaker(self.engine, expire_on_commit=False)
         if upgrade:
             with self._errors("upgrade"):
