@@ -35,15 +35,12 @@ class RegistryError(RuntimeError):
     """The registry DB could not be reached or refused a write; the message names the (masked) URL."""
 
 
-def _sqlite_pragmas(busy_timeout_s: float) -> Any:
-    def on_connect(dbapi_conn: Any, _record: Any) -> None:
-        # WAL lets a reader and a writer overlap; busy_timeout makes concurrent writers wait instead of failing
-        cur = dbapi_conn.cursor()
-        cur.execute("PRAGMA journal_mode=WAL")
-        cur.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
-        cur.execute("PRAGMA foreign_keys=ON")
-        cur.close()
-    return on_connect
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    # WAL lets a reader and a writer overlap (the busy timeout, sqlite3's `timeout`, makes writers wait)
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.close()
 
 
 def make_engine(url: str, busy_timeout_s: float = 30.0) -> Engine:
@@ -57,8 +54,8 @@ def make_engine(url: str, busy_timeout_s: float = 30.0) -> Engine:
             from pathlib import Path
 
             Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(parsed, connect_args={"timeout": busy_timeout_s})
-        event.listen(engine, "connect", _sqlite_pragmas(busy_timeout_s))
+        engine = create_engine(parsed, connect_args={"timeout": busy_timeout_s})  # sqlite3_busy_timeout
+        event.listen(engine, "connect", _sqlite_pragmas)
         return engine
     return create_engine(parsed, pool_pre_ping=True, pool_size=2, max_overflow=2)
 
