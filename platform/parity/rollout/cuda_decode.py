@@ -274,19 +274,14 @@ def _capture(engine: Any, st: _State, spec: SamplingSpec) -> Any:
 def fast_generate(engine: Any, prompt_token_ids: list[list[int]], spec: SamplingSpec,
                   prompt_ids: list[int] | None = None, use_graphs: bool | None = None) -> RolloutBatch:
     """TorchEngine.generate on the static-cache path; same inputs, same RolloutBatch layout and meta."""
-    from parity.rollout.torch_engine import _row_seed
+    from parity.rollout.torch_engine import layout_batch
 
-    dev, n, R = engine.device, spec.n, spec.max_new_tokens
+    dev, R = engine.device, spec.max_new_tokens
     use_graphs = dev.type == "cuda" if use_graphs is None else use_graphs
-    prompt_ids = list(range(len(prompt_token_ids))) if prompt_ids is None else list(prompt_ids)
-    rows = [(i, j) for i in range(len(prompt_token_ids)) for j in range(n)]
-    if not prompt_token_ids or min(len(p) for p in prompt_token_ids) == 0:
-        raise ValueError("every prompt needs at least one token")
-    B, P = len(rows), max(spec.pad_prompts_to, max(len(p) for p in prompt_token_ids))
     max_pos = engine.model.config.max_position_embeddings
-    if P + R > max_pos:
-        raise ValueError(f"prompt ({P}) + max_new_tokens ({R}) exceeds the model's "
-                         f"max_position_embeddings ({max_pos})")
+    rows, prompt_ids, prompts, pmask, uniforms = layout_batch(prompt_token_ids, spec, prompt_ids, engine.pad_id,
+                                                              max_pos)
+    B, P = prompts.shape
     S = min(-(-(P + R) // _S_ALIGN) * _S_ALIGN, max_pos)
     K = spec.topk_logprobs
     w = engine.model.lm_head.weight
@@ -301,16 +296,8 @@ def fast_generate(engine: Any, prompt_token_ids: list[list[int]], spec: Sampling
         st.extras["layers"] = [_layer_args(layer) for layer in engine.model.model.layers]
         engine._fast_state = st
 
-    prompts = torch.full((B, P), engine.pad_id, dtype=torch.long)
-    pmask = torch.zeros((B, P), dtype=torch.bool)
-    for r, (i, _) in enumerate(rows):
-        toks = prompt_token_ids[i]
-        prompts[r, P - len(toks):] = torch.tensor(toks)
-        pmask[r, P - len(toks):] = True
     prompts, pmask = prompts.to(dev), pmask.to(dev)
-    seed = 0 if spec.seed is None else spec.seed
-    st.uniforms.copy_(torch.stack([torch.rand(R, generator=torch.Generator().manual_seed(
-        _row_seed(seed, prompt_ids[i], j)), dtype=torch.float64) for i, j in rows]))
+    st.uniforms.copy_(uniforms)
     st.key_ok.zero_()
     st.key_ok[:, :P] = pmask
     st.key_ok[:, P:P + R] = True

@@ -32,6 +32,31 @@ def _row_seed(seed: int, prompt_id: int, sample: int) -> int:
     return int.from_bytes(h, "little") & ((1 << 63) - 1)
 
 
+def layout_batch(prompt_token_ids: list[list[int]], spec: SamplingSpec, prompt_ids: list[int] | None,
+                 pad_id: int, max_pos: int) -> tuple[list[tuple[int, int]], list[int], torch.Tensor, torch.Tensor,
+                                                     torch.Tensor]:
+    """The batch layout both decode paths share: rows (prompt index, sample), the prompt ids, left-padded
+    prompts [B, P] and their mask (CPU), and each row's uniforms [B, R] (float64, CPU) drawn from a
+    generator seeded by (spec.seed, prompt id, sample), so a row's samples do not depend on the batch."""
+    prompt_ids = list(range(len(prompt_token_ids))) if prompt_ids is None else list(prompt_ids)
+    if not prompt_token_ids or min(len(p) for p in prompt_token_ids) == 0:
+        raise ValueError("every prompt needs at least one token")
+    rows = [(i, j) for i in range(len(prompt_token_ids)) for j in range(spec.n)]
+    B, P, R = len(rows), max(spec.pad_prompts_to, max(len(p) for p in prompt_token_ids)), spec.max_new_tokens
+    if P + R > max_pos:
+        raise ValueError(f"prompt ({P}) + max_new_tokens ({R}) exceeds the model's max_position_embeddings ({max_pos})")
+    prompts = torch.full((B, P), pad_id, dtype=torch.long)
+    pmask = torch.zeros((B, P), dtype=torch.bool)
+    for r, (i, _) in enumerate(rows):
+        toks = prompt_token_ids[i]
+        prompts[r, P - len(toks):] = torch.tensor(toks)
+        pmask[r, P - len(toks):] = True
+    seed = 0 if spec.seed is None else spec.seed
+    uniforms = torch.stack([torch.rand(R, generator=torch.Generator().manual_seed(_row_seed(seed, prompt_ids[i], j)),
+                                       dtype=torch.float64) for i, j in rows])
+    return rows, prompt_ids, prompts, pmask, uniforms
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -136,27 +161,13 @@ class TorchEngine:
             if supports(self):
                 return fast_generate(self, prompt_token_ids, spec, prompt_ids)
         # ---- the plain loop ----
-        dev, n, R = self.device, spec.n, spec.max_new_tokens
-        prompt_ids = list(range(len(prompt_token_ids))) if prompt_ids is None else list(prompt_ids)
-        rows = [(i, j) for i in range(len(prompt_token_ids)) for j in range(n)]
-        B, P = len(rows), max(spec.pad_prompts_to, max(len(p) for p in prompt_token_ids))
-        if min(len(p) for p in prompt_token_ids) == 0:
-            raise ValueError("every prompt needs at least one token")
-        if P + R > self.model.config.max_position_embeddings:
-            raise ValueError(f"prompt ({P}) + max_new_tokens ({R}) exceeds the model's "
-                             f"max_position_embeddings ({self.model.config.max_position_embeddings})")
-        prompts = torch.full((B, P), self.pad_id, dtype=torch.long)
-        pmask = torch.zeros((B, P), dtype=torch.bool)
-        for r, (i, _) in enumerate(rows):
-            toks = prompt_token_ids[i]
-            prompts[r, P - len(toks):] = torch.tensor(toks)
-            pmask[r, P - len(toks):] = True
-        prompts, pmask = prompts.to(dev), pmask.to(dev)
+        dev, R = self.device, spec.max_new_tokens
+        rows, prompt_ids, prompts, pmask, uniforms = layout_batch(
+            prompt_token_ids, spec, prompt_ids, self.pad_id, self.model.config.max_position_embeddings)
+        B, P = prompts.shape
+        prompts, pmask, uniforms = prompts.to(dev), pmask.to(dev), uniforms.to(dev)
         greedy = spec.temperature == 0.0
         temp = 1.0 if greedy else spec.temperature
-        seed = 0 if spec.seed is None else spec.seed
-        uniforms = torch.stack([torch.rand(R, generator=torch.Generator().manual_seed(
-            _row_seed(seed, prompt_ids[i], j)), dtype=torch.float64) for i, j in rows]).to(dev)
 
         dtype = self.model.lm_head.weight.dtype if self.model.lm_head.weight.is_floating_point() else torch.bfloat16
         caches = [(torch.zeros(B, self.n_kv, P + R, self.head_dim, dtype=dtype, device=dev),
