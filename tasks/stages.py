@@ -150,8 +150,11 @@ def train_task(cfg: dict, tracking_uri: str | None = None, mlflow_run_id: str | 
     cb = None
     if tracking_uri and mlflow_run_id:
         from parity.tracking.mlflow_log import MlflowCallback
+        from tasks.recording import mlflow_client
 
-        cb = MlflowCallback(tracking_uri, mlflow_run_id)
+        # the flow's client (one store connection per process), metrics batched per tracking.flush_every_s
+        cb = MlflowCallback(tracking_uri, mlflow_run_id, mlflow_client=mlflow_client(tracking_uri),
+                            flush_every_s=float(c.tracking.flush_every_s))
         callbacks.append(cb)
     t0 = time.perf_counter()
     summary = train(c, callbacks=callbacks)
@@ -178,6 +181,7 @@ def evaluate_task(cfg: dict, model_path: str) -> dict:
     c = as_config(cfg).copy()
     OmegaConf.update(c, "eval.model_path", str(model_path))
     OmegaConf.update(c, "eval.run_name", None)
+    OmegaConf.update(c, "eval.registered_model", None)
     t0 = time.perf_counter()
     out = dict(evaluate_cmd.run(c))
     return {**out, "lib_seconds": time.perf_counter() - t0}

@@ -102,3 +102,21 @@ def test_evaluate_command_bad_key_exits_with_the_key(run_folder, capsys):
         main(["evaluate", f"outputs_dir={run_folder}", "eval.model_path=/nonexistent/m"])
     assert e.value.code == 2
     assert "`eval.model_path`" in capsys.readouterr().err
+
+
+def test_registered_model_spec_and_no_store_creates_nothing(tmp_path):
+    """NAME / NAME:latest / NAME:VERSION; with neither a registry DB nor an MLflow store the error names the
+    key and both places, and neither file is created by asking."""
+    from parity.commands.evaluate import resolve_eval_model_info
+    from parity.tracking.registered import parse_spec
+
+    assert parse_spec("parity-arith_tiny") == ("parity-arith_tiny", None)
+    assert parse_spec("m:latest") == ("m", None) and parse_spec("m:12") == ("m", 12)
+    for bad, match in [(":3", "has no model name"), ("m:0", "version '0'"), ("m:v2", "version 'v2'")]:
+        with pytest.raises(ParityError, match=rf"config key `eval.registered_model`: .*{match}"):
+            parse_spec(bad)
+    with pytest.raises(ParityError, match=r"`eval.registered_model`: no registered model named 'm' in the registry "
+                                          r"database .* \(no registry database at .*registry.db\) or the MLflow model "
+                                          r"registry .* \(no MLflow store at .*mlflow.db\); nothing is registered yet"):
+        resolve_eval_model_info(_cfg(tmp_path, "eval.registered_model=m:2"))
+    assert not (tmp_path / "registry.db").exists() and not (tmp_path / "mlflow.db").exists()

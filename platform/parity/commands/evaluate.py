@@ -1,9 +1,12 @@
 """`python -m parity evaluate [overrides]`: evaluate a model on a benchmark suite.
 
-The model is, in order: `eval.model_path` (a checkpoint folder, or a run folder whose latest valid
-checkpoint is taken), `eval.run_name` (the latest valid checkpoint of outputs/runs/<run_name>), or the
-run's prepared starting model (`prepare`). The engine is the configured rollout engine at the configured
-rollout precision, so "train in BF16, deploy in FP8" is the same command with
+The model is one of: `eval.model_path` (a checkpoint folder, or a run folder whose latest valid
+checkpoint is taken), `eval.run_name` (the latest valid checkpoint of outputs/runs/<run_name>),
+`eval.registered_model` (NAME or NAME:VERSION, default the latest version, of a model the train-and-eval
+flow registered: its checkpoint from the registry DB, else the MLflow model version's copy), or, when
+none is set, the run's prepared starting model (`prepare`). The summary (and metrics.json) record which
+model, and which registered version, was evaluated. The engine is the configured rollout engine at the
+configured rollout precision, so "train in BF16, deploy in FP8" is the same command with
 `rollout.precision.weights=fp8 rollout.precision.activations=fp8`.
 
 Presets: `+eval=dcmdp` (the DCMDP paper's protocol), `+eval=quick` (a smoke run on the tiny model).
@@ -34,29 +37,50 @@ def _checkpoint_of_run(run_dir: Path, key: str) -> Path:
 
 def resolve_eval_model(cfg: Any) -> tuple[Path | str, str]:
     """(model folder or hub id, how it was chosen)."""
+    model, chosen, _ = resolve_eval_model_info(cfg)
+    return model, chosen
+
+
+def resolve_eval_model_info(cfg: Any) -> tuple[Path | str, str, dict | None]:
+    """(model folder or hub id, how it was chosen, the registered model's name/version/source or None)."""
     e = cfg.eval
+    registered = e.get("registered_model")
+    if registered not in (None, ""):
+        others = [k for k in ("model_path", "run_name") if e.get(k)]
+        if others:
+            raise ParityError(f"config key `eval.registered_model`: set it or `eval.{others[0]}`, not both")
+        from parity.tracking.registered import resolve_registered_model
+
+        info = resolve_registered_model(str(registered), str(cfg.tracking.registry_url),
+                                        str(cfg.tracking.tracking_uri),
+                                        Path(str(cfg.outputs_dir)) / "registered_models")
+        return Path(info["path"]), f"eval.registered_model ({info['name']} version {info['version']}, " \
+                                   f"{info['source']})", info
     if e.model_path:
         p = Path(str(e.model_path)).expanduser()
         if (p / "config.json").is_file():
-            return p, "eval.model_path"
+            return p, "eval.model_path", None
         if (p / "checkpoints").is_dir():
-            return _checkpoint_of_run(p, "eval.model_path"), "eval.model_path (latest checkpoint)"
+            return _checkpoint_of_run(p, "eval.model_path"), "eval.model_path (latest checkpoint)", None
         raise ParityError(f"config key `eval.model_path`: {p} is neither a checkpoint (config.json) nor a run "
                           "folder (checkpoints/)")
     if e.run_name:
         name = str(e.run_name)
         if name in (".", "..") or any(c in name for c in "/\\\0") or name.startswith("."):
             raise ParityError(f"config key `eval.run_name`: {name!r} is not a valid run name")
-        return _checkpoint_of_run(Path(cfg.outputs_dir) / "runs" / name, "eval.run_name"), "eval.run_name"
+        return _checkpoint_of_run(Path(cfg.outputs_dir) / "runs" / name, "eval.run_name"), "eval.run_name", None
     from parity.models.prepare import prepare_model
 
-    return Path(prepare_model(cfg)["model_dir"]), "prepared default"
+    return Path(prepare_model(cfg)["model_dir"]), "prepared default", None
 
 
-def _out_dir(cfg: Any, model: Path | str) -> Path:
+def _out_dir(cfg: Any, model: Path | str, registered: dict | None = None) -> Path:
     if cfg.eval.out_dir:
         return Path(str(cfg.eval.out_dir))
-    label = str(cfg.eval.run_name) if cfg.eval.run_name else Path(str(model)).name
+    if registered is not None:
+        label = f"{registered['name']}-v{registered['version']}"
+    else:
+        label = str(cfg.eval.run_name) if cfg.eval.run_name else Path(str(model)).name
     return Path(cfg.outputs_dir) / "eval" / f"{label}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
@@ -66,7 +90,7 @@ def run(cfg: DictConfig) -> dict:
     from parity.evaluation.runner import evaluate
     from parity.rollout import build_engine
 
-    model, chosen = resolve_eval_model(cfg)
+    model, chosen, registered = resolve_eval_model_info(cfg)
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     engine = build_engine(cfg, model)
     eval_cfg = cfg.eval
@@ -74,12 +98,15 @@ def run(cfg: DictConfig) -> dict:
         eval_cfg = cfg.eval.copy()
         eval_cfg.max_model_len = int(cfg.rollout.max_model_len)  # the limit vLLM was built with
     try:
-        summary = evaluate(engine, tokenizer, list(cfg.eval.suite), eval_cfg, _out_dir(cfg, model), data_cfg=cfg.data)
+        summary = evaluate(engine, tokenizer, list(cfg.eval.suite), eval_cfg, _out_dir(cfg, model, registered),
+                           data_cfg=cfg.data, model_info={"path": str(model), "chosen_by": chosen,
+                                                          "registered_model": registered})
     finally:
         engine.close()
     print(summary["table"], file=sys.stderr, flush=True)
     return {
-        "command": "evaluate", "model": str(model), "model_from": chosen, "engine": summary["engine"],
+        "command": "evaluate", "model": str(model), "model_from": chosen, "registered_model": registered,
+        "engine": summary["engine"],
         "out_dir": summary["out_dir"], "samples": summary["samples_path"],
         "macro": {m: round(v["value"], 4) for m, v in summary["macro"].items()},
         "benchmarks": {n: {"k": r["k"], "problems": r["problems"],

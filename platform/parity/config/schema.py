@@ -267,6 +267,9 @@ class EvalConfig:
     benchmarks: dict[str, Any] = field(default_factory=dict)  # per-benchmark overrides
     model_path: str | None = None  # checkpoint folder to evaluate; else run_name's latest checkpoint; else prepare's
     run_name: str | None = None  # a training run (outputs/runs/<run_name>) whose latest checkpoint is evaluated
+    # a registered model, NAME or NAME:VERSION (default the latest), looked up in tracking.registry_url, then
+    # in the MLflow model registry of tracking.tracking_uri (parity.tracking.registered)
+    registered_model: str | None = None
     out_dir: str | None = None  # None = ${outputs_dir}/eval/<run or model>-<timestamp>
 
 
@@ -309,6 +312,9 @@ class RegressionConfig:
 
 @dataclass
 class TrackingConfig:
+    """MLflow (tracking_uri) and the registry DB (registry_url). The flows always record; `enabled` turns
+    MLflow logging on for a plain `python -m parity train` (parity.tracking.train_run)."""
+
     enabled: bool = False
     tracking_uri: str = "${oc.env:PARITY_TRACKING_URI,sqlite:///${outputs_dir}/mlflow.db}"
     registry_url: str = "${oc.env:PARITY_REGISTRY_URL,sqlite:///${outputs_dir}/registry.db}"
@@ -316,6 +322,7 @@ class TrackingConfig:
     model_name: str = "parity-${experiment_name}"  # MLflow registered model of the pipeline's trained model
     log_model: bool = True  # log the trained checkpoint as an MLflow artifact and register a version
     flush_wait_s: float = 10.0  # after training, how long to retry writing metrics buffered during an outage
+    flush_every_s: float = 5.0  # per-step metrics are written to MLflow in batches at most this often (0 = each step)
     regression: RegressionConfig = field(default_factory=RegressionConfig)
 
 

@@ -177,9 +177,10 @@ def run_benchmark(engine: Engine, tokenizer: Any, grader: Any, settings: Benchma
 
 
 def evaluate(engine: Engine, tokenizer: Any, suite: list[str], eval_cfg: Any, out_dir: str | Path, *,
-             data_cfg: Any = None, grader: Any = None, progress: bool = True) -> dict:
+             data_cfg: Any = None, grader: Any = None, progress: bool = True, model_info: dict | None = None) -> dict:
     """Evaluate `engine` on `suite`; writes <out_dir>/samples.jsonl, metrics.json and table.md and
-    returns {'benchmarks': {name: row}, 'macro': ..., 'table': markdown, ...}."""
+    returns {'benchmarks': {name: row}, 'macro': ..., 'table': markdown, ...}. `model_info` (which model
+    was evaluated: its folder, how it was chosen, the registered name and version) is kept as 'model'."""
     suite = list(suite)
     if not suite:
         raise ParityError("config key `eval.suite`: empty; known benchmarks: " + ", ".join([*BENCHMARKS, ARITHMETIC]))
@@ -238,7 +239,7 @@ def evaluate(engine: Engine, tokenizer: Any, suite: list[str], eval_cfg: Any, ou
     table = format_table(rows, macro if len(suite) > 1 else None)
     summary = {"out_dir": str(out), "samples_path": str(out / "samples.jsonl"), "suite": suite,
                "benchmarks": rows, "macro": macro, "grading": grading, "context_length": context,
-               "engine": engine.describe() if hasattr(engine, "describe") else {},
+               "model": model_info or {}, "engine": engine.describe() if hasattr(engine, "describe") else {},
                "seconds": round(time.time() - t0, 2), "table": table}
     (out / "metrics.json").write_text(json.dumps(summary, indent=1, default=str))
     (out / "table.md").write_text(table + "\n")

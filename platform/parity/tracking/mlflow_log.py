@@ -54,12 +54,19 @@ def default_artifact_dir(tracking_uri: str) -> str | None:
     return None
 
 
+_ARTIFACT_URIS: dict[str, str] = {}  # run id -> artifact URI of the runs this process created
+
+
 def start_run(c: Any, exp_id: str, name: str, parent_run_id: str | None = None,
               tags: dict[str, str] | None = None) -> str:
     tags = dict(tags or {})
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
-    return c.create_run(exp_id, run_name=name, tags=tags).info.run_id
+    info = c.create_run(exp_id, run_name=name, tags=tags).info
+    if len(_ARTIFACT_URIS) > 10_000:
+        _ARTIFACT_URIS.clear()
+    _ARTIFACT_URIS[info.run_id] = info.artifact_uri
+    return info.run_id
 
 
 def end_run(c: Any, run_id: str, ok: bool) -> None:
@@ -109,7 +116,8 @@ def register_model(c: Any, run_id: str, model_dir: str | Path, name: str, tags: 
     except MlflowException as e:
         if "RESOURCE_ALREADY_EXISTS" not in str(e.error_code) and "already exists" not in str(e):
             raise
-    source = f"{c.get_run(run_id).info.artifact_uri}/model"
+    artifact_uri = _ARTIFACT_URIS.get(run_id) or c.get_run(run_id).info.artifact_uri  # known: no store round trip
+    source = f"{artifact_uri}/model"
     mv = c.create_model_version(name, source=source, run_id=run_id, tags={k: str(v) for k, v in tags.items()})
     return str(mv.version)
 
@@ -130,16 +138,35 @@ def _endpoint(tracking_uri: str) -> tuple[str, int] | None:
     return u.hostname, u.port or (443 if u.scheme == "https" else 80)
 
 
+def reachable(tracking_uri: str, timeout_s: float = 0.5) -> bool:
+    """A short TCP connect to an HTTP store (MLflow's own client retries for minutes); True otherwise."""
+    ep = _endpoint(tracking_uri)
+    if ep is None:
+        return True
+    try:
+        with socket.create_connection(ep, timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
 class MlflowCallback:
     """`train(cfg, callbacks=[MlflowCallback(...)])`: logs each step's metrics to a run. When the store is
     unreachable the metrics stay in a buffer (training goes on) and are written, with their original
     steps and timestamps, once it answers again. An HTTP store is probed with a short TCP connect
-    first, because MLflow's own client retries for minutes before it gives up."""
+    first, because MLflow's own client retries for minutes before it gives up.
+
+    `flush_every_s` batches the writes: the first step is written at once, later steps at most every
+    `flush_every_s` seconds (one log_batch for all of them) and the rest at `close()`. Each write is a
+    store transaction (a commit and, on SQLite, an fsync), so on a fast run one write per step costs
+    more than the step's own logging; 0 writes every step."""
 
     def __init__(self, tracking_uri: str, run_id: str, retry_after_s: float = 5.0, probe_timeout_s: float = 0.5,
-                 max_buffer: int = 1_000_000, mlflow_client: Any = None) -> None:
+                 max_buffer: int = 1_000_000, mlflow_client: Any = None, flush_every_s: float = 0.0) -> None:
         self.tracking_uri = tracking_uri
         self.run_id = run_id
+        self.flush_every_s = flush_every_s
+        self._next_flush = 0.0
         self.retry_after_s = retry_after_s
         self.probe_timeout_s = probe_timeout_s
         self.max_buffer = max_buffer
@@ -167,18 +194,11 @@ class MlflowCallback:
         if len(self.buffer) > self.max_buffer:  # bounded memory over a very long outage: oldest go first
             self.dropped += len(self.buffer) - self.max_buffer
             del self.buffer[: len(self.buffer) - self.max_buffer]
-        if time.monotonic() >= self._next_try:
+        if time.monotonic() >= max(self._next_try, self._next_flush):
             self.flush()
 
     def _reachable(self) -> bool:
-        ep = _endpoint(self.tracking_uri)
-        if ep is None:
-            return True
-        try:
-            with socket.create_connection(ep, timeout=self.probe_timeout_s):
-                return True
-        except OSError:
-            return False
+        return reachable(self.tracking_uri, self.probe_timeout_s)
 
     def flush(self) -> bool:
         """Write the buffer; True when it is empty afterwards. Never raises."""
@@ -206,6 +226,7 @@ class MlflowCallback:
             log.warning("MLflow store is back after %.0f s; buffered metrics written",
                         time.monotonic() - self._down_since)
             self._down_since = None
+        self._next_flush = time.monotonic() + self.flush_every_s
         return True
 
     def close(self, wait_s: float = 0.0) -> bool:

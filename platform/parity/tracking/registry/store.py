@@ -189,6 +189,19 @@ class Registry:
             rows = s.scalars(q.order_by(ModelArtifact.id.desc()).limit(n))
             return [_artifact_dict(a) for a in rows]
 
+    def registered_versions(self, name: str) -> list[dict]:
+        """The artifacts registered as versions of MLflow model `name`, oldest version first."""
+        with self._tx("registered_versions") as s:
+            rows = list(s.scalars(select(ModelArtifact).where(ModelArtifact.mlflow_model_name == name,
+                                                              ModelArtifact.mlflow_model_version.is_not(None))))
+            out = [_artifact_dict(a) for a in rows]
+        return sorted(out, key=lambda a: (_version_number(a["mlflow_model_version"]), a["id"]))
+
+    def registered_names(self) -> list[str]:
+        with self._tx("registered_names") as s:
+            return sorted(s.scalars(select(ModelArtifact.mlflow_model_name).distinct()
+                                    .where(ModelArtifact.mlflow_model_name.is_not(None))))
+
     # evaluation, baselines, regression checks
     def add_evaluation(self, benchmark: str, k: int, problems: int, metrics: dict, samples: Iterable[dict], *,
                        pipeline_id: int | None = None, artifact_id: int | None = None,
@@ -267,3 +280,10 @@ def _artifact_dict(a: ModelArtifact) -> dict[str, Any]:
             "pipeline_id": a.pipeline_id, "validation_status": a.validation_status, "report": a.report,
             "report_path": a.report_path, "mlflow_model_name": a.mlflow_model_name,
             "mlflow_model_version": a.mlflow_model_version}
+
+
+def _version_number(v: str | None) -> int:
+    try:
+        return int(str(v))
+    except ValueError:
+        return -1

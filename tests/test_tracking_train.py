@@ -1,0 +1,86 @@
+"""`python -m parity train` without a flow (the CLI dispatcher in-process, as the command runs it):
+tracking.enabled=true logs one MLflow run (flattened resolved config as params, every step's metrics,
+config and run files as artifacts) to a real SQLite-backed MLflow store; disabled writes nothing there;
+a run that fails is marked FAILED with the reason; an unreachable store is refused naming the key."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import QUICK
+
+
+def _main(capsys, *args: str) -> dict:
+    from parity.__main__ import main
+
+    capsys.readouterr()
+    main(list(args))
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def _args(outputs_dir: Path, store: Path, *extra: str) -> list[str]:
+    return ["train", f"outputs_dir={outputs_dir}", *QUICK, f"tracking.tracking_uri=sqlite:///{store}", *extra]
+
+
+def test_enabled_logs_params_step_metrics_and_artifacts(outputs_dir, prepared_model, tmp_path, capsys):
+    from parity.config import flatten, load_config
+    from parity.tracking import mlflow_log
+
+    store = tmp_path / "mlflow.db"
+    args = _args(outputs_dir, store, "trainer.run_name=tracked", "tracking.enabled=true",
+                 "tracking.experiment=plain-train")
+    out = _main(capsys, *args)
+    c = mlflow_log.client(f"sqlite:///{store}")
+    run = c.get_run(out["mlflow_run_id"])
+    assert run.info.status == "FINISHED" and run.info.run_name == "tracked"
+    assert c.get_experiment(run.info.experiment_id).name == "plain-train"
+    assert run.data.tags["parity.command"] == "train"
+    assert run.data.tags["parity.run_dir"] == str(Path(out["run_dir"]).resolve())
+
+    # params: exactly the flattened resolved config of the same overrides, as MLflow stores them
+    cfg = load_config(args[1:])
+    expected = {p.key: p.value for p in mlflow_log.param_entities(flatten(cfg))}
+    assert run.data.params == expected and len(expected) > 100
+    assert run.data.params["trainer.total_steps"] == "2" and run.data.params["tracking.enabled"] == "True"
+
+    # per-step metrics: every value of metrics.jsonl, at its step, once
+    rows = [json.loads(x) for x in (Path(out["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for key in ("reward/mean", "mismatch/k3_kl", "perf/step_s", "train/loss"):
+        hist = c.get_metric_history(run.info.run_id, key)
+        assert [(m.step, m.value) for m in hist] == [(r["step"], pytest.approx(r[key])) for r in rows if key in r]
+    assert [m.step for m in c.get_metric_history(run.info.run_id, "eval/accuracy")] == [0]
+    assert out["mlflow_unwritten_metrics"] == 0
+
+    assert {a.path for a in c.list_artifacts(run.info.run_id)} == {"config.yaml", "run"}
+    assert {a.path for a in c.list_artifacts(run.info.run_id, "run")} == {"run/metrics.jsonl", "run/summary.json"}
+
+    # the same run name again (no resume): refused by training; the MLflow run says FAILED and why
+    with pytest.raises(SystemExit) as e:
+        _main(capsys, *args)
+    assert e.value.code == 2
+    runs = c.search_runs([run.info.experiment_id], "attributes.status = 'FAILED'")
+    assert len(runs) == 1 and runs[0].info.run_name == "tracked"
+    assert "already has checkpoints" in runs[0].data.tags["parity.failure"]
+
+
+def test_disabled_writes_nothing(outputs_dir, prepared_model, tmp_path, capsys):
+    store = tmp_path / "store" / "mlflow.db"
+    out = _main(capsys, *_args(outputs_dir, store, "trainer.run_name=untracked"))
+    assert out["steps"] == 2 and "mlflow_run_id" not in out
+    assert not (tmp_path / "store").exists()  # no store, no mlartifacts/
+
+
+def test_unreachable_store_is_refused_naming_the_key(outputs_dir, capsys):
+    from parity.__main__ import main
+    from scripts.run_local import free_port
+
+    with pytest.raises(SystemExit) as e:
+        main(["train", f"outputs_dir={outputs_dir}", *QUICK, "trainer.run_name=nostore", "tracking.enabled=true",
+              f"tracking.tracking_uri=http://127.0.0.1:{free_port()}"])
+    assert e.value.code == 2
+    assert "config key `tracking.tracking_uri`" in capsys.readouterr().err
+    assert not (outputs_dir / "runs" / "nostore").exists()  # refused before training started
