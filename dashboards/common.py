@@ -10,6 +10,7 @@ import pandas as pd
 import streamlit as st
 
 from dashboards import data, frames, mlflow_sql
+from parity.tracking.secrets import mask_url
 
 TTL_S = 30
 
@@ -69,7 +70,7 @@ def runs_or_stop(src: data.Sources) -> pd.DataFrame:
         st.warning(str(e))
         st.stop()
     if runs.empty:
-        st.info(f"The MLflow store at {src.tracking_uri} holds no runs yet. Start one with `make run` or "
+        st.info(f"The MLflow store at {mask_url(src.tracking_uri)} holds no runs yet. Start one with `make run` or "
                 "`prefect deployment run train-and-eval/local`.")
         st.stop()
     return runs
@@ -86,5 +87,6 @@ def registry_checks(url: str) -> pd.DataFrame | None:
 
 
 def sources_caption(src: data.Sources) -> None:
-    st.caption(f"MLflow: `{src.tracking_uri}` · registry: `{src.registry_url}` · outputs: `{src.outputs_dir}` "
+    st.caption(f"MLflow: `{mask_url(src.tracking_uri)}` · registry: `{mask_url(src.registry_url)}` · "
+               f"outputs: `{src.outputs_dir}` "
                "· read-only")

@@ -19,6 +19,8 @@ from urllib.parse import quote
 
 import pandas as pd
 
+from parity.tracking.secrets import mask_url
+
 # An unreachable MLflow server must not hang the page for MLflow's default ~2 minutes of retries.
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
@@ -27,7 +29,11 @@ DEFAULT_MLFLOW_UI = "http://127.0.0.1:5000"
 
 
 class SourceUnavailable(Exception):
-    """A store or report that cannot be read; the message is shown on the page as is."""
+    """A store or report that cannot be read; the message is shown on the page, with any password or token
+    of a URL in it masked."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(mask_url(str(message)))
 
 
 @dataclass(frozen=True)
@@ -47,7 +53,18 @@ def load_sources() -> Sources:
     cfg = load_config([], validate=False)
     uri = str(cfg.tracking.tracking_uri)
     ui = uri if uri.startswith(("http://", "https://")) else os.environ.get("PARITY_MLFLOW_UI", DEFAULT_MLFLOW_UI)
-    return Sources(uri, str(cfg.tracking.registry_url), str(cfg.outputs_dir), ui.rstrip("/"))
+    return Sources(uri, str(cfg.tracking.registry_url), str(cfg.outputs_dir), public_url(ui).rstrip("/"))
+
+
+def public_url(url: str) -> str:
+    """A URL the page may show or link to: credentials (user:password@) and secret query values removed."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.hostname and "@" in parts.netloc:
+        host = parts.hostname if ":" not in parts.hostname else f"[{parts.hostname}]"
+        parts = parts._replace(netloc=host + (f":{parts.port}" if parts.port else ""))
+    return mask_url(urlunsplit(parts))
 
 
 # ---------------------------------------------------------------- read-only connections
@@ -77,7 +94,8 @@ def readonly_url(url: str, what: str) -> str:
 
 def _probe_server(uri: str, timeout_s: float = 3.0) -> None:
     try:
-        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout_s) as r:  # noqa: S310 (configured URL)
+        # /health needs no credentials (and urllib cannot take them from the URL)
+        with urllib.request.urlopen(f"{public_url(uri).rstrip('/')}/health", timeout=timeout_s) as r:  # noqa: S310 (configured URL)
             r.read(64)
     except (urllib.error.URLError, OSError, ValueError) as e:
         raise SourceUnavailable(f"MLflow server at {uri} is unreachable ({e}). Start it (`make mlflow-ui`) or "

@@ -49,7 +49,8 @@ def prepared_model(quick_cfg) -> Path:
 # scans every loaded module's attributes, and Flask's LocalProxy objects raise on that scan, so the vLLM
 # tests run after everything else except these; vLLM in turn changes process-wide torch state, so the
 # tests compared bit for bit against Ray actors run before it.
-_FLASK_IMPORTERS = {"test_tracking_mlflow.py", "test_dashboard_pages.py", "test_docker_compose.py"}
+_FLASK_IMPORTERS = {"test_tracking_mlflow.py", "test_dashboard_pages.py", "test_docker_compose.py",
+                    "test_reliability.py"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

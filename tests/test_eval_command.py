@@ -73,12 +73,12 @@ def test_corrupt_latest_checkpoint_falls_back(tmp_path):
         resolve_eval_model(_cfg(tmp_path, "eval.run_name=r2"))
 
 
-def test_evaluate_command_end_to_end(run_folder, tmp_path, capsys):
+def test_evaluate_command_end_to_end(run_folder, capsys):
     """The CLI dispatcher (in-process, as `python -m parity evaluate ...` runs it): the last stdout line
     is the JSON summary, and every benchmark of the quick preset is in it."""
     from parity.__main__ import main
 
-    out = tmp_path / "eval"
+    out = run_folder / "eval" / "end-to-end"  # inside outputs_dir: eval.out_dir may not leave it
     main(["evaluate", f"outputs_dir={run_folder}", "+eval=quick", "eval.limit=2",
           "++eval.benchmarks.arithmetic.limit=4", "++eval.benchmarks.aime24.k=3", "eval.max_new_tokens=6",
           "eval.grade_workers=1", "eval.run_name=r1", f"eval.out_dir={out}"])

@@ -7,6 +7,7 @@ import altair as alt
 import streamlit as st
 
 from dashboards import common, data, frames
+from parity.tracking.secrets import mask_url
 
 st.title("Benchmark regression checks")
 src = common.sources()
@@ -17,7 +18,7 @@ except data.SourceUnavailable as e:
     st.warning(str(e))
     st.stop()
 if checks is None:
-    st.info(f"The registry at {src.registry_url} has no regression_checks table yet (it is created by the "
+    st.info(f"The registry at {mask_url(src.registry_url)} has no regression_checks table yet (it is created by the "
             "registry's migrations on the first pipeline run).")
     st.stop()
 if checks.empty:

@@ -76,7 +76,9 @@ def resolve_eval_model_info(cfg: Any) -> tuple[Path | str, str, dict | None]:
 
 def _out_dir(cfg: Any, model: Path | str, registered: dict | None = None) -> Path:
     if cfg.eval.out_dir:
-        return Path(str(cfg.eval.out_dir))
+        from parity.paths import inside_outputs
+
+        return inside_outputs(cfg.eval.out_dir, cfg.outputs_dir, "eval.out_dir")
     if registered is not None:
         label = f"{registered['name']}-v{registered['version']}"
     else:

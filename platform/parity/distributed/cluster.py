@@ -57,7 +57,11 @@ def _local_env() -> dict[str, str]:
     that without writing into the installed packages."""
     env = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
            "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "false"),
-           "RAY_USAGE_STATS_ENABLED": "0"}
+           "RAY_USAGE_STATS_ENABLED": "0",
+           # a local Ray listens on 127.0.0.1 only (Ray otherwise binds the machine's address on every
+           # interface); a Ray that other machines join is started with `ray start` and joined through
+           # distributed.address
+           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     if os.environ.get("PYTHONDONTWRITEBYTECODE"):
         env["PYTHONPYCACHEPREFIX"] = os.environ.get(
             "PYTHONPYCACHEPREFIX", os.path.join(tempfile.gettempdir(), f"parity-pycache-{os.getuid()}"))
@@ -112,6 +116,19 @@ def ray_session(dcfg: Any) -> Iterator[dict]:
 
 
 def _start_local(ray: Any, dcfg: Any, common: dict) -> None:
+    from ray._private import ray_constants
+
+    # Ray reads this (from the environment, at its import) when it picks the node's address: off, the node is
+    # 127.0.0.1 and every Ray server binds loopback; ray may have been imported before the environment was set
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        _start_local_attempts(ray, dcfg, common)
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+def _start_local_attempts(ray: Any, dcfg: Any, common: dict) -> None:
     last: Exception | None = None
     for attempt in range(1, int(dcfg.start_attempts) + 1):
         try:

@@ -26,7 +26,9 @@ def tiny_model_dir(cfg: Any) -> Path:
                "warm_start": OmegaConf.to_container(cfg.model.warm_start, resolve=True),
                "arith": OmegaConf.to_container(cfg.data.arithmetic, resolve=True),
                "template": cfg.data.prompt_template}
-    return Path(cfg.outputs_dir) / "models" / f"{cfg.model.name}-{config_hash(payload)}"
+    from parity.paths import plain_name
+
+    return Path(cfg.outputs_dir) / "models" / f"{plain_name(cfg.model.name, 'model.name')}-{config_hash(payload)}"
 
 
 def resolve_model_dir(cfg: Any) -> Path | str:

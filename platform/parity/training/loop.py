@@ -23,6 +23,7 @@ from parity.data.arithmetic import arithmetic_problems
 from parity.data.prompts import build_train_stream, render_prompt
 from parity.errors import ParityError
 from parity.models.prepare import prepare_model
+from parity.paths import plain_name
 from parity.rollout import build_engine, resolve_device, sampling_spec
 from parity.training.checkpoint import CheckpointManager
 from parity.training.heldout import heldout_accuracy
@@ -37,10 +38,7 @@ class Callback(Protocol):
 
 def safe_run_name(name: str) -> str:
     """Run names become folder names under outputs/runs: no separators, no traversal."""
-    if not name or name in (".", "..") or any(c in name for c in "/\\\0") or name.startswith("."):
-        raise ParityError(f"config key `trainer.run_name`: {name!r} is not a valid run name (no '/', '\\', "
-                          "leading '.', or empty)")
-    return name
+    return plain_name(name, "trainer.run_name")
 
 
 def run_dir_of(cfg: Any) -> Path:
