@@ -101,7 +101,10 @@ def ray_session(dcfg: Any) -> Iterator[dict]:
     common = {"include_dashboard": False, "log_to_driver": True, "logging_level": logging.WARNING,
               "configure_logging": True}
     if address:
-        ray.init(address=address, **common)
+        # a driver joining a Ray that listens on loopback (one `distributed.enabled=true` started on this machine)
+        # must take 127.0.0.1 as its own node's address too, or Ray looks for it under the machine's address
+        with _loopback_node() if _is_loopback(address) else contextlib.nullcontext():
+            ray.init(address=address, **common)
         info = {"address": address, "started": False}
     else:
         env = _local_env()
@@ -115,17 +118,38 @@ def ray_session(dcfg: Any) -> Iterator[dict]:
         ray.shutdown()  # stops the local Ray we started; only disconnects from a joined cluster
 
 
-def _start_local(ray: Any, dcfg: Any, common: dict) -> None:
+@contextlib.contextmanager
+def _loopback_node() -> Iterator[None]:
+    """Ray reads this flag (from the environment, when ray is imported) to pick this node's address: off, the
+    node is 127.0.0.1 and every Ray server started here binds loopback. Set on the module, since ray may have
+    been imported before the environment was."""
     from ray._private import ray_constants
 
-    # Ray reads this (from the environment, at its import) when it picks the node's address: off, the node is
-    # 127.0.0.1 and every Ray server binds loopback; ray may have been imported before the environment was set
     saved = ray_constants.ENABLE_RAY_CLUSTER
     ray_constants.ENABLE_RAY_CLUSTER = False
     try:
-        _start_local_attempts(ray, dcfg, common)
+        yield
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+def _is_loopback(address: str) -> bool:
+    """Whether a Ray address (host:port, or `auto`: the Ray running on this machine) is on loopback."""
+    if address.startswith("ray://"):
+        return False
+    if address == "auto":
+        try:
+            from ray._private.services import get_ray_address_from_environment
+
+            address = get_ray_address_from_environment("auto", None) or ""
+        except Exception:  # no Ray found: ray.init reports it
+            return False
+    return address.rsplit(":", 1)[0].strip("[]") in ("127.0.0.1", "localhost", "::1")
+
+
+def _start_local(ray: Any, dcfg: Any, common: dict) -> None:
+    with _loopback_node():
+        _start_local_attempts(ray, dcfg, common)
 
 
 def _start_local_attempts(ray: Any, dcfg: Any, common: dict) -> None:
