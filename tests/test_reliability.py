@@ -1,7 +1,7 @@
 """Reliability and security (issue 14): faults, bad inputs and attacks, each through the real component.
 
 Faults: non-finite training steps through the real loop, a full disk under a checkpoint write (a real
-RLIMIT_FSIZE in a subprocess), an in-process trainer SIGKILLed mid-run and resumed, the MLflow server
+RLIMIT_FSIZE in a forked child), an in-process trainer SIGKILLed mid-run and resumed, the MLflow server
 stopped and restarted under a training run, the registry database locked by another connection.
 Bad inputs: datasets through the train command, grader attacks, configs. Security: services on
 127.0.0.1, a dashboard without a write path, names that cannot leave outputs/, SQL as bound parameters,
@@ -26,11 +26,11 @@ from parity.training.trainer import NonFiniteError
 
 
 class PoisonHidden:
-    """Turns the trainer's hidden states into NaN on chosen loop steps (a real forward hook on the model:
-    the logits, the loss and every gradient become non-finite). The torch rollout engine runs its own
+    """Multiplies the trainer's hidden states by NaN or inf on chosen loop steps (a real forward hook on the
+    model: the logits, the loss and every gradient become non-finite). The torch rollout engine runs its own
     forward, so only the update sees the poison. As a callback it learns which step comes next."""
 
-    def __init__(self, steps: set[int]) -> None:
+    def __init__(self, steps: dict[int, float]) -> None:
         from transformers.models.qwen3.modeling_qwen3 import Qwen3Model
 
         self.steps, self.next_step, self.poisoned = steps, 0, []
@@ -41,7 +41,7 @@ class PoisonHidden:
         if isinstance(module, self._cls) and torch.is_grad_enabled() and self.next_step in self.steps:
             if self.next_step not in self.poisoned:
                 self.poisoned.append(self.next_step)
-            output.last_hidden_state = output.last_hidden_state * float("nan")
+            output.last_hidden_state = output.last_hidden_state * self.steps[self.next_step]
         return output
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
@@ -54,7 +54,7 @@ class PoisonHidden:
 def test_nonfinite_steps_are_skipped_counted_alarmed_and_three_in_a_row_stop(quick_cfg, prepared_model, caplog):
     # dual: its lambda is state that a NaN step must not poison
     over = ["algorithm.correction.name=dual", "trainer.total_steps=7", "trainer.keep_checkpoints=3"]
-    poison = PoisonHidden({1, 3, 4, 5})
+    poison = PoisonHidden({1: math.nan, 3: math.inf, 4: math.nan, 5: -math.inf})
     try:
         with caplog.at_level(logging.WARNING, logger="parity.training.trainer"), \
                 pytest.raises(NonFiniteError, match=r"3 consecutive .*trainer\.max_bad_steps`=3"):
@@ -180,6 +180,7 @@ def test_trainer_sigkilled_mid_checkpoint_write_resumes_to_the_uninterrupted_res
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     assert proc.returncode == -signal.SIGKILL
+    print(f"SIGKILL landed {'inside the write of' if mid_write else 'after'} checkpoint 2")
     run = ckdir.parent
     assert not (run / "summary.json").exists()
     try:
@@ -195,6 +196,26 @@ def test_trainer_sigkilled_mid_checkpoint_write_resumes_to_the_uninterrupted_res
     a = load_file(f"{resumed['latest_checkpoint']}/model.safetensors")
     b = load_file(f"{whole['latest_checkpoint']}/model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_corrupt_latest_checkpoint_is_detected_and_resume_falls_back_to_the_previous(quick_cfg, prepared_model,
+                                                                                     caplog):
+    steps = ["trainer.total_steps=3", "trainer.keep_checkpoints=3"]
+    first = train(quick_cfg("trainer.run_name=corrupt", *steps))
+    run = Path(first["run_dir"])
+    before = MetricsLog(run / "metrics.jsonl").read()
+    weights = run / "checkpoints" / "step_000003" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped bit pattern in the tensor data: the file still loads, wrongly
+    weights.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="parity.training.checkpoint"):
+        resumed = train(quick_cfg("trainer.run_name=corrupt", *steps, "trainer.total_steps=4", "trainer.resume=true"))
+    assert resumed["start_step"] == 2
+    assert "step_000003 is corrupt (model.safetensors checksum mismatch); falling back" in caplog.text
+    rows = MetricsLog(run / "metrics.jsonl").read()
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]  # step 3 redone once, not twice
+    assert _non_perf(rows[:4]) == _non_perf(before)  # and redone exactly
+    assert CheckpointManager(run).verify(run / "checkpoints" / "step_000003") is None  # rewritten intact
 
 
 # ---------------------------------------------------------------- the MLflow server down for a while
