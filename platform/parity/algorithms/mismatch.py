@@ -63,6 +63,27 @@ class StepMetrics:
         """`fn(sums)` computes `name` from the step's accumulated sums when `compute()` runs."""
         self._derived[name] = fn
 
+    # -- data parallel --------------------------------------------------------------------------------
+    def all_reduce(self, group: object = None, device: torch.device | None = None) -> None:
+        """Combine the accumulators of every process of a torch.distributed group (data-parallel ranks, each
+        holding its share of the step's rows): sums are added, maxes maxed, so `compute()` then gives the
+        values one process would have computed on all the rows. Collective: every rank must call it. A rank
+        that saw no rows may lack keys; the union is used (0 for a sum, -inf for a max)."""
+        import torch.distributed as dist
+
+        keys: list[list[list[str]] | None] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(keys, [sorted(self._sums), sorted(self._maxes)], group=group)
+        sums = sorted({k for ks in keys for k in ks[0]})
+        maxes = sorted({k for ks in keys for k in ks[1]})
+        dev = device or torch.device("cpu")
+        for names, store, op, empty in ((sums, self._sums, dist.ReduceOp.SUM, 0.0),
+                                        (maxes, self._maxes, dist.ReduceOp.MAX, float("-inf"))):
+            if not names:
+                continue
+            t = torch.tensor([float(store.get(k, empty)) for k in names], dtype=torch.float64, device=dev)
+            dist.all_reduce(t, op=op, group=group)
+            store.update(zip(names, t.cpu().tolist(), strict=True))
+
     # -- results ------------------------------------------------------------------------------------
     def sums(self) -> dict[str, float]:
         return {k: float(v) for k, v in self._sums.items()}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -67,14 +67,21 @@ class Trainer:
         w = self.model.lm_head.weight
         return w if w.dtype == self.compute_dtype else w.to(self.compute_dtype)
 
+    def policy_forward(self, mb: RolloutBatch, head: Callable[[torch.Tensor, torch.Tensor], Any]) -> Any:
+        """`head(hidden, lm_head weight)` on a micro-batch: the one place the policy runs, so the sharded trainer
+        (parity.training.sharded) can run it inside its root module's forward."""
+        return head(self.response_hidden(mb), self.head_weight())
+
     @torch.no_grad()
     def logprobs(self, mb: RolloutBatch) -> torch.Tensor:
         from parity.algorithms.logprobs import chunked_token_logprobs
-        h = self.response_hidden(mb)
-        b, R, H = h.shape
-        lp = chunked_token_logprobs(h.reshape(b * R, H), self.head_weight(),
-                                    mb.responses.to(self.device).reshape(b * R, 1), self.temperature)
-        return lp.reshape(b, R).float() * mb.response_mask.to(self.device)
+
+        def head(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            b, R, H = h.shape
+            lp = chunked_token_logprobs(h.reshape(b * R, H), w, mb.responses.to(self.device).reshape(b * R, 1),
+                                        self.temperature)
+            return lp.reshape(b, R).float() * mb.response_mask.to(self.device)
+        return self.policy_forward(mb, head)
 
     def _routing(self, mb: RolloutBatch, metrics: StepMetrics) -> contextlib.AbstractContextManager:
         """MoE routing replay (R3): force the rollout's experts on the positions that predict response tokens."""
@@ -96,6 +103,17 @@ class Trainer:
     def _micro_batches(self, idx: torch.Tensor) -> Iterator[torch.Tensor]:
         yield from idx.split(self.tcfg.micro_batch_size)
 
+    # Data-parallel hooks: identities here; parity.training.sharded overrides them.
+    def _old_logprobs(self, batch: RolloutBatch, order: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.logprobs(batch.select(i)) for i in order.split(self.tcfg.micro_batch_size)])
+
+    def _reduce_and_clip(self, total: float) -> tuple[float, torch.Tensor]:
+        """Clip the gradients to trainer.grad_clip; return the mini-batch loss and the norm before clipping."""
+        return total, torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.grad_clip)
+
+    def _reduce_step_state(self, metrics: StepMetrics) -> None:
+        """Before the step's metrics and the corrections' end_step are computed."""
+
     def step(self, batch: RolloutBatch) -> dict[str, float]:
         self.model.train()
         adv = compute_advantages(self.alg.adv_estimator, batch.rewards.float(), batch.group_ids,
@@ -108,7 +126,7 @@ class Trainer:
         need_old = self.tcfg.mini_batches > 1 or self.tcfg.ppo_epochs > 1
         old = None
         if need_old:  # log-probs of the policy that the whole step starts from (PPO's pi_old)
-            old = torch.cat([self.logprobs(batch.select(i)) for i in order.split(self.tcfg.micro_batch_size)])
+            old = self._old_logprobs(batch, order)
         grad_norms, losses, stepped, skipped = [], [], 0, 0
         for _ in range(self.tcfg.ppo_epochs):
             for mini in minis:
@@ -118,13 +136,12 @@ class Trainer:
                 for micro in self._micro_batches(mini):
                     mb = batch.select(micro).to(self.device)
                     with self._routing(mb, metrics):
-                        hidden = self.response_hidden(mb)
-                        loss = rl_objective(hidden, self.head_weight(), mb, adv[micro].to(self.device),
-                                            None if old is None else old[micro], self.temperature, self.corrections,
-                                            self.alg, denom, metrics)
+                        loss = self.policy_forward(mb, lambda h, w, mb=mb, micro=micro, denom=denom: rl_objective(
+                            h, w, mb, adv[micro].to(self.device), None if old is None else old[micro],
+                            self.temperature, self.corrections, self.alg, denom, metrics))
                         loss.backward()  # inside the replay block: checkpointed recomputation replays too
                     total += float(loss.detach())
-                gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.grad_clip)
+                total, gn = self._reduce_and_clip(total)
                 if not (torch.isfinite(gn) and torch.isfinite(torch.tensor(total))):
                     self.optimizer.zero_grad(set_to_none=True)
                     self.skipped_steps += 1
@@ -143,6 +160,7 @@ class Trainer:
                 stepped += 1
                 grad_norms.append(float(gn))
                 losses.append(total)
+        self._reduce_step_state(metrics)
         out = metrics.compute()
         out.update(self._r3_metrics)
         out.update(self.corrections.end_step())

@@ -91,6 +91,15 @@ class Correction:
         """Accumulate this correction's metrics of the micro-batch."""
 
     # -- per step ----------------------------------------------------------------------------------
+    def step_sums(self) -> dict[str, float]:
+        """Sums this correction accumulates over the step's tokens before `end_step` uses them (e.g. dual's
+        gap sum and token count). A data-parallel trainer adds them over its ranks and hands them back with
+        `set_step_sums`, so `end_step` sees the whole batch."""
+        return {}
+
+    def set_step_sums(self, sums: dict[str, float]) -> None:
+        """Replace the accumulated sums with `sums` (the same keys as `step_sums`)."""
+
     def end_step(self) -> dict[str, float]:
         return {}
 

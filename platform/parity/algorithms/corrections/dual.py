@@ -64,6 +64,12 @@ class Dual(Correction):
         self._count = self._count + ctx.mask.sum().to(torch.float64)
         metrics.set_value("correction/lambda", self.lam)
 
+    def step_sums(self) -> dict[str, float]:
+        return {"delta_sum": float(self._delta_sum), "count": float(self._count)}
+
+    def set_step_sums(self, sums: dict[str, float]) -> None:
+        self._delta_sum, self._count = float(sums["delta_sum"]), float(sums["count"])
+
     def end_step(self) -> dict[str, float]:
         count = float(self._count)
         used = self.lam

@@ -56,6 +56,16 @@ class CorrectionStack:
         for c in self.corrections:
             c.check_batch(batch)
 
+    def step_sums(self) -> dict[str, float]:
+        """Every correction's step accumulators, keyed `<name>/<key>` (Correction.step_sums)."""
+        return {f"{c.name}/{k}": v for c in self.corrections for k, v in c.step_sums().items()}
+
+    def set_step_sums(self, sums: dict[str, float]) -> None:
+        for c in self.corrections:
+            own = {k.split("/", 1)[1]: v for k, v in sums.items() if k.split("/", 1)[0] == c.name}
+            if own:
+                c.set_step_sums(own)
+
     def end_step(self) -> dict[str, float]:
         """Update per-step state (e.g. lambda) and return the correction/* metrics of the step."""
         out: dict[str, float] = {}
