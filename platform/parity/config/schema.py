@@ -275,8 +275,8 @@ class EvalConfig:
 
 @dataclass
 class DistributedConfig:
-    """The RL loop over Ray actors (parity.distributed): N rollout workers and one trainer, placed together by
-    one placement group (bundle i = rollout worker i, last bundle = trainer)."""
+    """The RL loop over Ray actors (parity.distributed): N rollout workers and one trainer (or `trainer_workers`
+    sharded ones), placed together by one placement group (bundle i = rollout worker i, then the trainer's)."""
 
     enabled: bool = False
     # "" = start a local Ray (and shut it down); "auto" or "ray://host:port" joins a cluster
@@ -284,8 +284,16 @@ class DistributedConfig:
     num_rollout_workers: int = 1
     rollout_cpus: float = 1.0
     rollout_gpus: float = 0.0
-    trainer_cpus: float = 1.0
-    trainer_gpus: float = 0.0
+    trainer_cpus: float = 1.0  # per trainer worker
+    trainer_gpus: float = 0.0  # per trainer worker (1 each when sharded on GPUs)
+    # > 1: the trainer sharded with FSDP2 over that many actors (parity.training.sharded), data parallel; the
+    # bundles after the rollout workers' are the trainer workers', rank 0 first
+    trainer_workers: int = 1
+    backend: str = "auto"  # torch.distributed backend of the trainers: auto (nccl on GPUs, else gloo) | gloo | nccl
+    # trainer -> rollout weights: object_store (trainer rank 0 gathers, one ray.put) | broadcast (a gloo/nccl group of
+    # trainer rank 0 and the rollout workers; a dead rollout worker then ends the run) | auto (= object_store)
+    weight_sync: str = "auto"
+    init_timeout_s: float = 300.0  # process-group rendezvous and collective timeout
     max_worker_restarts: int = 3  # Ray restarts of a dead rollout worker (its shard is then retried)
     max_shard_retries: int = 2  # attempts after the first of one shard of one rollout call
     restart_timeout_s: float = 120.0  # how long to wait for a restarted worker to come back

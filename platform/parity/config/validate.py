@@ -54,6 +54,21 @@ def validate_config(cfg: DictConfig) -> None:
         _check(cfg.model.arch == "qwen3_moe" or cfg.model.source == "hf", "algorithm.routing_replay",
                "routing replay needs an MoE model (model.arch=qwen3_moe)")
         _check(bool(r.capture_routing), "rollout.capture_routing", "must be true when algorithm.routing_replay is on")
+    d = cfg.distributed
+    if d.enabled:
+        from parity.distributed.cluster import check_config  # no Ray import: the distributed keys alone
+        from parity.errors import ParityError
+        try:
+            check_config(d)
+        except ParityError as e:
+            raise ConfigError(str(e)) from e
+    workers = int(d.get("trainer_workers", 1))
+    if workers != 1:
+        _check(bool(d.enabled), "distributed.trainer_workers",
+               f"{workers} trainer workers need the Ray loop: set distributed.enabled=true")
+        _check(not a.routing_replay and not r.capture_routing, "distributed.trainer_workers",
+               "MoE routing replay (algorithm.routing_replay, rollout.capture_routing) runs only with one trainer "
+               "worker; set distributed.trainer_workers=1")
     from parity.algorithms.corrections import (
         build_corrections,  # the registry checks names, values, conflicts
     )

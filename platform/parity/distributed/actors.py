@@ -4,13 +4,24 @@ the resources of the config.
 RolloutWorker holds one engine (build_engine: torch or vLLM) and samples a shard of a step's prompts.
 TrainerWorker holds the policy, its optimizer and the correction state; after each step it publishes the new
 weights to the object store once (one ray.put) and the driver hands that reference to every worker. It also
-writes checkpoints, in the layout and with the state of parity.training.loop, so a run can resume either way."""
+writes checkpoints, in the layout and with the state of parity.training.loop, so a run can resume either way.
+
+With distributed.trainer_workers = W > 1 there are W TrainerWorkers, ranks 0..W-1 of one torch.distributed
+group (rank 0 picks the rendezvous address, the driver passes it to all: `rendezvous`, then `join`), each holding
+a shard of the policy (parity.training.sharded). Every rank receives every step and checkpoint call (they are
+collectives); rank 0 publishes the gathered weights and writes the checkpoint.
+
+With distributed.weight_sync=broadcast the weights go from trainer rank 0 to the rollout workers over a process
+group of their own (parity.distributed.weight_broadcast): `send_weights` on every trainer rank paired with
+`receive_weights` on every rollout worker. Over NCCL this path has not been run (no multi-GPU machine was lent);
+over gloo it runs in tests/test_distributed_fsdp.py."""
 
 from __future__ import annotations
 
 import os
 import random
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -62,40 +73,112 @@ class RolloutWorker:
         self.version = version
         return seconds
 
+    def join_weight_group(self, address: str, port: int, rank: int, world: int, backend: str, meta: list,
+                          timeout_s: float) -> dict:
+        from parity.distributed.cluster import NO_MULTICAST
+        from parity.distributed.weight_broadcast import WeightBroadcast
+        from parity.rollout import resolve_device
+
+        for k, v in NO_MULTICAST.items():
+            os.environ.setdefault(k, v)
+        self.weight_device = resolve_device(self.cfg.trainer.device)
+        if self.weight_device.type == "cuda":
+            torch.cuda.set_device(self.weight_device.index or 0)
+        self.weight_group = WeightBroadcast(address, port, rank, world, backend, timeout_s)
+        self.weight_meta = meta
+        return {"rank": rank, "backend": backend}
+
+    def receive_weights(self, version: int) -> float:
+        """The trainer's broadcast, loaded as it arrives (one tensor at a time)."""
+        t0 = time.perf_counter()
+        named = self.weight_group.receive(self.weight_meta, self.weight_device)
+        self.engine.update_weights(named)
+        for _ in named:  # every tensor is a collective: take the rest even if the engine stopped early
+            pass
+        self.version = version
+        return time.perf_counter() - t0
+
     def close(self) -> None:
         self.engine.close()
 
 
+def resolve_backend(name: str, device: torch.device) -> str:
+    if name == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    return name
+
+
 class TrainerWorker:
-    def __init__(self, cfg: Any, base_dir: str, resume_from: str | None, cpus: float = 1.0) -> None:
+    def __init__(self, cfg: Any, base_dir: str, resume_from: str | None, cpus: float = 1.0, rank: int = 0,
+                 world: int = 1) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from parity.distributed.cluster import weight_sync
         from parity.rollout import resolve_device
-        from parity.training.trainer import Trainer
 
         _threads(cpus)
         self.cfg = cfg = _cfg(cfg)
+        self.rank, self.world = int(rank), int(world)
+        self.device = resolve_device(cfg.trainer.device)
+        self.weight_sync = weight_sync(cfg.distributed)
+        self.weight_group: Any = None
         seed = int(cfg.trainer.seed)
         random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
         self.tok = AutoTokenizer.from_pretrained(base_dir)
-        model = AutoModelForCausalLM.from_pretrained(resume_from or base_dir, dtype=torch.float32)
-        self.trainer = Trainer(model, cfg, resolve_device(cfg.trainer.device))
+        self.resume_from = resume_from
         self.step_count = 0
-        if cfg.rollout.capture_routing:
-            from parity.moe.replay import TrainerReplay
-            self.trainer.replay = TrainerReplay(self.trainer.model)
-        if resume_from is not None:
-            state = torch.load(Path(resume_from) / "state.pt", weights_only=False)
+        model = AutoModelForCausalLM.from_pretrained(resume_from or base_dir, dtype=torch.float32)
+        if self.world == 1:
+            self._build(model)
+        else:
+            self._model = model  # sharded in join(), once the process group exists
+
+    def _build(self, model: Any) -> None:
+        from parity.training.trainer import Trainer
+
+        if self.world == 1:
+            self.trainer = Trainer(model, self.cfg, self.device)
+            if self.cfg.rollout.capture_routing:
+                from parity.moe.replay import TrainerReplay
+                self.trainer.replay = TrainerReplay(self.trainer.model)
+        else:
+            from parity.training.sharded import ShardedTrainer
+            self.trainer = ShardedTrainer(model, self.cfg, self.device)
+        if self.resume_from is not None:  # every rank reads the single-process layout and keeps its shard
+            state = torch.load(Path(self.resume_from) / "state.pt", weights_only=False)
             self.trainer.load_state_dict(state["trainer"])
             set_rng_state(state["rng"])
             self.step_count = int(state["step"])
 
+    def rendezvous(self) -> tuple[str, int]:
+        """Rank 0: an address and a free port of this node for a process group's store."""
+        from parity.distributed.weight_broadcast import free_port, node_address
+        return node_address(), free_port()
+
+    def join(self, address: str, port: int, timeout_s: float) -> dict:
+        """Form the trainer ranks' process group (all ranks call this at once), then shard the policy."""
+        import torch.distributed as dist
+
+        from parity.distributed.cluster import NO_MULTICAST
+
+        for k, v in NO_MULTICAST.items():
+            os.environ.setdefault(k, v)
+        backend = resolve_backend(str(self.cfg.distributed.backend), self.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device.index or 0)  # Ray shows each actor its own GPU as cuda:0
+        dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=self.rank,
+                                world_size=self.world, timeout=timedelta(seconds=timeout_s))
+        self._build(self._model)
+        del self._model
+        return {"rank": self.rank, "backend": backend}
+
     def ready(self) -> dict:
-        return {"pid": os.getpid(), "step": self.step_count}
+        return {"pid": os.getpid(), "step": self.step_count, "rank": self.rank}
 
     def step(self, batch: Any) -> tuple[dict[str, float], list]:
-        """One RL update, then the new weights into the object store. The reference comes back inside a list so
-        the driver passes it on without fetching the weights itself."""
+        """One RL update, then (object_store) the new weights into the object store: gathered over the ranks,
+        put by rank 0. The reference comes back inside a list so the driver passes it on without fetching the
+        weights itself; other ranks return [None]."""
         import ray
 
         from parity.distributed.weights import pack_weights
@@ -103,13 +186,54 @@ class TrainerWorker:
         t0 = time.perf_counter()
         metrics = self.trainer.step(batch)
         t1 = time.perf_counter()
-        ref = ray.put(pack_weights(self.trainer.sync_weights()))
+        ref = None
+        if self.weight_sync == "object_store":
+            named = self.trainer.sync_weights()  # a generator of collectives when sharded: every rank drains it
+            if self.rank == 0:
+                ref = ray.put(pack_weights(named))
+            else:
+                for _ in named:
+                    pass
         self.step_count += 1
         metrics.update({"perf/train_s": t1 - t0, "perf/publish_s": time.perf_counter() - t1})
         return metrics, [ref]
 
+    # ---- weight broadcast (distributed.weight_sync=broadcast) ----
+
+    def weight_meta(self) -> tuple[list, str]:
+        """What the rollout workers must allocate, in send order, and the broadcast backend."""
+        dtype = str(self.trainer.compute_dtype).removeprefix("torch.")
+        meta = [(n, tuple(p.shape), dtype) for n, p in self.trainer.model.named_parameters()]
+        return meta, ("nccl" if self.device.type == "cuda" else "gloo")
+
+    def join_weight_group(self, address: str, port: int, world: int, timeout_s: float) -> dict:
+        """Rank 0: the sender (rank 0) of the weight group; the rollout workers join as ranks 1..world-1."""
+        from parity.distributed.weight_broadcast import WeightBroadcast
+
+        _, backend = self.weight_meta()
+        self.weight_group = WeightBroadcast(address, port, 0, world, backend, timeout_s)
+        return {"rank": 0, "backend": backend}
+
+    def send_weights(self) -> float:
+        """Every trainer rank takes part in the gathers; rank 0 broadcasts each full tensor as it is gathered."""
+        t0 = time.perf_counter()
+        named = self.trainer.sync_weights()
+        if self.rank == 0:
+            self.weight_group.send(named)
+        else:
+            for _ in named:
+                pass
+        return time.perf_counter() - t0
+
     def save_checkpoint(self, run_dir: str, step: int, data_state: dict, keep: int) -> str:
+        """Sharded: every rank gathers (collectives), rank 0 writes the single-process layout; others return ""."""
         from parity.training.checkpoint import CheckpointManager
 
         state = {"step": step, "trainer": self.trainer.state_dict(), "data": data_state, "rng": rng_state()}
-        return str(CheckpointManager(run_dir, keep=keep).save(step, self.trainer.model, self.tok, state))
+        model: Any = self.trainer.model
+        if self.world > 1:
+            from parity.training.sharded import GatheredModel
+            model = GatheredModel(self.trainer.model, self.trainer.full_model_state())
+            if self.rank != 0:
+                return ""
+        return str(CheckpointManager(run_dir, keep=keep).save(step, model, self.tok, state))

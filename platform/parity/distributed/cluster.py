@@ -19,17 +19,33 @@ from parity.errors import ParityError
 log = logging.getLogger(__name__)
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+# NVLink multicast off (NCCL, PyTorch symmetric memory, NVSHMEM) in every process that may run NCCL
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+BACKENDS = ("auto", "gloo", "nccl")
+WEIGHT_SYNCS = ("auto", "object_store", "broadcast")
+
+
+def trainer_workers(dcfg: Any) -> int:
+    return int(dcfg.get("trainer_workers", 1))
 
 
 def bundles(dcfg: Any) -> list[dict[str, float]]:
-    """One bundle per rollout worker, then the trainer's; zero GPU counts are left out (a CPU node has none)."""
+    """One bundle per rollout worker, then one per trainer worker (rank 0 first); zero GPU counts are left out
+    (a CPU node has none). With GPUs each trainer worker's bundle holds whole GPUs of its own, so the rollout
+    workers' GPUs are others."""
     def bundle(cpus: float, gpus: float) -> dict[str, float]:
         b = {"CPU": float(cpus)}
         if gpus:
             b["GPU"] = float(gpus)
         return b
     return ([bundle(dcfg.rollout_cpus, dcfg.rollout_gpus) for _ in range(dcfg.num_rollout_workers)]
-            + [bundle(dcfg.trainer_cpus, dcfg.trainer_gpus)])
+            + [bundle(dcfg.trainer_cpus, dcfg.trainer_gpus) for _ in range(trainer_workers(dcfg))])
+
+
+def weight_sync(dcfg: Any) -> str:
+    """object_store or broadcast (auto = object_store: the path run end to end on every machine so far)."""
+    mode = str(dcfg.get("weight_sync", "auto"))
+    return "object_store" if mode == "auto" else mode
 
 
 def check_config(dcfg: Any) -> None:
@@ -46,6 +62,24 @@ def check_config(dcfg: Any) -> None:
          f"must be one of {', '.join(STRATEGIES)}, got {dcfg.placement_strategy!r}")
     need(dcfg.start_attempts >= 1, "start_attempts", f"must be >= 1, got {dcfg.start_attempts}")
     need(dcfg.num_cpus is None or dcfg.num_cpus >= 1, "num_cpus", f"must be >= 1 or null, got {dcfg.num_cpus}")
+    workers, backend = trainer_workers(dcfg), str(dcfg.get("backend", "auto"))
+    need(workers >= 1, "trainer_workers", f"must be >= 1, got {workers}")
+    need(backend in BACKENDS, "backend", f"must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    sync = str(dcfg.get("weight_sync", "auto"))
+    need(sync in WEIGHT_SYNCS, "weight_sync", f"must be one of {', '.join(WEIGHT_SYNCS)}, got {sync!r}")
+    timeout = float(dcfg.get("init_timeout_s", 300.0))
+    need(timeout > 0, "init_timeout_s", f"must be > 0, got {timeout}")
+    gpus = float(dcfg.trainer_gpus)
+    need(backend != "nccl" or gpus > 0, "backend",
+         "nccl needs the trainer workers on GPUs (distributed.trainer_gpus=1); use gloo or auto on CPU")
+    need(backend != "gloo" or gpus == 0 or (workers == 1 and sync == "object_store"), "backend",
+         "gloo runs the sharded trainer and the weight broadcast on CPU only; with distributed.trainer_gpus > 0 use "
+         "nccl or auto")
+    need(workers == 1 or gpus in (0.0, 1.0), "trainer_gpus",
+         f"a sharded trainer worker (distributed.trainer_workers={workers}) takes 0 or exactly 1 GPU, got {gpus}")
+    need(sync != "broadcast" or (gpus > 0) == (float(dcfg.rollout_gpus) > 0), "weight_sync",
+         "broadcast needs the trainer and the rollout workers on the same kind of device (both on GPUs: nccl, "
+         f"both on CPUs: gloo); got trainer_gpus={gpus}, rollout_gpus={dcfg.rollout_gpus}")
 
 
 def _local_env() -> dict[str, str]:
@@ -62,6 +96,9 @@ def _local_env() -> dict[str, str]:
            # interface); a Ray that other machines join is started with `ray start` and joined through
            # distributed.address
            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    # NVLink multicast off for NCCL, PyTorch's symmetric memory and NVSHMEM (sharded trainer, weight broadcast):
+    # on a shared multi-GPU host it can take the GPUs out of service
+    env.update({k: os.environ.get(k, v) for k, v in NO_MULTICAST.items()})
     if os.environ.get("PYTHONDONTWRITEBYTECODE"):
         env["PYTHONPYCACHEPREFIX"] = os.environ.get(
             "PYTHONPYCACHEPREFIX", os.path.join(tempfile.gettempdir(), f"parity-pycache-{os.getuid()}"))

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from parity.data.arithmetic import arithmetic_problems
 from parity.data.prompts import build_train_stream, render_prompt
 from parity.distributed.actors import RolloutWorker, TrainerWorker
-from parity.distributed.cluster import in_bundle, placement, ray_session
+from parity.distributed.cluster import in_bundle, placement, ray_session, trainer_workers, weight_sync
 from parity.distributed.rollout_pool import PendingRollout, RolloutPool
 from parity.errors import ParityError
 from parity.models.prepare import prepare_model
@@ -32,26 +32,66 @@ from parity.training.loop import Callback, MetricsLog, run_dir_of
 log = logging.getLogger(__name__)
 
 
+class TrainerGroup:
+    """The trainer actor(s) as one: every call goes to every rank (the sharded trainer's steps, gathers and
+    checkpoints are collectives); rank 0's answer is the group's."""
+
+    def __init__(self, actors: list[Any]) -> None:
+        self.actors = actors
+
+    def step(self, batch: Any) -> tuple[dict[str, float], list]:
+        import ray
+        ref = ray.put(batch) if len(self.actors) > 1 else batch  # one copy in the object store for all ranks
+        return ray.get([a.step.remote(ref) for a in self.actors])[0]
+
+    def send_weights(self) -> list[Any]:
+        return [a.send_weights.remote() for a in self.actors]
+
+    def save_checkpoint(self, run_dir: str, step: int, data_state: dict, keep: int) -> str:
+        import ray
+        return ray.get([a.save_checkpoint.remote(run_dir, step, data_state, keep) for a in self.actors])[0]
+
+    def kill(self) -> None:
+        import ray
+        for a in self.actors:
+            ray.kill(a)
+
+
 def start_actors(cfg: Any, pg: Any, base_dir: str, start_dir: str, resume_from: str | None,
-                 start_step: int) -> tuple[Any, list[Any]]:
-    """The trainer in the last bundle, rollout worker i in bundle i; the workers restart on their own."""
+                 start_step: int) -> tuple[TrainerGroup, list[Any]]:
+    """Rollout worker i in bundle i, trainer rank r in the bundle after them; the rollout workers restart on their
+    own (not with weight_sync=broadcast: a restarted worker cannot rejoin the weight group)."""
     import ray
 
     d, plain = cfg.distributed, OmegaConf.to_container(cfg, resolve=True)
+    world, sync, timeout = trainer_workers(d), weight_sync(d), float(d.init_timeout_s)
     # named after the run: a second driver of the same run in the same namespace fails fast instead of
     # training alongside, and operators (and tests) can find a worker with ray.get_actor
     name = f"parity-{cfg.trainer.run_name}"
-    trainer = ray.remote(TrainerWorker).options(
-        name=f"{name}-trainer", num_cpus=d.trainer_cpus, num_gpus=d.trainer_gpus, max_restarts=0,
-        scheduling_strategy=in_bundle(pg, d.num_rollout_workers)).remote(plain, base_dir, resume_from, d.trainer_cpus)
+    remote_trainer = ray.remote(TrainerWorker)
+    trainers = [remote_trainer.options(
+        name=f"{name}-trainer" + (f"-{r}" if r else ""), num_cpus=d.trainer_cpus, num_gpus=d.trainer_gpus,
+        max_restarts=0, scheduling_strategy=in_bundle(pg, d.num_rollout_workers + r)).remote(
+            plain, base_dir, resume_from, d.trainer_cpus, r, world) for r in range(world)]
     remote_worker = ray.remote(RolloutWorker)
+    restarts = 0 if sync == "broadcast" else d.max_worker_restarts
     workers = [remote_worker.options(name=f"{name}-rollout-{i}", num_cpus=d.rollout_cpus, num_gpus=d.rollout_gpus,
-                                     max_restarts=d.max_worker_restarts, max_task_retries=0,
+                                     max_restarts=restarts, max_task_retries=0,
                                      scheduling_strategy=in_bundle(pg, i)).remote(plain, start_dir, start_step,
                                                                                   d.rollout_cpus)
                for i in range(d.num_rollout_workers)]
-    ray.get([trainer.ready.remote(), *[w.ready.remote() for w in workers]])
-    return trainer, workers
+    if world > 1:  # rank 0 chooses the rendezvous; every rank joins at once, then shards its policy
+        address, port = ray.get(trainers[0].rendezvous.remote())
+        ray.get([t.join.remote(address, port, timeout) for t in trainers])
+    ray.get([*[t.ready.remote() for t in trainers], *[w.ready.remote() for w in workers]])
+    if sync == "broadcast":
+        meta, backend = ray.get(trainers[0].weight_meta.remote())
+        address, port = ray.get(trainers[0].rendezvous.remote())
+        n = len(workers) + 1
+        ray.get([trainers[0].join_weight_group.remote(address, port, n, timeout),
+                 *[w.join_weight_group.remote(address, port, i + 1, n, backend, meta, timeout)
+                   for i, w in enumerate(workers)]])
+    return TrainerGroup(trainers), workers
 
 
 def train_distributed(cfg: Any, callbacks: list[Callback] | None = None) -> dict:
@@ -92,6 +132,8 @@ def train_distributed(cfg: Any, callbacks: list[Callback] | None = None) -> dict
         pool = RolloutPool(workers, tok.pad_token_id, cfg.distributed, version=start_step)
         summary: dict[str, Any] = {"run_dir": str(run_dir), "start_step": start_step, "engine": pool.describe(),
                                    "distributed": {**cluster, "rollout_workers": len(workers),
+                                                   "trainer_workers": len(trainer.actors),
+                                                   "weight_sync": weight_sync(cfg.distributed),
                                                    "off_policy_overlap": bool(cfg.distributed.off_policy_overlap)}}
         try:
             with GraderPool(workers=cfg.eval.grade_workers, timeout_s=cfg.eval.grade_timeout_s) as grader:
@@ -99,7 +141,7 @@ def train_distributed(cfg: Any, callbacks: list[Callback] | None = None) -> dict
                 summary.update(loop.run(start_step))
         finally:
             pool.close()
-            ray.kill(trainer)
+            trainer.kill()
             ray.util.remove_placement_group(pg)
         summary["distributed"]["worker_restarts"] = pool.restarts_total
 
@@ -117,11 +159,12 @@ def train_distributed(cfg: Any, callbacks: list[Callback] | None = None) -> dict
 class _Loop:
     """The per-step sequence; a class only so the pieces it shares stay named instead of passed around."""
 
-    def __init__(self, cfg: Any, tok: Any, stream: Any, pool: RolloutPool, trainer: Any, grader: Any,
+    def __init__(self, cfg: Any, tok: Any, stream: Any, pool: RolloutPool, trainer: TrainerGroup, grader: Any,
                  ckpts: CheckpointManager, metrics_log: MetricsLog, callbacks: list, test_problems: list) -> None:
         self.cfg, self.tok, self.stream, self.pool, self.trainer, self.grader = cfg, tok, stream, pool, trainer, grader
         self.ckpts, self.metrics_log, self.callbacks, self.test_problems = ckpts, metrics_log, callbacks, test_problems
         self.overlap = bool(cfg.distributed.off_policy_overlap)
+        self.broadcast = weight_sync(cfg.distributed) == "broadcast"
 
     def evaluate(self) -> float:
         c = self.cfg
@@ -140,8 +183,6 @@ class _Loop:
         return pending
 
     def run(self, start_step: int) -> dict:
-        import ray
-
         tc, out = self.cfg.trainer, {}
         if start_step == 0:
             out["initial_accuracy"] = acc = self.evaluate()
@@ -158,9 +199,13 @@ class _Loop:
             batch.answers = [problems[int(g)].answer for g in batch.group_ids]
             batch.rewards = self.grader.grade(batch.texts, batch.answers, batch.truncated.tolist())
             t_grade = time.perf_counter()
-            metrics, weights = ray.get(self.trainer.step.remote(batch))
+            metrics, weights = self.trainer.step(batch)
             t_train = time.perf_counter()
-            metrics["perf/sync_s"] = self.pool.broadcast(weights, step + 1, wait=not self.overlap)
+            if self.broadcast:
+                metrics["perf/sync_s"] = self.pool.receive_broadcast(self.trainer.send_weights(), step + 1,
+                                                                     wait=not self.overlap)
+            else:
+                metrics["perf/sync_s"] = self.pool.broadcast(weights, step + 1, wait=not self.overlap)
             n_tok = int(batch.response_mask.sum())
             # rollout time counts from submission: with overlap most of it hid behind the previous step
             roll_s = t_roll - extra["t_submit"]
@@ -175,8 +220,8 @@ class _Loop:
             if tc.eval_every and (done % tc.eval_every == 0 or done == tc.total_steps):
                 metrics["eval/accuracy"] = self.evaluate()
             if tc.checkpoint_every and (done % tc.checkpoint_every == 0 or done == tc.total_steps):
-                ray.get(self.trainer.save_checkpoint.remote(str(self.ckpts.root.parent), done, extra["data"],
-                                                            int(tc.keep_checkpoints)))
+                self.trainer.save_checkpoint(str(self.ckpts.root.parent), done, extra["data"],
+                                             int(tc.keep_checkpoints))
             self.emit(done, metrics)
             pending = nxt if self.overlap else (self.launch(done) if done < tc.total_steps else None)
             log.info("step %d/%d reward %.3f", done, tc.total_steps, metrics["reward/mean"])
@@ -188,4 +233,4 @@ class _Loop:
             cb.on_step(step, metrics)
 
 
-__all__ = ["train_distributed", "start_actors"]
+__all__ = ["train_distributed", "start_actors", "TrainerGroup"]

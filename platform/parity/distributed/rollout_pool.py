@@ -49,6 +49,8 @@ class RolloutPool:
         self.latest: list[Any] | None = None  # [ObjectRef] of the newest published weights (kept alive here)
         self.latest_version = version
         self.pending_updates: list[Any] = []
+        self.pending_sends: list[Any] = []  # weight_sync=broadcast: the trainer ranks' send_weights calls
+        self.collective = False  # weights arrive by broadcast: a restarted worker cannot rejoin the group
         self.restarts_total = 0
         self._restarts_since = 0
 
@@ -130,6 +132,17 @@ class RolloutPool:
             seconds = self._settle_updates()
         return seconds
 
+    def receive_broadcast(self, sends: list[Any], version: int, wait: bool) -> float:
+        """weight_sync=broadcast: every worker receives the trainer's broadcast (`sends` are the trainer ranks'
+        send_weights calls, already submitted); otherwise as `broadcast`."""
+        seconds = self._settle_updates()
+        self.collective, self.latest, self.latest_version = True, None, version
+        self.pending_updates = [(i, w.receive_weights.remote(version)) for i, w in enumerate(self.workers)]
+        self.pending_sends = list(sends)
+        if wait:
+            seconds = self._settle_updates()
+        return seconds
+
     def _settle_updates(self) -> float:
         import ray
         from ray.exceptions import RayActorError
@@ -142,6 +155,8 @@ class RolloutPool:
                 log.warning("rollout worker %d died while loading weights; restarting it", i)
                 self.recover(i)
         self.pending_updates = []
+        ray.get(self.pending_sends)
+        self.pending_sends = []
         return slowest
 
     def recover(self, index: int) -> None:
@@ -149,6 +164,10 @@ class RolloutPool:
         import ray
         from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 
+        if self.collective:
+            raise ParityError(f"rollout worker {index} died, and with distributed.weight_sync=broadcast a restarted "
+                              "worker cannot rejoin the weight group: rerun with trainer.resume=true (it continues from "
+                              "the last checkpoint), or use distributed.weight_sync=object_store")
         self.restarts_total += 1
         self._restarts_since += 1
         # a queued weight load of the dead process is moot: the newest weights are pushed below
