@@ -55,3 +55,22 @@ def test_read_samples_groups_by_benchmark_and_names_bad_row(tmp_path):
     p.write_text(json.dumps(rows[0]) + "\n" + '{"benchmark": "amc23"}\n')
     with pytest.raises(ValueError, match="row 2"):
         read_samples(p)
+
+
+def test_as_config_is_typed_and_each_caller_gets_its_own_copy(tmp_path):
+    """The typed config of a task's plain dict is built once per content; callers may modify theirs."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ConfigAttributeError, ValidationError
+
+    from tasks.recording import as_config, plain
+
+    d = plain(compose([f"outputs_dir={tmp_path}", "trainer.total_steps=3"]))
+    a, b = as_config(d), as_config(d)
+    OmegaConf.update(a, "eval.model_path", "/x")
+    a.trainer.total_steps = 9
+    assert b.eval.model_path is None and b.trainer.total_steps == 3 and as_config(d).trainer.total_steps == 3
+    with pytest.raises(ValidationError):
+        b.trainer.total_steps = "many"
+    with pytest.raises(ConfigAttributeError):
+        _ = b.trainer.no_such_key
+    assert as_config({**d, "trainer": {**d["trainer"], "total_steps": 4}}).trainer.total_steps == 4
