@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -203,7 +204,7 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="tiny model and batch (the CPU smoke test)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--out", default="bench_multi_gpu.json")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parents[2] / "outputs" / "bench_multi_gpu.json"))
     args = p.parse_args()
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.device_count() >= 2 else "cpu"
@@ -216,9 +217,13 @@ def main() -> None:
     from parity.distributed.weight_broadcast import free_port
 
     t0 = time.perf_counter()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     model_dir = build_model_dir(args.tiny)
-    mp.start_processes(rank_main, args=(2, free_port("127.0.0.1"), args, model_dir, args.out), nprocs=2,
-                       start_method="spawn")
+    try:
+        mp.start_processes(rank_main, args=(2, free_port("127.0.0.1"), args, model_dir, args.out), nprocs=2,
+                           start_method="spawn")
+    finally:
+        shutil.rmtree(model_dir, ignore_errors=True)
     res = json.loads(Path(args.out).read_text())
     res.update({"torch": torch.__version__, "shape": "tiny" if args.tiny else "qwen3-0.6b", "total_s":
                 time.perf_counter() - t0})
