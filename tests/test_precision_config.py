@@ -80,8 +80,8 @@ def test_unknown_quantization_name() -> None:
 
 
 def test_unknown_own_value_and_kv_dtype() -> None:
-    with pytest.raises(PrecisionConfigError, match=r"`rollout.precision.weights`.*'int4'"):
-        resolve_precision(_compose("{}", **{"rollout.precision.weights": "int4"}))
+    with pytest.raises(PrecisionConfigError, match=r"`rollout.precision.weights`.*'int2'"):
+        resolve_precision(_compose("{}", **{"rollout.precision.weights": "int2"}))
     with pytest.raises(PrecisionConfigError, match=r"kv_cache_dtype`.*'fp8_e5m2'"):
         resolve_precision(_compose(SEED_BLOCK.replace("kv_cache_dtype: int4_per_token_head",
                                                       "kv_cache_dtype: fp8_e5m2")))

@@ -136,7 +136,7 @@ def test_dtype_cast_keeps_codes_and_scales() -> None:
 
 def test_bad_inputs_are_named() -> None:
     with pytest.raises(ValueError, match="precision.weights"):
-        QuantLinear.from_linear(_linear(), "int4", "bf16")
+        QuantLinear.from_linear(_linear(), "int2", "bf16")
     with pytest.raises(ValueError, match="precision.activations"):
         QuantLinear.from_linear(_linear(), "int8", "int16")
     q = QuantLinear.from_linear(_linear(), "int8", "int8")

@@ -10,6 +10,7 @@ docs/RELIABILITY.md maps every case to its test."""
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from pathlib import Path
@@ -158,7 +159,6 @@ def test_trainer_sigkilled_mid_checkpoint_write_resumes_to_the_uninterrupted_res
     ckdir = outputs_dir / "runs" / "sigkill" / "checkpoints"
     # one thread here and in the child: the runs are compared bit for bit (reduction order depends on threads)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     proc = subprocess.Popen([sys.executable, "-m", "parity", "train", f"outputs_dir={outputs_dir}", *QUICK, *steps,
                              "trainer.run_name=sigkill"], cwd=REPO, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True,
@@ -183,11 +183,19 @@ def test_trainer_sigkilled_mid_checkpoint_write_resumes_to_the_uninterrupted_res
     print(f"SIGKILL landed {'inside the write of' if mid_write else 'after'} checkpoint 2")
     run = ckdir.parent
     assert not (run / "summary.json").exists()
-    try:
-        resumed = train(quick_cfg("trainer.run_name=sigkill", *steps, "trainer.resume=true"))
-        whole = train(quick_cfg("trainer.run_name=sigkill-ref", *steps))
-    finally:
-        torch.set_num_threads(threads)
+    torch.set_num_threads(threads)
+
+    def train_in_child(*overrides: str) -> dict:
+        # a child like the killed one: one thread, and none of the torch state this test process may carry
+        # (vLLM's CPU worker, loaded by earlier tests, refuses torch.set_num_threads here)
+        done = subprocess.run([sys.executable, "-m", "parity", "train", f"outputs_dir={outputs_dir}", *QUICK, *steps,
+                               *overrides], cwd=REPO, capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    resumed = train_in_child("trainer.run_name=sigkill", "trainer.resume=true")
+    whole = train_in_child("trainer.run_name=sigkill-ref")
     assert resumed["start_step"] == (1 if mid_write else 2), mid_write
     assert not list(ckdir.glob(".tmp_step_*"))  # the killed writer's half checkpoint is gone
     rows, ref = MetricsLog(run / "metrics.jsonl").read(), MetricsLog(Path(whole["run_dir"]) / "metrics.jsonl").read()
@@ -473,6 +481,8 @@ def test_local_services_listen_on_loopback_only(quick_cfg, tmp_path):
 
     # a local Ray as `distributed.enabled=true` starts it, with an actor (a worker process) running
     dcfg = quick_cfg("distributed.enabled=true", "distributed.num_rollout_workers=1", "distributed.num_cpus=1").distributed
+    # listeners this test process already had (servers of earlier tests in the same session) are not Ray's
+    before = set(_listening(_tree(os.getpid())))
     with ray_session(dcfg) as info:
         assert info["started"]
 
@@ -483,7 +493,7 @@ def test_local_services_listen_on_loopback_only(quick_cfg, tmp_path):
 
         probe = Probe.remote()
         assert ray.get(probe.pid.remote()) in _tree(os.getpid())
-        ray_socks = _listening(_tree(os.getpid()))
+        ray_socks = [x for x in _listening(_tree(os.getpid())) if x not in before]
         ray.kill(probe)
     assert len({pid for _, _, pid in ray_socks}) >= 3, ray_socks  # GCS, raylet, agents, the actor: really seen
     assert {ip for ip, _, _ in ray_socks} <= LOOPBACK, ray_socks
