@@ -50,6 +50,23 @@ def test_fast_path_equals_plain_loop(engine, spec):
         torch.testing.assert_close(fast.topk_logprobs, plain.topk_logprobs, atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("bucket", [4, 7])
+def test_attending_over_the_filled_prefix_only_equals_the_plain_loop(engine, bucket, monkeypatch):
+    """Steps attend over the cache's first L slots (the filled prefix rounded up to the bucket): with small
+    buckets one call crosses many L, and each step must still give the plain loop's tokens and log-probs."""
+    import parity.rollout.cuda_decode as cd
+    monkeypatch.setattr(cd, "_L_BUCKET", bucket)
+    engine._fast_state = None
+    assert [cd.attended_length(8, t, 64) for t in (0, 1, 3, 4)] == [-(-(9 + t) // bucket) * bucket for t in (0, 1, 3, 4)]
+    assert cd.attended_length(8, 100, 64) == 64  # never past the cache
+    spec = SamplingSpec(temperature=0.9, top_p=0.8, max_new_tokens=24, n=2, topk_logprobs=3, seed=5)
+    plain, fast = _both(engine, spec)
+    assert torch.equal(fast.responses, plain.responses)
+    torch.testing.assert_close(fast.rollout_logprobs, plain.rollout_logprobs, atol=2e-5, rtol=0)
+    torch.testing.assert_close(fast.topk_logprobs, plain.topk_logprobs, atol=2e-5, rtol=0)
+    engine._fast_state = None
+
+
 def test_second_call_reuses_state_and_still_matches(engine):
     spec = SamplingSpec(temperature=0.0, max_new_tokens=10, n=1, seed=2)
     fast_generate(engine, PROMPTS, spec, use_graphs=False)
@@ -91,6 +108,25 @@ def test_inverse_cdf_distribution_is_exact():
     p = logp.exp()[0]
     # 5 standard errors of a binomial proportion
     assert ((freq - p).abs() <= 5 * (p * (1 - p) / len(u)).sqrt() + 1e-12).all()
+
+
+@pytest.mark.parametrize("block", [4, 16])
+def test_two_level_inverse_cdf_equals_the_full_scan(block):
+    """Block sums then one block's scan pick the token a full-vocabulary scan picks (float64: no boundary
+    within rounding here), by hand and on random rows; the block length is found for Qwen's vocabulary."""
+    from parity.rollout.cuda_decode import _cdf_block
+    assert _cdf_block(151_936) == 128 and _cdf_block(50) == 0 and _cdf_block(2048) == 1024
+    p = torch.tensor([[0.1, 0.2, 0.3, 0.4] * 4], dtype=torch.float64) / 4
+    for u, want in [(0.01, 0), (0.024, 0), (0.026, 1), (0.26, 4), (0.2501, 4), (0.49, 7), (0.999, 15)]:
+        assert int(sample_inverse_cdf(p.log(), torch.tensor([u], dtype=torch.float64), block=block)) == want
+    g = torch.Generator().manual_seed(2)
+    logp = torch.log_softmax(torch.randn(300, 64, generator=g, dtype=torch.float64) * 3, -1)
+    u = torch.rand(300, generator=g, dtype=torch.float64)
+    assert torch.equal(sample_inverse_cdf(logp, u, block=block), sample_inverse_cdf(logp, u, block=0))
+    freq = torch.bincount(sample_inverse_cdf(logp[:1].expand(100_000, -1), torch.rand(100_000, generator=g,
+                          dtype=torch.float64), block=block), minlength=64).double() / 100_000
+    q = logp[0].exp()
+    assert ((freq - q).abs() <= 5 * (q * (1 - q) / 100_000).sqrt() + 1e-12).all()
 
 
 def test_grouped_attention_equals_repeated_heads():
