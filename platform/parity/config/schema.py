@@ -241,6 +241,10 @@ class TrainerConfig:
     device: str = "auto"  # auto | cpu | cuda
     max_bad_steps: int = 3  # consecutive non-finite steps before the run stops
     gradient_checkpointing: bool = False
+    # torch.compile each decoder layer (Inductor; parity.training.fast_compile): fused norms / rotary / SiLU /
+    # residual kernels, about 2x the eager step on an H200 at 8 x 1024. Compiles on the first steps (~45 s) and
+    # once more when batch shapes change (then with dynamic shapes). Worth it for long GPU runs.
+    compile_layers: bool = False
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Opt-in trainer speed-up on CUDA: compile each decoder layer with torch.compile (Inductor).
+"""Opt-in trainer speed-up on CUDA (`trainer.compile_layers=true`): compile each decoder layer with torch.compile.
 
 Why per layer and not the whole model: the layers share one code object, so Dynamo compiles the layer once
 and reuses it for all of them (seconds instead of minutes), and the embedding / log-prob head stay eager
@@ -16,12 +16,14 @@ from __future__ import annotations
 import torch
 
 
-def compile_decoder_layers_(model: torch.nn.Module, mode: str | None = None) -> int:
+def compile_decoder_layers_(model: torch.nn.Module, mode: str | None = None, dynamic: bool | None = None) -> int:
     """Compile every decoder layer of an HF causal LM in place; returns how many were compiled.
-    Raises ValueError when the model has no `model.layers` (nothing this function knows how to compile)."""
+    dynamic=None: the first shapes compile static, a later change of batch shape recompiles once with dynamic
+    sizes (RL batches vary in length). Raises ValueError when the model has no `model.layers` (config key
+    `trainer.compile_layers`: nothing this function knows how to compile)."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
-        raise ValueError(f"compile_decoder_layers_: {type(model).__name__} has no .model.layers")
+        raise ValueError(f"trainer.compile_layers: {type(model).__name__} has no .model.layers to compile")
     for layer in layers:
-        layer.compile(mode=mode, dynamic=False)
+        layer.compile(mode=mode, dynamic=dynamic)
     return len(layers)
