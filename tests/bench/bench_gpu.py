@@ -6,12 +6,14 @@
 Sections, each timed with CUDA synchronisation around the region, each failure reported not fatal:
   ceilings      device-to-device copy bandwidth, bf16 8192^3 matmul rate
   rollout       batch 64, 128-token prompts, 256 sampled tokens (no EOS: min_new_tokens / random weights):
-                HF generate, TorchEngine plain loop, TorchEngine fast path BF16, INT8 W8A8, INT8 W8A8 + INT4 KV
+                HF generate, TorchEngine plain loop, TorchEngine fast path BF16 (and, A/B, attending over the
+                whole cache), INT8 W8A8, INT8 W8A8 + INT4 KV
   check         fast path == plain loop in float32 (greedy and top-p: same tokens, log-probs to rounding);
                 BF16 fast-path log-probs vs a teacher-forced HF forward (and the plain loop's, for scale)
   sync          update_weights seconds: BF16 -> BF16 engine, BF16 -> INT8 W8A8 engine
   trainer       parity Trainer.step at batch 8 x 1024 (128 prompt + 896 response tokens): tokens/s, MFU, peak
-                memory; plain GRPO vs score centering (top-K 128); eager vs compiled decoder layers
+                memory; plain GRPO vs score centering (top-K 128); activation checkpointing; eager vs compiled
+                decoder layers (trainer.compile_layers)
 """
 
 from __future__ import annotations
@@ -166,6 +168,20 @@ def rollout(d: str, reps: int) -> None:
     out["decode_step_profile"] = profile_decode_step(eng)
     logprob_check(eng, fast, plain)
     RESULTS["_engines"] = {"bf16": eng}
+    dump()
+
+    # A/B in the same run: every step attending over all S cache slots (the previous design)
+    import parity.rollout.cuda_decode as cd
+    bucket, cd._L_BUCKET = cd._L_BUCKET, 1 << 30
+    eng._fast_state = None
+    eng.generate(ps, spec)
+    t, _ = timed(lambda: eng.generate(ps, spec), reps)
+    out["torch_fast_bf16_full_cache_attention_tok_s"] = n_tok / t
+    out["prefix_attention_speedup"] = out["torch_fast_bf16_tok_s"] / out["torch_fast_bf16_full_cache_attention_tok_s"]
+    cd._L_BUCKET = bucket
+    eng._fast_state = None
+    dump()
+
 
     for label, prec in [("int8_w8a8", SimpleNamespace(weights="int8", activations="int8", kv_cache="bf16")),
                         ("int8_w8a8_int4kv", SimpleNamespace(weights="int8", activations="int8",
@@ -178,27 +194,29 @@ def rollout(d: str, reps: int) -> None:
         out[f"{label}_over_bf16"] = out[f"torch_fast_{label}_tok_s"] / out["torch_fast_bf16_tok_s"]
         out[f"{label}_mean_abs_dlogp_vs_bf16_forward"] = teacher_forced_gap(eng.model, b)[0]
         RESULTS["_engines"][label] = q
+        dump()
 
 
 def profile_decode_step(eng) -> dict:
     """Kernels of 4 decode steps run eagerly over the captured step's own functions and buffers: device
     time per step against wall time per graph replay tells launch gaps from kernel time."""
     from parity.rollout.base import SamplingSpec
-    from parity.rollout.cuda_decode import _step
+    from parity.rollout.cuda_decode import _step, attended_length
     st = eng._fast_state
     spec = SamplingSpec(temperature=1.0, top_p=1.0, max_new_tokens=R_TOKENS)
+    L = attended_length(P_TOKENS, 100, st.key_ok.shape[1])  # steps 100..103 (they share one L)
     st.t.fill_(100)
-    t_replay, _ = timed(lambda: [st.graph.replay() for _ in range(4)], 3)
+    t_replay, _ = timed(lambda: [st.graphs[L].replay() for _ in range(4)], 3)
     st.t.fill_(100)
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(4):
-            _step(eng, st, spec)
+            _step(eng, st, spec, L)
         sync()
     ev = prof.key_averages()
     total = sum(e.device_time_total for e in ev) / 1e3 / 4
     rows = sorted(ev, key=lambda e: -e.device_time_total)[:12]
-    return {"replay_ms_per_step": t_replay * 1e3 / 4, "kernel_ms_per_step": total,
+    return {"attended_slots": L, "replay_ms_per_step": t_replay * 1e3 / 4, "kernel_ms_per_step": total,
             "kernels_per_step": sum(e.count for e in ev) / 4,
             "top": [f"{e.device_time_total / 4e3:7.3f} ms x{e.count // 4:<4} {e.key[:80]}" for e in rows]}
 
@@ -314,38 +332,40 @@ def trainer(d: str, compile_layers: bool) -> None:
     peak = RESULTS.get("ceilings", {}).get("bf16_matmul_TFLOPs", 790.0) * 1e12
     flops = train_flops_per_step()
     out["flops_per_step"] = flops
-    modes = [("grpo", "none", 0), ("score_centering", "score_centering", 128), ("grpo_tf32", "none", 0)]
-    for comp in ([False, True] if compile_layers else [False]):
-        for label, corr, topk in modes:
-            torch.backends.cuda.matmul.allow_tf32 = label.endswith("tf32")
-            cfg = load_config(["trainer.micro_batch_size=8", "model.dtype=bfloat16", "trainer.device=cuda",
-                               "algorithm.policy_loss=reinforce", f"algorithm.correction.name={corr}", f"rollout.topk_logprobs={topk}"])
-            model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
-            tr = Trainer(model, cfg, torch.device("cuda"))
-            if comp:
-                from parity.training.fast_compile import compile_decoder_layers_
-                compile_decoder_layers_(tr.model)
-            batch = make_train_batch(topk)
-            t0 = time.perf_counter()
-            tr.step(batch)
-            tr.step(batch)
-            sync()
-            warm = time.perf_counter() - t0
-            torch.cuda.reset_peak_memory_stats()
-            t, m = timed(lambda tr=tr, batch=batch: tr.step(batch), 4)
-            key = f"{label}{'_compiled' if comp else ''}"
-            if label == "grpo":
-                out[f"{key}_top_kernels"] = top_kernels(lambda tr=tr, batch=batch: tr.step(batch))
-            out[f"{key}_step_s"] = t
-            out[f"{key}_warmup_s"] = warm
-            out[f"{key}_tok_s"] = 8 * 1024 / t
-            out[f"{key}_mfu"] = flops / t / peak
-            out[f"{key}_peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30
-            out[f"{key}_loss"] = m.get("train/loss")
-            del tr, model
-            torch.cuda.empty_cache()
-        torch.backends.cuda.matmul.allow_tf32 = False
-        suffix = "_compiled" if comp else ""
+    # (label, correction, top-K, trainer.compile_layers, activation checkpointing)
+    modes = [("grpo", "none", 0, False, False),
+             ("score_centering", "score_centering", 128, False, False),
+             ("grpo_checkpointing", "none", 0, False, True)]
+    if compile_layers:
+        modes += [("grpo_compiled", "none", 0, True, False),
+                  ("score_centering_compiled", "score_centering", 128, True, False)]
+    for label, corr, topk, comp, ckpt in modes:
+        cfg = load_config(["trainer.micro_batch_size=8", "model.dtype=bfloat16", "trainer.device=cuda",
+                           "algorithm.policy_loss=reinforce", f"algorithm.correction.name={corr}",
+                           f"rollout.topk_logprobs={topk}", f"trainer.gradient_checkpointing={str(ckpt).lower()}",
+                           f"trainer.compile_layers={str(comp).lower()}"])
+        model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+        tr = Trainer(model, cfg, torch.device("cuda"))
+        batch = make_train_batch(topk)
+        t0 = time.perf_counter()
+        tr.step(batch)
+        tr.step(batch)
+        sync()
+        warm = time.perf_counter() - t0
+        torch.cuda.reset_peak_memory_stats()
+        t, m = timed(lambda tr=tr, batch=batch: tr.step(batch), 5)
+        if label in ("grpo", "grpo_compiled", "score_centering_compiled"):
+            out[f"{label}_top_kernels"] = top_kernels(lambda tr=tr, batch=batch: tr.step(batch))
+        out[f"{label}_step_s"] = t
+        out[f"{label}_warmup_s"] = warm
+        out[f"{label}_tok_s"] = 8 * 1024 / t
+        out[f"{label}_mfu"] = flops / t / peak
+        out[f"{label}_peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30
+        out[f"{label}_loss"] = m.get("train/loss")
+        del tr, model
+        torch.cuda.empty_cache()
+        dump()
+    for suffix in ("", "_compiled"):
         if f"score_centering{suffix}_step_s" in out:
             out[f"sc_time_ratio{suffix}"] = out[f"score_centering{suffix}_step_s"] / out[f"grpo{suffix}_step_s"]
             out[f"sc_mem_ratio{suffix}"] = out[f"score_centering{suffix}_peak_GiB"] / out[f"grpo{suffix}_peak_GiB"]
@@ -357,6 +377,9 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--skip", default="", help="comma-separated sections to skip: rollout,check,sync,trainer,compile")
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        print(f"{__file__}: needs a CUDA device (see docs/PERFORMANCE.md); nothing measured on this machine")
+        return
     OUT_PATH[0] = args.out
     skip = set(filter(None, args.skip.split(",")))
     RESULTS["device"] = torch.cuda.get_device_name()
