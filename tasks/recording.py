@@ -15,10 +15,10 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from parity.config import flatten, to_yaml
+from parity.config import flatten
 from parity.tracking import mlflow_log
 from parity.tracking.registry import Registry
-from parity.tracking.secrets import mask_url
+from parity.tracking.secrets import mask_url, masked_config_yaml
 
 log = logging.getLogger(__name__)
 _REGISTRIES: dict[str, Registry] = {}
@@ -81,7 +81,7 @@ def open_pipeline(flow: str, cfg: DictConfig, overrides: list[str]) -> PipelineR
     mlflow_log.log_params(c, run_id, flatten(cfg))
     with tempfile.TemporaryDirectory() as d:
         p = Path(d) / "config.yaml"
-        p.write_text(mask_url(to_yaml(cfg)))
+        p.write_text(masked_config_yaml(cfg))
         mlflow_log.log_artifact(c, run_id, p)
     return PipelineRef(flow, str(t.registry_url), str(t.tracking_uri), exp, pid, run_id, flow_run_id)
 

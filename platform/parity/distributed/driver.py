@@ -104,7 +104,8 @@ def train_distributed(cfg: Any, callbacks: list[Callback] | None = None) -> dict
     t_start, seed, tc = time.time(), int(cfg.trainer.seed), cfg.trainer
     run_dir = run_dir_of(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    from parity.tracking.secrets import masked_config_yaml
+    (run_dir / "config.yaml").write_text(masked_config_yaml(cfg))  # no registry/MLflow passwords on disk
     ckpts = CheckpointManager(run_dir, keep=tc.keep_checkpoints)
     if not tc.resume and ckpts.list():
         raise ParityError(f"run {run_dir} already has checkpoints; set trainer.resume=true to continue it or "

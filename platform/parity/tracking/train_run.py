@@ -15,10 +15,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from parity.config import flatten, to_yaml
+from parity.config import flatten
 from parity.errors import ParityError
 from parity.tracking import mlflow_log
-from parity.tracking.secrets import mask_url
+from parity.tracking.secrets import mask_url, masked_config_yaml
 
 
 def tracked_train(cfg: Any, train_fn: Callable[[Any, list], dict]) -> dict:
@@ -42,7 +42,7 @@ def tracked_train(cfg: Any, train_fn: Callable[[Any, list], dict]) -> dict:
         mlflow_log.log_params(c, run_id, flatten(cfg))
         with tempfile.TemporaryDirectory() as d:
             p = Path(d) / "config.yaml"
-            p.write_text(mask_url(to_yaml(cfg)))
+            p.write_text(masked_config_yaml(cfg))
             mlflow_log.log_artifact(c, run_id, p)
         summary = train_fn(cfg, [cb])
     except BaseException as e:

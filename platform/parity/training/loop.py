@@ -15,7 +15,6 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -87,7 +86,8 @@ def train(cfg: Any, callbacks: list[Callback] | None = None) -> dict:
     device = resolve_device(cfg.trainer.device)
     run_dir = run_dir_of(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    from parity.tracking.secrets import masked_config_yaml
+    (run_dir / "config.yaml").write_text(masked_config_yaml(cfg))  # no registry/MLflow passwords on disk
 
     # 1. starting weights: the latest valid checkpoint of this run when resuming, else the prepared model
     ckpts = CheckpointManager(run_dir, keep=cfg.trainer.keep_checkpoints)
