@@ -84,3 +84,51 @@ def test_bad_ids_are_reported() -> None:
         chunked_token_logprobs(hidden, weight, ids.int())
     with pytest.raises(ValueError, match="temperature"):
         chunked_token_logprobs(hidden, weight, ids, temperature=0.0)
+
+
+@pytest.mark.parametrize("m,temperature", [(1, 1.0), (6, 0.7)])
+def test_kernel_path_matches_the_eager_path(m: int, temperature: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA path's structure (row log-sum-exp and softmax-times-factor blocks, the one-hot part added in torch;
+    run here with the torch references of the two kernels, bf16 on CPU): forward values and gradients, with a
+    repeated id in every row, equal the eager path's to bf16 rounding of the gradients, and the float64 reference."""
+    import parity.algorithms.logprobs as lp
+
+    hidden, weight, ids, upstream = _inputs(3, m, torch.bfloat16)
+
+    def run(kernels: bool) -> tuple[torch.Tensor, ...]:
+        monkeypatch.setattr(lp, "_kernels", (lambda low: (lp._row_logsumexp_ref, lp._softmax_times_ref))
+                            if kernels else (lambda low: None))
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        out = chunked_token_logprobs(h, w, ids, temperature, 4)
+        (out * upstream.float()).sum().backward()
+        return out, h.grad, w.grad
+
+    fused, eager = run(True), run(False)
+    torch.testing.assert_close(fused[0], eager[0], rtol=0, atol=2e-6)
+    for a, b in zip(fused[1:], eager[1:]):
+        assert a.dtype == b.dtype == torch.bfloat16
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
+    h64, w64 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
+    ref = _reference(h64, w64, ids, temperature)
+    (ref * upstream).sum().backward()
+    torch.testing.assert_close(fused[1].double(), h64.grad, rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(fused[2].double(), w64.grad, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows,vocab,temperature", [(1024, 151_936, 1.0), (37, 5_000, 0.7), (3, 2_047, 1.3)])
+def test_cuda_head_kernels_match_their_references(rows: int, vocab: int, temperature: float) -> None:
+    import parity.algorithms.logprobs as lp
+    from parity.algorithms import head_triton
+
+    assert head_triton.available()
+    g = torch.Generator(device="cuda").manual_seed(rows + vocab)
+    low = (torch.randn(rows, vocab, device="cuda", generator=g) * 4).to(torch.bfloat16)
+    lse = head_triton.row_logsumexp(low, temperature)
+    ref = torch.logsumexp(low.double() / temperature, dim=-1)
+    torch.testing.assert_close(lse.double(), ref, rtol=1e-6, atol=1e-5)
+    factor = torch.randn(rows, 1, device="cuda", generator=g)
+    out = head_triton.softmax_times(low, lse, factor, temperature)
+    want = lp._softmax_times_ref(low, lse, factor, temperature)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), want.float(), rtol=1.6e-2, atol=1e-6)

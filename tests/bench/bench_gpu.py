@@ -12,8 +12,8 @@ Sections, each timed with CUDA synchronisation around the region, each failure r
                 BF16 fast-path log-probs vs a teacher-forced HF forward (and the plain loop's, for scale)
   sync          update_weights seconds: BF16 -> BF16 engine, BF16 -> INT8 W8A8 engine
   trainer       parity Trainer.step at batch 8 x 1024 (128 prompt + 896 response tokens): tokens/s, MFU, peak
-                memory; plain GRPO vs score centering (top-K 128); activation checkpointing; eager vs compiled
-                decoder layers (trainer.compile_layers)
+                memory; plain GRPO vs score centering (top-K 128); Triton head kernels vs eager head ops;
+                activation checkpointing; eager vs compiled decoder layers (trainer.compile_layers)
 """
 
 from __future__ import annotations
@@ -325,6 +325,7 @@ def train_flops_per_step(B: int = 8, P: int = 128, R: int = 896) -> float:
 def trainer(d: str, compile_layers: bool) -> None:
     from transformers import AutoModelForCausalLM
 
+    import parity.algorithms.logprobs as lp
     from parity.config import load_config
     from parity.training.trainer import Trainer
     out: dict = {}
@@ -332,14 +333,17 @@ def trainer(d: str, compile_layers: bool) -> None:
     peak = RESULTS.get("ceilings", {}).get("bf16_matmul_TFLOPs", 790.0) * 1e12
     flops = train_flops_per_step()
     out["flops_per_step"] = flops
-    # (label, correction, top-K, trainer.compile_layers, activation checkpointing)
-    modes = [("grpo", "none", 0, False, False),
-             ("score_centering", "score_centering", 128, False, False),
-             ("grpo_checkpointing", "none", 0, False, True)]
+    # (label, correction, top-K, trainer.compile_layers, activation checkpointing, Triton head kernels)
+    modes = [("grpo", "none", 0, False, False, True),
+             ("score_centering", "score_centering", 128, False, False, True),
+             ("grpo_eager_head", "none", 0, False, False, False),  # A/B: the head's block work in eager torch ops
+             ("grpo_checkpointing", "none", 0, False, True, True)]
     if compile_layers:
-        modes += [("grpo_compiled", "none", 0, True, False),
-                  ("score_centering_compiled", "score_centering", 128, True, False)]
-    for label, corr, topk, comp, ckpt in modes:
+        modes += [("grpo_compiled", "none", 0, True, False, True),
+                  ("score_centering_compiled", "score_centering", 128, True, False, True),
+                  ("grpo_compiled_eager_head", "none", 0, True, False, False)]
+    for label, corr, topk, comp, ckpt, head in modes:
+        lp.HEAD_KERNELS = head
         cfg = load_config(["trainer.micro_batch_size=8", "model.dtype=bfloat16", "trainer.device=cuda",
                            "algorithm.policy_loss=reinforce", f"algorithm.correction.name={corr}",
                            f"rollout.topk_logprobs={topk}", f"trainer.gradient_checkpointing={str(ckpt).lower()}",
@@ -365,10 +369,13 @@ def trainer(d: str, compile_layers: bool) -> None:
         del tr, model
         torch.cuda.empty_cache()
         dump()
+    lp.HEAD_KERNELS = True
     for suffix in ("", "_compiled"):
         if f"score_centering{suffix}_step_s" in out:
             out[f"sc_time_ratio{suffix}"] = out[f"score_centering{suffix}_step_s"] / out[f"grpo{suffix}_step_s"]
             out[f"sc_mem_ratio{suffix}"] = out[f"score_centering{suffix}_peak_GiB"] / out[f"grpo{suffix}_peak_GiB"]
+        if f"grpo{suffix}_eager_head_step_s" in out:
+            out[f"head_kernels_speedup{suffix}"] = out[f"grpo{suffix}_eager_head_step_s"] / out[f"grpo{suffix}_step_s"]
 
 
 def main() -> None:

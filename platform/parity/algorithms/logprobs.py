@@ -15,12 +15,41 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
+# On CUDA with a bf16/fp16 head the element-wise work over each [chunk x V] block runs in two Triton kernels
+# (parity.algorithms.head_triton) that read the low-precision logits once; eager torch makes about ten passes
+# over an fp32 copy of the block. False keeps the eager ops everywhere (the benchmark's A/B).
+HEAD_KERNELS = True
 
-def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-    logits = (hidden.to(weight.dtype) @ weight.T).float()
-    if temperature != 1.0:
-        logits.div_(temperature)
-    return logits
+
+def _row_logsumexp_ref(low: torch.Tensor, temperature: float) -> torch.Tensor:
+    """What head_triton.row_logsumexp computes, in torch (CPU tests; the kernels are checked against it)."""
+    return torch.logsumexp(low.float() / temperature, dim=-1)
+
+
+def _softmax_times_ref(low: torch.Tensor, lse: torch.Tensor, factor: torch.Tensor, temperature: float) -> torch.Tensor:
+    return ((low.float() / temperature - lse[:, None]).exp() * factor.reshape(-1, 1)).to(low.dtype)
+
+
+def _kernels(low: torch.Tensor) -> tuple[Any, Any] | None:
+    """(row_logsumexp, softmax_times) for this block, or None for the eager ops."""
+    if not (HEAD_KERNELS and low.is_cuda and low.dtype in (torch.bfloat16, torch.float16)):
+        return None
+    from parity.algorithms import head_triton
+    return (head_triton.row_logsumexp, head_triton.softmax_times) if head_triton.available() else None
+
+
+def _picked(low: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    z = low.gather(1, ids).float()
+    return z / temperature if temperature != 1.0 else z
+
+
+def _add_onehot(dl: torch.Tensor, low: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor, g: torch.Tensor,
+                neg_gsum: torch.Tensor, temperature: float) -> None:
+    """dl[ids] = softmax part + every g_m whose id is there, computed in fp32 and rounded once (repeated ids, e.g.
+    the sampled token inside the top-K, add up as scatter_add does)."""
+    at_id = g if ids.shape[1] == 1 else ((ids[:, :, None] == ids[:, None, :]) * g[:, None, :]).sum(-1)
+    val = (_picked(low, ids, temperature) - lse[:, None]).exp() * neg_gsum + at_id
+    dl.scatter_(1, ids, val.to(dl.dtype))
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
@@ -32,7 +61,16 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         for s in range(0, n, chunk_size):
             e = min(s + chunk_size, n)
-            logits = _chunk_logits(hidden[s:e], weight, temperature)
+            low = hidden[s:e].to(weight.dtype) @ weight.T
+            kern = _kernels(low)
+            if kern is not None:
+                lse[s:e] = kern[0](low, temperature)
+                out[s:e] = _picked(low, ids[s:e], temperature) - lse[s:e, None]
+                continue
+            logits = low.float()
+            del low
+            if temperature != 1.0:
+                logits.div_(temperature)
             picked = logits.gather(1, ids[s:e])
             # log-sum-exp in place: no second [chunk x V] temporary
             top = logits.amax(dim=-1, keepdim=True)
@@ -59,11 +97,21 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             e = min(s + chunk, n)
             g = grad_out[s:e].float() / ctx.temperature  # the 1/T of z / T, folded into the [chunk x M] side
             # d/dz of sum_m g_m (z[id_m] - lse) = onehot-scatter(g) - softmax(z) * sum_m g_m
-            dlogits = _chunk_logits(hidden[s:e], weight, ctx.temperature)
-            dlogits.sub_(lse[s:e, None]).exp_().mul_(-g.sum(dim=-1, keepdim=True))
-            dlogits.scatter_add_(1, ids[s:e], g)
-            dl = dlogits.to(weight.dtype)
-            del dlogits
+            neg_gsum = -g.sum(dim=-1, keepdim=True)
+            low = hidden[s:e].to(weight.dtype) @ weight.T
+            kern = _kernels(low)
+            if kern is not None:
+                dl = kern[1](low, lse[s:e], neg_gsum, ctx.temperature)
+                _add_onehot(dl, low, ids[s:e], lse[s:e], g, neg_gsum, ctx.temperature)
+            else:
+                dlogits = low.float()
+                if ctx.temperature != 1.0:
+                    dlogits.div_(ctx.temperature)
+                dlogits.sub_(lse[s:e, None]).exp_().mul_(neg_gsum)
+                dlogits.scatter_add_(1, ids[s:e], g)
+                dl = dlogits.to(weight.dtype)
+                del dlogits
+            del low
             if grad_h is not None:
                 grad_h[s:e] = (dl @ weight).to(hidden.dtype)
             if need_w:

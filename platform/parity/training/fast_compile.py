@@ -24,6 +24,12 @@ def compile_decoder_layers_(model: torch.nn.Module, mode: str | None = None, dyn
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         raise ValueError(f"trainer.compile_layers: {type(model).__name__} has no .model.layers to compile")
+    import torch._dynamo
+    # the layers share one code object: any per-layer specialisation counts against Dynamo's recompile limit
+    # (8 by default), past which the remaining layers would silently run eager
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 2 * len(layers) + 8))
     for layer in layers:
         layer.compile(mode=mode, dynamic=dynamic)
     return len(layers)

@@ -64,7 +64,9 @@ class Trainer:
         ids, am = mb.input_ids.to(self.device), mb.attention_mask.to(self.device)
         P = mb.prompts.shape[1]
         with self._autocast():
-            out = self.model.model(input_ids=ids, attention_mask=am, position_ids=position_ids(am))
+            # use_cache=False: training needs no KV cache (HF builds one by default: memory, and under
+            # trainer.compile_layers a per-layer guard on it that recompiled every layer)
+            out = self.model.model(input_ids=ids, attention_mask=am, position_ids=position_ids(am), use_cache=False)
         return out.last_hidden_state[:, P - 1:-1]
 
     def head_weight(self) -> torch.Tensor:
