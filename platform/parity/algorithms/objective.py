@@ -16,26 +16,23 @@ import torch
 
 from parity.algorithms.aggregation import LossDenominators, aggregate_loss
 from parity.algorithms.corrections import CorrectionContext, CorrectionStack
+from parity.algorithms.corrections.base import gather_rows, scatter_rows, token_rows
 from parity.algorithms.logprobs import chunked_token_logprobs
 from parity.algorithms.losses import get_policy_loss
 from parity.algorithms.mismatch import StepMetrics, record_mismatch
 from parity.types import RolloutBatch
 
 
-def _scatter(flat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return flat.new_zeros(mask.shape).masked_scatter(mask, flat)
-
-
-def _gather_ids(batch: RolloutBatch, mask: torch.Tensor, top_k: int, with_head: bool
+def _gather_ids(batch: RolloutBatch, rows: torch.Tensor, top_k: int, with_head: bool
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """ids [n, 1 (+K)] to score, the head's rollout log-probs [n, K] and validity [n, K]."""
-    sampled = batch.responses[mask].long().unsqueeze(-1)
+    sampled = gather_rows(batch.responses, rows).long().unsqueeze(-1)
     if not with_head:
         return sampled, None, None
     assert batch.topk_ids is not None and batch.topk_logprobs is not None
     k = top_k or batch.topk_ids.shape[-1]
-    head_ids = batch.topk_ids[..., :k][mask].long()
-    head_lq = batch.topk_logprobs[..., :k][mask].float()
+    head_ids = gather_rows(batch.topk_ids[..., :k], rows).long()
+    head_lq = gather_rows(batch.topk_logprobs[..., :k], rows).float()
     # a rollout may pad its head (vocabulary smaller than K): such entries carry a -inf log-prob
     valid = torch.isfinite(head_lq) & (head_ids >= 0)
     head_ids = torch.where(valid, head_ids, torch.zeros_like(head_ids))
@@ -71,15 +68,16 @@ def rl_objective(hidden: torch.Tensor, lm_head_weight: torch.Tensor, batch: Roll
     if chunk < 1:
         raise ValueError(f"algorithm.logprob_chunk_size must be >= 1, got {chunk}")
 
-    ids, head_lq, head_valid = _gather_ids(batch, mask, corrections.top_k, with_head)
-    flat = chunked_token_logprobs(hidden[mask], lm_head_weight, ids, temperature, chunk)
-    logprobs = _scatter(flat[:, 0], mask)
+    rows = token_rows(mask)  # integer indices of the response tokens, once: every x[mask] would sync the device
+    ids, head_lq, head_valid = _gather_ids(batch, rows, corrections.top_k, with_head)
+    flat = chunked_token_logprobs(gather_rows(hidden, rows), lm_head_weight, ids, temperature, chunk)
+    logprobs = scatter_rows(flat[:, 0], rows, mask)
     # padding of old log-probs may hold garbage: keep it out of ratios (a NaN there would poison backward)
     train_lp = logprobs.detach() if old_logprobs is None else torch.where(mask, old_logprobs.float(), 0.0)
     ctx = CorrectionContext(mask=mask, logprobs=logprobs, train_logprobs=train_lp,
                             rollout_logprobs=batch.rollout_logprobs.float(),
                             head_logprobs=flat[:, 1:] if with_head else None,
-                            head_rollout_logprobs=head_lq, head_valid=head_valid)
+                            head_rollout_logprobs=head_lq, head_valid=head_valid, rows=rows)
 
     adv = torch.where(mask, advantages.float()[:, None], 0.0)
     weights = mask.float()

@@ -21,6 +21,23 @@ from parity.types import RolloutBatch
 KEY = "algorithm.correction"
 
 
+def token_rows(mask: torch.Tensor) -> torch.Tensor:
+    """Flat indices of mask's True entries in row-major order (one device sync). Integer indexing with them needs
+    no host sync; boolean indexing (x[mask]) syncs with the device on every call, which left the GPU idle
+    between the many small launches of a compiled trainer step."""
+    return mask.reshape(-1).nonzero().squeeze(1)
+
+
+def gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x[mask] for x [b, R, ...] given rows = token_rows(mask)."""
+    return x.reshape(-1, *x.shape[2:]).index_select(0, rows)
+
+
+def scatter_rows(flat: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The [b, R] tensor holding flat [n] at the response tokens and 0 elsewhere (differentiable)."""
+    return flat.new_zeros(mask.numel()).index_copy(0, rows, flat).view(mask.shape)
+
+
 @dataclass
 class CorrectionContext:
     """What a correction sees of one micro-batch. Token tensors are [b, R]; head tensors are flat over
@@ -33,6 +50,20 @@ class CorrectionContext:
     head_logprobs: torch.Tensor | None = None  # fp32 [n, K] trainer log-probs of the rollout's top-K, with grad
     head_rollout_logprobs: torch.Tensor | None = None  # fp32 [n, K] pi_inf of the same ids
     head_valid: torch.Tensor | None = None  # bool [n, K]: False where the rollout returned no entry
+    rows: torch.Tensor | None = None  # long [n]: flat indices of mask's True entries (mask.view(-1).nonzero())
+
+    def flat_rows(self) -> torch.Tensor:
+        if self.rows is None:
+            self.rows = token_rows(self.mask)
+        return self.rows
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """x[mask] for x [b, R, ...], without a device sync."""
+        return gather_rows(x, self.flat_rows())
+
+    def scatter(self, flat: torch.Tensor) -> torch.Tensor:
+        """[n] values at the response tokens of a [b, R] zero tensor (differentiable)."""
+        return scatter_rows(flat, self.flat_rows(), self.mask)
 
     @property
     def log_ratio(self) -> torch.Tensor:

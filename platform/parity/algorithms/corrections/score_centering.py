@@ -117,9 +117,9 @@ class ScoreCentering(Correction):
         stats = centering_coefficients(ctx.head_logprobs, ctx.head_rollout_logprobs, ctx.head_valid, is_weight,
                                        self.cfg.tail_floor)
         term = centering_term(ctx.head_logprobs, stats["coef"])
-        flat = advantages[ctx.mask] * term
+        flat = ctx.gather(advantages) * term
         self._last = {**stats, "term": flat.detach()}
-        return flat.new_zeros(ctx.mask.shape).masked_scatter(ctx.mask, flat)
+        return ctx.scatter(flat)
 
     def record(self, ctx: CorrectionContext, metrics: StepMetrics) -> None:
         if self._last is None:
