@@ -76,10 +76,17 @@ def test_moe_experts_quantized_router_kept() -> None:
     assert m(_ids()).logits.isfinite().all()
 
 
-def test_moe_weight_only_equals_dequantized_reference() -> None:
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int3"])
+def test_moe_weight_only_equals_dequantized_reference(fmt: str) -> None:
     base = _moe()
     q = copy.deepcopy(base)
-    quantize_model_(q, {"weights": "int8", "activations": "bf16"})
+    quantize_model_(q, {"weights": fmt, "activations": "bf16"})
+    qmax = {"int8": 127, "int4": 7, "int3": 3}[fmt]
+    for lq, lb in zip(q.model.layers, base.model.layers):  # codes of the format, one scale per output channel
+        for name in ("gate_up_proj", "down_proj"):
+            codes = getattr(lq.mlp.experts, name)
+            assert codes.dtype == torch.int8 and codes.abs().max() == qmax
+            assert torch.equal(lq.mlp.experts.dequantized(name), fake_quantize(getattr(lb.mlp.experts, name).detach(), fmt))
     ref = copy.deepcopy(base)
     with torch.no_grad():
         for lq, lr in zip(q.model.layers, ref.model.layers):

@@ -24,7 +24,8 @@ from parity.precision.linear import QuantLinear, check_formats, quant_linear_for
 _LAYER_RE = re.compile(r"(^|\.)layers\.\d+\.")
 _ROUTER_RE = re.compile(r"(^|\.)(mlp\.gate|shared_expert_gate|router)$")
 _EXPERT_CKPT_RE = re.compile(r"^(?P<mod>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
-_STORAGE = {"int8": torch.int8, "fp8": FP8_DTYPE, "bf16": torch.bfloat16}
+# int4 / int3 codes are kept in an int8 container
+_STORAGE = {"int8": torch.int8, "fp8": FP8_DTYPE, "int4": torch.int8, "int3": torch.int8, "bf16": torch.bfloat16}
 
 
 class QuantExperts(nn.Module):
