@@ -10,6 +10,7 @@ from parity.precision.formats import (
     dequantize,
     fake_quantize,
     fp8_error_bound,
+    int3_error_bound,
     int4_error_bound,
     int8_error_bound,
     quantize_fp8_per_channel,
@@ -96,34 +97,45 @@ def test_fp8_per_token_shapes_and_saturation_free() -> None:
 
 
 def test_unknown_format_is_named() -> None:
-    with pytest.raises(ValueError, match="'int3'"):
-        quantize_rowwise(torch.ones(2, 2), "int3")
+    with pytest.raises(ValueError, match="'int2'"):
+        quantize_rowwise(torch.ones(2, 2), "int2")
 
 
-def test_int4_per_channel_within_bound_against_float64() -> None:
+@pytest.mark.parametrize(("fmt", "qmax", "bound"), [("int4", 7, int4_error_bound), ("int3", 3, int3_error_bound)])
+def test_int4_int3_per_channel_within_bound_against_float64(fmt: str, qmax: int, bound) -> None:  # noqa: ANN001
     w = _weights()
-    q, s = quantize_rowwise(w, "int4")
+    q, s = quantize_rowwise(w, fmt)
     assert q.dtype == torch.int8 and s.shape == (64, 1)
     w64 = w.double()
     amax = w64.abs().amax(1, keepdim=True)
-    s_ref = torch.where(amax > 0, amax / 7, torch.ones_like(amax))
+    s_ref = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
     torch.testing.assert_close(s.double(), s_ref, rtol=2 ** -23, atol=0)
-    assert int(q.abs().max()) == 7 and int(q.min()) >= -7 and q[3].eq(0).all()
+    assert int(q.abs().max()) == qmax and int(q.min()) >= -qmax and q[3].eq(0).all()
+    assert set(q.unique().tolist()) == set(range(-qmax, qmax + 1))  # every level is used, none beyond
     err = (w64 - q.double() * s.double()).abs()
     assert (err <= s_ref / 2 * (1 + F32_SLACK)).all()
     assert (err / (s_ref / 2)).max() > 0.95  # tight: the test can fail
-    assert torch.equal(int4_error_bound(w), s / 2)
+    assert torch.equal(bound(w), s / 2)
 
 
-def test_int4_weight_only_linear_is_the_dequantized_product() -> None:
+def test_int3_hand_computed_row() -> None:
+    """max |row| = 1.5 -> s = 0.5; x / s = [3, -1.25, 0.5, 1.5, -2.5, 0] (exact in binary) rounds half to even."""
+    x = torch.tensor([[1.5, -0.625, 0.25, 0.75, -1.25, 0.0]])
+    q, s = quantize_rowwise(x, "int3")
+    assert s.tolist() == [[0.5]]
+    assert q.tolist() == [[3, -1, 0, 2, -2, 0]]
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int3"])
+def test_int4_int3_weight_only_linear_is_the_dequantized_product(fmt: str) -> None:
     from parity.precision.linear import QuantLinear
 
     lin = torch.nn.Linear(96, 64, bias=True)
     with torch.no_grad():
         lin.weight.copy_(_weights())
-    q = QuantLinear.from_linear(lin, "int4", "bf16")
-    assert q.path == "int4_weight_only"
+    q = QuantLinear.from_linear(lin, fmt, "bf16")
+    assert q.path == f"{fmt}_weight_only"
     x = torch.randn(5, 96, generator=torch.Generator().manual_seed(3))
-    qw, sw = quantize_rowwise(lin.weight.detach(), "int4")
+    qw, sw = quantize_rowwise(lin.weight.detach(), fmt)
     ref = x.double() @ (qw.double() * sw.double()).t() + lin.bias.detach().double()
     torch.testing.assert_close(q(x).double(), ref, rtol=1e-5, atol=1e-5)

@@ -28,8 +28,9 @@ def validate_config(cfg: DictConfig) -> None:
     _check(t.device in ("auto", "cpu", "cuda") or str(t.device).startswith("cuda:"), "trainer.device",
            f"must be auto, cpu or cuda[:N], got {t.device!r}")
     _check(r.name in ("torch", "vllm"), "rollout.name", f"unknown engine {r.name!r}; known: torch, vllm")
-    _check(not (r.name == "vllm" and r.precision.weights == "int4"), "rollout.precision.weights",
-           "int4 weights are simulated by the torch engine only (rollout.name=torch); vLLM has no such checkpoint here")
+    _check(not (r.name == "vllm" and r.precision.weights in ("int4", "int3")), "rollout.precision.weights",
+           f"{r.precision.weights} weights are simulated by the torch engine only (rollout.name=torch); vLLM has no "
+           "such checkpoint here")
     _check(r.temperature > 0, "rollout.temperature", f"must be > 0, got {r.temperature}")
     _check(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
     _check(r.n >= 1, "rollout.n", f"must be >= 1, got {r.n}")

@@ -1,4 +1,4 @@
-"""Number formats of the low-precision rollout: INT8 and FP8 E4M3, one scale per row.
+"""Number formats of the low-precision rollout: INT8, FP8 E4M3 and weight-only INT4 / INT3, one scale per row.
 
 A "row" is the last dimension: for a weight [out, in] one scale per output channel, for an
 activation [..., in] one scale per token (computed on the fly, "dynamic"). Every function returns
@@ -8,6 +8,7 @@ activation [..., in] one scale per token (computed on the fly, "dynamic"). Every
 Error bounds (x a row, a = max|x| over the row), all exact statements about these functions:
 - INT8 symmetric, scale s = a / 127, q = round_half_even(x / s) in [-127, 127]:
       |x - q s| <= s / 2 = a / 254 for every element.
+- INT4 / INT3 symmetric (weights only), the same with qmax 7 / 3: |x - q s| <= s / 2 = a / 14 (INT4), a / 6 (INT3).
 - FP8 E4M3 (torch.float8_e4m3fn, 3 mantissa bits, max 448), s = a / 448, q = fp8(x / s)
   (round to nearest even):
       |x - q s| <= max(|x| * 2**-4, s * 2**-10)
@@ -28,9 +29,11 @@ FP8_MANTISSA_BITS = 3
 FP8_MIN_NORMAL_EXP = -6  # smallest normal of E4M3 is 2**-6; subnormal spacing 2**-9
 
 INT4_QMAX = 7
+INT3_QMAX = 3
 # int4: weight-only RTN INT4 (symmetric, one scale per output channel, codes in [-7, 7] kept in an int8
-# container); a harsher deployment format simulated by the torch engine only (not exported, not vLLM)
-WEIGHT_FORMATS = ("bf16", "int8", "fp8", "int4")
+# container); a harsher deployment format simulated by the torch engine only (not exported, not vLLM).
+# int3: the same with codes in [-3, 3] (7 levels), harsher still (the corrections study's stress format)
+WEIGHT_FORMATS = ("bf16", "int8", "fp8", "int4", "int3")
 ACTIVATION_FORMATS = ("bf16", "int8", "fp8")
 
 
@@ -48,11 +51,20 @@ def quantize_int8_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def _quantize_int_rowwise(x: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = _row_scale(x, qmax)
+    q = torch.round(x.float() / scale).clamp_(-qmax, qmax).to(torch.int8)
+    return q, scale
+
+
 def quantize_int4_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric INT4 with one float32 scale per row (last dim): q in [-7, 7], stored as int8."""
-    scale = _row_scale(x, INT4_QMAX)
-    q = torch.round(x.float() / scale).clamp_(-INT4_QMAX, INT4_QMAX).to(torch.int8)
-    return q, scale
+    return _quantize_int_rowwise(x, INT4_QMAX)
+
+
+def quantize_int3_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric INT3 with one float32 scale per row (last dim): q in [-3, 3], stored as int8."""
+    return _quantize_int_rowwise(x, INT3_QMAX)
 
 
 def quantize_fp8_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,14 +99,16 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.
 
 
 def quantize_rowwise(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatch by format name: int8 | fp8 | int4."""
+    """Dispatch by format name: int8 | fp8 | int4 | int3."""
     if fmt == "int8":
         return quantize_int8_rowwise(x)
     if fmt == "fp8":
         return quantize_fp8_rowwise(x)
     if fmt == "int4":
         return quantize_int4_rowwise(x)
-    raise ValueError(f"unknown quantized format {fmt!r}; known: int8, fp8, int4")
+    if fmt == "int3":
+        return quantize_int3_rowwise(x)
+    raise ValueError(f"unknown quantized format {fmt!r}; known: int8, fp8, int4, int3")
 
 
 def fake_quantize(x: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -113,6 +127,11 @@ def int8_error_bound(x: torch.Tensor) -> torch.Tensor:
 def int4_error_bound(x: torch.Tensor) -> torch.Tensor:
     """Per-element bound of |x - dequantize(quantize_int4_rowwise(x))|: scale / 2 = max|row| / 14."""
     return _row_scale(x, INT4_QMAX) / 2
+
+
+def int3_error_bound(x: torch.Tensor) -> torch.Tensor:
+    """Per-element bound of |x - dequantize(quantize_int3_rowwise(x))|: scale / 2 = max|row| / 6."""
+    return _row_scale(x, INT3_QMAX) / 2
 
 
 def fp8_error_bound(x: torch.Tensor) -> torch.Tensor:

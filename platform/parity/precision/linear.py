@@ -36,7 +36,7 @@ from parity.precision.formats import (
     quantize_rowwise,
 )
 
-_STORAGE_DTYPE = {"int8": torch.int8, "fp8": FP8_DTYPE, "int4": torch.int8}
+_STORAGE_DTYPE = {"int8": torch.int8, "fp8": FP8_DTYPE, "int4": torch.int8, "int3": torch.int8}
 # K * 127 * 127 below 2**24 keeps every int32 accumulator exact in float32
 _FP32_EXACT_K = (1 << 24) // (127 * 127)
 
