@@ -3,12 +3,15 @@ per seed, as concurrent `python -m parity train` processes; a JSON + Markdown ta
 
     .venv/bin/python scripts/study.py --out outputs/study                 # the README's study (hours on 2 cores)
     .venv/bin/python scripts/study.py --steps 20 --seeds 0 --precisions int8_int4kv --corrections none,tis
+    .venv/bin/python scripts/study.py --experiment arith_tiny_moe --tag noreplay \
+        --extra "algorithm.routing_replay=false"        # tiny MoE, rollout routing not replayed in training
 
-Every run uses the embedded default (`experiment=arith_tiny`), REINFORCE with top-64 log-probs for all
-corrections (score centering needs both; on-policy single-epoch PPO-clip has the same gradient), and its own
-run name `study-<precision>-<correction>-lr<lr>-s<seed>`; runs already finished (summary.json present) are
-read back, not rerun. A run "collapses" when its last-20-step mean reward falls below half of its first-20-step
-mean; "held" means final held-out accuracy >= the warm start's.
+Every run uses the embedded default (`experiment=arith_tiny`, or --experiment), REINFORCE with top-64
+log-probs for all corrections (score centering needs both; on-policy single-epoch PPO-clip has the same
+gradient), and its own run name `study-[<experiment>-][<tag>-]<precision>-<correction>-lr<lr>-s<seed>` (the
+experiment named only when it is not arith_tiny; --tag tells apart studies that differ only in --extra);
+runs already finished (summary.json present) are read back, not rerun. A run "collapses" when its last-20-step
+mean reward falls below half of its first-20-step mean; "held" means final held-out accuracy >= the warm start's.
 """
 
 from __future__ import annotations
@@ -29,12 +32,15 @@ PRECISIONS = {
     # harshest: RTN INT4 weights (per channel), INT8 activations, INT4 KV (torch engine simulation)
     "w4a8_int4kv": ["rollout.precision.weights=int4", "rollout.precision.activations=int8",
                     "rollout.precision.kv_cache=int4_per_token_head"],
+    # stress: RTN INT3 weights (per channel, 7 levels), INT8 activations, INT4 KV (torch engine simulation)
+    "w3a8_int4kv": ["rollout.precision.weights=int3", "rollout.precision.activations=int8",
+                    "rollout.precision.kv_cache=int4_per_token_head"],
     # harsher than the seed: FP8 (e4m3) weights and activations, INT4 KV without the Hadamard rotation
     "fp8_int4kv_norot": ["rollout.precision.weights=fp8", "rollout.precision.activations=fp8",
                          "rollout.precision.kv_cache=int4_per_token_head", "rollout.precision.kv_hadamard=false"],
 }
 CORRECTIONS = ["none", "tis", "icepop", "mis", "score_centering", "score_centering+tis", "dual"]
-COMMON = ["experiment=arith_tiny", "algorithm.policy_loss=reinforce", "rollout.topk_logprobs=64",
+COMMON = ["algorithm.policy_loss=reinforce", "rollout.topk_logprobs=64",
           "trainer.checkpoint_every=0"]
 
 
@@ -60,12 +66,15 @@ def run_one(spec: dict, outputs: str, env: dict) -> dict:
             "acc_best": max(a for _, a in acc), "acc_curve": acc, "reward_first20": first, "reward_last20": last,
             "collapsed": last < 0.5 * first, "held": acc[-1][1] >= acc[0][1],
             "abs_prob_diff_mean": mean_of("mismatch/abs_prob_diff_mean"), "k3_kl": mean_of("mismatch/k3_kl"),
+            "abs_prob_diff_max": max((r["mismatch/abs_prob_diff_max"] for r in steps
+                                      if "mismatch/abs_prob_diff_max" in r), default=None),
+            "routing_disagreement": mean_of("r3/routing_disagreement"),
             "skipped_steps": steps[-1].get("train/skipped_steps", 0.0)}
 
 
 def table(results: list[dict]) -> str:
     lines = ["| precision | correction | lr | seeds | held-out acc start -> final (best) | reward first20 -> last20 "
-             "| mean abs p diff | collapsed |", "|---|---|---|---|---|---|---|---|"]
+             "| mean abs p diff | max abs p diff | collapsed |", "|---|---|---|---|---|---|---|---|---|"]
     groups: dict[tuple, list[dict]] = {}
     for r in results:
         if "error" not in r:
@@ -75,11 +84,12 @@ def table(results: list[dict]) -> str:
             return statistics.fmean(x[key] for x in rs)
         lines.append(f"| {prec} | {corr} | {lr} | {len(rs)} | {m('acc_start'):.3f} -> {m('acc_final'):.3f} "
                      f"({m('acc_best'):.3f}) | {m('reward_first20'):.3f} -> {m('reward_last20'):.3f} | "
-                     f"{m('abs_prob_diff_mean'):.2e} | {sum(x['collapsed'] for x in rs)}/{len(rs)} |")
+                     f"{m('abs_prob_diff_mean'):.2e} | {max(x['abs_prob_diff_max'] or 0.0 for x in rs):.2f} | "
+                     f"{sum(x['collapsed'] for x in rs)}/{len(rs)} |")
     for r in results:
         if "error" in r:
             lines.append(f"| {r['precision']} | {r['correction']} | {r['lr']} | seed {r['seed']} | failed: "
-                         f"{r['error'].strip().splitlines()[-1][:120]} | | | |")
+                         f"{r['error'].strip().splitlines()[-1][:120]} | | | | |")
     return "\n".join(lines) + "\n"
 
 
@@ -95,8 +105,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--concurrency", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     ap.add_argument("--extra", default="", help="more overrides for every run, space-separated")
+    ap.add_argument("--experiment", default="arith_tiny", help="the experiment preset every run starts from "
+                    "(e.g. arith_tiny_moe); named in the run names when it is not arith_tiny")
+    ap.add_argument("--tag", default="", help="a word added to every run name (studies that differ only in --extra)")
     ap.add_argument("--include-bf16-baseline", action="store_true", help="also run bf16 rollout, no correction")
     a = ap.parse_args(argv)
+    if a.tag and (not a.tag.replace("_", "").isalnum()):
+        ap.error(f"--tag: letters, digits and _ only, got {a.tag!r}")
+    common = [f"experiment={a.experiment}", *COMMON]
+    prefix = "".join(f"{x}-" for x in (a.experiment if a.experiment != "arith_tiny" else "", a.tag) if x)
     for p in a.precisions.split(","):
         if p not in PRECISIONS:
             ap.error(f"--precisions: unknown setting {p!r}; known: {', '.join(PRECISIONS)}")
@@ -110,15 +127,15 @@ def main(argv: list[str] | None = None) -> int:
     for lr in a.lrs.split(","):
         for prec, corr in combos:
             for seed in a.seeds.split(","):
-                name = f"study-{prec}-{corr.replace('+', '_')}-lr{lr}-s{seed}"
+                name = f"study-{prefix}{prec}-{corr.replace('+', '_')}-lr{lr}-s{seed}"
                 specs.append({"name": name, "precision": prec, "correction": corr, "lr": lr, "seed": int(seed),
-                              "overrides": [*COMMON, *PRECISIONS[prec], f"algorithm.correction.name={corr}",
+                              "overrides": [*common, *PRECISIONS[prec], f"algorithm.correction.name={corr}",
                                             f"trainer.lr={lr}", f"trainer.seed={seed}",
                                             f"trainer.total_steps={a.steps}", f"trainer.eval_every={a.eval_every}",
                                             *a.extra.split()]})
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
     # the warm start is shared: build it once before the runs start
-    prep = subprocess.run([sys.executable, "-m", "parity", "prepare", f"outputs_dir={a.outputs_dir}", *COMMON,
+    prep = subprocess.run([sys.executable, "-m", "parity", "prepare", f"outputs_dir={a.outputs_dir}", *common,
                            *a.extra.split()], env=env, capture_output=True, text=True)
     if prep.returncode:
         print(prep.stderr[-2000:], file=sys.stderr)
@@ -138,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['reward_last20']:.3f} |dp| {r['abs_prob_diff_mean']:.2e}"]
             print(f"[{time.time() - t0:6.0f}s {i + 1}/{len(specs)}] {r['name']}: {brief[0]}", flush=True)
             (out / "study.json").write_text(json.dumps(results, indent=1))
-    (out / "study.md").write_text(table(results))
+    (out / "study.md").write_text(f"experiment={a.experiment} {a.extra} (tag {a.tag or '-'}), {a.steps} steps, "
+                                  f"eval every {a.eval_every}\n\n" + table(results))
     print(table(results))
     return 0 if all("error" not in r for r in results) else 1
 
