@@ -50,7 +50,7 @@ def prepared_model(quick_cfg) -> Path:
 # tests run after everything else except these; vLLM in turn changes process-wide torch state, so the
 # tests compared bit for bit against Ray actors run before it.
 _FLASK_IMPORTERS = {"test_tracking_mlflow.py", "test_dashboard_pages.py", "test_docker_compose.py",
-                    "test_reliability.py"}
+                    "test_reliability_faults.py", "test_reliability_security.py"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -59,3 +59,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return 2 if name in _FLASK_IMPORTERS else 1 if name.startswith("test_vllm") else 0
 
     items.sort(key=rank)
+
+
+@pytest.fixture(scope="module")
+def mlflow_store(tmp_path_factory) -> str:
+    """One MLflow SQLite store for one test module's tests (a new store runs MLflow's migrations: seconds)."""
+    from parity.tracking import mlflow_log
+
+    uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow-store')}/mlflow.db"
+    mlflow_log.experiment_id(mlflow_log.client(uri), "reliability", mlflow_log.default_artifact_dir(uri))
+    return uri
