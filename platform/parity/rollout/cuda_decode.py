@@ -214,12 +214,8 @@ def _compiled(engine: Any, want: bool) -> tuple[Any, Any]:
         return _pre_attention, _post_attention
     fns = engine.__dict__.get("_fast_compiled")
     if fns is None:
-        import torch._dynamo
-        # every attended length L (and every engine's weight formats) is one specialisation of the same code;
-        # past Dynamo's default limit of 8 it would silently run the layers uncompiled
-        for name in ("recompile_limit", "cache_size_limit"):
-            if hasattr(torch._dynamo.config, name):
-                setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
+        from parity.training.fast_compile import raise_recompile_limit
+        raise_recompile_limit(64)  # one specialisation per attended length L and per engine's weight formats
         fns = (torch.compile(_pre_attention, dynamic=False, fullgraph=True),
                torch.compile(_post_attention, dynamic=False, fullgraph=True))
         engine._fast_compiled = fns

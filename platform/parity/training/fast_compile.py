@@ -16,6 +16,15 @@ from __future__ import annotations
 import torch
 
 
+def raise_recompile_limit(at_least: int) -> None:
+    """Let Dynamo keep at least this many specialisations of one function: past its limit (8 by default) it
+    silently runs the function uncompiled."""
+    import torch._dynamo
+    for name in ("recompile_limit", "cache_size_limit"):  # the name changed across torch versions
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), at_least))
+
+
 def compile_decoder_layers_(model: torch.nn.Module, mode: str | None = None, dynamic: bool | None = None) -> int:
     """Compile every decoder layer of an HF causal LM in place; returns how many were compiled.
     dynamic=None: the first shapes compile static, a later change of batch shape recompiles once with dynamic
@@ -24,12 +33,8 @@ def compile_decoder_layers_(model: torch.nn.Module, mode: str | None = None, dyn
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         raise ValueError(f"trainer.compile_layers: {type(model).__name__} has no .model.layers to compile")
-    import torch._dynamo
-    # the layers share one code object: any per-layer specialisation counts against Dynamo's recompile limit
-    # (8 by default), past which the remaining layers would silently run eager
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 2 * len(layers) + 8))
+    # the layers share one code object: any per-layer specialisation counts against the recompile limit
+    raise_recompile_limit(2 * len(layers) + 8)
     for layer in layers:
         layer.compile(mode=mode, dynamic=dynamic)
     return len(layers)
