@@ -144,3 +144,53 @@ def test_grouped_attention_equals_repeated_heads():
     s = s.masked_fill(~kmask[:, None], float("-inf"))
     ref = torch.einsum("bhs,bhsd->bhd", s.softmax(-1), v)
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=0)  # scores and softmax run in float32 by design
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+def test_stacked_projections_follow_weight_updates(tmp_path, weights):
+    """q/k/v and gate/up run as one product each from stacked copies of the weights; a weight sync between
+    calls (in place, re-quantizing for INT8) must reach those copies: after it the fast path still gives the plain
+    loop's tokens, and the stacked weight equals the modules' weights."""
+    from types import SimpleNamespace
+
+    from parity.rollout import cuda_decode as cd
+    build_tiny_model("qwen3", TinyModelConfig(), seed=4).save_pretrained(str(tmp_path))
+    prec = None if weights == "bf16" else SimpleNamespace(weights="int8", activations="int8", kv_cache="bf16")
+    eng = TorchEngine(tmp_path, dtype=torch.float32, precision=prec)
+    spec = SamplingSpec(temperature=0.0, max_new_tokens=12, n=1, seed=2)
+    fast_generate(eng, PROMPTS, spec, use_graphs=False)
+    fused = eng._fast_state.extras["fused"]
+    n_layers = len(eng.model.model.layers)
+    assert len(fused) == 2 * n_layers and [f.sizes[-1] for f in fused[:2]] == [
+        eng.model.model.layers[0].self_attn.v_proj.out_features, eng.model.model.layers[0].mlp.up_proj.out_features]
+    g = torch.Generator().manual_seed(9)
+    new = [(k, v + 0.05 * torch.randn(v.shape, generator=g)) for k, v in eng.model.state_dict().items()
+           if k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight"))]
+    eng.update_weights(new)
+    fast = fast_generate(eng, PROMPTS, spec, use_graphs=False)
+    layer0 = eng.model.model.layers[0].self_attn
+    assert torch.equal(fused[0].lin[0], torch.cat([layer0.q_proj.weight, layer0.k_proj.weight, layer0.v_proj.weight]))
+    plain = eng.generate(PROMPTS, spec)
+    assert torch.equal(fast.responses, plain.responses)
+    torch.testing.assert_close(fast.rollout_logprobs, plain.rollout_logprobs, atol=2e-5, rtol=0)
+    pair = cd._Fused.build([layer0.q_proj, layer0.k_proj])
+    assert pair is not None and pair.sizes == (layer0.q_proj.out_features, layer0.k_proj.out_features)
+
+
+def test_projections_of_different_formats_are_not_stacked():
+    from parity.precision.linear import QuantLinear
+    from parity.rollout import cuda_decode as cd
+    a, b = torch.nn.Linear(16, 8, bias=False), torch.nn.Linear(16, 24, bias=False)
+    qb = QuantLinear.from_linear(b, "int8", "int8")
+    fused: list = []
+    lins, sizes = cd._group([a, qb], fused)
+    assert fused == [] and len(lins) == 2 and sizes == (8, 24)
+    x = torch.randn(3, 16)
+    y1, y2 = cd._project(x, lins, sizes)
+    torch.testing.assert_close(y1, a(x))
+    torch.testing.assert_close(y2, qb(x))
+    lins, sizes = cd._group([a, b], fused)
+    assert len(fused) == 1 and len(lins) == 1 and sizes == (8, 24)
+    z1, z2 = cd._project(x, lins, sizes)
+    torch.testing.assert_close(z1, a(x), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(z2, b(x), rtol=1e-6, atol=1e-6)

@@ -150,7 +150,7 @@ def test_cuda_int8_gemm_matches_cpu(m: int) -> None:
     lin = _linear(k=128, n=64, bias=True)
     q_cpu = QuantLinear.from_linear(lin, "int8", "int8")
     q_gpu = QuantLinear.from_linear(lin, "int8", "int8").cuda()
-    assert q_gpu.path == "int8_mm_cuda"
+    assert q_gpu.path in ("int8_triton", "int8_mm_cuda")  # Triton's fused kernel where it checked out bit-identical
     x = torch.randn(m, 128)
     torch.testing.assert_close(q_gpu(x.cuda()).cpu(), q_cpu(x), rtol=1e-6, atol=1e-6)
 
@@ -164,3 +164,69 @@ def test_cuda_fp8_scaled_mm_matches_simulation() -> None:
     x = torch.randn(20, 128, dtype=torch.bfloat16, device="cuda")
     sim = quant_linear_forward(x, q.weight, q.weight_scale, None, "fp8", "fp8", "fp8_simulated")
     torch.testing.assert_close(q(x).float(), sim.float(), rtol=1e-2, atol=1e-2)
+
+
+def _int8_triton_usable() -> bool:
+    from parity.precision import int8_triton
+    return int8_triton.usable()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (and Triton)")
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_int8_triton_kernel_is_bit_identical_to_int_mm(out_dtype: torch.dtype) -> None:
+    """The fused Triton W8A8 kernel against torch._int_mm + the eager rescale, bit for bit, on fresh random
+    codes and scales for decode-sized and ragged shapes (rows, columns and depth off every tile size)."""
+    if not _int8_triton_usable():
+        pytest.skip("Triton int8 kernel not usable on this device")
+    from parity.precision.int8_triton import _reference, w8a8_mm
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for m, n, k in [(1, 64, 64), (7, 72, 200), (16, 1024, 1024), (33, 136, 1048), (64, 4096, 1024),
+                    (64, 1024, 3072), (64, 6144, 1024), (100, 1024, 2048), (256, 520, 384), (1000, 3072, 1024),
+                    (8192, 1024, 3072)]:
+        xq = torch.randint(-127, 128, (m, k), generator=g, device="cuda", dtype=torch.int8)
+        wq = torch.randint(-127, 128, (n, k), generator=g, device="cuda", dtype=torch.int8)
+        xs = torch.rand(m, 1, generator=g, device="cuda") * 3e-2
+        ws = torch.rand(n, 1, generator=g, device="cuda") * 3e-2
+        y = w8a8_mm(xq, wq, xs, ws, out_dtype)
+        assert torch.equal(y, _reference(xq, wq, xs, ws, out_dtype)), (m, n, k)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (and Triton)")
+def test_int8_triton_quantization_equals_torch() -> None:
+    """The one-pass Triton activation quantization gives quantize_int8_rowwise's codes and scales exactly:
+    random rows of many magnitudes, an all-zero row, a one-value row, and exact .5 ties (half to even)."""
+    if not _int8_triton_usable():
+        pytest.skip("Triton int8 kernel not usable on this device")
+    from parity.precision.int8_triton import quant_rows
+    g = torch.Generator(device="cuda").manual_seed(2)
+    for m, k in [(1, 8), (64, 1024), (300, 3072), (8192, 2048), (3, 5000)]:
+        x = torch.randn(m, k, generator=g, device="cuda") * torch.rand(m, 1, generator=g, device="cuda").pow(4) * 50
+        x = x.to(torch.bfloat16)
+        x[0] = 0
+        if m > 1:
+            x[1] = 0
+            x[1, -1] = -3.0
+        q, s = quant_rows(x)
+        rq, rs = quantize_rowwise(x, "int8")
+        assert torch.equal(q, rq) and torch.equal(s, rs), (m, k)
+    ties = torch.tensor([[127.0, 0.5, 1.5, 2.5, -0.5, -1.5, 3.5, 126.5]], device="cuda", dtype=torch.bfloat16)
+    assert quant_rows(ties)[0].tolist() == [[127, 0, 2, 2, 0, -2, 4, 126]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (and Triton)")
+def test_int8_triton_path_inside_a_compiled_function_equals_the_cublas_path() -> None:
+    """QuantLinear's int8_triton path gives the int8_mm_cuda path's output bit for bit, eagerly (Triton
+    quantization and product, decode and prefill sizes) and compiled with Inductor in one graph as the decode
+    layers are (compared with the cuBLASLt path compiled the same way: inside a graph the quantization is torch
+    ops that Inductor fuses for both)."""
+    if not _int8_triton_usable():
+        pytest.skip("Triton int8 kernel not usable on this device")
+    lin = _linear(k=1024, n=3072).cuda()
+    q = QuantLinear.from_linear(lin, "int8", "int8")
+    assert q.path == "int8_triton"
+    args = (q.weight, q.weight_scale, None, "int8", "int8")
+    fn = torch.compile(lambda x, p: quant_linear_forward(x, *args, p), fullgraph=True, dynamic=False)
+    for m in (64, 3000):
+        x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+        assert torch.equal(quant_linear_forward(x, *args, "int8_triton"), quant_linear_forward(x, *args, "int8_mm_cuda"))
+        assert torch.equal(fn(x, "int8_triton"), fn(x, "int8_mm_cuda"))

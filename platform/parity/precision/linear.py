@@ -10,7 +10,12 @@ quantized policy's (pi_inf), not BF16's:
     others      (e.g. int8 weights with fp8 activations) quantize/dequantize both, float32 matmul
 
 Which kernel runs is reported by `QuantLinear.path`:
-    int8_mm_cuda     torch._int_mm on CUDA (cuBLASLt int8 GEMM)
+    int8_triton      CUDA with Triton (parity.precision.int8_triton): the int8 product with the rescale fused in,
+                     one Triton kernel, and in eager code the per-token quantization as one more (inside a graph
+                     compiled by Inductor the quantization stays torch ops, which Inductor fuses into the op that
+                     produced x). Bit-identical to int8_mm_cuda, checked on the device before it is chosen;
+                     PARITY_INT8_TRITON=0 turns it off
+    int8_mm_cuda     torch._int_mm on CUDA (cuBLASLt int8 GEMM), then the rescale
     int8_simulated   integer codes multiplied by float32 GEMMs over K-chunks small enough to be exact (the
                      same int32 accumulator; the CPU default)
     int8_mm_cpu      torch._int_mm on CPU (exact too; selectable, slower on AVX2 CPUs)
@@ -82,7 +87,10 @@ def select_path(weights: str, activations: str, device: torch.device, in_feature
         if device.type == "cuda":
             # cuBLASLt int8 GEMM needs K and N multiples of 8 (M is padded at call time)
             aligned = in_features % 8 == 0 and out_features % 8 == 0
-            return "int8_mm_cuda" if aligned else "int8_simulated"
+            if not aligned:
+                return "int8_simulated"
+            from parity.precision import int8_triton
+            return "int8_triton" if int8_triton.usable(device.index or 0) else "int8_mm_cuda"
         # On CPU torch._int_mm is exact but was 3-4x slower than even an emulated bf16 GEMM on an AVX2
         # machine (bench_precision_linear); exact float32 GEMMs over K-chunks give the same integers faster.
         return "int8_simulated"
@@ -120,6 +128,12 @@ def quant_linear_forward(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tenso
         y = F.linear(x2, wq.to(x.dtype))
     elif path.endswith("_weight_only"):
         y = F.linear(x2, dequantize(wq, w_scale, x.dtype))
+    elif path == "int8_triton":
+        if torch.compiler.is_compiling():
+            xq, xs = quantize_rowwise(x2, "int8")
+        else:  # eager (the prefill): one pass instead of torch's seven over a [tokens x K] float32 copy
+            xq, xs = torch.ops.parity.int8_quant_rows(x2.contiguous())
+        y = torch.ops.parity.w8a8_mm(xq, wq, xs, w_scale, x.dtype)
     elif path in ("int8_mm_cuda", "int8_mm_cpu", "int8_simulated"):
         xq, xs = quantize_rowwise(x2, "int8")
         acc = _int8_gemm(xq, wq, path)

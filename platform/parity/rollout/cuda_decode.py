@@ -16,6 +16,9 @@ TorchEngine.generate dispatches here on CUDA (see `supports`). What differs from
   step (docs/PERFORMANCE.md). A compile failure falls back to the same functions uncompiled
   (`engine.fast_compile_error`); `engine.fast_compile = False` turns compilation off. The KV codec's
   roundtrip (low-precision cache) stays eager inside the graph.
+- q/k/v and gate/up, which read the same input, run as one product each from stacked weight copies (refreshed
+  from the modules at every call): at batch 64 every product is latency-bound, so five products a layer cost
+  less than seven, and the INT8 path quantizes each input once. Projections of different formats stay apart.
 - Decode attention is grouped-query attention written as two batched matmuls over the cache (the query
   heads of one KV head form the rows), softmax in float32: no K/V head repetition.
 - Sampling with top_p = 1 draws by inverse CDF over the vocabulary in index order instead of sorted order:
@@ -45,6 +48,7 @@ _S_ALIGN = 64  # cache length granularity: prompts of nearby lengths reuse one c
 # prompts the K/V read per step falls from 384 to 192..384 slots (a quarter less over a call).
 _L_BUCKET = 64
 _DONE_CHECK = 16  # host looks at the done flags every this many steps (each look is a sync)
+_STACK = True  # q/k/v and gate/up as one product each (_Fused); False: one per module (benchmark A/B)
 
 
 def supports(engine: Any) -> bool:
@@ -170,23 +174,33 @@ def _linear(x: torch.Tensor, lin: tuple) -> torch.Tensor:
     return quant_linear_forward(x, w, scale, bias, *kind)
 
 
-def _pre_attention(h: torch.Tensor, ln: torch.Tensor, eps: float, lq: tuple, lk: tuple, lv: tuple, qn: torch.Tensor,
-                   kn: torch.Tensor, eps_qk: float, cos: torch.Tensor, sin: torch.Tensor, D: int):
+def _project(x: torch.Tensor, lins: tuple, sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """One product per entry of `lins`; a single (fused) entry's output is split into `sizes` columns."""
+    if len(lins) == 1:
+        return _linear(x, lins[0]).split(sizes, dim=-1)
+    return tuple(_linear(x, lin) for lin in lins)
+
+
+def _pre_attention(h: torch.Tensor, ln: torch.Tensor, eps: float, lqkv: tuple, sizes: tuple[int, ...],
+                   qn: torch.Tensor, kn: torch.Tensor, eps_qk: float, cos: torch.Tensor, sin: torch.Tensor, D: int):
     """h [B, 1, hidden] -> rotated q [B, H, D], rotated k and v [B, n_kv, D] (HF Qwen3Attention's order)."""
     B = h.shape[0]
     x = _rms(h, ln, eps)[:, 0]
-    q = _rope(_rms(_linear(x, lq).view(B, -1, D), qn, eps_qk), cos, sin)
-    k = _rope(_rms(_linear(x, lk).view(B, -1, D), kn, eps_qk), cos, sin)
-    return q, k, _linear(x, lv).view(B, -1, D)
+    q, k, v = _project(x, lqkv, sizes)
+    q = _rope(_rms(q.reshape(B, -1, D), qn, eps_qk), cos, sin)
+    k = _rope(_rms(k.reshape(B, -1, D), kn, eps_qk), cos, sin)
+    return q, k, v.reshape(B, -1, D)
 
 
 def _post_attention(h: torch.Tensor, q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, kmask: torch.Tensor,
-                    scale: float, lo: tuple, ln: torch.Tensor, eps: float, lg: tuple, lu: tuple, ld: tuple):
+                    scale: float, lo: tuple, ln: torch.Tensor, eps: float, lgu: tuple, sizes: tuple[int, ...],
+                    ld: tuple):
     """Attention over the cache, o_proj, residual, post-norm, SiLU-gated MLP, residual."""
     out = _decode_attention(q.to(ck.dtype), ck, cv, kmask, scale).to(h.dtype)
     h = h + _linear(out, lo)[:, None]
     x = _rms(h, ln, eps)
-    return h + _linear(F.silu(_linear(x, lg)) * _linear(x, lu), ld)
+    g, u = _project(x, lgu, sizes)
+    return h + _linear(F.silu(g) * u, ld)
 
 
 def _lin_of(mod: torch.nn.Module) -> tuple:
@@ -195,14 +209,50 @@ def _lin_of(mod: torch.nn.Module) -> tuple:
     return (mod.weight, mod.weight_scale, mod.bias, (mod.weights, mod.activations, mod.path))
 
 
-def _layer_args(layer: torch.nn.Module) -> tuple[tuple, tuple]:
-    """The tensors (and constants) of one decoder layer for _pre_attention / _post_attention. The tensors
-    are the modules' own (no copies): in-place weight updates are seen by a replay."""
+@dataclass
+class _Fused:
+    """Projections that read the same input (q/k/v; gate/up) stacked into one weight, so a decode step runs one
+    product instead of three or two: at batch 64 each product is latency-bound, and the INT8 path quantizes the
+    input once. The stacked copies are refreshed from the modules at every call (`refresh`), so in-place weight
+    updates between calls are seen."""
+    mods: list
+    lin: tuple
+    sizes: tuple[int, ...]
+
+    @classmethod
+    def build(cls, mods: list) -> _Fused | None:
+        lins = [_lin_of(m) for m in mods]
+        w0, s0, b0, k0 = lins[0]
+        if any(k != k0 or w.dtype != w0.dtype or (b is None) != (b0 is None) for w, _, b, k in lins):
+            return None  # mixed formats: one product each
+        cat = [None if lins[0][i] is None else torch.cat([lin[i] for lin in lins]) for i in range(3)]
+        return cls(mods=mods, lin=(cat[0], cat[1], cat[2], k0), sizes=tuple(int(w.shape[0]) for w, *_ in lins))
+
+    def refresh(self) -> None:
+        for i in range(3):
+            if self.lin[i] is not None:
+                torch.cat([_lin_of(m)[i] for m in self.mods], out=self.lin[i])
+
+
+def _group(mods: list, fused: list) -> tuple[tuple, tuple[int, ...]]:
+    """(lins, sizes) for _project: one fused entry when the modules can be stacked, else one per module."""
+    f = _Fused.build(mods) if _STACK else None
+    if f is None:
+        return tuple(_lin_of(m) for m in mods), tuple(m.out_features for m in mods)
+    fused.append(f)
+    return (f.lin,), f.sizes
+
+
+def _layer_args(layer: torch.nn.Module, fused: list) -> tuple[tuple, tuple]:
+    """The tensors (and constants) of one decoder layer for _pre_attention / _post_attention: the modules' own
+    tensors (a replay sees in-place weight updates) except stacked q/k/v and gate/up weights, whose _Fused
+    records are appended to `fused` for refreshing."""
     a, m = layer.self_attn, layer.mlp
-    pre = (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon, _lin_of(a.q_proj),
-           _lin_of(a.k_proj), _lin_of(a.v_proj), a.q_norm.weight, a.k_norm.weight, a.q_norm.variance_epsilon)
+    pre = (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
+           *_group([a.q_proj, a.k_proj, a.v_proj], fused), a.q_norm.weight, a.k_norm.weight,
+           a.q_norm.variance_epsilon)
     post = (a.scaling, _lin_of(a.o_proj), layer.post_attention_layernorm.weight,
-            layer.post_attention_layernorm.variance_epsilon, _lin_of(m.gate_proj), _lin_of(m.up_proj),
+            layer.post_attention_layernorm.variance_epsilon, *_group([m.gate_proj, m.up_proj], fused),
             _lin_of(m.down_proj))
     return pre, post
 
@@ -340,8 +390,12 @@ def fast_generate(engine: Any, prompt_token_ids: list[list[int]], spec: Sampling
         engine._fast_state = None  # free the old cache before allocating the new one
         st = _new_state(engine, key, B, S, R, K, dtype)
         st.extras["fns"] = _compiled(engine, compile_layers)
-        st.extras["layers"] = [_layer_args(layer) for layer in engine.model.model.layers]
+        st.extras["fused"] = []
+        st.extras["layers"] = [_layer_args(layer, st.extras["fused"]) for layer in engine.model.model.layers]
         engine._fast_state = st
+    else:
+        for f in st.extras["fused"]:  # weights may have been updated in place since the last call
+            f.refresh()
 
     prompts, pmask = prompts.to(dev), pmask.to(dev)
     st.uniforms.copy_(uniforms)

@@ -1,0 +1,206 @@
+"""W8A8 INT8 matrix product with the rescale fused in, as one Triton kernel, and the per-token INT8 quantization
+of the activations as another (CUDA; QuantLinear's `int8_triton` path).
+
+    y[m, n] = bf16( float32(sum_k xq[m, k] * wq[n, k]) * xs[m] * ws[n] )
+
+xq int8 [M, K] (per-token codes), wq int8 [N, K] (per-channel codes), xs float32 [M, 1], ws float32 [N, 1].
+The int32 accumulator is exact on every path and the epilogue multiplies in the same order as the torch path
+(`acc.float() * xs * ws.t()`, then one round-to-nearest-even cast), so the output is bit-identical to
+`torch._int_mm` followed by the eager rescale; `usable()` checks exactly that on the device before the path is
+chosen.
+
+Why: at decode batch 64 the projections are latency-bound. cuBLASLt's int8 GEMM plus a separate rescale kernel
+took 7.3-12 us per projection against 3.8-6.7 us for the bf16 GEMM on an H200 (docs/PERFORMANCE.md), so INT8
+decode ran at 0.80x of BF16 although it reads half the weight bytes. One launch that streams the int8 weights
+once, tiled so that every SM has a slice of N, and writes bf16 directly removes the extra kernel and the int32
+round trip through memory. In the eager prefill (thousands of rows) the same two things cost more: torch's
+quantization makes seven passes over a float32 copy of the activations and the rescale four over the int32
+product; here the quantization is one pass (`quant_rows`: IEEE divisions and round-half-even, the codes and
+scales of quantize_int8_rowwise exactly) and the rescale none.
+
+Registered as a torch custom op (`parity::w8a8_mm`, through torch.library.triton_op) so that the decode layers
+compiled with Inductor call it inside their graph. Importable without Triton: `usable()` is False then.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from parity.precision.formats import quantize_int8_rowwise
+
+try:  # Triton kernels resolve names from module globals: import here
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs
+    triton = None
+
+# torch on CUDA divides by a Python scalar as a product with the float32 reciprocal: float32(1) / float32(127)
+_INV_QMAX = 0.007874015718698502
+# why usable() said no (None while it has not, or said yes), for reports
+unusable_reason: str | None = None
+
+
+if triton is not None:
+    @triton.jit
+    def _w8a8_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, M_KEY,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        m_ok = rm < M
+        n_ok = rn < N
+        xp = x_ptr + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :]
+        wp = w_ptr + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = (k0 + rk) < K
+            a = tl.load(xp, mask=m_ok[:, None] & k_ok[None, :], other=0)
+            b = tl.load(wp, mask=k_ok[:, None] & n_ok[None, :], other=0)
+            acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+            xp += BLOCK_K
+            wp += BLOCK_K
+        xs = tl.load(xs_ptr + rm, mask=m_ok, other=0.0)
+        ws = tl.load(ws_ptr + rn, mask=n_ok, other=0.0)
+        y = acc.to(tl.float32) * xs[:, None]
+        y = y * ws[None, :]
+        yp = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
+        tl.store(yp, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, inv_qmax, BLOCK: tl.constexpr):
+        """One row: scale = max|x| * fp32(1/127) (1 for an all-zero row), q = round_half_even(x / scale) clamped
+        to [-127, 127], x / scale an IEEE division (div_rn): the codes and scales torch's quantize_int8_rowwise
+        gives on CUDA (where `tensor / 127` is a product with the float32 reciprocal)."""
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        ok = offs < K
+        x = tl.load(x_ptr + row * stride_xm + offs, mask=ok, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), 0)
+        scale = tl.where(amax > 0, amax * inv_qmax, 1.0)
+        y = tl.math.div_rn(x, scale)
+        # round half to even, as torch.round, in exact steps (|y| <= 127): floor, then up past .5 or at a tie to even
+        f = tl.floor(y)
+        d = y - f
+        y = tl.where(d > 0.5, f + 1.0, tl.where(d < 0.5, f, f + (f - 2.0 * tl.floor(f * 0.5))))
+        q = tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int8)
+        tl.store(q_ptr + row * stride_qm + offs, q, mask=ok)
+        tl.store(s_ptr + row, scale)
+
+    def _config(bm: int, bn: int, bk: int, stages: int, warps: int = 4):
+        return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_stages=stages, num_warps=warps)
+
+    # Decode (few rows, many columns): tiles narrow in N so that a 1024-column product still spreads over 32-64
+    # SMs, and deep in K so that a K-loop of 2-12 steps keeps the slice's loads in flight at once. Prefill (M in
+    # the thousands): the usual square tensor-core tiles.
+    _CONFIGS = [_config(64, 16, 256, 4), _config(64, 16, 512, 3), _config(64, 16, 256, 4, 2),
+                _config(64, 32, 256, 4), _config(64, 32, 512, 3), _config(64, 32, 128, 5),
+                _config(64, 64, 256, 4), _config(64, 64, 128, 4), _config(64, 128, 128, 4),
+                _config(32, 32, 256, 4), _config(32, 64, 256, 4), _config(16, 32, 256, 4),
+                _config(128, 128, 128, 4, 8), _config(128, 256, 128, 3, 8), _config(256, 128, 128, 3, 8),
+                _config(128, 128, 64, 5, 4)]
+
+    def _prune(configs, named_args, **kwargs):
+        """Decode-sized products try the narrow tiles only, prefill-sized ones the wide tiles only."""
+        small = named_args["M_KEY"] <= 256
+        keep = [c for c in configs if (c.kwargs["BLOCK_M"] <= 64 and c.kwargs["BLOCK_N"] <= 128) == small]
+        return keep or configs
+
+    _w8a8_tuned = triton.autotune(configs=_CONFIGS, key=["M_KEY", "N", "K"],
+                                  prune_configs_by={"early_config_prune": _prune})(_w8a8_kernel)
+
+    @torch.library.triton_op("parity::w8a8_mm", mutates_args=())
+    def w8a8_mm(xq: torch.Tensor, wq: torch.Tensor, xs: torch.Tensor, ws: torch.Tensor,
+                out_dtype: torch.dtype) -> torch.Tensor:
+        """bf16/fp16/fp32 y [M, N] = (xq @ wq^T) * xs * ws^T, see the module docstring (CUDA tensors)."""
+        M, K = xq.shape
+        N = wq.shape[0]
+        y = torch.empty(M, N, dtype=out_dtype, device=xq.device)
+        if M == 0:
+            return y
+
+        def grid(meta):
+            return (triton.cdiv(N, meta["BLOCK_N"]), triton.cdiv(M, meta["BLOCK_M"]))
+
+        torch.library.wrap_triton(_w8a8_tuned)[grid](xq, wq, xs, ws, y, M, N, K, xq.stride(0), wq.stride(0),
+                                                     y.stride(0), _m_key(M))
+        return y
+
+    @torch.library.triton_op("parity::int8_quant_rows", mutates_args=())
+    def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int8 codes [M, K], float32 scales [M, 1]) of x [M, K] (CUDA), equal to quantize_int8_rowwise's."""
+        M, K = x.shape
+        q = torch.empty(M, K, dtype=torch.int8, device=x.device)
+        s = torch.empty(M, 1, dtype=torch.float32, device=x.device)
+        if M:
+            block = triton.next_power_of_2(K)
+            torch.library.wrap_triton(_quant_kernel)[(M,)](x, q, s, K, x.stride(0), q.stride(0), _INV_QMAX, BLOCK=block,
+                                                           num_warps=4 if block <= 4096 else 8)
+        return q, s
+
+
+def _m_key(m: int) -> int:
+    """The autotuner's row key: exact for decode sizes, the next power of two above (prefill lengths vary from
+    call to call; one tuning per bucket, not per length)."""
+    return m if m <= 256 else min(1 << (m - 1).bit_length(), 1 << 16)
+
+
+def _reference(xq: torch.Tensor, wq: torch.Tensor, xs: torch.Tensor, ws: torch.Tensor,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """The torch path the kernel must equal bit for bit: exact int32 accumulator, then the eager rescale."""
+    if xq.is_cuda:
+        m = xq.shape[0]
+        pad = 0 if (m > 16 and m % 8 == 0) else max(24, (m + 7) // 8 * 8) - m
+        acc = torch._int_mm(torch.nn.functional.pad(xq, (0, 0, 0, pad)), wq.t())[:m]
+    else:
+        acc = (xq.double() @ wq.double().t()).to(torch.int32)  # exact: |sum| < 2**53
+    return (acc.float() * xs * ws.t()).to(out_dtype)
+
+
+def chosen_configs() -> dict:
+    """The autotuner's choice per (M bucket, N, K) so far in eager calls (Inductor tunes its own copy inside a
+    compiled graph), for benchmark reports."""
+    if triton is None:
+        return {}
+    return {str(k[:3]): str(v) for k, v in _w8a8_tuned.cache.items()}
+
+
+@functools.cache
+def usable(device_index: int = 0) -> bool:
+    """True when Triton is installed, the device is a CUDA GPU with int8 tensor cores (sm_80+), PARITY_INT8_TRITON
+    is not 0, and both kernels equal the torch path bit for bit on random products and activations; otherwise
+    False with the reason in `unusable_reason`."""
+    global unusable_reason
+    if triton is None or not torch.cuda.is_available() or os.environ.get("PARITY_INT8_TRITON", "1") == "0":
+        unusable_reason = "no Triton, no CUDA, or PARITY_INT8_TRITON=0"
+        return False
+    dev = torch.device("cuda", device_index)
+    if torch.cuda.get_device_capability(dev) < (8, 0):
+        unusable_reason = "needs sm_80 or newer"
+        return False
+    g = torch.Generator(device=dev).manual_seed(0)
+    try:
+        for m, n, k in ((64, 96, 320), (5, 64, 64), (33, 80, 1040)):
+            xq = torch.randint(-127, 128, (m, k), generator=g, device=dev, dtype=torch.int8)
+            wq = torch.randint(-127, 128, (n, k), generator=g, device=dev, dtype=torch.int8)
+            xs = torch.rand(m, 1, generator=g, device=dev) * 1e-2
+            ws = torch.rand(n, 1, generator=g, device=dev) * 1e-2
+            if not torch.equal(w8a8_mm(xq, wq, xs, ws, torch.bfloat16), _reference(xq, wq, xs, ws, torch.bfloat16)):
+                unusable_reason = f"product differs from torch._int_mm + rescale at {(m, n, k)}"
+                return False
+            x = torch.randn(m, k, generator=g, device=dev).to(torch.bfloat16)
+            x[0] = 0  # an all-zero row: scale 1
+            (q, s), (rq, rs) = quant_rows(x), quantize_int8_rowwise(x)
+            if not (torch.equal(q, rq) and torch.equal(s, rs)):
+                unusable_reason = (f"quantization differs from quantize_int8_rowwise at {(m, k)}: "
+                                   f"{int((q != rq).sum())} codes, {int((s != rs).sum())} scales")
+                return False
+    except Exception as e:  # noqa: BLE001 - any compile or launch failure: the cuBLASLt path serves instead
+        unusable_reason = f"{type(e).__name__}: {e}"[:400]
+        return False
+    unusable_reason = None
+    return True
