@@ -36,6 +36,8 @@ try:  # Triton kernels resolve names from module globals: import here
     import triton.language as tl
 except ImportError:  # CPU installs
     triton = None
+if not hasattr(torch.library, "triton_op"):  # torch < 2.6: no way to call the kernels inside a compiled graph
+    triton = None
 
 # torch on CUDA divides by a Python scalar as a product with the float32 reciprocal: float32(1) / float32(127)
 _INV_QMAX = 0.007874015718698502
