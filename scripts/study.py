@@ -35,6 +35,15 @@ PRECISIONS = {
     # stress: RTN INT3 weights (per channel, 7 levels), INT8 activations, INT4 KV (torch engine simulation)
     "w3a8_int4kv": ["rollout.precision.weights=int3", "rollout.precision.activations=int8",
                     "rollout.precision.kv_cache=int4_per_token_head"],
+    # issue-4 pilot: per-token RTN INT4 activations (dynamic scale, 15 levels) with INT8 / INT4 weights, INT4 KV
+    "w8a4_int4kv": ["rollout.precision.weights=int8", "rollout.precision.activations=int4",
+                    "rollout.precision.kv_cache=int4_per_token_head"],
+    "w4a4_int4kv": ["rollout.precision.weights=int4", "rollout.precision.activations=int4",
+                    "rollout.precision.kv_cache=int4_per_token_head"],
+    "w3a4_int4kv": ["rollout.precision.weights=int3", "rollout.precision.activations=int4",
+                    "rollout.precision.kv_cache=int4_per_token_head"],
+    "w4a4_int4kv_norot": ["rollout.precision.weights=int4", "rollout.precision.activations=int4",
+                          "rollout.precision.kv_cache=int4_per_token_head", "rollout.precision.kv_hadamard=false"],
     # harsher than the seed: FP8 (e4m3) weights and activations, INT4 KV without the Hadamard rotation
     "fp8_int4kv_norot": ["rollout.precision.weights=fp8", "rollout.precision.activations=fp8",
                          "rollout.precision.kv_cache=int4_per_token_head", "rollout.precision.kv_hadamard=false"],

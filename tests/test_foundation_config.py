@@ -50,6 +50,8 @@ def test_int4_weights_on_vllm_and_unknown_teacher_slip_are_rejected():
         load_config(["rollout.name=vllm", "rollout.precision.weights=int4"])
     with pytest.raises(ConfigError, match="rollout.precision.weights.*int3 weights are simulated by the torch engine"):
         load_config(["rollout.name=vllm", "rollout.precision.weights=int3"])
+    with pytest.raises(ConfigError, match="rollout.precision.activations.*int4 activations are simulated by the torch"):
+        load_config(["rollout.name=vllm", "rollout.precision.weights=int8", "rollout.precision.activations=int4"])
     with pytest.raises(ConfigError, match="model.warm_start.teacher_error"):
         load_config(["model.warm_start.teacher_error=typo"])
     with pytest.raises(ConfigError, match="model.warm_start.teacher_error_rate"):

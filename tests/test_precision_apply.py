@@ -182,3 +182,25 @@ def test_quantized_model_on_cuda_matches_cpu(fmt: str) -> None:
     gpu = m(ids.cuda()).logits.cpu()
     # int8: same integers, float epilogue differs in order; fp8: bf16 output of the scaled GEMM
     torch.testing.assert_close(gpu, cpu, rtol=0, atol=1e-3 if fmt == "int8" else 3e-2)
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_int4_activation_logits_match_float64_fake_quant_reference(weights: str) -> None:
+    """W4A4 / W8A4: every decoder Linear computes F.linear(fq4(x), fq(W)), fq4 = per-token INT4; the float64
+    reference explains the quantized logits, and the error from bf16 is far larger than at W8A8."""
+    base = _dense()
+    q = copy.deepcopy(base)
+    info = quantize_model_(q, {"weights": weights, "activations": "int4"})
+    assert info["paths"] == {f"w{weights}aint4_simulated": 14}
+    ref = copy.deepcopy(base).double()
+    for name, mod in ref.named_modules():
+        if isinstance(mod, nn.Linear) and ".layers." in name:
+            wq = fake_quantize(mod.weight.detach(), weights)
+            mod.forward = (lambda w: lambda x: F.linear(fake_quantize(x, "int4"), w))(wq)
+    ids = _ids()
+    got, want, bf16 = q(ids).logits.double(), ref(ids).logits, base(ids).logits.double()
+    err = (got - want).abs().max()
+    assert err < 2e-4, err
+    w8a8 = copy.deepcopy(base)
+    quantize_model_(w8a8, {"weights": "int8", "activations": "int8"})
+    assert (bf16 - want).abs().max() > 4 * (bf16 - w8a8(ids).logits.double()).abs().max()

@@ -99,3 +99,13 @@ def test_quantize_needs_a_quantized_precision(model_dir: Path, tmp_path: Path) -
 
     with pytest.raises(PrecisionConfigError, match="nothing to quantize"):
         quantize.run(_cfg(model_dir, tmp_path))
+
+
+def test_quantize_refuses_int4_activations_naming_the_key(model_dir: Path, tmp_path: Path) -> None:
+    from parity.commands import quantize
+
+    out = tmp_path / "out"
+    with pytest.raises(PrecisionConfigError, match=r"`rollout.precision`: W=int8 A=int4 has no compressed-tensors "
+                                                   r"checkpoint \(it is simulated by the torch engine only\)"):
+        quantize.run(_cfg(model_dir, out, "rollout.precision.weights=int8", "rollout.precision.activations=int4"))
+    assert not (out / "precision_validation").exists()

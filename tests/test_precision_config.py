@@ -149,3 +149,12 @@ def test_precision_presets_compose(preset: str, expected: tuple[str, str, str]) 
 
     p = resolve_precision(load_config([f"+precision={preset}"]))
     assert (p.weights, p.activations, p.kv_cache) == expected
+
+
+def test_int4_activations_resolve_and_a_bad_name_lists_them() -> None:
+    p = resolve_precision(_compose("{}", **{"rollout.precision.weights": "int4", "rollout.precision.activations": "int4",
+                                            "rollout.precision.kv_cache": "int4_per_token_head"}))
+    assert (p.weights, p.activations, p.kv_cache) == ("int4", "int4", "int4_per_token_head")
+    with pytest.raises(PrecisionConfigError, match=r"`rollout.precision.activations`: unknown value 'int3'; "
+                                                   r"known: bf16, int8, fp8, int4$"):
+        resolve_precision(_compose("{}", **{"rollout.precision.activations": "int3"}))

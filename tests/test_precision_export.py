@@ -64,6 +64,16 @@ def test_unexportable_combination() -> None:
 def test_dir_name_follows_seed_pattern() -> None:
     assert checkpoint_dir_name("Qwen/Qwen3.5-9B", "int8", "int8") == "Qwen3.5-9B-W8A8-INT8"
     assert checkpoint_dir_name("tiny_qwen3", "fp8", "bf16") == "tiny_qwen3-W8A16-FP8"
+    assert checkpoint_dir_name("tiny_qwen3", "int8", "int4") == "tiny_qwen3-W8A4-INT8"
+
+
+@pytest.mark.parametrize("w", ["int8", "int4"])
+def test_int4_activations_are_refused_before_anything_is_written(tmp_path: Path, w: str) -> None:
+    """A4 has no compressed-tensors checkpoint here (the torch engine simulates it): one clear error, no files."""
+    out = tmp_path / "ckpt"
+    with pytest.raises(ValueError, match=rf"export: W={w} A=int4 is not exportable; supported: W=int8 A=int8"):
+        export_compressed_tensors(_dense(), out, w, "int4")
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])

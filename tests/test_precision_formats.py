@@ -139,3 +139,29 @@ def test_int4_int3_weight_only_linear_is_the_dequantized_product(fmt: str) -> No
     qw, sw = quantize_rowwise(lin.weight.detach(), fmt)
     ref = x.double() @ (qw.double() * sw.double()).t() + lin.bias.detach().double()
     torch.testing.assert_close(q(x).double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_int4_activation_fake_quant_hand_computed_per_token() -> None:
+    """Activations [B, T, K]: one scale max|token| / 7 per token (dynamic), codes round-half-even in [-7, 7].
+    Token 0: max 3.5 -> s 0.5, x / s = [7, -2.5, 1.5, 0.5, -7, 0] -> [7, -2, 2, 0, -7, 0];
+    token 1: max 7 -> s 1, [7, 2.5, -3.5, 6.25, -0.5, 1.25] -> [7, 2, -4, 6, 0, 1]; token 2 all zero -> s 1, q 0."""
+    from parity.precision.formats import ACTIVATION_FORMATS
+
+    assert "int4" in ACTIVATION_FORMATS
+    x = torch.tensor([[[3.5, -1.25, 0.75, 0.25, -3.5, 0.0],
+                       [7.0, 2.5, -3.5, 6.25, -0.5, 1.25],
+                       [0.0] * 6]])
+    q, s = quantize_rowwise(x, "int4")
+    assert q.dtype == torch.int8 and s.shape == (1, 3, 1)
+    assert s.flatten().tolist() == [0.5, 1.0, 1.0]
+    assert q.tolist() == [[[7, -2, 2, 0, -7, 0], [7, 2, -4, 6, 0, 1], [0] * 6]]
+    xh = fake_quantize(x, "int4")
+    assert xh.dtype == x.dtype
+    assert xh.tolist() == [[[3.5, -1.0, 1.0, 0.0, -3.5, 0.0], [7.0, 2.0, -4.0, 6.0, 0.0, 1.0], [0.0] * 6]]
+    # random tokens: each row's scale is its own max / 7, its extreme maps to +-7, error <= s / 2
+    y = torch.randn(4, 5, 96, generator=torch.Generator().manual_seed(1)) * torch.logspace(-2, 2, 5)[:, None]
+    qy, sy = quantize_rowwise(y, "int4")
+    amax = y.double().abs().amax(-1, keepdim=True)
+    torch.testing.assert_close(sy.double(), amax / 7, rtol=2 ** -23, atol=0)
+    assert int(qy.min()) >= -7 and int(qy.max()) <= 7 and (qy.abs().amax(-1) == 7).all()
+    assert ((y.double() - fake_quantize(y, "int4").double()).abs() <= amax / 14 * (1 + F32_SLACK)).all()

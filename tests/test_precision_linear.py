@@ -166,6 +166,30 @@ def test_cuda_fp8_scaled_mm_matches_simulation() -> None:
     torch.testing.assert_close(q(x).float(), sim.float(), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("weights", ["int8", "int4", "fp8", "bf16"])
+def test_int4_activations_fake_quantize_both_sides(weights: str) -> None:
+    """W<any>A4: per-token INT4 codes of x (dynamic scale) times the dequantized weight, in float32; W4A4 too
+    (no integer kernel: the simulated path, not a W8A8 GEMM)."""
+    lin = _linear(bias=True)
+    q = QuantLinear.from_linear(lin, weights, "int4")
+    assert q.path == f"w{weights}aint4_simulated"
+    assert select_path(weights, "int4", torch.device("cpu"), 96, 40) == q.path
+    x = torch.randn(3, 5, 96)
+    xq, xs = quantize_rowwise(x.reshape(-1, 96), "int4")
+    assert int(xq.abs().max()) == 7
+    ref = (xq.double() * xs.double()) @ q.dequantized_weight(torch.float64).t() + lin.bias.detach().double()
+    y = q(x)
+    assert y.shape == (3, 5, 40)
+    torch.testing.assert_close(y.double(), ref.reshape(3, 5, 40), rtol=1e-5, atol=1e-5)
+    a8 = QuantLinear.from_linear(lin, weights, "int8" if weights != "fp8" else "fp8")(x)
+    assert (y - a8).abs().max() > 1e-2  # INT4 activations are visibly coarser than 8-bit ones
+
+
+def test_unknown_activation_format_names_the_known_ones() -> None:
+    with pytest.raises(ValueError, match=r"precision.activations: unknown format 'int3'; known: bf16, int8, fp8, int4"):
+        QuantLinear.from_linear(_linear(), "int4", "int3")
+
+
 def _int8_triton_usable() -> bool:
     from parity.precision import int8_triton
     return int8_triton.usable()

@@ -81,3 +81,24 @@ def test_engine_logprobs_match_quantized_trainer_reference(dirs) -> None:  # noq
     assert (diff < 1e-4).float().mean() > 0.95 and diff.max() < 5e-2
     bf16_lp = response_logprobs(new, batch).gather(-1, batch.responses[..., None]).squeeze(-1)
     assert (bf16_lp - batch.rollout_logprobs)[m].abs().mean() > 10 * diff.mean()  # the reference is the quantized one
+
+
+def test_w4a4_engine_runs_and_departs_from_bf16_more_than_w8a8(dirs) -> None:  # noqa: ANN001
+    """The torch engine at W4A4 (+ INT4 KV) samples, reports the simulated path, and its log-probs of its own
+    samples are further from the BF16 model's than a W8A8 engine's are."""
+    a, _, _ = dirs
+    bf16_model = AutoModelForCausalLM.from_pretrained(str(a), dtype=torch.float32).eval()
+
+    def mean_abs_dp(prec: PrecisionConfig) -> tuple[float, TorchEngine]:
+        engine = TorchEngine(a, precision=prec, dtype=torch.float32)
+        batch = engine.generate(PROMPTS, SPEC)
+        lp = response_logprobs(bf16_model, batch).gather(-1, batch.responses[..., None]).squeeze(-1)
+        m = batch.response_mask
+        assert m.any() and torch.isfinite(batch.rollout_logprobs[m]).all()
+        return float((lp.exp() - batch.rollout_logprobs.exp())[m].abs().mean()), engine
+
+    dp4, engine = mean_abs_dp(PrecisionConfig(weights="int4", activations="int4", kv_cache="int4_per_token_head"))
+    assert engine.describe()["linear_path"] == "wint4aint4_simulated"
+    assert engine.describe()["activations"] == "int4"
+    dp8, _ = mean_abs_dp(PrecisionConfig(weights="int8", activations="int8", kv_cache="bf16"))
+    assert dp4 > 3 * dp8 > 0, (dp4, dp8)

@@ -59,6 +59,8 @@ def test_auto_backends_not_passed():
 def test_mixed_precision_without_checkpoint_format_refused():
     with pytest.raises(VllmConfigError, match=r"rollout\.precision.*W=int8 A=fp8"):
         resolve_vllm_options(_cfg(), _prec("int8", "fp8"), "float32", "cpu")
+    with pytest.raises(VllmConfigError, match=r"rollout\.precision.*W=int4 A=int4 from no checkpoint format"):
+        resolve_vllm_options(_cfg(), _prec("int4", "int4"), "float32", "cpu")
 
 
 def test_routing_capture_refused_on_cpu_naming_the_key(quick_cfg, tmp_path):

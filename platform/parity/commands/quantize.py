@@ -40,6 +40,15 @@ def run(cfg: DictConfig) -> dict:
     if precision.weights == "bf16":
         raise PrecisionConfigError("nothing to quantize: the rollout precision has BF16 weights; set "
                                    "`actor_rollout_ref.rollout.quantization` (int8 | fp8) or `rollout.precision.weights`")
+    from parity.precision.export import EXPORTABLE
+
+    if (precision.weights, precision.activations) not in EXPORTABLE:
+        # int4 / int3 weights and int4 activations exist only as the torch engine's simulation: refuse before
+        # anything is written
+        raise PrecisionConfigError(
+            f"config key `rollout.precision`: W={precision.weights} A={precision.activations} has no compressed-tensors "
+            "checkpoint (it is simulated by the torch engine only); exportable: "
+            + ", ".join(f"W={w} A={a}" for w, a in EXPORTABLE))
     source = Path(prepare_model(cfg)["model_dir"])
     t0 = time.perf_counter()
     # the stored dtype: codes then equal what an engine computes from the same weights, and the layers

@@ -101,8 +101,8 @@ class PrecisionValidationConfig:
 
 @dataclass
 class PrecisionConfig:
-    weights: str = "bf16"  # bf16 | int8 | fp8
-    activations: str = "bf16"  # bf16 | int8 | fp8  (int8 = per-token dynamic)
+    weights: str = "bf16"  # bf16 | int8 | fp8 | int4 | int3  (int4 / int3: torch engine only)
+    activations: str = "bf16"  # bf16 | int8 | fp8 | int4  (per-token dynamic; int4: torch engine only)
     kv_cache: str = "bf16"  # bf16 | int8 | int4_per_token_head | fp8 | fp8_per_token_head
     kv_hadamard: bool = True  # int4 KV: rotate by vLLM's randomized Hadamard transform before quantizing
     # `quantize` writes <export_dir>/<model>-W8A8-INT8/ (checkpoint + config.json), the seed's path pattern
@@ -237,6 +237,10 @@ class TrainerConfig:
     run_name: str = "${experiment_name}"
     eval_every: int = 10
     eval_problems: int = 256
+    # with a quantized rollout, evaluations also measure the trainer's weights without the quantization
+    # (`eval/accuracy_unquantized`, torch engine in the compute dtype; in-process loop): what training did to the
+    # policy apart from what deploying it quantized costs
+    eval_unquantized: bool = True
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     max_bad_steps: int = 3  # consecutive non-finite steps before the run stops

@@ -31,6 +31,9 @@ def validate_config(cfg: DictConfig) -> None:
     _check(not (r.name == "vllm" and r.precision.weights in ("int4", "int3")), "rollout.precision.weights",
            f"{r.precision.weights} weights are simulated by the torch engine only (rollout.name=torch); vLLM has no "
            "such checkpoint here")
+    _check(not (r.name == "vllm" and r.precision.activations == "int4"), "rollout.precision.activations",
+           "int4 activations are simulated by the torch engine only (rollout.name=torch); vLLM has no such "
+           "checkpoint here")
     _check(r.temperature > 0, "rollout.temperature", f"must be > 0, got {r.temperature}")
     _check(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
     _check(r.n >= 1, "rollout.n", f"must be >= 1, got {r.n}")

@@ -41,7 +41,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def checkpoint_dir_name(model_name: str, weights: str, activations: str) -> str:
     """<model>-W8A8-INT8 (the seed's pattern), <model>-W8A8-FP8, <model>-W8A16-FP8; model = last path part."""
     base = str(model_name).rstrip("/").split("/")[-1]
-    a_bits = "8" if activations != "bf16" else "16"
+    a_bits = {"bf16": "16", "int4": "4"}.get(activations, "8")
     return f"{base}-W8A{a_bits}-{weights.upper()}"
 
 

@@ -1,4 +1,4 @@
-"""Number formats of the low-precision rollout: INT8, FP8 E4M3 and weight-only INT4 / INT3, one scale per row.
+"""Number formats of the low-precision rollout: INT8, FP8 E4M3, INT4 and weight-only INT3, one scale per row.
 
 A "row" is the last dimension: for a weight [out, in] one scale per output channel, for an
 activation [..., in] one scale per token (computed on the fly, "dynamic"). Every function returns
@@ -8,7 +8,8 @@ activation [..., in] one scale per token (computed on the fly, "dynamic"). Every
 Error bounds (x a row, a = max|x| over the row), all exact statements about these functions:
 - INT8 symmetric, scale s = a / 127, q = round_half_even(x / s) in [-127, 127]:
       |x - q s| <= s / 2 = a / 254 for every element.
-- INT4 / INT3 symmetric (weights only), the same with qmax 7 / 3: |x - q s| <= s / 2 = a / 14 (INT4), a / 6 (INT3).
+- INT4 / INT3 symmetric, the same with qmax 7 / 3: |x - q s| <= s / 2 = a / 14 (INT4), a / 6 (INT3).
+  INT4 serves weights and activations (per-token dynamic scale a / 7), INT3 weights only.
 - FP8 E4M3 (torch.float8_e4m3fn, 3 mantissa bits, max 448), s = a / 448, q = fp8(x / s)
   (round to nearest even):
       |x - q s| <= max(|x| * 2**-4, s * 2**-10)
@@ -34,7 +35,9 @@ INT3_QMAX = 3
 # container); a harsher deployment format simulated by the torch engine only (not exported, not vLLM).
 # int3: the same with codes in [-3, 3] (7 levels), harsher still (the corrections study's stress format)
 WEIGHT_FORMATS = ("bf16", "int8", "fp8", "int4", "int3")
-ACTIVATION_FORMATS = ("bf16", "int8", "fp8")
+# int4 activations: per-token symmetric RTN INT4 with a dynamic scale max|token| / 7 (codes in [-7, 7]); fake-
+# quantized by the torch engine only (no exported checkpoint, no vLLM), the issue-4 pilot's harsh setting
+ACTIVATION_FORMATS = ("bf16", "int8", "fp8", "int4")
 
 
 def _row_scale(x: torch.Tensor, qmax: float) -> torch.Tensor:

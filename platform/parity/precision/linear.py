@@ -7,7 +7,8 @@ quantized policy's (pi_inf), not BF16's:
                 y = acc * sx * sw in float32, then cast to x's dtype (+ bias)
     W8A8 FP8    same with E4M3 codes; the product of two E4M3 codes is exact in float32
     weight-only w_hat = wq * sw in x's dtype; y = x @ w_hat^T
-    others      (e.g. int8 weights with fp8 activations) quantize/dequantize both, float32 matmul
+    others      (e.g. int8 weights with fp8 activations, or int4 activations with any weights: per-token
+                RTN INT4, codes in [-7, 7]) quantize/dequantize both, float32 matmul
 
 Which kernel runs is reported by `QuantLinear.path`:
     int8_triton      CUDA with Triton (parity.precision.int8_triton): the int8 product with the rescale fused in,
@@ -81,7 +82,8 @@ def select_path(weights: str, activations: str, device: torch.device, in_feature
         return "bf16"
     if activations == "bf16":
         return f"{weights}_weight_only"
-    if weights != activations:
+    if weights != activations or weights not in ("int8", "fp8"):
+        # mixed formats, and W4A4 INT4 (no integer kernel here): fake-quantize both sides
         return f"w{weights}a{activations}_simulated"
     if weights == "int8":
         if device.type == "cuda":
