@@ -78,12 +78,17 @@ def run_one(spec: dict, outputs: str, env: dict) -> dict:
             "abs_prob_diff_max": max((r["mismatch/abs_prob_diff_max"] for r in steps
                                       if "mismatch/abs_prob_diff_max" in r), default=None),
             "routing_disagreement": mean_of("r3/routing_disagreement"),
-            "skipped_steps": steps[-1].get("train/skipped_steps", 0.0)}
+            "skipped_steps": steps[-1].get("train/skipped_steps", 0.0),
+            # the same weights on an unquantized engine (trainer.eval_unquantized; absent for bf16 rollouts):
+            # the training effect without the deployment gap of the quantized engine
+            "acc_unquantized_curve": [(r["step"], r["eval/accuracy_unquantized"]) for r in rows
+                                      if "eval/accuracy_unquantized" in r]}
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| precision | correction | lr | seeds | held-out acc start -> final (best) | reward first20 -> last20 "
-             "| mean abs p diff | max abs p diff | collapsed |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| precision | correction | lr | seeds | held-out acc start -> final (best) | same weights unquantized "
+             "start -> final | reward first20 -> last20 | mean abs p diff | max abs p diff | collapsed |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     groups: dict[tuple, list[dict]] = {}
     for r in results:
         if "error" not in r:
@@ -91,14 +96,17 @@ def table(results: list[dict]) -> str:
     for (prec, corr, lr), rs in groups.items():
         def m(key: str, rs: list[dict] = rs) -> float:
             return statistics.fmean(x[key] for x in rs)
+        curves = [x.get("acc_unquantized_curve") for x in rs]
+        plain = (f"{statistics.fmean(c[0][1] for c in curves):.3f} -> {statistics.fmean(c[-1][1] for c in curves):.3f}"
+                 if all(curves) else "-")
         lines.append(f"| {prec} | {corr} | {lr} | {len(rs)} | {m('acc_start'):.3f} -> {m('acc_final'):.3f} "
-                     f"({m('acc_best'):.3f}) | {m('reward_first20'):.3f} -> {m('reward_last20'):.3f} | "
+                     f"({m('acc_best'):.3f}) | {plain} | {m('reward_first20'):.3f} -> {m('reward_last20'):.3f} | "
                      f"{m('abs_prob_diff_mean'):.2e} | {max(x['abs_prob_diff_max'] or 0.0 for x in rs):.2f} | "
                      f"{sum(x['collapsed'] for x in rs)}/{len(rs)} |")
     for r in results:
         if "error" in r:
             lines.append(f"| {r['precision']} | {r['correction']} | {r['lr']} | seed {r['seed']} | failed: "
-                         f"{r['error'].strip().splitlines()[-1][:120]} | | | | |")
+                         f"{r['error'].strip().splitlines()[-1][:120]} | | | | | |")
     return "\n".join(lines) + "\n"
 
 

@@ -62,3 +62,35 @@ def test_cli_train_prints_summary_json(outputs_dir, prepared_model):
     assert out.returncode == 0, out.stderr[-2000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["command"] == "train" and summary["steps"] == 1 and summary["latest_checkpoint"]
+
+
+def test_quantized_rollout_also_evaluates_the_unquantized_weights(quick_cfg, prepared_model):
+    """With an INT8 rollout, every evaluation also measures the trainer's weights on an unquantized engine:
+    at step 0 that is exactly the prepared model's greedy accuracy on an unquantized engine, at the end the
+    summary carries both; a BF16 rollout (nothing quantized) records no second accuracy."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from parity.data.arithmetic import arithmetic_problems
+    from parity.rewards.grader import GraderPool
+    from parity.rollout.torch_engine import TorchEngine
+    from parity.training.heldout import heldout_accuracy
+    over = ("trainer.eval_every=2", "trainer.eval_problems=16", "trainer.checkpoint_every=2")
+    s = train(quick_cfg("trainer.run_name=int8_eval", "+precision=w8a8_int8", *over))
+    rows = [json.loads(x) for x in (Path(s["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval/accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 2]
+    assert all("eval/accuracy_unquantized" in r for r in evals)
+    cfg = quick_cfg()
+    tok = AutoTokenizer.from_pretrained(str(prepared_model))
+    problems = arithmetic_problems("test", 16, cfg.data.arithmetic)
+    with GraderPool(workers=1) as grader:
+        def acc(model_dir) -> float:
+            return heldout_accuracy(TorchEngine(model_dir, dtype=torch.float32), tok, problems,
+                                    cfg.data.prompt_template, grader, cfg.rollout.max_new_tokens)
+        first, last = acc(prepared_model), acc(s["latest_checkpoint"])  # the final step's weights, unquantized
+    assert s["initial_accuracy_unquantized"] == evals[0]["eval/accuracy_unquantized"] == first
+    assert s["final_accuracy_unquantized"] == evals[1]["eval/accuracy_unquantized"] == last
+    b = train(quick_cfg("trainer.run_name=bf16_eval", *over))
+    assert "initial_accuracy_unquantized" not in b and "final_accuracy_unquantized" not in b

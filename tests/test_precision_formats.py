@@ -131,14 +131,16 @@ def test_int4_int3_weight_only_linear_is_the_dequantized_product(fmt: str) -> No
     from parity.precision.linear import QuantLinear
 
     lin = torch.nn.Linear(96, 64, bias=True)
-    with torch.no_grad():
+    with torch.no_grad():  # every input seeded: the bias was drawn from the process's unseeded generator
         lin.weight.copy_(_weights())
+        lin.bias.copy_(torch.randn(64, generator=torch.Generator().manual_seed(4)))
     q = QuantLinear.from_linear(lin, fmt, "bf16")
     assert q.path == f"{fmt}_weight_only"
     x = torch.randn(5, 96, generator=torch.Generator().manual_seed(3))
     qw, sw = quantize_rowwise(lin.weight.detach(), fmt)
     ref = x.double() @ (qw.double() * sw.double()).t() + lin.bias.detach().double()
-    torch.testing.assert_close(q(x).double(), ref, rtol=1e-5, atol=1e-5)
+    # the float32 layer against a float64 reference: 1e-5 was at the edge (1.02e-5 seen once)
+    torch.testing.assert_close(q(x).double(), ref, rtol=1e-5, atol=5e-5)
 
 
 def test_int4_activation_fake_quant_hand_computed_per_token() -> None:

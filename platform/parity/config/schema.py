@@ -237,6 +237,10 @@ class TrainerConfig:
     run_name: str = "${experiment_name}"
     eval_every: int = 10
     eval_problems: int = 256
+    # with a quantized rollout, evaluations also measure the trainer's weights without the quantization
+    # (`eval/accuracy_unquantized`, torch engine in the compute dtype; in-process loop): what training did to the
+    # policy apart from what deploying it quantized costs
+    eval_unquantized: bool = True
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     max_bad_steps: int = 3  # consecutive non-finite steps before the run stops

@@ -23,7 +23,7 @@ from parity.data.prompts import build_train_stream, render_prompt
 from parity.errors import ParityError
 from parity.models.prepare import prepare_model
 from parity.paths import plain_name
-from parity.rollout import build_engine, resolve_device, sampling_spec
+from parity.rollout import build_engine, compute_dtype, resolve_device, rollout_precision, sampling_spec
 from parity.training.checkpoint import CheckpointManager
 from parity.training.heldout import heldout_accuracy
 from parity.training.trainer import Trainer
@@ -76,6 +76,11 @@ def _set_rng_state(s: dict) -> None:
     torch.set_rng_state(s["torch"])
 
 
+def _quantized(precision: Any) -> bool:
+    """Whether a rollout precision changes any number the engine computes (weights, activations or KV cache)."""
+    return any(str(getattr(precision, k, "bf16")) != "bf16" for k in ("weights", "activations", "kv_cache"))
+
+
 def train(cfg: Any, callbacks: list[Callback] | None = None) -> dict:
     from parity.rewards.grader import GraderPool
 
@@ -118,14 +123,28 @@ def train(cfg: Any, callbacks: list[Callback] | None = None) -> dict:
     max_prompt = model.config.max_position_embeddings - cfg.rollout.max_new_tokens
     test_problems = arithmetic_problems("test", cfg.trainer.eval_problems, cfg.data.arithmetic)
     summary: dict[str, Any] = {"run_dir": str(run_dir), "start_step": start_step, "engine": engine.describe()}
+    # the same weights without the rollout's quantization, evaluated beside it (trainer.eval_unquantized)
+    plain = None
+    if cfg.trainer.eval_unquantized and cfg.trainer.eval_every and _quantized(rollout_precision(cfg)):
+        from parity.rollout.torch_engine import TorchEngine
+        plain = TorchEngine(start_dir, device=str(device), dtype=compute_dtype(cfg, device))
     with GraderPool(workers=cfg.eval.grade_workers, timeout_s=cfg.eval.grade_timeout_s) as grader:
-        def evaluate() -> float:
-            return heldout_accuracy(engine, tok, test_problems, cfg.data.prompt_template, grader,
-                                    cfg.rollout.max_new_tokens)
+        def evaluate() -> dict[str, float]:
+            out = {"eval/accuracy": heldout_accuracy(engine, tok, test_problems, cfg.data.prompt_template, grader,
+                                                     cfg.rollout.max_new_tokens)}
+            if plain is not None:
+                plain.update_weights(trainer.sync_weights())
+                out["eval/accuracy_unquantized"] = heldout_accuracy(plain, tok, test_problems,
+                                                                    cfg.data.prompt_template, grader,
+                                                                    cfg.rollout.max_new_tokens)
+            return out
 
         if start_step == 0:
-            summary["initial_accuracy"] = acc = evaluate()
-            _emit(metrics_log, callbacks, 0, {"eval/accuracy": acc})
+            first = evaluate()
+            summary["initial_accuracy"] = first["eval/accuracy"]
+            if plain is not None:
+                summary["initial_accuracy_unquantized"] = first["eval/accuracy_unquantized"]
+            _emit(metrics_log, callbacks, 0, first)
         bar = tqdm(range(start_step, cfg.trainer.total_steps), desc=f"train {run_dir.name}", unit="step",
                    initial=start_step, total=cfg.trainer.total_steps, mininterval=2.0)
         for step in bar:
@@ -150,7 +169,7 @@ def train(cfg: Any, callbacks: list[Callback] | None = None) -> dict:
                             "perf/train_tokens_per_s": n_tok / max(1e-9, t_train - t_grade)})
             done = step + 1
             if cfg.trainer.eval_every and (done % cfg.trainer.eval_every == 0 or done == cfg.trainer.total_steps):
-                metrics["eval/accuracy"] = evaluate()
+                metrics.update(evaluate())
             if cfg.trainer.checkpoint_every and (done % cfg.trainer.checkpoint_every == 0
                                                  or done == cfg.trainer.total_steps):
                 ckpts.save(done, trainer.model, tok, {"step": done, "trainer": trainer.state_dict(),
@@ -158,6 +177,8 @@ def train(cfg: Any, callbacks: list[Callback] | None = None) -> dict:
             _emit(metrics_log, callbacks, done, metrics)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=metrics.get("eval/accuracy", ""))
     engine.close()
+    if plain is not None:
+        plain.close()
     rows = metrics_log.read()
     accs = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
     summary.update({"steps": cfg.trainer.total_steps, "final_accuracy": accs[-1] if accs else None,
@@ -165,6 +186,9 @@ def train(cfg: Any, callbacks: list[Callback] | None = None) -> dict:
                     "final_reward": next((r["reward/mean"] for r in reversed(rows) if "reward/mean" in r), None),
                     "latest_checkpoint": str(ckpts.list()[-1]) if ckpts.list() else None,
                     "seconds": round(time.time() - t_start, 1)})
+    plain_accs = [r["eval/accuracy_unquantized"] for r in rows if "eval/accuracy_unquantized" in r]
+    if plain_accs:
+        summary["final_accuracy_unquantized"] = plain_accs[-1]
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary
 
