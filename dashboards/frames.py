@@ -16,7 +16,8 @@ from dashboards.data import RunRecord, mlflow_run_url
 
 # Per-step curves the Compare page offers first (METRICS.md and the training loop name them).
 CURVE_METRICS = [
-    "reward/mean", "eval/accuracy", "mismatch/abs_prob_diff_mean", "mismatch/k3_kl", "correction/lambda",
+    "reward/mean", "eval/accuracy", "eval/accuracy_unquantized", "mismatch/abs_prob_diff_mean", "mismatch/k3_kl",
+    "correction/lambda",
     "correction/sc_term_abs", "perf/rollout_tokens_per_s",
 ]
 # Metric names a run may carry its benchmark average under (first found wins).
