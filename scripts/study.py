@@ -79,15 +79,15 @@ def run_one(spec: dict, outputs: str, env: dict) -> dict:
                                       if "mismatch/abs_prob_diff_max" in r), default=None),
             "routing_disagreement": mean_of("r3/routing_disagreement"),
             "skipped_steps": steps[-1].get("train/skipped_steps", 0.0),
-            # the same weights on an unquantized engine (trainer.eval_unquantized; absent for bf16 rollouts):
-            # the training effect without the deployment gap of the quantized engine
-            "acc_unquantized_curve": [(r["step"], r["eval/accuracy_unquantized"]) for r in rows
-                                      if "eval/accuracy_unquantized" in r]}
+            # the same weights on an unquantized engine (trainer.eval_unquantized; a bf16 rollout's own engine is
+            # that already): the training effect without the deployment gap of the quantized engine
+            "acc_unquantized_curve": acc if spec["precision"] == "bf16" else
+            [(r["step"], r["eval/accuracy_unquantized"]) for r in rows if "eval/accuracy_unquantized" in r]}
 
 
 def table(results: list[dict]) -> str:
     lines = ["| precision | correction | lr | seeds | held-out acc start -> final (best) | same weights unquantized "
-             "start -> final (mean of the last 3 evaluations) | reward first20 -> last20 | mean abs p diff | max abs p diff | collapsed |",
+             "start -> final (mean of the last 3 evaluations +- standard error over seeds) | reward first20 -> last20 | mean abs p diff | max abs p diff | collapsed |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     groups: dict[tuple, list[dict]] = {}
     for r in results:
@@ -98,8 +98,12 @@ def table(results: list[dict]) -> str:
             return statistics.fmean(x[key] for x in rs)
         curves = [x.get("acc_unquantized_curve") for x in rs]
         # a single evaluation of 256 problems moves by ~0.03 between evaluations: the mean of the last three too
-        plain = (f"{statistics.fmean(c[0][1] for c in curves):.3f} -> {statistics.fmean(c[-1][1] for c in curves):.3f}"
-                 f" (last 3: {statistics.fmean(a for c in curves for _, a in c[-3:]):.3f})" if all(curves) else "-")
+        plain = "-"
+        if all(curves):
+            late = [statistics.fmean(a for _, a in c[-3:]) for c in curves]  # per seed
+            se = f" +- {statistics.stdev(late) / len(late) ** 0.5:.3f}" if len(late) > 1 else ""
+            plain = (f"{statistics.fmean(c[0][1] for c in curves):.3f} -> {statistics.fmean(c[-1][1] for c in curves):.3f}"
+                     f" (last 3: {statistics.fmean(late):.3f}{se})")
         lines.append(f"| {prec} | {corr} | {lr} | {len(rs)} | {m('acc_start'):.3f} -> {m('acc_final'):.3f} "
                      f"({m('acc_best'):.3f}) | {plain} | {m('reward_first20'):.3f} -> {m('reward_last20'):.3f} | "
                      f"{m('abs_prob_diff_mean'):.2e} | {max(x['abs_prob_diff_max'] or 0.0 for x in rs):.2f} | "
