@@ -28,7 +28,7 @@ if not picked:
 
 extra = [k for k in common.latest_metric_keys(src.tracking_uri, tuple(picked)) if k not in frames.CURVE_METRICS]
 present = set(common.latest_metric_keys(src.tracking_uri, tuple(picked)))
-default_keys = [k for k in frames.CURVE_METRICS[:4] if k in present] or frames.CURVE_METRICS[:1]
+default_keys = [k for k in frames.CURVE_METRICS if k in present][:4] or frames.CURVE_METRICS[:1]  # first 4 logged
 c1, c2, c3 = st.columns([3, 1, 1])
 keys = c1.multiselect("metrics", frames.CURVE_METRICS + extra, default=default_keys, key="compare_metrics")
 smoothing = c2.slider("smoothing (EMA weight)", 0.0, 0.99, 0.0, 0.01, key="compare_smoothing")
