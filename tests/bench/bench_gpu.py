@@ -20,6 +20,7 @@ Sections, each timed with CUDA synchronisation around the region, each failure r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -218,35 +219,39 @@ def rollout(d: str, reps: int) -> None:
     dump()
 
 
+@contextlib.contextmanager
+def _quant_path(eng, path: str | None):
+    """Every QuantLinear of the engine on `path` (None: unchanged) inside the block, restored after."""
+    from parity.precision.linear import QuantLinear
+    quant = [m for m in eng.model.modules() if isinstance(m, QuantLinear)]
+    paths = [m.path for m in quant]
+    for m in quant:
+        m.path = path or m.path
+    try:
+        yield
+    finally:
+        for m, p in zip(quant, paths):
+            m.path = p
+
+
 def _decode_tok_s(eng, ps: list[list[int]], spec, reps: int, stack: bool = True, path: str | None = None) -> float:
     """Fast-path tokens/s with q/k/v and gate/up stacked or not, and (INT8) another QuantLinear path; the engine
     is left as it was."""
     import parity.rollout.cuda_decode as cd
-    from parity.precision.linear import QuantLinear
-    quant = [m for m in eng.model.modules() if isinstance(m, QuantLinear)]
-    paths = [m.path for m in quant]
     cd._STACK = stack
-    for m in quant:
-        m.path = path or m.path
     try:
-        eng._fast_state = None
-        eng.generate(ps, spec)
-        t, _ = timed(lambda: eng.generate(ps, spec), reps)
+        with _quant_path(eng, path):
+            eng._fast_state = None
+            eng.generate(ps, spec)
+            t, _ = timed(lambda: eng.generate(ps, spec), reps)
     finally:
         cd._STACK = True
-        for m, p in zip(quant, paths):
-            m.path = p
         eng._fast_state = None
     return BATCH * R_TOKENS / t
 
 
 def prefill_ms(eng, ps: list[list[int]], path: str | None = None) -> float:
     """Milliseconds of the engine's prefill forward (all prompts at once, eager modules), median of 5."""
-    from parity.precision.linear import QuantLinear
-    quant = [m for m in eng.model.modules() if isinstance(m, QuantLinear)]
-    paths = [m.path for m in quant]
-    for m in quant:
-        m.path = path or m.path
     ids = torch.tensor(ps, device="cuda")
     B, P = ids.shape
     caches = [(torch.zeros(B, eng.n_kv, P, eng.head_dim, dtype=torch.bfloat16, device="cuda"),
@@ -254,13 +259,9 @@ def prefill_ms(eng, ps: list[list[int]], path: str | None = None) -> float:
               for _ in eng.model.model.layers]
     mask = torch.ones(P, P, dtype=torch.bool, device="cuda").tril()[None, None].expand(B, 1, P, P)
     pos = torch.arange(P, device="cuda")[None].expand(B, P)
-    try:
-        with torch.no_grad():
-            eng._forward(ids, pos, caches, 0, mask)
-            t, _ = timed(lambda: eng._forward(ids, pos, caches, 0, mask), 5)
-    finally:
-        for m, p in zip(quant, paths):
-            m.path = p
+    with _quant_path(eng, path), torch.no_grad():
+        eng._forward(ids, pos, caches, 0, mask)
+        t, _ = timed(lambda: eng._forward(ids, pos, caches, 0, mask), 5)
     return t * 1e3
 
 
@@ -519,6 +520,8 @@ def interleaved_sc_ab(d: str, comp: bool, out: dict, rounds: int = 9) -> None:
     ratios = [s / g for s, g in zip(times["sc"], times["grpo"])]
     out[f"interleaved{suffix}_grpo_step_s"] = statistics.median(times["grpo"])
     out[f"interleaved{suffix}_sc_step_s"] = statistics.median(times["sc"])
+    peak = RESULTS.get("ceilings", {}).get("bf16_matmul_TFLOPs", 790.0) * 1e12
+    out[f"interleaved{suffix}_grpo_mfu"] = train_flops_per_step() / statistics.median(times["grpo"]) / peak
     out[f"interleaved{suffix}_sc_time_ratio"] = statistics.median(times["sc"]) / statistics.median(times["grpo"])
     out[f"interleaved{suffix}_sc_time_ratio_per_round"] = sorted(round(r, 4) for r in ratios)
     print(f"interleaved score centering / GRPO{suffix}: {out[f'interleaved{suffix}_sc_time_ratio']:.3f} "

@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from parity.precision.formats import quantize_int8_rowwise
+from parity.precision.formats import INT8_QMAX, quantize_int8_rowwise
 
 try:  # Triton kernels resolve names from module globals: import here
     import triton
@@ -40,7 +40,7 @@ if not hasattr(torch.library, "triton_op"):  # torch < 2.6: no way to call the k
     triton = None
 
 # torch on CUDA divides by a Python scalar as a product with the float32 reciprocal: float32(1) / float32(127)
-_INV_QMAX = 0.007874015718698502
+_INV_QMAX = float(torch.tensor(1.0, dtype=torch.float32) / INT8_QMAX)
 # why usable() said no (None while it has not, or said yes), for reports
 unusable_reason: str | None = None
 
@@ -153,13 +153,10 @@ def _m_key(m: int) -> int:
 
 def _reference(xq: torch.Tensor, wq: torch.Tensor, xs: torch.Tensor, ws: torch.Tensor,
                out_dtype: torch.dtype) -> torch.Tensor:
-    """The torch path the kernel must equal bit for bit: exact int32 accumulator, then the eager rescale."""
-    if xq.is_cuda:
-        m = xq.shape[0]
-        pad = 0 if (m > 16 and m % 8 == 0) else max(24, (m + 7) // 8 * 8) - m
-        acc = torch._int_mm(torch.nn.functional.pad(xq, (0, 0, 0, pad)), wq.t())[:m]
-    else:
-        acc = (xq.double() @ wq.double().t()).to(torch.int32)  # exact: |sum| < 2**53
+    """The torch path the kernel must equal bit for bit: QuantLinear's exact int32 accumulator (cuBLASLt on CUDA),
+    then the eager rescale."""
+    from parity.precision.linear import _int8_gemm  # linear imports this module lazily: no cycle at import
+    acc = _int8_gemm(xq, wq, "int8_mm_cuda" if xq.is_cuda else "int8_simulated")
     return (acc.float() * xs * ws.t()).to(out_dtype)
 
 

@@ -222,7 +222,7 @@ class _Fused:
     @classmethod
     def build(cls, mods: list) -> _Fused | None:
         lins = [_lin_of(m) for m in mods]
-        w0, s0, b0, k0 = lins[0]
+        w0, _, b0, k0 = lins[0]
         if any(k != k0 or w.dtype != w0.dtype or (b is None) != (b0 is None) for w, _, b, k in lins):
             return None  # mixed formats: one product each
         cat = [None if lins[0][i] is None else torch.cat([lin[i] for lin in lins]) for i in range(3)]
