@@ -254,3 +254,59 @@ def test_int8_triton_path_inside_a_compiled_function_equals_the_cublas_path() ->
         x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
         assert torch.equal(quant_linear_forward(x, *args, "int8_triton"), quant_linear_forward(x, *args, "int8_mm_cuda"))
         assert torch.equal(fn(x, "int8_triton"), fn(x, "int8_mm_cuda"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (and Triton)")
+def test_int8_triton_every_tile_configuration_is_bit_identical() -> None:
+    """Each tile configuration the autotuner may choose for a product (decode tiles deep in K included) equals
+    torch._int_mm + rescale bit for bit on decode-sized and ragged shapes: the choice depends on timing, the
+    result must not."""
+    if not _int8_triton_usable():
+        pytest.skip("Triton int8 kernel not usable on this device")
+    import triton
+
+    from parity.precision import int8_triton as it
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for m, n, k in [(64, 4096, 1024), (64, 1024, 3072), (1, 80, 200), (37, 136, 1048), (200, 520, 384),
+                    (1000, 264, 1024)]:
+        xq = torch.randint(-127, 128, (m, k), generator=g, device="cuda", dtype=torch.int8)
+        wq = torch.randint(-127, 128, (n, k), generator=g, device="cuda", dtype=torch.int8)
+        xs = torch.rand(m, 1, generator=g, device="cuda") * 3e-2
+        ws = torch.rand(n, 1, generator=g, device="cuda") * 3e-2
+        ref = it._reference(xq, wq, xs, ws, torch.bfloat16)
+        configs = it._prune(it._CONFIGS, {"M_KEY": it._m_key(m), "K": k})
+        assert configs
+        for c in configs:
+            kw = c.kwargs
+            y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            grid = (triton.cdiv(n, kw["BLOCK_N"]), triton.cdiv(m, kw["BLOCK_M"]))
+            it._w8a8_kernel[grid](xq, wq, xs, ws, y, m, n, k, xq.stride(0), wq.stride(0), y.stride(0), m,
+                                  num_stages=c.num_stages, num_warps=c.num_warps, **kw)
+            assert torch.equal(y, ref), ((m, n, k), kw)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (and Triton)")
+def test_int8_triton_product_replays_in_a_cuda_graph() -> None:
+    """The autotuned product captured in a CUDA graph (as the decode step is) and replayed over new inputs
+    written into the captured buffers gives the reference each time."""
+    if not _int8_triton_usable():
+        pytest.skip("Triton int8 kernel not usable on this device")
+    from parity.precision.int8_triton import _reference, w8a8_mm
+    g = torch.Generator(device="cuda").manual_seed(4)
+    m, n, k = 64, 1024, 2048
+
+    def fresh():
+        return (torch.randint(-127, 128, (m, k), generator=g, device="cuda", dtype=torch.int8),
+                torch.randint(-127, 128, (n, k), generator=g, device="cuda", dtype=torch.int8),
+                torch.rand(m, 1, generator=g, device="cuda") * 3e-2, torch.rand(n, 1, generator=g, device="cuda") * 3e-2)
+    bufs = fresh()
+    w8a8_mm(*bufs, torch.bfloat16)  # tunes and sizes the workspace outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = w8a8_mm(*bufs, torch.bfloat16)
+    for _ in range(3):
+        for b, new in zip(bufs, fresh()):
+            b.copy_(new)
+        graph.replay()
+        assert torch.equal(y, _reference(*bufs, torch.bfloat16))

@@ -97,19 +97,25 @@ if triton is not None:
         return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_stages=stages, num_warps=warps)
 
     # Decode (few rows, many columns): tiles narrow in N so that a 1024-column product still spreads over 32-64
-    # SMs, and deep in K so that a K-loop of 2-12 steps keeps the slice's loads in flight at once. Prefill (M in
-    # the thousands): the usual square tensor-core tiles.
-    _CONFIGS = [_config(64, 16, 256, 4), _config(64, 16, 512, 3), _config(64, 16, 256, 4, 2),
-                _config(64, 32, 256, 4), _config(64, 32, 512, 3), _config(64, 32, 128, 5),
-                _config(64, 64, 256, 4), _config(64, 64, 128, 4), _config(64, 128, 128, 4),
-                _config(32, 32, 256, 4), _config(32, 64, 256, 4), _config(16, 32, 256, 4),
+    # SMs, and deep in K so that a K-loop of 1-12 steps keeps the slice's loads in flight at once (measured at
+    # M = 64 on an H200: 4.3-5.9 us a product against 6.1-9.2 us for cuBLAS's bf16 one; docs/PERFORMANCE.md).
+    # Split-K tiles, which add int32 partial sums with atomics, measured 2-8x slower there and are not kept.
+    # Prefill (M in the thousands): the usual square tensor-core tiles.
+    _CONFIGS = [_config(64, 16, 256, 4), _config(64, 32, 256, 4), _config(64, 64, 256, 4),
+                _config(32, 32, 256, 4), _config(16, 32, 256, 4),
+                _config(64, 16, 512, 3), _config(64, 32, 512, 3), _config(64, 64, 512, 2),
+                _config(64, 16, 1024, 2), _config(64, 32, 1024, 1), _config(64, 16, 256, 4, 8),
+                _config(64, 32, 256, 4, 8), _config(64, 64, 128, 4),
                 _config(128, 128, 128, 4, 8), _config(128, 256, 128, 3, 8), _config(256, 128, 128, 3, 8),
                 _config(128, 128, 64, 5, 4)]
 
     def _prune(configs, named_args, **kwargs):
-        """Decode-sized products try the narrow tiles only, prefill-sized ones the wide tiles only."""
+        """Decode-sized products try the narrow tiles only, prefill-sized ones the wide tiles only; no tile
+        deeper than the product's K rounded up to a power of two."""
         small = named_args["M_KEY"] <= 256
-        keep = [c for c in configs if (c.kwargs["BLOCK_M"] <= 64 and c.kwargs["BLOCK_N"] <= 128) == small]
+        depth = triton.next_power_of_2(named_args["K"])
+        keep = [c for c in configs if (c.kwargs["BLOCK_M"] <= 64 and c.kwargs["BLOCK_N"] <= 128) == small
+                and c.kwargs["BLOCK_K"] <= max(depth, 64)]
         return keep or configs
 
     _w8a8_tuned = triton.autotune(configs=_CONFIGS, key=["M_KEY", "N", "K"],
