@@ -94,3 +94,30 @@ def test_quantized_rollout_also_evaluates_the_unquantized_weights(quick_cfg, pre
     assert s["final_accuracy_unquantized"] == evals[1]["eval/accuracy_unquantized"] == last
     b = train(quick_cfg("trainer.run_name=bf16_eval", *over))
     assert "initial_accuracy_unquantized" not in b and "final_accuracy_unquantized" not in b
+
+
+def _id_batch(responses, mask, topk_ids=None):
+    from parity.types import RolloutBatch
+    r = torch.tensor(responses)
+    b, n = r.shape
+    return RolloutBatch(prompts=torch.zeros(b, 2, dtype=torch.long), prompt_mask=torch.ones(b, 2, dtype=torch.bool),
+                        responses=r, response_mask=torch.tensor(mask), rollout_logprobs=torch.zeros(b, n),
+                        rewards=torch.zeros(b), truncated=torch.zeros(b, dtype=torch.bool),
+                        group_ids=torch.arange(b), prompt_ids=torch.arange(b),
+                        topk_ids=None if topk_ids is None else torch.tensor(topk_ids),
+                        topk_logprobs=None if topk_ids is None else torch.zeros(b, n, len(topk_ids[0][0])))
+
+
+def test_trainer_checks_token_ids_on_the_host_and_names_the_row():
+    """The trainer checks token ids against the vocabulary on the host (so the CUDA step has no device sync for
+    it): ids under the response mask and top-K ids (negative ones are padding) must lie in [0, vocab)."""
+    from parity.training.trainer import check_token_ids
+    assert check_token_ids(_id_batch([[1, 2], [3, 99]], [[True, True], [True, False]]), vocab=10)  # 99 is padding
+    with pytest.raises(ValueError, match=r"RolloutBatch\.responses: row 1 holds token ids outside \[0, 10\).*12"):
+        check_token_ids(_id_batch([[1, 2], [12, 0]], [[True, True], [True, True]]), vocab=10)
+    with pytest.raises(ValueError, match=r"RolloutBatch\.responses: row 0 .*-1"):
+        check_token_ids(_id_batch([[-1, 2]], [[True, True]]), vocab=10)
+    ok = _id_batch([[1, 2]], [[True, True]], topk_ids=[[[1, -1], [2, 3]]])
+    assert check_token_ids(ok, vocab=10)
+    with pytest.raises(ValueError, match=r"RolloutBatch\.topk_ids: row 0 .*10"):
+        check_token_ids(_id_batch([[1, 2]], [[True, True]], topk_ids=[[[1, 10], [2, 3]]]), vocab=10)

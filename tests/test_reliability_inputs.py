@@ -94,6 +94,7 @@ def test_grader_attacks_score_zero_within_the_timeout_and_run_no_code(tmp_path):
     (["rollout.temperature=0"], "rollout.temperature"),
     (["rollout.top_p=1.5"], "rollout.top_p"),
     (["trainer.max_bad_steps=0"], "trainer.max_bad_steps"),
+    (["trainer.compile_mode=max-autotune"], "trainer.compile_mode"),
     (["model.tiny.vocab_size=99", "rollout.topk_logprobs=128"], "rollout.topk_logprobs"),  # top-K above vocab
     (["rollout.topk_logprobs=-1"], "rollout.topk_logprobs"),
     (["algorithm.correction.name=score_centering", "algorithm.policy_loss=ppo_clip", "rollout.topk_logprobs=8"],

@@ -130,7 +130,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
 
 
 def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0,
-                           chunk_size: int = 1024) -> torch.Tensor:
+                           chunk_size: int = 1024, check_ids: bool = True) -> torch.Tensor:
     """log_softmax(hidden @ weight.T / temperature)[ids] -> [N, M] fp32, gradients to hidden and weight.
 
     hidden [N, H] (any float dtype), weight [V, H] (the lm_head), ids [N, M] int64."""
@@ -145,8 +145,9 @@ def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torc
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     vocab = weight.shape[0]
-    # an out-of-range id is a device-side assert on CUDA; say which instead
-    if ids.numel() and bool(((ids < 0) | (ids >= vocab)).any()):
+    # an out-of-range id is a device-side assert on CUDA; say which instead (one host sync: callers that checked
+    # the ids on the host already pass check_ids=False, the trainer among them)
+    if check_ids and ids.numel() and bool(((ids < 0) | (ids >= vocab)).any()):
         raise ValueError(f"ids must lie in [0, {vocab}), got min {int(ids.min())} max {int(ids.max())}")
     return _ChunkedTokenLogprobs.apply(hidden, weight, ids, float(temperature), int(chunk_size))
 

@@ -55,8 +55,11 @@ def _check_inputs(hidden: torch.Tensor, batch: RolloutBatch, advantages: torch.T
 
 def rl_objective(hidden: torch.Tensor, lm_head_weight: torch.Tensor, batch: RolloutBatch, advantages: torch.Tensor,
                  old_logprobs: torch.Tensor | None, temperature: float, corrections: CorrectionStack, alg_cfg: Any,
-                 denom: LossDenominators, metrics: StepMetrics) -> torch.Tensor:
-    """Scalar loss of one micro-batch; hidden[:, t] is the final-norm hidden state predicting responses[:, t]."""
+                 denom: LossDenominators, metrics: StepMetrics, rows: torch.Tensor | None = None,
+                 ids_checked: bool = False) -> torch.Tensor:
+    """Scalar loss of one micro-batch; hidden[:, t] is the final-norm hidden state predicting responses[:, t].
+    rows: token_rows(response_mask) when the caller has them (computed on the host they cost the device no
+    sync); ids_checked: the caller has checked every token id against the vocabulary (skips a device sync)."""
     _check_inputs(hidden, batch, advantages, old_logprobs)
     policy_loss = get_policy_loss(str(alg_cfg.policy_loss))
     corrections.check(policy_loss=str(alg_cfg.policy_loss))
@@ -68,9 +71,11 @@ def rl_objective(hidden: torch.Tensor, lm_head_weight: torch.Tensor, batch: Roll
     if chunk < 1:
         raise ValueError(f"algorithm.logprob_chunk_size must be >= 1, got {chunk}")
 
-    rows = token_rows(mask)  # integer indices of the response tokens, once: every x[mask] would sync the device
+    if rows is None:  # integer indices of the response tokens, once: every x[mask] would sync the device
+        rows = token_rows(mask)
     ids, head_lq, head_valid = _gather_ids(batch, rows, corrections.top_k, with_head)
-    flat = chunked_token_logprobs(gather_rows(hidden, rows), lm_head_weight, ids, temperature, chunk)
+    flat = chunked_token_logprobs(gather_rows(hidden, rows), lm_head_weight, ids, temperature, chunk,
+                                  check_ids=not ids_checked)
     logprobs = scatter_rows(flat[:, 0], rows, mask)
     # padding of old log-probs may hold garbage: keep it out of ratios (a NaN there would poison backward)
     train_lp = logprobs.detach() if old_logprobs is None else torch.where(mask, old_logprobs.float(), 0.0)

@@ -23,6 +23,8 @@ def validate_config(cfg: DictConfig) -> None:
     _check(t.mini_batches >= 1, "trainer.mini_batches", f"must be >= 1, got {t.mini_batches}")
     _check(t.grad_clip > 0, "trainer.grad_clip", f"must be > 0, got {t.grad_clip}")
     _check(t.max_bad_steps >= 1, "trainer.max_bad_steps", f"must be >= 1, got {t.max_bad_steps}")
+    _check(t.compile_mode in ("default", "reduce-overhead"), "trainer.compile_mode",
+           f"must be default or reduce-overhead, got {t.compile_mode!r}")
     _check(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "trainer.betas",
            f"must be two values in [0, 1), got {list(t.betas)}")
     _check(t.device in ("auto", "cpu", "cuda") or str(t.device).startswith("cuda:"), "trainer.device",

@@ -17,6 +17,7 @@ import torch
 from parity.algorithms.advantages import compute_advantages
 from parity.algorithms.aggregation import loss_denominators
 from parity.algorithms.corrections import build_corrections
+from parity.algorithms.corrections.base import token_rows
 from parity.algorithms.mismatch import StepMetrics
 from parity.algorithms.objective import rl_objective
 from parity.errors import ParityError
@@ -31,6 +32,26 @@ class NonFiniteError(ParityError):
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+def check_token_ids(batch: RolloutBatch, vocab: int) -> bool:
+    """Raise ValueError naming the field and row when a response token (under the mask) or a top-K id lies
+    outside [0, vocab) (negative top-K ids are padding); True when checked here, False when the batch is not on
+    the host (then the log-prob head checks on the device, at the cost of a sync)."""
+    if batch.responses.is_cuda:
+        return False
+    for name, ids, where in (("responses", batch.responses, batch.response_mask.bool()),
+                             ("topk_ids", batch.topk_ids, None)):
+        if ids is None:
+            continue
+        bad = (ids >= vocab) | ((ids < 0) if where is not None else torch.zeros_like(ids, dtype=torch.bool))
+        if where is not None:
+            bad &= where
+        if bool(bad.any()):
+            row = int(bad.reshape(bad.shape[0], -1).any(-1).nonzero()[0, 0])
+            raise ValueError(f"RolloutBatch.{name}: row {row} holds token ids outside [0, {vocab}) (the lm_head's "
+                             f"vocabulary), e.g. {int(ids[row][bad[row]][0])}")
+    return True
 
 
 class Trainer:
@@ -51,7 +72,8 @@ class Trainer:
             self.model.gradient_checkpointing_enable()
         if self.tcfg.compile_layers:
             from parity.training.fast_compile import compile_decoder_layers_
-            compile_decoder_layers_(self.model)
+            mode = str(self.tcfg.compile_mode)
+            compile_decoder_layers_(self.model, mode=None if mode == "default" else mode)
         self.routing_replay = bool(cfg.algorithm.routing_replay)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -131,6 +153,7 @@ class Trainer:
         B = batch.batch_size
         order = torch.arange(B)
         minis = order.chunk(self.tcfg.mini_batches)
+        ids_checked = check_token_ids(batch, self.model.get_output_embeddings().weight.shape[0])
         need_old = self.tcfg.mini_batches > 1 or self.tcfg.ppo_epochs > 1
         old = None
         if need_old:  # log-probs of the policy that the whole step starts from (PPO's pi_old)
@@ -142,11 +165,16 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 total = 0.0
                 for micro in self._micro_batches(mini):
-                    mb = batch.select(micro).to(self.device)
+                    host_mb = batch.select(micro)
+                    mb = host_mb.to(self.device)
+                    # the response tokens' indices from the host's mask: no device sync between forward and head
+                    rows = token_rows(host_mb.response_mask.bool()).to(self.device)
                     with self._routing(mb, metrics):
-                        loss = self.policy_forward(mb, lambda h, w, mb=mb, micro=micro, denom=denom: rl_objective(
-                            h, w, mb, adv[micro].to(self.device), None if old is None else old[micro],
-                            self.temperature, self.corrections, self.alg, denom, metrics))
+                        loss = self.policy_forward(mb, lambda h, w, mb=mb, micro=micro, denom=denom, rows=rows:
+                                                   rl_objective(h, w, mb, adv[micro].to(self.device),
+                                                                None if old is None else old[micro], self.temperature,
+                                                                self.corrections, self.alg, denom, metrics, rows=rows,
+                                                                ids_checked=ids_checked))
                         loss.backward()  # inside the replay block: checkpointed recomputation replays too
                     total += float(loss.detach())
                 total, gn = self._reduce_and_clip(total)
