@@ -39,6 +39,7 @@ SHAPE = dict(vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_h
              bos_token_id=151_643)
 RESULTS: dict = {}
 OUT_PATH = ["bench_gpu.json"]
+KERNEL_TOTAL_MS = [0.0]  # device time of the kernels in the last top_kernels() call
 
 
 def dump() -> None:
@@ -117,7 +118,7 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 
 @section("rollout")
-def rollout(d: str, reps: int) -> None:
+def rollout(d: str, reps: int, anchors: bool = True) -> None:
     from transformers import AutoModelForCausalLM
 
     from parity.rollout.base import SamplingSpec
@@ -130,6 +131,9 @@ def rollout(d: str, reps: int) -> None:
 
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).cuda().eval()
     out["weight_bytes"] = weight_bytes(hf)
+    if not anchors:  # --skip anchors: the fast paths and their A/Bs only
+        del hf
+        return _fast_rollout(d, reps, out, spec, ps, n_tok, None)
     ids = torch.tensor(ps, device="cuda")
     am = torch.ones_like(ids)
 
@@ -153,6 +157,15 @@ def rollout(d: str, reps: int) -> None:
     t, _ = timed(lambda: eng.generate(ps, spec), reps)
     out["torch_fast_bf16_graph_only_tok_s"] = n_tok / t
     eng.fast_compile = True
+    _fast_rollout(d, reps, out, spec, ps, n_tok, eng, plain)
+
+
+def _fast_rollout(d: str, reps: int, out: dict, spec, ps: list, n_tok: int, eng, plain=None) -> None:
+    """The fast path's figures and A/Bs (BF16, INT8 W8A8, INT8 + INT4 KV) into `out`."""
+    from parity.rollout.torch_engine import TorchEngine
+    anchors = eng is not None
+    if eng is None:
+        eng = TorchEngine(d, device="cuda", dtype=torch.bfloat16)
     t0 = time.perf_counter()
     b0 = eng.generate(ps, spec)  # allocates the static cache, compiles the layer functions, captures the graph
     sync()
@@ -162,32 +175,36 @@ def rollout(d: str, reps: int) -> None:
     t, fast = timed(lambda: eng.generate(ps, spec), reps)
     assert int(fast.response_mask.sum()) == n_tok, "EOS cut some rows short: token count would be wrong"
     out["torch_fast_bf16_tok_s"] = n_tok / t
-    out["fast_over_hf"] = out["torch_fast_bf16_tok_s"] / out["hf_generate_tok_s"]
+    if anchors:
+        out["fast_over_hf"] = out["torch_fast_bf16_tok_s"] / out["hf_generate_tok_s"]
     roof = 4.3e12 / out["weight_bytes"] * BATCH
     if "ceilings" in RESULTS:
         roof = RESULTS["ceilings"]["copy_TBps"] * 1e12 / out["weight_bytes"] * BATCH
     out["roof_tok_s"] = roof
     out["fast_bf16_of_roof"] = out["torch_fast_bf16_tok_s"] / roof
     out["decode_step_profile"] = profile_decode_step(eng)
-    logprob_check(eng, fast, plain)
+    if plain is not None:
+        logprob_check(eng, fast, plain)
     RESULTS["_engines"] = {"bf16": eng}
     dump()
 
-    # A/B in the same run: every step attending over all S cache slots (the previous design)
-    import parity.rollout.cuda_decode as cd
-    bucket, cd._L_BUCKET = cd._L_BUCKET, 1 << 30
-    eng._fast_state = None
-    eng.generate(ps, spec)
-    t, _ = timed(lambda: eng.generate(ps, spec), reps)
-    out["torch_fast_bf16_full_cache_attention_tok_s"] = n_tok / t
-    out["prefix_attention_speedup"] = out["torch_fast_bf16_tok_s"] / out["torch_fast_bf16_full_cache_attention_tok_s"]
-    cd._L_BUCKET = bucket
-    eng._fast_state = None
-    dump()
-    # A/B: q/k/v and gate/up as separate products (the previous design)
-    out["torch_fast_bf16_unstacked_tok_s"] = _decode_tok_s(eng, ps, spec, reps, stack=False)
-    out["stacking_speedup_bf16"] = out["torch_fast_bf16_tok_s"] / out["torch_fast_bf16_unstacked_tok_s"]
-    dump()
+    if anchors:
+        # A/B in the same run: every step attending over all S cache slots (the previous design)
+        import parity.rollout.cuda_decode as cd
+        bucket, cd._L_BUCKET = cd._L_BUCKET, 1 << 30
+        eng._fast_state = None
+        eng.generate(ps, spec)
+        t, _ = timed(lambda: eng.generate(ps, spec), reps)
+        out["torch_fast_bf16_full_cache_attention_tok_s"] = n_tok / t
+        out["prefix_attention_speedup"] = (out["torch_fast_bf16_tok_s"]
+                                           / out["torch_fast_bf16_full_cache_attention_tok_s"])
+        cd._L_BUCKET = bucket
+        eng._fast_state = None
+        dump()
+        # A/B: q/k/v and gate/up as separate products (the previous design)
+        out["torch_fast_bf16_unstacked_tok_s"] = _decode_tok_s(eng, ps, spec, reps, stack=False)
+        out["stacking_speedup_bf16"] = out["torch_fast_bf16_tok_s"] / out["torch_fast_bf16_unstacked_tok_s"]
+        dump()
 
     for label, prec in [("int8_w8a8", SimpleNamespace(weights="int8", activations="int8", kv_cache="bf16")),
                         ("int8_w8a8_int4kv", SimpleNamespace(weights="int8", activations="int8",
@@ -203,16 +220,34 @@ def rollout(d: str, reps: int) -> None:
         dump()
         if label == "int8_w8a8":  # A/Bs of the INT8 path in the same run
             out["int8_w8a8_decode_step_profile"] = profile_decode_step(q)
-            out["prefill_ms_bf16"] = prefill_ms(eng, ps)
-            out["prefill_ms_int8_w8a8"] = prefill_ms(q, ps)
+            for e, name in ((eng, "bf16"), (q, "int8_w8a8")):
+                for mode in ("modules", "stacked", "compiled"):
+                    out[f"prefill_ms_{name}_{mode}"] = fast_prefill_ms(e, ps, spec, mode)
+                out[f"prefill_{name}_top_kernels_modules"] = fast_prefill_ms(e, ps, spec, "modules", kernels=True)
+                out[f"prefill_{name}_top_kernels_stacked"] = fast_prefill_ms(e, ps, spec, "stacked", kernels=True)
             if q.linear_path == "int8_triton":
-                out["prefill_ms_int8_w8a8_cublas"] = prefill_ms(q, ps, path="int8_mm_cuda")
-            out["int8_w8a8_unstacked_tok_s"] = _decode_tok_s(q, ps, spec, reps, stack=False)
+                out["prefill_ms_int8_w8a8_cublas_modules"] = fast_prefill_ms(q, ps, spec, "modules", path="int8_mm_cuda")
+            dump()
+            import parity.rollout.cuda_decode as cd
+            for mode in ("modules", "compiled"):  # decode tokens/s with the other prefill routes (A/B)
+                cd._PREFILL, keep = mode, cd._PREFILL
+                try:
+                    for e, name in ((eng, "bf16"), (q, "int8_w8a8")):
+                        out[f"torch_fast_{name}_prefill_{mode}_tok_s"] = _decode_tok_s(e, ps, spec, reps)
+                finally:
+                    cd._PREFILL = keep
+                out[f"int8_over_bf16_prefill_{mode}"] = (out[f"torch_fast_int8_w8a8_prefill_{mode}_tok_s"]
+                                                         / out[f"torch_fast_bf16_prefill_{mode}_tok_s"])
+                dump()
+            if anchors:
+                out["int8_w8a8_unstacked_tok_s"] = _decode_tok_s(q, ps, spec, reps, stack=False)
             if q.linear_path == "int8_triton":
                 out["int8_w8a8_cublas_tok_s"] = _decode_tok_s(q, ps, spec, reps, path="int8_mm_cuda")
                 out["int8_w8a8_cublas_over_bf16"] = out["int8_w8a8_cublas_tok_s"] / out["torch_fast_bf16_tok_s"]
             dump()
     out["projection_latency_us"] = projection_latency()
+    dump()
+    out["int8_kernel_sweep_us"] = int8_kernel_sweep()
     from parity.precision import int8_triton
     out["int8_triton_configs"] = int8_triton.chosen_configs()
     out["int8_triton_unusable_reason"] = int8_triton.unusable_reason
@@ -250,6 +285,37 @@ def _decode_tok_s(eng, ps: list[list[int]], spec, reps: int, stack: bool = True,
     return BATCH * R_TOKENS / t
 
 
+def fast_prefill_ms(eng, ps: list[list[int]], spec, mode: str, path: str | None = None,
+                    kernels: bool = False) -> float | list[str]:
+    """Milliseconds of the fast path's prompt forward into its static cache by route `mode` (cuda_decode's
+    _PREFILL: modules / stacked / compiled), median of 5 after a warm-up; kernels=True: its top kernels."""
+    import parity.rollout.cuda_decode as cd
+    from parity.rollout.torch_engine import layout_batch
+    if eng._fast_state is None:
+        eng.generate(ps, spec)
+    st = eng._fast_state
+    _, _, ids, pmask, _ = layout_batch(ps, spec, None, eng.pad_id, eng.model.config.max_position_embeddings)
+    ids, pmask = ids.cuda(), pmask.cuda()
+    P = ids.shape[1]
+    i = torch.arange(P, device="cuda")
+    mask = ((i[:, None] >= i[None, :])[None] & pmask[:, None, :])[:, None]
+    pos = (pmask.long().cumsum(-1) - 1).clamp_min(0)
+    keep, cd._PREFILL = cd._PREFILL, mode
+    st.extras.pop("prefill_fns", None)
+    try:
+        with _quant_path(eng, path), torch.no_grad():
+            def run():
+                return cd._run_prefill(eng, st, ids, pos, mask, True)
+            run()
+            if kernels:
+                return top_kernels(run, 10)
+            t, _ = timed(run, 5)
+    finally:
+        cd._PREFILL = keep
+        st.extras.pop("prefill_fns", None)
+    return t * 1e3
+
+
 def prefill_ms(eng, ps: list[list[int]], path: str | None = None) -> float:
     """Milliseconds of the engine's prefill forward (all prompts at once, eager modules), median of 5."""
     ids = torch.tensor(ps, device="cuda")
@@ -285,20 +351,66 @@ def projection_latency() -> dict:
             f = torch.compile(lambda x, wq, s, p=p: quant_linear_forward(x, wq, s, None, "int8", "int8", p),
                               dynamic=False, fullgraph=True)
             variants[p] = [(lambda f=f, q=q, x=x: f(x, *q)) for q in qs]
-        row = {}
-        for v, calls in variants.items():
-            for c in calls:
-                c()
-            sync()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                for i in range(50):
-                    calls[i % 8]()
-            g.replay()
-            t, _ = timed(g.replay, 5)
-            row[v] = round(t / 50 * 1e6, 2)
-        res[f"{name}_{n}x{k}"] = row
+        res[f"{name}_{n}x{k}"] = row = {v: _graph_us(calls) for v, calls in variants.items()}
         print(f"projection {name} {n}x{k}: {row}", flush=True)
+    return res
+
+
+def _graph_us(calls: list) -> float:
+    """Microseconds per call: a CUDA graph of 50 calls cycling through `calls`, median of 5 replays."""
+    for c in calls:
+        c()
+    sync()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(50):
+            calls[i % len(calls)]()
+    g.replay()
+    t, _ = timed(g.replay, 5)
+    return round(t / 50 * 1e6, 2)
+
+
+def _sweep_shape(n: int, k: int) -> dict:
+    import triton
+
+    from parity.precision import int8_triton as it
+    x = torch.randn(BATCH, k, device="cuda", dtype=torch.bfloat16)
+    xq, xs = it.quant_rows(x)
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(8)]
+    qs = [it.quantize_int8_rowwise(w) for w in ws]
+    ref = it._reference(xq, qs[0][0], xs, qs[0][1], torch.bfloat16)
+    row = {"bf16": _graph_us([(lambda w=w: torch.nn.functional.linear(x, w)) for w in ws]),
+           "autotuned_op": _graph_us([(lambda q=q: it.w8a8_mm(xq, q[0], xs, q[1], torch.bfloat16)) for q in qs])}
+    for c in it._prune(it._CONFIGS, {"M_KEY": BATCH, "K": k}):
+        kw = dict(c.kwargs)
+        label = "m{BLOCK_M}n{BLOCK_N}k{BLOCK_K}".format(**kw) + f"_st{c.num_stages}w{c.num_warps}"
+        y = torch.empty(BATCH, n, device="cuda", dtype=torch.bfloat16)
+        grid = (triton.cdiv(n, kw["BLOCK_N"]), triton.cdiv(BATCH, kw["BLOCK_M"]))
+
+        def launch(q, y=y, grid=grid, kw=kw, c=c):
+            it._w8a8_kernel[grid](xq, q[0], xs, q[1], y, BATCH, n, k, xq.stride(0), q[0].stride(0),
+                                  y.stride(0), BATCH, num_stages=c.num_stages, num_warps=c.num_warps, **kw)
+        try:
+            launch(qs[0])
+            sync()
+            row[label] = _graph_us([(lambda q=q, f=launch: f(q)) for q in qs]) if torch.equal(y, ref) else "MISMATCH"
+        except Exception as e:  # noqa: BLE001 - one failing configuration must not hide the others
+            row[label] = f"{type(e).__name__}: {e}"[:120]
+    return row
+
+
+def int8_kernel_sweep() -> dict:
+    """Microseconds of the Triton W8A8 product alone (activations already quantized) at M = 64 for every decode
+    tile configuration, against the BF16 GEMM: CUDA graph of 50 calls rotating 8 weight sets, median of 5
+    replays; each configuration first checked bit-identical to torch._int_mm + rescale (else 'MISMATCH')."""
+    from parity.precision import int8_triton as it
+    if not it.usable():
+        return {"skipped": it.unusable_reason}
+    res: dict = {}
+    for name, (n, k) in {"qkv_stacked": (4096, 1024), "o": (1024, 2048), "gate_up_stacked": (6144, 1024),
+                         "down": (1024, 3072)}.items():
+        res[f"{name}_{n}x{k}"] = row = _sweep_shape(n, k)
+        print(f"int8 sweep {name} {n}x{k}: {row}", flush=True)
     return res
 
 
@@ -411,8 +523,24 @@ def top_kernels(fn: Callable[[], object], n: int = 12) -> list[str]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         sync()
-    rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:n]
+    ev = prof.key_averages()
+    KERNEL_TOTAL_MS[0] = sum(e.device_time_total for e in ev) / 1e3
+    rows = sorted(ev, key=lambda e: -e.device_time_total)[:n]
     return [f"{e.device_time_total / 1e3:8.1f} ms x{e.count:<5} {e.key[:90]}" for e in rows]
+
+
+def host_profile(fn: Callable[[], object], n: int = 15) -> list[str]:
+    """Where the host spends one call of fn: the n operators with the most self CPU time (torch.profiler),
+    and the wall time of the profiled call."""
+    from torch.profiler import ProfilerActivity, profile
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+        sync()
+    wall = time.perf_counter() - t0
+    rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:n]
+    return [f"profiled wall {wall * 1e3:.1f} ms"] + [
+        f"{e.self_cpu_time_total / 1e3:8.2f} ms x{e.count:<5} {e.key[:80]}" for e in rows]
 
 
 def train_flops_per_step(B: int = 8, P: int = 128, R: int = 896) -> float:
@@ -427,7 +555,7 @@ def train_flops_per_step(B: int = 8, P: int = 128, R: int = 896) -> float:
 
 
 @section("trainer")
-def trainer(d: str, compile_layers: bool) -> None:
+def trainer(d: str, compile_layers: bool, only: set | None = None, interleave: bool = True) -> None:
     from transformers import AutoModelForCausalLM
 
     import parity.algorithms.logprobs as lp
@@ -446,25 +574,37 @@ def trainer(d: str, compile_layers: bool) -> None:
     if compile_layers:
         modes += [("grpo_compiled", "none", 0, True, False, True),
                   ("score_centering_compiled", "score_centering", 128, True, False, True),
-                  ("grpo_compiled_eager_head", "none", 0, True, False, False)]
+                  ("grpo_compiled_eager_head", "none", 0, True, False, False),
+                  # trainer.compile_mode=reduce-overhead: the compiled layers replayed as CUDA graphs
+                  ("grpo_compiled_cudagraphs", "none", 0, "reduce-overhead", False, True),
+                  ("score_centering_compiled_cudagraphs", "score_centering", 128, "reduce-overhead", False, True)]
+    if only:
+        modes = [m for m in modes if m[0] in only]
     for label, corr, topk, comp, ckpt, head in modes:
         lp.HEAD_KERNELS = head
         cfg = load_config(["trainer.micro_batch_size=8", "model.dtype=bfloat16", "trainer.device=cuda",
                            "algorithm.policy_loss=reinforce", f"algorithm.correction.name={corr}",
                            f"rollout.topk_logprobs={topk}", f"trainer.gradient_checkpointing={str(ckpt).lower()}",
-                           f"trainer.compile_layers={str(comp).lower()}"])
+                           f"trainer.compile_layers={str(bool(comp)).lower()}",
+                           f"trainer.compile_mode={comp if isinstance(comp, str) else 'default'}"])
         model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
         tr = Trainer(model, cfg, torch.device("cuda"))
         batch = make_train_batch(topk)
         t0 = time.perf_counter()
-        tr.step(batch)
+        out[f"{label}_first_loss"] = tr.step(batch)["train/loss"]  # same weights and batch: compare across modes
         tr.step(batch)
         sync()
         warm = time.perf_counter() - t0
         torch.cuda.reset_peak_memory_stats()
         t, m = timed(lambda tr=tr, batch=batch: tr.step(batch), 5)
-        if label in ("grpo", "grpo_compiled", "score_centering_compiled"):
+        if label in ("grpo", "grpo_compiled", "score_centering_compiled", "grpo_compiled_cudagraphs",
+                     "score_centering_compiled_cudagraphs"):
             out[f"{label}_top_kernels"] = top_kernels(lambda tr=tr, batch=batch: tr.step(batch))
+            # device time of the step's kernels against its wall time (unprofiled median): < 1 = the GPU waits
+            out[f"{label}_kernel_s"] = KERNEL_TOTAL_MS[0] / 1e3
+            out[f"{label}_gpu_busy"] = KERNEL_TOTAL_MS[0] / 1e3 / t
+        if label in ("grpo_compiled", "grpo_compiled_cudagraphs"):
+            out[f"{label}_host_top"] = host_profile(lambda tr=tr, batch=batch: tr.step(batch))
         out[f"{label}_step_s"] = t
         out[f"{label}_warmup_s"] = warm
         out[f"{label}_tok_s"] = 8 * 1024 / t
@@ -479,10 +619,10 @@ def trainer(d: str, compile_layers: bool) -> None:
         torch.cuda.empty_cache()
         dump()
     lp.HEAD_KERNELS = True
-    for comp in ([False, True] if compile_layers else [False]):
+    for comp in ([False, True] if compile_layers else [False]) if interleave else []:
         interleaved_sc_ab(d, comp, out)
         dump()
-    for suffix in ("", "_compiled"):
+    for suffix in ("", "_compiled", "_compiled_cudagraphs"):
         if f"score_centering{suffix}_step_s" in out:
             out[f"sc_time_ratio{suffix}"] = out[f"score_centering{suffix}_step_s"] / out[f"grpo{suffix}_step_s"]
             out[f"sc_mem_ratio{suffix}"] = out[f"score_centering{suffix}_peak_GiB"] / out[f"grpo{suffix}_peak_GiB"]
@@ -490,14 +630,15 @@ def trainer(d: str, compile_layers: bool) -> None:
             out[f"head_kernels_speedup{suffix}"] = out[f"grpo{suffix}_eager_head_step_s"] / out[f"grpo{suffix}_step_s"]
 
 
-def _trainer(d: str, corr: str, topk: int, comp: bool):
+def _trainer(d: str, corr: str, topk: int, comp: bool | str):
     from transformers import AutoModelForCausalLM
 
     from parity.config import load_config
     from parity.training.trainer import Trainer
     cfg = load_config(["trainer.micro_batch_size=8", "model.dtype=bfloat16", "trainer.device=cuda",
                        "algorithm.policy_loss=reinforce", f"algorithm.correction.name={corr}",
-                       f"rollout.topk_logprobs={topk}", f"trainer.compile_layers={str(comp).lower()}"])
+                       f"rollout.topk_logprobs={topk}", f"trainer.compile_layers={str(bool(comp)).lower()}",
+                       f"trainer.compile_mode={comp if isinstance(comp, str) else 'default'}"])
     return Trainer(AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32), cfg, torch.device("cuda"))
 
 
@@ -536,7 +677,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="bench_gpu.json")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--skip", default="", help="comma-separated sections to skip: rollout,check,sync,trainer,compile")
+    p.add_argument("--skip", default="", help="comma-separated sections to skip: rollout,check,sync,trainer,compile,"
+                   "interleaved, anchors (HF generate, the plain loop and the older-design A/Bs)")
+    p.add_argument("--trainer-modes", default="", help="comma-separated trainer variants to run (default: all), "
+                   "e.g. grpo_compiled,grpo_compiled_cudagraphs")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print(f"{__file__}: needs a CUDA device (see docs/PERFORMANCE.md); nothing measured on this machine")
@@ -550,7 +694,7 @@ def main() -> None:
     d = build_model_dir()
     print(f"model built and saved in {time.perf_counter() - t0:.1f}s", flush=True)
     if "rollout" not in skip:
-        rollout(d, args.reps)
+        rollout(d, args.reps, "anchors" not in skip)
     if "check" not in skip:
         check_fp32(d)
     if "sync" not in skip and "_engines" in RESULTS:
@@ -558,7 +702,8 @@ def main() -> None:
     RESULTS.pop("_engines", None)
     torch.cuda.empty_cache()
     if "trainer" not in skip:
-        trainer(d, "compile" not in skip)
+        trainer(d, "compile" not in skip, set(filter(None, args.trainer_modes.split(","))) or None,
+                "interleaved" not in skip)
     RESULTS["total_s"] = time.perf_counter() - t0
     dump()
     print(json.dumps(RESULTS, default=str))
