@@ -167,14 +167,17 @@ class Trainer:
                 for micro in self._micro_batches(mini):
                     host_mb = batch.select(micro)
                     mb = host_mb.to(self.device)
-                    # the response tokens' indices from the host's mask: no device sync between forward and head
+                    # Everything the head needs from the host goes to the device before the forward is launched:
+                    # a copy from host memory after it (or x[mask] on the device) would hold the host until the
+                    # forward finished, and the GPU would then idle while the head and backward are launched.
                     rows = token_rows(host_mb.response_mask.bool()).to(self.device)
+                    adv_mb = adv[micro].to(self.device)
+                    old_mb = None if old is None else old[micro].to(self.device)
                     with self._routing(mb, metrics):
-                        loss = self.policy_forward(mb, lambda h, w, mb=mb, micro=micro, denom=denom, rows=rows:
-                                                   rl_objective(h, w, mb, adv[micro].to(self.device),
-                                                                None if old is None else old[micro], self.temperature,
-                                                                self.corrections, self.alg, denom, metrics, rows=rows,
-                                                                ids_checked=ids_checked))
+                        loss = self.policy_forward(mb, lambda h, w, mb=mb, denom=denom, rows=rows, adv_mb=adv_mb,
+                                                   old_mb=old_mb: rl_objective(
+                                                       h, w, mb, adv_mb, old_mb, self.temperature, self.corrections,
+                                                       self.alg, denom, metrics, rows=rows, ids_checked=ids_checked))
                         loss.backward()  # inside the replay block: checkpointed recomputation replays too
                     total += float(loss.detach())
                 total, gn = self._reduce_and_clip(total)
