@@ -194,3 +194,21 @@ def test_projections_of_different_formats_are_not_stacked():
     z1, z2 = cd._project(x, lins, sizes)
     torch.testing.assert_close(z1, a(x), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(z2, b(x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(("kv_cache", "fused_write"), [("bf16", False), ("int4_per_token_head", True)])
+def test_cache_write_routes_equal_the_plain_loop(tmp_path, kv_cache, fused_write, monkeypatch):
+    """The decode step writes k/v into the cache inside the pre-attention function (bf16 cache) or after it
+    (a low-precision cache's roundtrip in between, or _FUSED_CACHE_WRITE off): both give the plain loop's tokens
+    and log-probs; with an INT4 KV cache the fused route is not taken even when switched on."""
+    from types import SimpleNamespace
+
+    from parity.rollout import cuda_decode as cd
+    monkeypatch.setattr(cd, "_FUSED_CACHE_WRITE", fused_write)
+    build_tiny_model("qwen3", TinyModelConfig(), seed=5).save_pretrained(str(tmp_path))
+    prec = None if kv_cache == "bf16" else SimpleNamespace(weights="bf16", activations="bf16", kv_cache=kv_cache)
+    eng = TorchEngine(tmp_path, dtype=torch.float32, precision=prec)
+    spec = SamplingSpec(temperature=0.9, top_p=0.8, max_new_tokens=16, n=2, seed=3)
+    plain, fast = _both(eng, spec)
+    assert torch.equal(fast.responses, plain.responses)
+    torch.testing.assert_close(fast.rollout_logprobs, plain.rollout_logprobs, atol=2e-5, rtol=0)

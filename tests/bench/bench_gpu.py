@@ -118,7 +118,7 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 
 @section("rollout")
-def rollout(d: str, reps: int, anchors: bool = True) -> None:
+def rollout(d: str, reps: int, anchors: bool = True, sweep: bool = True) -> None:
     from transformers import AutoModelForCausalLM
 
     from parity.rollout.base import SamplingSpec
@@ -133,7 +133,7 @@ def rollout(d: str, reps: int, anchors: bool = True) -> None:
     out["weight_bytes"] = weight_bytes(hf)
     if not anchors:  # --skip anchors: the fast paths and their A/Bs only
         del hf
-        return _fast_rollout(d, reps, out, spec, ps, n_tok, None)
+        return _fast_rollout(d, reps, out, spec, ps, n_tok, None, sweep=sweep)
     ids = torch.tensor(ps, device="cuda")
     am = torch.ones_like(ids)
 
@@ -157,10 +157,11 @@ def rollout(d: str, reps: int, anchors: bool = True) -> None:
     t, _ = timed(lambda: eng.generate(ps, spec), reps)
     out["torch_fast_bf16_graph_only_tok_s"] = n_tok / t
     eng.fast_compile = True
-    _fast_rollout(d, reps, out, spec, ps, n_tok, eng, plain)
+    _fast_rollout(d, reps, out, spec, ps, n_tok, eng, plain, sweep=sweep)
 
 
-def _fast_rollout(d: str, reps: int, out: dict, spec, ps: list, n_tok: int, eng, plain=None) -> None:
+def _fast_rollout(d: str, reps: int, out: dict, spec, ps: list, n_tok: int, eng, plain=None,
+                  sweep: bool = True) -> None:
     """The fast path's figures and A/Bs (BF16, INT8 W8A8, INT8 + INT4 KV) into `out`."""
     from parity.rollout.torch_engine import TorchEngine
     anchors = eng is not None
@@ -228,8 +229,16 @@ def _fast_rollout(d: str, reps: int, out: dict, spec, ps: list, n_tok: int, eng,
             if q.linear_path == "int8_triton":
                 out["prefill_ms_int8_w8a8_cublas_modules"] = fast_prefill_ms(q, ps, spec, "modules", path="int8_mm_cuda")
             dump()
+            for e, name in ((eng, "bf16"), (q, "int8_w8a8")):  # A/B: k/v cache writes as separate kernels
+                out[f"torch_fast_{name}_separate_cache_writes_tok_s"] = _decode_tok_s(e, ps, spec, reps,
+                                                                                    fused_write=False)
+            out["fused_cache_write_speedup_bf16"] = (out["torch_fast_bf16_tok_s"]
+                                                     / out["torch_fast_bf16_separate_cache_writes_tok_s"])
+            out["int8_over_bf16_separate_cache_writes"] = (out["torch_fast_int8_w8a8_separate_cache_writes_tok_s"]
+                                                           / out["torch_fast_bf16_separate_cache_writes_tok_s"])
+            dump()
             import parity.rollout.cuda_decode as cd
-            for mode in ("modules", "compiled"):  # decode tokens/s with the other prefill routes (A/B)
+            for mode in ("modules",):  # decode tokens/s with the modules' eager prefill (the earlier route, A/B)
                 cd._PREFILL, keep = mode, cd._PREFILL
                 try:
                     for e, name in ((eng, "bf16"), (q, "int8_w8a8")):
@@ -247,7 +256,8 @@ def _fast_rollout(d: str, reps: int, out: dict, spec, ps: list, n_tok: int, eng,
             dump()
     out["projection_latency_us"] = projection_latency()
     dump()
-    out["int8_kernel_sweep_us"] = int8_kernel_sweep()
+    if sweep:
+        out["int8_kernel_sweep_us"] = int8_kernel_sweep()
     from parity.precision import int8_triton
     out["int8_triton_configs"] = int8_triton.chosen_configs()
     out["int8_triton_unusable_reason"] = int8_triton.unusable_reason
@@ -269,11 +279,13 @@ def _quant_path(eng, path: str | None):
             m.path = p
 
 
-def _decode_tok_s(eng, ps: list[list[int]], spec, reps: int, stack: bool = True, path: str | None = None) -> float:
-    """Fast-path tokens/s with q/k/v and gate/up stacked or not, and (INT8) another QuantLinear path; the engine
-    is left as it was."""
+def _decode_tok_s(eng, ps: list[list[int]], spec, reps: int, stack: bool = True, path: str | None = None,
+                  fused_write: bool = True) -> float:
+    """Fast-path tokens/s with q/k/v and gate/up stacked or not, k/v written into the cache inside the compiled
+    pre-attention function or after it, and (INT8) another QuantLinear path; the engine is left as it was."""
     import parity.rollout.cuda_decode as cd
     cd._STACK = stack
+    keep, cd._FUSED_CACHE_WRITE = cd._FUSED_CACHE_WRITE, fused_write
     try:
         with _quant_path(eng, path):
             eng._fast_state = None
@@ -281,6 +293,7 @@ def _decode_tok_s(eng, ps: list[list[int]], spec, reps: int, stack: bool = True,
             t, _ = timed(lambda: eng.generate(ps, spec), reps)
     finally:
         cd._STACK = True
+        cd._FUSED_CACHE_WRITE = keep
         eng._fast_state = None
     return BATCH * R_TOKENS / t
 
@@ -678,7 +691,7 @@ def main() -> None:
     p.add_argument("--out", default="bench_gpu.json")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--skip", default="", help="comma-separated sections to skip: rollout,check,sync,trainer,compile,"
-                   "interleaved, anchors (HF generate, the plain loop and the older-design A/Bs)")
+                   "interleaved, anchors (HF generate, the plain loop and the older-design A/Bs), sweep (INT8 tile sweep)")
     p.add_argument("--trainer-modes", default="", help="comma-separated trainer variants to run (default: all), "
                    "e.g. grpo_compiled,grpo_compiled_cudagraphs")
     args = p.parse_args()
@@ -694,7 +707,7 @@ def main() -> None:
     d = build_model_dir()
     print(f"model built and saved in {time.perf_counter() - t0:.1f}s", flush=True)
     if "rollout" not in skip:
-        rollout(d, args.reps, "anchors" not in skip)
+        rollout(d, args.reps, "anchors" not in skip, "sweep" not in skip)
     if "check" not in skip:
         check_fp32(d)
     if "sync" not in skip and "_engines" in RESULTS:

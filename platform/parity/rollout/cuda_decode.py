@@ -55,6 +55,9 @@ _STACK = True  # q/k/v and gate/up as one product each (_Fused); False: one per 
 # switch; shapes dynamic after the first change), "stacked" = the same functions eager, "modules" = the
 # engine's own forward over its modules (the plain loop's; benchmark A/B)
 _PREFILL = "compiled"
+# A decode step writes k and v into the cache inside the compiled pre-attention function (one fused kernel with
+# the rotary) instead of two index_copy_ kernels after it; False: the separate writes (benchmark A/B)
+_FUSED_CACHE_WRITE = True
 
 
 def supports(engine: Any) -> bool:
@@ -198,6 +201,17 @@ def _pre_attention(h: torch.Tensor, ln: torch.Tensor, eps: float, lqkv: tuple, s
     return q, k, v.reshape(B, -1, D)
 
 
+def _pre_attention_write(h: torch.Tensor, ln: torch.Tensor, eps: float, lqkv: tuple, sizes: tuple[int, ...],
+                         qn: torch.Tensor, kn: torch.Tensor, eps_qk: float, cos: torch.Tensor, sin: torch.Tensor,
+                         D: int, ck: torch.Tensor, cv: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """_pre_attention that also writes k and v into the caches at `slot` and returns q: compiled, the rotary
+    and the cache writes are one kernel instead of three (bf16 cache, no codec)."""
+    q, k, v = _pre_attention(h, ln, eps, lqkv, sizes, qn, kn, eps_qk, cos, sin, D)
+    ck.index_copy_(2, slot, k[:, :, None].to(ck.dtype))
+    cv.index_copy_(2, slot, v[:, :, None].to(cv.dtype))
+    return q
+
+
 def _post_attention(h: torch.Tensor, q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, kmask: torch.Tensor,
                     scale: float, lo: tuple, ln: torch.Tensor, eps: float, lgu: tuple, sizes: tuple[int, ...],
                     ld: tuple):
@@ -308,13 +322,13 @@ def _compiled(engine: Any, want: bool) -> tuple[Any, Any]:
     """The two per-layer functions, compiled with Inductor when `want` (every layer has the same shapes, so
     each compiles once and serves all 28); plain functions otherwise."""
     if not want:
-        return _pre_attention, _post_attention
+        return _pre_attention, _post_attention, _pre_attention_write
     fns = engine.__dict__.get("_fast_compiled")
     if fns is None:
         from parity.training.fast_compile import raise_recompile_limit
         raise_recompile_limit(64)  # one specialisation per attended length L and per engine's weight formats
-        fns = (torch.compile(_pre_attention, dynamic=False, fullgraph=True),
-               torch.compile(_post_attention, dynamic=False, fullgraph=True))
+        fns = tuple(torch.compile(f, dynamic=False, fullgraph=True)
+                    for f in (_pre_attention, _post_attention, _pre_attention_write))
         engine._fast_compiled = fns
     return fns
 
@@ -354,19 +368,23 @@ def _decode_forward(engine: Any, st: _State, tok: torch.Tensor, L: int) -> torch
     """One token per row at slot start + t, rope position plen + t, attending over cache slots [0, L) (L covers
     the slot): logits [B, V] float32."""
     inner, D = engine.model.model, engine.head_dim
-    pre_fn, post_fn = st.extras["fns"]
+    pre_fn, post_fn, pre_write_fn = st.extras["fns"]
     pos = st.plen + st.t
     slot = st.start + st.t
     cos, sin = st.cos[pos][:, None, :], st.sin[pos][:, None, :]  # [B, 1, D], broadcast over heads
     kmask = (torch.arange(L, device=tok.device)[None, :] <= slot) & st.key_ok[:, :L]
     h = inner.embed_tokens(tok[:, None])  # [B, 1, hidden]
+    fused_write = _FUSED_CACHE_WRITE and engine.kv_codec is None
     for (pre, post), (ck, cv) in zip(st.extras["layers"], st.caches):
-        q, k, v = pre_fn(h, *pre, cos, sin, D)
-        if engine.kv_codec is not None:
-            # eager inside the graph: Dynamo cannot trace the codec's functools.cache'd Hadamard matrix
-            k, v = engine.kv_codec.roundtrip(k), engine.kv_codec.roundtrip(v)
-        ck.index_copy_(2, slot, k[:, :, None].to(ck.dtype))
-        cv.index_copy_(2, slot, v[:, :, None].to(cv.dtype))
+        if fused_write:
+            q = pre_write_fn(h, *pre, cos, sin, D, ck, cv, slot)
+        else:
+            q, k, v = pre_fn(h, *pre, cos, sin, D)
+            if engine.kv_codec is not None:
+                # eager inside the graph: Dynamo cannot trace the codec's functools.cache'd Hadamard matrix
+                k, v = engine.kv_codec.roundtrip(k), engine.kv_codec.roundtrip(v)
+            ck.index_copy_(2, slot, k[:, :, None].to(ck.dtype))
+            cv.index_copy_(2, slot, v[:, :, None].to(cv.dtype))
         h = post_fn(h, q, ck[:, :, :L], cv[:, :, :L], kmask, *post)
     return engine.model.lm_head(inner.norm(h[:, -1])).float()
 
