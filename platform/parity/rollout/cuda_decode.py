@@ -14,8 +14,10 @@ TorchEngine.generate dispatches here on CUDA (see `supports`). What differs from
   QuantLinear's forward for quantized projections), compiled once by Inductor on CUDA and shared by all
   layers: the graph alone still replays ~45 tiny kernels a layer; fused element-wise work nearly halves the
   step (docs/PERFORMANCE.md). A compile failure falls back to the same functions uncompiled
-  (`engine.fast_compile_error`); `engine.fast_compile = False` turns compilation off. The KV codec's
-  roundtrip (low-precision cache) stays eager inside the graph.
+  (`engine.fast_compile_error`); `engine.fast_compile = False` turns compilation off. With a bf16 cache the
+  pre-attention function also writes k and v into the cache (`_pre_attention_write`: one kernel with the
+  rotary instead of two index_copy_ after it); a low-precision cache's codec roundtrip stays eager inside the
+  graph, with the writes after it.
 - q/k/v and gate/up, which read the same input, run as one product each from stacked weight copies (refreshed
   from the modules at every call): at batch 64 every product is latency-bound, so five products a layer cost
   less than seven, and the INT8 path quantizes each input once. Projections of different formats stay apart.
