@@ -153,7 +153,7 @@ class Trainer:
         B = batch.batch_size
         order = torch.arange(B)
         minis = order.chunk(self.tcfg.mini_batches)
-        ids_checked = check_token_ids(batch, self.model.get_output_embeddings().weight.shape[0])
+        ids_checked = check_token_ids(batch, self.model.lm_head.weight.shape[0])
         need_old = self.tcfg.mini_batches > 1 or self.tcfg.ppo_epochs > 1
         old = None
         if need_old:  # log-probs of the policy that the whole step starts from (PPO's pi_old)
