@@ -21,62 +21,27 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
-import statistics
-import tempfile
 import time
-import traceback
-from collections.abc import Callable
 from types import SimpleNamespace
 
 import torch
-
-R_TOKENS, P_TOKENS, BATCH = 256, 128, 64
-SHAPE = dict(vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-             num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
-             tie_word_embeddings=True, rope_theta=1_000_000.0, eos_token_id=151_645, pad_token_id=151_643,
-             bos_token_id=151_643)
-RESULTS: dict = {}
-OUT_PATH = ["bench_gpu.json"]
-KERNEL_TOTAL_MS = [0.0]  # device time of the kernels in the last top_kernels() call
-
-
-def dump() -> None:
-    """Written after every section, so a run cut off by a time limit still leaves its figures."""
-    with open(OUT_PATH[0], "w") as f:
-        json.dump({k: v for k, v in RESULTS.items() if not k.startswith("_")}, f, indent=1, default=str)
-
-
-def sync() -> None:
-    torch.cuda.synchronize()
-
-
-def timed(fn: Callable[[], object], reps: int = 1) -> tuple[float, object]:
-    """Median seconds of `reps` runs (after the caller's warm-up) and the last result."""
-    times, out = [], None
-    for _ in range(reps):
-        sync()
-        t0 = time.perf_counter()
-        out = fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
-
-
-def section(name: str):
-    def deco(fn):
-        def run(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                fn(*a, **k)
-            except Exception as e:  # noqa: BLE001 - one broken section must not hide the others
-                RESULTS.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"
-                traceback.print_exc()
-            print(f"[{name}] {time.perf_counter() - t0:.1f}s {json.dumps(RESULTS.get(name, {}), default=str)}", flush=True)
-            dump()
-        return run
-    return deco
+from gpu_bench_common import (
+    BATCH,
+    OUT_PATH,
+    P_TOKENS,
+    R_TOKENS,
+    RESULTS,
+    SHAPE,
+    build_model_dir,
+    dump,
+    graph_us,
+    section,
+    sync,
+    timed,
+    top_kernels,
+)
+from gpu_bench_trainer import trainer
 
 
 @section("ceilings")
@@ -90,16 +55,6 @@ def ceilings() -> None:
     a @ b
     tm, _ = timed(lambda: a @ b, 10)
     RESULTS["ceilings"] = {"copy_TBps": 2 * x.numel() * 2 / t / 1e12, "bf16_matmul_TFLOPs": 2 * 8192**3 / tm / 1e12}
-
-
-def build_model_dir() -> str:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-    d = tempfile.mkdtemp(prefix="qwen3_06b_")
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Qwen3ForCausalLM(Qwen3Config(**SHAPE)).to(torch.bfloat16)
-    model.save_pretrained(d)
-    return d
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -183,6 +138,14 @@ def _fast_rollout(d: str, reps: int, out: dict, spec, ps: list, n_tok: int, eng,
         roof = RESULTS["ceilings"]["copy_TBps"] * 1e12 / out["weight_bytes"] * BATCH
     out["roof_tok_s"] = roof
     out["fast_bf16_of_roof"] = out["torch_fast_bf16_tok_s"] / roof
+    # a step also reads K and V over its attended slots (bf16, every layer): mean over this call's steps
+    from parity.rollout.cuda_decode import attended_length
+    S = -(-(P_TOKENS + R_TOKENS) // 64) * 64
+    kv_per_slot = 2 * SHAPE["num_hidden_layers"] * BATCH * SHAPE["num_key_value_heads"] * SHAPE["head_dim"] * 2
+    out["kv_bytes_per_step_mean"] = kv_per_slot * sum(attended_length(P_TOKENS, t, S) for t in range(R_TOKENS)) / R_TOKENS
+    roof_kv = roof * out["weight_bytes"] / (out["weight_bytes"] + out["kv_bytes_per_step_mean"])
+    out["roof_with_kv_tok_s"] = roof_kv
+    out["fast_bf16_of_roof_with_kv"] = out["torch_fast_bf16_tok_s"] / roof_kv
     out["decode_step_profile"] = profile_decode_step(eng)
     if plain is not None:
         logprob_check(eng, fast, plain)
@@ -329,21 +292,6 @@ def fast_prefill_ms(eng, ps: list[list[int]], spec, mode: str, path: str | None 
     return t * 1e3
 
 
-def prefill_ms(eng, ps: list[list[int]], path: str | None = None) -> float:
-    """Milliseconds of the engine's prefill forward (all prompts at once, eager modules), median of 5."""
-    ids = torch.tensor(ps, device="cuda")
-    B, P = ids.shape
-    caches = [(torch.zeros(B, eng.n_kv, P, eng.head_dim, dtype=torch.bfloat16, device="cuda"),
-               torch.zeros(B, eng.n_kv, P, eng.head_dim, dtype=torch.bfloat16, device="cuda"))
-              for _ in eng.model.model.layers]
-    mask = torch.ones(P, P, dtype=torch.bool, device="cuda").tril()[None, None].expand(B, 1, P, P)
-    pos = torch.arange(P, device="cuda")[None].expand(B, P)
-    with _quant_path(eng, path), torch.no_grad():
-        eng._forward(ids, pos, caches, 0, mask)
-        t, _ = timed(lambda: eng._forward(ids, pos, caches, 0, mask), 5)
-    return t * 1e3
-
-
 def projection_latency() -> dict:
     """Microseconds per decode product at M = 64 rows for the 0.6B shape's stacked and single projections:
     BF16 GEMM; INT8 as quantize + cuBLASLt _int_mm + rescale; INT8 as quantize + the fused Triton kernel. Each
@@ -364,23 +312,9 @@ def projection_latency() -> dict:
             f = torch.compile(lambda x, wq, s, p=p: quant_linear_forward(x, wq, s, None, "int8", "int8", p),
                               dynamic=False, fullgraph=True)
             variants[p] = [(lambda f=f, q=q, x=x: f(x, *q)) for q in qs]
-        res[f"{name}_{n}x{k}"] = row = {v: _graph_us(calls) for v, calls in variants.items()}
+        res[f"{name}_{n}x{k}"] = row = {v: graph_us(calls) for v, calls in variants.items()}
         print(f"projection {name} {n}x{k}: {row}", flush=True)
     return res
-
-
-def _graph_us(calls: list) -> float:
-    """Microseconds per call: a CUDA graph of 50 calls cycling through `calls`, median of 5 replays."""
-    for c in calls:
-        c()
-    sync()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(50):
-            calls[i % len(calls)]()
-    g.replay()
-    t, _ = timed(g.replay, 5)
-    return round(t / 50 * 1e6, 2)
 
 
 def _sweep_shape(n: int, k: int) -> dict:
@@ -392,8 +326,8 @@ def _sweep_shape(n: int, k: int) -> dict:
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(8)]
     qs = [it.quantize_int8_rowwise(w) for w in ws]
     ref = it._reference(xq, qs[0][0], xs, qs[0][1], torch.bfloat16)
-    row = {"bf16": _graph_us([(lambda w=w: torch.nn.functional.linear(x, w)) for w in ws]),
-           "autotuned_op": _graph_us([(lambda q=q: it.w8a8_mm(xq, q[0], xs, q[1], torch.bfloat16)) for q in qs])}
+    row = {"bf16": graph_us([(lambda w=w: torch.nn.functional.linear(x, w)) for w in ws]),
+           "autotuned_op": graph_us([(lambda q=q: it.w8a8_mm(xq, q[0], xs, q[1], torch.bfloat16)) for q in qs])}
     for c in it._prune(it._CONFIGS, {"M_KEY": BATCH, "K": k}):
         kw = dict(c.kwargs)
         label = "m{BLOCK_M}n{BLOCK_N}k{BLOCK_K}".format(**kw) + f"_st{c.num_stages}w{c.num_warps}"
@@ -406,7 +340,7 @@ def _sweep_shape(n: int, k: int) -> dict:
         try:
             launch(qs[0])
             sync()
-            row[label] = _graph_us([(lambda q=q, f=launch: f(q)) for q in qs]) if torch.equal(y, ref) else "MISMATCH"
+            row[label] = graph_us([(lambda q=q, f=launch: f(q)) for q in qs]) if torch.equal(y, ref) else "MISMATCH"
         except Exception as e:  # noqa: BLE001 - one failing configuration must not hide the others
             row[label] = f"{type(e).__name__}: {e}"[:120]
     return row
@@ -510,180 +444,6 @@ def weight_sync() -> None:
         eng.update_weights(iter(named))
         t, _ = timed(lambda eng=eng: eng.update_weights(iter(named)), 3)
         out[f"bf16_to_{label}_s"] = t
-
-
-def make_train_batch(topk: int):
-    from parity.types import RolloutBatch
-    g = torch.Generator().manual_seed(0)
-    B, P, R, V = 8, 128, 896, SHAPE["vocab_size"]
-    kw = {}
-    if topk:
-        base = torch.randint(0, V, (B, R, 1), generator=g)
-        kw["topk_ids"] = ((base + torch.arange(topk)) % V).int()
-        p = torch.softmax(torch.randn(B, R, topk, generator=g), -1) * 0.5
-        kw["topk_logprobs"] = p.sort(-1, descending=True).values.log()
-    return RolloutBatch(
-        prompts=torch.randint(0, V, (B, P), generator=g), prompt_mask=torch.ones(B, P, dtype=torch.bool),
-        responses=torch.randint(0, V, (B, R), generator=g), response_mask=torch.ones(B, R, dtype=torch.bool),
-        rollout_logprobs=torch.full((B, R), -11.93), rewards=torch.randn(B, generator=g),
-        truncated=torch.zeros(B, dtype=torch.bool), group_ids=torch.arange(B) // 4, prompt_ids=torch.arange(B) // 4,
-        **kw)
-
-
-def top_kernels(fn: Callable[[], object], n: int = 12) -> list[str]:
-    """The n CUDA kernels with the most device time in one call of fn (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        sync()
-    ev = prof.key_averages()
-    KERNEL_TOTAL_MS[0] = sum(e.device_time_total for e in ev) / 1e3
-    rows = sorted(ev, key=lambda e: -e.device_time_total)[:n]
-    return [f"{e.device_time_total / 1e3:8.1f} ms x{e.count:<5} {e.key[:90]}" for e in rows]
-
-
-def host_profile(fn: Callable[[], object], n: int = 15) -> list[str]:
-    """Where the host spends one call of fn: the n operators with the most self CPU time (torch.profiler),
-    and the wall time of the profiled call."""
-    from torch.profiler import ProfilerActivity, profile
-    t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-        sync()
-    wall = time.perf_counter() - t0
-    rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:n]
-    return [f"profiled wall {wall * 1e3:.1f} ms"] + [
-        f"{e.self_cpu_time_total / 1e3:8.2f} ms x{e.count:<5} {e.key[:80]}" for e in rows]
-
-
-def train_flops_per_step(B: int = 8, P: int = 128, R: int = 896) -> float:
-    """Matmul FLOPs of forward + backward actually executed: 6 x params x tokens for the layers, the LM head
-    on response tokens only (the chunked log-prob head), causal attention 6 x S x (H D) per token per layer."""
-    h, i, L, nh, nkv, hd, V = (SHAPE[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                                                  "num_attention_heads", "num_key_value_heads", "head_dim",
-                                                  "vocab_size"))
-    per_layer = h * nh * hd * 2 + h * nkv * hd * 2 + 3 * h * i
-    S = P + R
-    return 6 * per_layer * L * B * S + 6 * V * h * B * R + 6 * S * nh * hd * L * B * S
-
-
-@section("trainer")
-def trainer(d: str, compile_layers: bool, only: set | None = None, interleave: bool = True) -> None:
-    from transformers import AutoModelForCausalLM
-
-    import parity.algorithms.logprobs as lp
-    from parity.config import load_config
-    from parity.training.trainer import Trainer
-    out: dict = {}
-    RESULTS["trainer"] = out
-    peak = RESULTS.get("ceilings", {}).get("bf16_matmul_TFLOPs", 790.0) * 1e12
-    flops = train_flops_per_step()
-    out["flops_per_step"] = flops
-    # (label, correction, top-K, trainer.compile_layers, activation checkpointing, Triton head kernels)
-    modes = [("grpo", "none", 0, False, False, True),
-             ("score_centering", "score_centering", 128, False, False, True),
-             ("grpo_eager_head", "none", 0, False, False, False),  # A/B: the head's block work in eager torch ops
-             ("grpo_checkpointing", "none", 0, False, True, True)]
-    if compile_layers:
-        modes += [("grpo_compiled", "none", 0, True, False, True),
-                  ("score_centering_compiled", "score_centering", 128, True, False, True),
-                  ("grpo_compiled_eager_head", "none", 0, True, False, False),
-                  # trainer.compile_mode=reduce-overhead: the compiled layers replayed as CUDA graphs
-                  ("grpo_compiled_cudagraphs", "none", 0, "reduce-overhead", False, True),
-                  ("score_centering_compiled_cudagraphs", "score_centering", 128, "reduce-overhead", False, True)]
-    if only:
-        modes = [m for m in modes if m[0] in only]
-    for label, corr, topk, comp, ckpt, head in modes:
-        lp.HEAD_KERNELS = head
-        cfg = load_config(["trainer.micro_batch_size=8", "model.dtype=bfloat16", "trainer.device=cuda",
-                           "algorithm.policy_loss=reinforce", f"algorithm.correction.name={corr}",
-                           f"rollout.topk_logprobs={topk}", f"trainer.gradient_checkpointing={str(ckpt).lower()}",
-                           f"trainer.compile_layers={str(bool(comp)).lower()}",
-                           f"trainer.compile_mode={comp if isinstance(comp, str) else 'default'}"])
-        model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
-        tr = Trainer(model, cfg, torch.device("cuda"))
-        batch = make_train_batch(topk)
-        t0 = time.perf_counter()
-        out[f"{label}_first_loss"] = tr.step(batch)["train/loss"]  # same weights and batch: compare across modes
-        tr.step(batch)
-        sync()
-        warm = time.perf_counter() - t0
-        torch.cuda.reset_peak_memory_stats()
-        t, m = timed(lambda tr=tr, batch=batch: tr.step(batch), 5)
-        if label in ("grpo", "grpo_compiled", "score_centering_compiled", "grpo_compiled_cudagraphs",
-                     "score_centering_compiled_cudagraphs"):
-            out[f"{label}_top_kernels"] = top_kernels(lambda tr=tr, batch=batch: tr.step(batch))
-            # device time of the step's kernels against its wall time (unprofiled median): < 1 = the GPU waits
-            out[f"{label}_kernel_s"] = KERNEL_TOTAL_MS[0] / 1e3
-            out[f"{label}_gpu_busy"] = KERNEL_TOTAL_MS[0] / 1e3 / t
-        if label in ("grpo_compiled", "grpo_compiled_cudagraphs"):
-            out[f"{label}_host_top"] = host_profile(lambda tr=tr, batch=batch: tr.step(batch))
-        out[f"{label}_step_s"] = t
-        out[f"{label}_warmup_s"] = warm
-        out[f"{label}_tok_s"] = 8 * 1024 / t
-        out[f"{label}_mfu"] = flops / t / peak
-        out[f"{label}_peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30
-        out[f"{label}_loss"] = m.get("train/loss")
-        del tr, model
-        # Dynamo's cache holds the compiled layers' modules (and so the whole model, ~2.4 GB of fp32 weights):
-        # without a reset every compiled mode after the first carried the previous model in its peak memory
-        torch._dynamo.reset()
-        gc.collect()
-        torch.cuda.empty_cache()
-        dump()
-    lp.HEAD_KERNELS = True
-    for comp in ([False, True] if compile_layers else [False]) if interleave else []:
-        interleaved_sc_ab(d, comp, out)
-        dump()
-    for suffix in ("", "_compiled", "_compiled_cudagraphs"):
-        if f"score_centering{suffix}_step_s" in out:
-            out[f"sc_time_ratio{suffix}"] = out[f"score_centering{suffix}_step_s"] / out[f"grpo{suffix}_step_s"]
-            out[f"sc_mem_ratio{suffix}"] = out[f"score_centering{suffix}_peak_GiB"] / out[f"grpo{suffix}_peak_GiB"]
-        if f"grpo{suffix}_eager_head_step_s" in out:
-            out[f"head_kernels_speedup{suffix}"] = out[f"grpo{suffix}_eager_head_step_s"] / out[f"grpo{suffix}_step_s"]
-
-
-def _trainer(d: str, corr: str, topk: int, comp: bool | str):
-    from transformers import AutoModelForCausalLM
-
-    from parity.config import load_config
-    from parity.training.trainer import Trainer
-    cfg = load_config(["trainer.micro_batch_size=8", "model.dtype=bfloat16", "trainer.device=cuda",
-                       "algorithm.policy_loss=reinforce", f"algorithm.correction.name={corr}",
-                       f"rollout.topk_logprobs={topk}", f"trainer.compile_layers={str(bool(comp)).lower()}",
-                       f"trainer.compile_mode={comp if isinstance(comp, str) else 'default'}"])
-    return Trainer(AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32), cfg, torch.device("cuda"))
-
-
-def interleaved_sc_ab(d: str, comp: bool, out: dict, rounds: int = 9) -> None:
-    """Score centering's step time against plain GRPO with both trainers resident and their steps alternated
-    (GRPO, SC, GRPO, SC, ...): clock or neighbour drift during the run hits both alike, which the sequential
-    modes above cannot promise (their two ratios differed by more than the 1.15x goal's margin between runs).
-    Reports the ratio of medians and the median of the per-round ratios."""
-    suffix = "_compiled" if comp else ""
-    pair = {"grpo": (_trainer(d, "none", 0, comp), make_train_batch(0)),
-            "sc": (_trainer(d, "score_centering", 128, comp), make_train_batch(128))}
-    for tr, batch in pair.values():
-        tr.step(batch)
-        tr.step(batch)
-    times: dict = {"grpo": [], "sc": []}
-    for _ in range(rounds):
-        for name, (tr, batch) in pair.items():
-            t, _ = timed(lambda tr=tr, batch=batch: tr.step(batch))
-            times[name].append(t)
-    ratios = [s / g for s, g in zip(times["sc"], times["grpo"])]
-    out[f"interleaved{suffix}_grpo_step_s"] = statistics.median(times["grpo"])
-    out[f"interleaved{suffix}_sc_step_s"] = statistics.median(times["sc"])
-    peak = RESULTS.get("ceilings", {}).get("bf16_matmul_TFLOPs", 790.0) * 1e12
-    out[f"interleaved{suffix}_grpo_mfu"] = train_flops_per_step() / statistics.median(times["grpo"]) / peak
-    out[f"interleaved{suffix}_sc_time_ratio"] = statistics.median(times["sc"]) / statistics.median(times["grpo"])
-    out[f"interleaved{suffix}_sc_time_ratio_per_round"] = sorted(round(r, 4) for r in ratios)
-    print(f"interleaved score centering / GRPO{suffix}: {out[f'interleaved{suffix}_sc_time_ratio']:.3f} "
-          f"(rounds {min(ratios):.3f}..{max(ratios):.3f})", flush=True)
-    del pair
-    torch._dynamo.reset()
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def main() -> None:
