@@ -219,9 +219,15 @@ def _post_attention(h: torch.Tensor, q: torch.Tensor, ck: torch.Tensor, cv: torc
                     ld: tuple):
     """Attention over the cache, o_proj, residual, post-norm, SiLU-gated MLP, residual."""
     out = _decode_attention(q.to(ck.dtype), ck, cv, kmask, scale).to(h.dtype)
-    h = h + _linear(out, lo)[:, None]
-    x = _rms(h, ln, eps)
-    g, u = _project(x, lgu, sizes)
+    return _o_proj_mlp(h, out[:, None], lo, ln, eps, lgu, sizes, ld)
+
+
+def _o_proj_mlp(h: torch.Tensor, attn: torch.Tensor, lo: tuple, ln: torch.Tensor, eps: float, lgu: tuple,
+                sizes: tuple[int, ...], ld: tuple) -> torch.Tensor:
+    """The rest of a layer after attention (attn [B, T, H * D], h [B, T, hidden]): o_proj, residual, post-norm,
+    SiLU-gated MLP (gate/up as one product when stacked), residual. Shared by the decode step and the prefill."""
+    h = h + _linear(attn, lo)
+    g, u = _project(_rms(h, ln, eps), lgu, sizes)
     return h + _linear(F.silu(g) * u, ld)
 
 
@@ -242,9 +248,7 @@ def _prefill_post(h: torch.Tensor, q: torch.Tensor, ck: torch.Tensor, cv: torch.
     """Attention of the prompt over the cache's first T slots, o_proj, residual, MLP (gate/up as one product)."""
     B, T, _ = h.shape
     out = F.scaled_dot_product_attention(q, ck, cv, attn_mask=mask, scale=scale, enable_gqa=True)
-    h = h + _linear(out.transpose(1, 2).reshape(B, T, -1), lo)
-    g, u = _project(_rms(h, ln, eps), lgu, sizes)
-    return h + _linear(F.silu(g) * u, ld)
+    return _o_proj_mlp(h, out.transpose(1, 2).reshape(B, T, -1), lo, ln, eps, lgu, sizes, ld)
 
 
 def _prefill(engine: Any, st: _State, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -44,9 +44,9 @@ def check_token_ids(batch: RolloutBatch, vocab: int) -> bool:
                              ("topk_ids", batch.topk_ids, None)):
         if ids is None:
             continue
-        bad = (ids >= vocab) | ((ids < 0) if where is not None else torch.zeros_like(ids, dtype=torch.bool))
-        if where is not None:
-            bad &= where
+        bad = ids >= vocab
+        if where is not None:  # response tokens: negative ids are bad too, padding positions are not checked
+            bad = (bad | (ids < 0)) & where
         if bool(bad.any()):
             row = int(bad.reshape(bad.shape[0], -1).any(-1).nonzero()[0, 0])
             raise ValueError(f"RolloutBatch.{name}: row {row} holds token ids outside [0, {vocab}) (the lm_head's "
