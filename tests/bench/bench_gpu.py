@@ -214,6 +214,11 @@ def _fast_rollout(d: str, reps: int, out: dict, spec, ps: list, n_tok: int, eng,
             if anchors:
                 out["int8_w8a8_unstacked_tok_s"] = _decode_tok_s(q, ps, spec, reps, stack=False)
             if q.linear_path == "int8_triton":
+                out["int8_w8a8_pinned_tiles"] = {str(k): str(v) for k, v in
+                                                 q._fast_state.extras.get("int8_pinned", {}).items()} \
+                    if q._fast_state else None
+                out["int8_w8a8_unpinned_tok_s"] = _unpinned_tok_s(q, ps, spec, reps)
+                out["int8_w8a8_unpinned_over_bf16"] = out["int8_w8a8_unpinned_tok_s"] / out["torch_fast_bf16_tok_s"]
                 out["int8_w8a8_cublas_tok_s"] = _decode_tok_s(q, ps, spec, reps, path="int8_mm_cuda")
                 out["int8_w8a8_cublas_over_bf16"] = out["int8_w8a8_cublas_tok_s"] / out["torch_fast_bf16_tok_s"]
             dump()
@@ -225,6 +230,23 @@ def _fast_rollout(d: str, reps: int, out: dict, spec, ps: list, n_tok: int, eng,
     out["int8_triton_configs"] = int8_triton.chosen_configs()
     out["int8_triton_unusable_reason"] = int8_triton.unusable_reason
     dump()
+
+
+def _unpinned_tok_s(eng, ps: list[list[int]], spec, reps: int) -> float:
+    """A/B: INT8 decode tokens/s with the compiled graph choosing its own tile configurations (compiled afresh,
+    no pinned tiles); the pinned ones are restored after."""
+    import parity.rollout.cuda_decode as cd
+    from parity.precision import int8_triton as it
+    pinned = dict(it._PINNED)
+    cd._PIN_INT8 = False
+    it._PINNED.clear()
+    torch._dynamo.reset()
+    try:
+        return _decode_tok_s(eng, ps, spec, reps)
+    finally:
+        cd._PIN_INT8 = True
+        it._PINNED.update(pinned)
+        torch._dynamo.reset()
 
 
 @contextlib.contextmanager
@@ -295,8 +317,8 @@ def fast_prefill_ms(eng, ps: list[list[int]], spec, mode: str, path: str | None 
 def projection_latency() -> dict:
     """Microseconds per decode product at M = 64 rows for the 0.6B shape's stacked and single projections:
     BF16 GEMM; INT8 as quantize + cuBLASLt _int_mm + rescale; INT8 as quantize + the fused Triton kernel. Each
-    compiled like the decode layers and timed as a CUDA graph of 50 calls (median of 5 replays), 8 weight sets
-    rotated so the weights are not served from L2."""
+    compiled like the decode layers and timed as a CUDA graph of 50 calls (median of 5 replays), rotating weight
+    sets of 200 MB or more together (_cold_sets) so the weights are not served from L2."""
     from parity.precision import int8_triton
     from parity.precision.formats import quantize_rowwise
     from parity.precision.linear import quant_linear_forward
@@ -305,7 +327,7 @@ def projection_latency() -> dict:
     for name, (n, k) in {"qkv_stacked": (4096, 1024), "q": (2048, 1024), "o": (1024, 2048),
                          "gate_up_stacked": (6144, 1024), "down": (1024, 3072)}.items():
         x = torch.randn(BATCH, k, device="cuda", dtype=torch.bfloat16)
-        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(8)]
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(_cold_sets(n * k))]
         qs = [quantize_rowwise(w, "int8") for w in ws]
         variants = {"bf16": [(lambda w=w, x=x: torch.nn.functional.linear(x, w)) for w in ws]}
         for p in paths:
@@ -317,13 +339,19 @@ def projection_latency() -> dict:
     return res
 
 
+def _cold_sets(int8_bytes: int) -> int:
+    """Weight sets to rotate so that one cycle of the int8 copies moves >= 200 MB, four times the H200's 50 MB
+    L2 (session 5 rotated 8 sets: 32 MB of int8 weights stayed in L2 and flattered the INT8 products)."""
+    return max(8, -(-200_000_000 // int8_bytes))
+
+
 def _sweep_shape(n: int, k: int) -> dict:
     import triton
 
     from parity.precision import int8_triton as it
     x = torch.randn(BATCH, k, device="cuda", dtype=torch.bfloat16)
     xq, xs = it.quant_rows(x)
-    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(8)]
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(_cold_sets(n * k))]
     qs = [it.quantize_int8_rowwise(w) for w in ws]
     ref = it._reference(xq, qs[0][0], xs, qs[0][1], torch.bfloat16)
     row = {"bf16": graph_us([(lambda w=w: torch.nn.functional.linear(x, w)) for w in ws]),
@@ -348,8 +376,9 @@ def _sweep_shape(n: int, k: int) -> dict:
 
 def int8_kernel_sweep() -> dict:
     """Microseconds of the Triton W8A8 product alone (activations already quantized) at M = 64 for every decode
-    tile configuration, against the BF16 GEMM: CUDA graph of 50 calls rotating 8 weight sets, median of 5
-    replays; each configuration first checked bit-identical to torch._int_mm + rescale (else 'MISMATCH')."""
+    tile configuration, against the BF16 GEMM: CUDA graph of 50 calls rotating weight sets of >= 200 MB
+    (_cold_sets), median of 5 replays; each configuration first checked bit-identical to torch._int_mm + rescale
+    (else 'MISMATCH')."""
     from parity.precision import int8_triton as it
     if not it.usable():
         return {"skipped": it.unusable_reason}
@@ -362,12 +391,11 @@ def int8_kernel_sweep() -> dict:
 
 
 def profile_decode_step(eng) -> dict:
-    """Kernels of 4 decode steps run eagerly over the captured step's own functions and buffers: device
-    time per step against wall time per graph replay tells launch gaps from kernel time."""
-    from parity.rollout.base import SamplingSpec
-    from parity.rollout.cuda_decode import _step, attended_length
+    """Kernels of 4 replays of one captured decode step (CUPTI records the kernels inside a graph): device time
+    per step against wall time per replay tells launch gaps from kernel time. (Until session 6 the step's
+    functions ran eagerly for this, which launched the same kernels without the graph.)"""
+    from parity.rollout.cuda_decode import attended_length
     st = eng._fast_state
-    spec = SamplingSpec(temperature=1.0, top_p=1.0, max_new_tokens=R_TOKENS)
     L = attended_length(P_TOKENS, 100, st.key_ok.shape[1])  # steps 100..103 (they share one L)
     st.t.fill_(100)
     t_replay, _ = timed(lambda: [st.graphs[L].replay() for _ in range(4)], 3)
@@ -375,7 +403,7 @@ def profile_decode_step(eng) -> dict:
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(4):
-            _step(eng, st, spec, L)
+            st.graphs[L].replay()
         sync()
     ev = prof.key_averages()
     total = sum(e.device_time_total for e in ev) / 1e3 / 4

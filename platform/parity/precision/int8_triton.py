@@ -98,7 +98,8 @@ if triton is not None:
 
     # Decode (few rows, many columns): tiles narrow in N so that a 1024-column product still spreads over 32-64
     # SMs, and deep in K so that a K-loop of 1-12 steps keeps the slice's loads in flight at once (measured at
-    # M = 64 on an H200: 4.3-5.9 us a product against 6.1-9.2 us for cuBLAS's bf16 one; docs/PERFORMANCE.md).
+    # M = 64 on an H200 with the weights coming from memory: 4.9-6.4 us a product for the best tile against
+    # 5.8-8.0 us for cuBLAS's bf16 one; docs/PERFORMANCE.md).
     # Split-K tiles, which add int32 partial sums with atomics, measured 2-8x slower there and are not kept.
     # Prefill (M in the thousands): the usual square tensor-core tiles.
     _CONFIGS = [_config(64, 16, 256, 4), _config(64, 32, 256, 4), _config(64, 64, 256, 4),
@@ -131,11 +132,21 @@ if triton is not None:
         if M == 0:
             return y
 
+        args = (xq, wq, xs, ws, y, M, N, K, xq.stride(0), wq.stride(0), y.stride(0), _m_key(M))
+        # a pinned configuration is launched alone (a compiled graph runs exactly it); shapes traced as symbols
+        # (a prefill compiled for varying lengths) are never decode-pinned
+        cfg = _PINNED.get((M, N, K)) if all(type(v) is int for v in (M, N, K)) else None
+        if cfg is not None:
+            kw = cfg.kwargs
+            grid = (triton.cdiv(N, kw["BLOCK_N"]), triton.cdiv(M, kw["BLOCK_M"]))
+            torch.library.wrap_triton(_w8a8_kernel)[grid](*args, **kw, num_warps=cfg.num_warps,
+                                                          num_stages=cfg.num_stages)
+            return y
+
         def grid(meta):
             return (triton.cdiv(N, meta["BLOCK_N"]), triton.cdiv(M, meta["BLOCK_M"]))
 
-        torch.library.wrap_triton(_w8a8_tuned)[grid](xq, wq, xs, ws, y, M, N, K, xq.stride(0), wq.stride(0),
-                                                     y.stride(0), _m_key(M))
+        torch.library.wrap_triton(_w8a8_tuned)[grid](*args)
         return y
 
     @torch.library.triton_op("parity::int8_quant_rows", mutates_args=())
@@ -149,6 +160,77 @@ if triton is not None:
             torch.library.wrap_triton(_quant_kernel)[(M,)](x, q, s, K, x.stride(0), q.stride(0), _INV_QMAX, BLOCK=block,
                                                            num_warps=4 if block <= 4096 else 8)
         return q, s
+
+
+# (M, N, K) of a decode-sized product -> the tile configuration tune_decode picked for it; w8a8_mm launches that
+# configuration alone, so a compiled graph runs exactly it. Left to itself a compiled graph benchmarks the
+# candidates its own way when it is first built, and its picks varied between runs on the H200: the 112
+# products of a 0.6B decode step took 555-657 us; pinned by tune_decode, 543-545 us (docs/PERFORMANCE.md).
+_PINNED: dict = {}
+
+
+def tune_decode(m: int, shapes, device: torch.device) -> dict:
+    """Pick and pin the tile configuration of each M-row product with weights [N, K] in `shapes` (decode sizes,
+    M <= 256), timed as a decode step runs it: every candidate (bit-identical to the torch path first) in a
+    CUDA graph of back-to-back launches cycling through weight copies twice the size of the L2 cache, so the
+    weights come from memory. (Triton's autotuner, one launch at a time after an L2 flush, picked tiles up to
+    14% slower than the best on the H200.) Returns {(M, N, K): config} for reports; nothing when the kernels
+    are not usable."""
+    if m > 256 or device.type != "cuda" or not usable(device.index or 0):
+        return {}
+    g = torch.Generator(device=device).manual_seed(0)
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+    for n, k in sorted(set(shapes)):
+        if (m, n, k) in _PINNED:
+            continue
+        xq = torch.randint(-127, 128, (m, k), generator=g, device=device, dtype=torch.int8)
+        ws = torch.rand(n, 1, generator=g, device=device) * 1e-2
+        xs = torch.rand(m, 1, generator=g, device=device) * 1e-2
+        wqs = [torch.randint(-127, 128, (n, k), generator=g, device=device, dtype=torch.int8)
+               for _ in range(max(4, -(-2 * l2 // (n * k))))]
+        ref = _reference(xq, wqs[0], xs, ws, torch.bfloat16)
+        y = torch.empty(m, n, dtype=torch.bfloat16, device=device)
+        best = None
+        for c in _prune(_CONFIGS, {"M_KEY": m, "K": k}):
+            us = _cold_graph_us(c, xq, wqs, xs, ws, y, ref)
+            if us is not None and (best is None or us < best[0]):
+                best = (us, c)
+        if best is not None:
+            _PINNED[(m, n, k)] = best[1]
+        del wqs
+    return {key: v for key, v in _PINNED.items() if key[0] == m and key[1:] in set(shapes)}
+
+
+def _cold_graph_us(c, xq: torch.Tensor, wqs: list, xs: torch.Tensor, ws: torch.Tensor, y: torch.Tensor,
+                   ref: torch.Tensor, reps: int = 3) -> float | None:
+    """Microseconds per product of configuration `c`, launched back to back over the weight copies `wqs` in one
+    CUDA graph (median of `reps` replays); None when it does not compile, launch, or equal `ref`."""
+    (m, k), n = xq.shape, wqs[0].shape[0]
+    grid = (triton.cdiv(n, c.kwargs["BLOCK_N"]), triton.cdiv(m, c.kwargs["BLOCK_M"]))
+
+    def launch(wq):
+        _w8a8_kernel[grid](xq, wq, xs, ws, y, m, n, k, k, k, n, m, **c.kwargs, num_warps=c.num_warps,
+                           num_stages=c.num_stages)
+    try:
+        launch(wqs[0])
+        if not torch.equal(y, ref):
+            return None
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for wq in wqs:
+                launch(wq)
+    except Exception:  # noqa: BLE001 - a candidate that fails to compile or launch is not chosen
+        return None
+    times = []
+    for _ in range(reps + 1):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(wqs))
+    return sorted(times[1:])[reps // 2]
 
 
 def _m_key(m: int) -> int:
@@ -168,10 +250,11 @@ def _reference(xq: torch.Tensor, wq: torch.Tensor, xs: torch.Tensor, ws: torch.T
 
 def chosen_configs() -> dict:
     """The autotuner's choice per (M bucket, N, K) so far in eager calls (Inductor tunes its own copy inside a
-    compiled graph), for benchmark reports."""
+    compiled graph) and the pinned decode configurations, for benchmark reports."""
     if triton is None:
         return {}
-    return {str(k[:3]): str(v) for k, v in _w8a8_tuned.cache.items()}
+    return {**{str(k[:3]): str(v) for k, v in _w8a8_tuned.cache.items()},
+            **{f"pinned {k}": str(v) for k, v in _PINNED.items()}}
 
 
 @functools.cache

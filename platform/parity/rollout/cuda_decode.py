@@ -60,6 +60,10 @@ _PREFILL = "compiled"
 # A decode step writes k and v into the cache inside the compiled pre-attention function (one fused kernel with
 # the rotary) instead of two index_copy_ kernels after it; False: the separate writes (benchmark A/B)
 _FUSED_CACHE_WRITE = True
+# INT8 W8A8 on the int8_triton path: each decode product's tile configuration timed once, eagerly, with the
+# weights coming from memory, and pinned (int8_triton.tune_decode), so the compiled layers launch the measured
+# best; False: the compiled graph picks among the candidates itself when first built (benchmark A/B)
+_PIN_INT8 = True
 
 
 def supports(engine: Any) -> bool:
@@ -324,6 +328,17 @@ def _layer_args(layer: torch.nn.Module, fused: list) -> tuple[tuple, tuple]:
     return pre, post
 
 
+def _int8_triton_shapes(layers: list) -> list[tuple[int, int]]:
+    """(N, K) of every int8_triton product among the layers' arguments (_layer_args: q/k/v, o, gate/up, down,
+    stacked ones as stacked)."""
+    out = []
+    for pre, post in layers:
+        for lins in (pre[2], (post[1],), post[4], (post[6],)):
+            out += [(int(w.shape[0]), int(w.shape[1])) for w, _, _, kind in lins
+                    if kind is not None and kind[2] == "int8_triton"]
+    return out
+
+
 def _compiled(engine: Any, want: bool) -> tuple[Any, Any]:
     """The two per-layer functions, compiled with Inductor when `want` (every layer has the same shapes, so
     each compiles once and serves all 28); plain functions otherwise."""
@@ -488,6 +503,9 @@ def fast_generate(engine: Any, prompt_token_ids: list[list[int]], spec: Sampling
         st.extras["fns"] = _compiled(engine, compile_layers)
         st.extras["fused"] = []
         st.extras["layers"] = [_layer_args(layer, st.extras["fused"]) for layer in engine.model.model.layers]
+        if _PIN_INT8 and use_graphs:
+            from parity.precision import int8_triton
+            st.extras["int8_pinned"] = int8_triton.tune_decode(B, _int8_triton_shapes(st.extras["layers"]), dev)
         engine._fast_state = st
     else:
         for f in st.extras["fused"]:  # weights may have been updated in place since the last call
