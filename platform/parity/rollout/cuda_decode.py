@@ -23,6 +23,9 @@ TorchEngine.generate dispatches here on CUDA (see `supports`). What differs from
   less than seven, and the INT8 path quantizes each input once. Projections of different formats stay apart.
 - Decode attention is grouped-query attention written as two batched matmuls over the cache (the query
   heads of one KV head form the rows), softmax in float32: no K/V head repetition.
+- INT8 W8A8 on the Triton path: before the first capture, each decode product's tile configuration is timed
+  with the weights coming from memory and pinned (int8_triton.tune_decode), so the compiled layers launch the
+  measured best rather than a tile Inductor picked by its own benchmark (a few percent of a step on the H200).
 - Sampling with top_p = 1 draws by inverse CDF over the vocabulary in index order instead of sorted order:
   the same distribution, the same per-row uniforms, without a [B, V] sort per step. Greedy and top_p < 1
   use TorchEngine._sample unchanged (bit-identical rules).
