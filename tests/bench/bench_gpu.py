@@ -34,8 +34,10 @@ from gpu_bench_common import (
     RESULTS,
     SHAPE,
     build_model_dir,
+    cold_sets,
     dump,
     graph_us,
+    prompts,
     section,
     sync,
     timed,
@@ -65,11 +67,6 @@ def weight_bytes(model: torch.nn.Module) -> int:
             continue
         total += t.numel() * t.element_size()
     return total
-
-
-def prompts(n: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 151_000, (n, P_TOKENS), generator=g).tolist()
 
 
 @section("rollout")
@@ -214,9 +211,6 @@ def _fast_rollout(d: str, reps: int, out: dict, spec, ps: list, n_tok: int, eng,
             if anchors:
                 out["int8_w8a8_unstacked_tok_s"] = _decode_tok_s(q, ps, spec, reps, stack=False)
             if q.linear_path == "int8_triton":
-                out["int8_w8a8_pinned_tiles"] = {str(k): str(v) for k, v in
-                                                 q._fast_state.extras.get("int8_pinned", {}).items()} \
-                    if q._fast_state else None
                 out["int8_w8a8_unpinned_tok_s"] = _unpinned_tok_s(q, ps, spec, reps)
                 out["int8_w8a8_unpinned_over_bf16"] = out["int8_w8a8_unpinned_tok_s"] / out["torch_fast_bf16_tok_s"]
                 out["int8_w8a8_cublas_tok_s"] = _decode_tok_s(q, ps, spec, reps, path="int8_mm_cuda")
@@ -318,7 +312,7 @@ def projection_latency() -> dict:
     """Microseconds per decode product at M = 64 rows for the 0.6B shape's stacked and single projections:
     BF16 GEMM; INT8 as quantize + cuBLASLt _int_mm + rescale; INT8 as quantize + the fused Triton kernel. Each
     compiled like the decode layers and timed as a CUDA graph of 50 calls (median of 5 replays), rotating weight
-    sets of 200 MB or more together (_cold_sets) so the weights are not served from L2."""
+    sets of 200 MB or more together (cold_sets) so the weights are not served from L2."""
     from parity.precision import int8_triton
     from parity.precision.formats import quantize_rowwise
     from parity.precision.linear import quant_linear_forward
@@ -327,7 +321,7 @@ def projection_latency() -> dict:
     for name, (n, k) in {"qkv_stacked": (4096, 1024), "q": (2048, 1024), "o": (1024, 2048),
                          "gate_up_stacked": (6144, 1024), "down": (1024, 3072)}.items():
         x = torch.randn(BATCH, k, device="cuda", dtype=torch.bfloat16)
-        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(_cold_sets(n * k))]
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(cold_sets(n * k))]
         qs = [quantize_rowwise(w, "int8") for w in ws]
         variants = {"bf16": [(lambda w=w, x=x: torch.nn.functional.linear(x, w)) for w in ws]}
         for p in paths:
@@ -339,19 +333,13 @@ def projection_latency() -> dict:
     return res
 
 
-def _cold_sets(int8_bytes: int) -> int:
-    """Weight sets to rotate so that one cycle of the int8 copies moves >= 200 MB, four times the H200's 50 MB
-    L2 (session 5 rotated 8 sets: 32 MB of int8 weights stayed in L2 and flattered the INT8 products)."""
-    return max(8, -(-200_000_000 // int8_bytes))
-
-
 def _sweep_shape(n: int, k: int) -> dict:
     import triton
 
     from parity.precision import int8_triton as it
     x = torch.randn(BATCH, k, device="cuda", dtype=torch.bfloat16)
     xq, xs = it.quant_rows(x)
-    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(_cold_sets(n * k))]
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(cold_sets(n * k))]
     qs = [it.quantize_int8_rowwise(w) for w in ws]
     ref = it._reference(xq, qs[0][0], xs, qs[0][1], torch.bfloat16)
     row = {"bf16": graph_us([(lambda w=w: torch.nn.functional.linear(x, w)) for w in ws]),
@@ -377,7 +365,7 @@ def _sweep_shape(n: int, k: int) -> dict:
 def int8_kernel_sweep() -> dict:
     """Microseconds of the Triton W8A8 product alone (activations already quantized) at M = 64 for every decode
     tile configuration, against the BF16 GEMM: CUDA graph of 50 calls rotating weight sets of >= 200 MB
-    (_cold_sets), median of 5 replays; each configuration first checked bit-identical to torch._int_mm + rescale
+    (cold_sets), median of 5 replays; each configuration first checked bit-identical to torch._int_mm + rescale
     (else 'MISMATCH')."""
     from parity.precision import int8_triton as it
     if not it.usable():

@@ -60,17 +60,31 @@ def section(name: str):
 
 
 def graph_us(calls: list) -> float:
-    """Microseconds per call: a CUDA graph of 50 calls cycling through `calls`, median of 5 replays."""
+    """Microseconds per call: a CUDA graph of max(50, len(calls)) calls cycling through `calls` (each at least
+    once: rotated weight sets all take part), median of 5 replays."""
     for c in calls:
         c()
     sync()
+    n = max(50, len(calls))
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for i in range(50):
+        for i in range(n):
             calls[i % len(calls)]()
     g.replay()
     t, _ = timed(g.replay, 5)
-    return round(t / 50 * 1e6, 2)
+    return round(t / n * 1e6, 2)
+
+
+def cold_sets(int8_bytes: int) -> int:
+    """Weight sets to rotate so that one cycle of the int8 copies moves >= 200 MB, four times the H200's 50 MB
+    L2 (session 5 rotated 8 sets: 32 MB of int8 weights stayed in L2 and flattered the INT8 products)."""
+    return max(8, -(-200_000_000 // int8_bytes))
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """n random prompts of P_TOKENS ids."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 151_000, (n, P_TOKENS), generator=g).tolist()
 
 
 def top_kernels(fn: Callable[[], object], n: int = 12) -> list[str]:

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, "platform")
-from gpu_bench_common import BATCH, P_TOKENS, R_TOKENS, build_model_dir, sync, timed  # noqa: E402
+from gpu_bench_common import BATCH, P_TOKENS, R_TOKENS, build_model_dir, prompts, sync, timed  # noqa: E402
 
 
 def replay_profile(eng, steps: int = 8) -> dict:
@@ -49,7 +49,7 @@ def main() -> None:
     from parity.rollout.base import SamplingSpec
     from parity.rollout.torch_engine import TorchEngine
     d = build_model_dir()
-    ps = [[(i * 7919 + j * 104729) % 150_000 for j in range(P_TOKENS)] for i in range(BATCH)]
+    ps = prompts(BATCH)
     spec = SamplingSpec(temperature=1.0, top_p=1.0, max_new_tokens=R_TOKENS, n=1, seed=0)
     out: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     import parity.rollout.cuda_decode as cd

@@ -5,7 +5,7 @@ a real decode step (not served from L2): a device-machine experiment, one call.
 
 Every variant is checked bit-identical to torch._int_mm + rescale on its first weight set, then timed as a CUDA
 graph cycling through enough weight sets that they cannot stay in the 50 MB L2 (>= 200 MB a cycle), median of
-5 replays. Variants per shape (qkv 4096x1024, o 1024x2048, gate_up 6144x1024, down 1024x3072):
+5 replays (gpu_bench_common.graph_us). Variants per shape (qkv 4096x1024, o 1024x2048, gate_up 6144x1024, down 1024x3072):
   bf16        cuBLAS through F.linear (the BF16 engine's product)
   tuned       parity::w8a8_mm as the engine calls it (Triton autotuner's pick)
   A...        int8_triton._w8a8_kernel, tokens on the MMA's M side, at each tile configuration
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import sys
 
 import torch
@@ -27,6 +26,8 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, "platform")
+from gpu_bench_common import cold_sets, graph_us  # noqa: E402  (this script's folder is on the path when run as a script)
+
 from parity.precision import int8_triton as it  # noqa: E402
 
 M = 64
@@ -100,28 +101,6 @@ def _splitk_reduce_kernel(p_ptr, xs_ptr, ws_ptr, y_ptr, M, N, SPLITS: tl.constex
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-def graph_us(calls: list, reps: int = 5) -> float:
-    n = max(len(calls), 50)
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(n):
-            calls[i % len(calls)]()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / n)
-    return round(sorted(times)[len(times) // 2], 2)
-
-
 def variants(n: int, k: int, xq, xs, y):
     """(label, launch(wq, ws)) for every int8 design and tile configuration at this shape."""
     out = []
@@ -158,7 +137,7 @@ def variants(n: int, k: int, xq, xs, y):
 def sweep(n: int, k: int) -> tuple[dict, dict]:
     x = torch.randn(M, k, device="cuda", dtype=torch.bfloat16)
     xq, xs = it.quant_rows(x)
-    sets = max(8, math.ceil(200e6 / (n * k)))
+    sets = cold_sets(n * k)
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(sets)]
     qs = [it.quantize_int8_rowwise(w) for w in ws]
     ref = it._reference(xq, qs[0][0], xs, qs[0][1], torch.bfloat16)

@@ -180,7 +180,8 @@ def tune_decode(m: int, shapes, device: torch.device) -> dict:
         return {}
     g = torch.Generator(device=device).manual_seed(0)
     l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
-    for n, k in sorted(set(shapes)):
+    shapes = set(shapes)
+    for n, k in sorted(shapes):
         if (m, n, k) in _PINNED:
             continue
         xq = torch.randint(-127, 128, (m, k), generator=g, device=device, dtype=torch.int8)
@@ -198,7 +199,7 @@ def tune_decode(m: int, shapes, device: torch.device) -> dict:
         if best is not None:
             _PINNED[(m, n, k)] = best[1]
         del wqs
-    return {key: v for key, v in _PINNED.items() if key[0] == m and key[1:] in set(shapes)}
+    return {key: v for key, v in _PINNED.items() if key[0] == m and key[1:] in shapes}
 
 
 def _cold_graph_us(c, xq: torch.Tensor, wqs: list, xs: torch.Tensor, ws: torch.Tensor, y: torch.Tensor,
