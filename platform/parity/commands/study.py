@@ -45,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--extra", default="", help="more Hydra overrides for every run, space-separated")
     p.add_argument("--tag", default="", help="a word in every run name (studies that differ only in --extra)")
     p.add_argument("--figures-only", action="store_true", help="rewrite study.md and the figures from study.json")
+    p.add_argument("--collect", action="store_true", help="read the runs' folders as they are (unfinished ones "
+                   "marked partial) into study.json, the table and the figures, without training")
     return p
 
 
@@ -132,12 +134,27 @@ def main(argv: list[str]) -> dict:
                      (*base, *x.overrides(), f"trainer.seed={s}"), x.labels())
              for x in arms for s in seeds]
     out.mkdir(parents=True, exist_ok=True)
+    if a.collect:
+        from parity.study.runs import read_run
+
+        prev = json.loads((out / "study.json").read_text()) if (out / "study.json").is_file() else {}
+        runs = []
+        for s in specs:
+            run_dir = Path(a.outputs_dir) / "runs" / s.name
+            if (run_dir / "metrics.jsonl").is_file():
+                runs.append(read_run(s, run_dir))
+        study = {**{k: v for k, v in prev.items() if k != "runs"}, "preset": a.preset, "stage": a.stage,
+                 "quick": a.quick, "note": preset.note, "steps": steps, "seeds": seeds, "runs": runs,
+                 "collected": True, "date": prev.get("date", time.strftime("%Y-%m-%d")),
+                 "host": prev.get("host", _host()), "command": prev.get("command", "python -m parity study " +
+                                                                         " ".join(shlex.quote(x) for x in argv))}
+        return {"command": "study", "out": str(out), "runs": len(runs), "figures": write_outputs(study, out)}
     concurrency = a.concurrency or (1 if a.quick else preset.concurrency)
     threads = a.threads or preset.threads_per_run
     t0 = time.time()
     print(f"study {a.preset}/{a.stage}: {len(specs)} runs ({len(arms)} arms x {len(seeds)} seeds), {steps} steps, "
           f"{concurrency} at a time; preparing the warm start", flush=True)
-    prep = prepare_model(base, a.outputs_dir, max(threads, min(os.cpu_count() or 1, 8)))
+    prep = prepare_model(base, a.outputs_dir, max(threads, min(os.cpu_count() or 1, 8)), in_process=concurrency <= 1)
     print(f"study: model {prep.get('model_dir')} (held-out {prep.get('heldout_accuracy')}) after "
           f"{time.time() - t0:.0f} s", flush=True)
     study = {"preset": a.preset, "stage": a.stage, "quick": a.quick, "note": preset.note,

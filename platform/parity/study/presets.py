@@ -89,8 +89,8 @@ class Preset:
     env: dict = field(default_factory=dict)
 
 
-QUICK = ("model.warm_start.steps=20", "model.warm_start.eval_problems=8", "trainer.eval_problems=8",
-         "trainer.prompts_per_step=2", "rollout.n=4", "rollout.max_new_tokens=24", "trainer.eval_every=1",
+QUICK = ("model.warm_start.steps=20", "model.warm_start.batch_size=16", "model.warm_start.eval_problems=8",
+         "trainer.eval_problems=8", "trainer.prompts_per_step=2", "rollout.n=4", "rollout.max_new_tokens=24", "trainer.eval_every=1",
          "trainer.checkpoint_every=0", "eval.grade_workers=1", "model.tokenizer_corpus_size=500")
 
 ALL_CORRECTIONS = tuple(CORRECTIONS)
@@ -119,11 +119,12 @@ LAPTOP = Preset(
 
 GPU = Preset(
     name="gpu", experiment="countdown_gpu",
-    base=("trainer.checkpoint_every=0", "eval.grade_workers=1", "trainer.device=cuda", "trainer.micro_batch_size=128"),
+    base=("trainer.checkpoint_every=0", "eval.grade_workers=1", "trainer.device=cuda", "trainer.micro_batch_size=32"),
     steps=60, eval_every=20, seeds=(0, 1, 2), concurrency=16, threads_per_run=1,
     search=(arm("bf16"), *_dose((0.05, 0.1, 0.2, 0.4), 0.2), arm("int8+int4kv"), arm("w4a4+int4kv"),
             arm("bf16", objective="reinforce_raw"), *_dose((0.1, 0.2, 0.4), 0.2, "reinforce_raw")),
-    arms=(arm("bf16"), *_full(sigma_source(0.2))),
+    # the headline: raw-reward REINFORCE, whose reward fell under a fixed sigma >= 0.1 in the search, every correction
+    arms=(arm("bf16", objective="reinforce_raw"), *_full(sigma_source(0.2), "reinforce_raw")),
     note="one H200, runs packed on the GPU and its 16 cores, within one 10-minute call",
 )
 
