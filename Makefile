@@ -52,7 +52,7 @@ bench: setup
 lint: setup
 	bash scripts/lint.sh
 
-# GPU benchmark of the numerical core, for a CUDA machine (docs/gpu_performance.md)
+# GPU benchmark of the numerical core, for a CUDA machine (docs/PERFORMANCE.md)
 bench-gpu: setup
 	$(PY) tests/bench/bench_gpu.py
 

@@ -39,9 +39,9 @@ def test_top_level_help_lists_every_command_with_a_line_and_an_example() -> None
 
 @pytest.mark.parametrize("cmd", HYDRA_COMMANDS)
 def test_command_help_is_short_and_imports_nothing_heavy(cmd: str) -> None:
-    code = ("import sys; from parity.__main__ import main; main([%r, '--help']); "
+    code = (f"import sys; from parity.__main__ import main; main([{cmd!r}, '--help']); "
             "heavy = [m for m in ('torch', 'transformers', 'hydra', 'omegaconf', 'vllm') if m in sys.modules]; "
-            "print('HEAVY', heavy)") % cmd
+            "print('HEAVY', heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith("HEAVY []"), out.stdout[-300:]

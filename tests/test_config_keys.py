@@ -82,7 +82,7 @@ def test_a_composed_config_with_an_unknown_key_is_refused() -> None:
         check_config(cfg)
 
 
-def test_a_config_file_with_an_unknown_key_is_refused(tmp_path: Path) -> None:
+def test_groups_of_a_users_config_folder_are_groups(tmp_path: Path) -> None:
     (tmp_path / "experiment").mkdir()
     (tmp_path / "experiment" / "mine.yaml").write_text("# @package _global_\ntrainer:\n  lr: 1.0e-4\n")
     assert load_config(["experiment=mine"], extra_config_dir=str(tmp_path)).trainer.lr == 1e-4
@@ -114,7 +114,7 @@ def test_valid_keys_and_open_groups_come_from_the_schema() -> None:
         assert hasattr(node, "keys"), group
     doc = (REPO / "docs" / "configuration.md").read_text()
     missing = [g for g in open_groups() if f"`{g}`" not in doc]
-    assert not missing, f"open groups not documented in docs/configuration.md: {missing}"
+    assert not missing, f"open groups not documented in docs/CONFIGURATION.md: {missing}"
 
 
 def test_plus_on_a_defaults_list_group_and_eval_preset() -> None:
