@@ -112,7 +112,7 @@ def test_valid_keys_and_open_groups_come_from_the_schema() -> None:
         for part in group.split("."):
             node = node[part]
         assert hasattr(node, "keys"), group
-    doc = (REPO / "docs" / "configuration.md").read_text()
+    doc = (REPO / "docs" / "CONFIGURATION.md").read_text()
     missing = [g for g in open_groups() if f"`{g}`" not in doc]
     assert not missing, f"open groups not documented in docs/CONFIGURATION.md: {missing}"
 
