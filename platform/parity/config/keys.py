@@ -2,7 +2,7 @@
 
 The valid keys are the fields of the schema's dataclasses (parity.config.schema.ParityConfig), read from
 their type hints, so a key added to the schema is valid at once. A field typed as a mapping
-(`dict[str, Any]`) takes keys of the user's choosing: those are the open groups (`open_groups()`, today
+(`dict[str, Any]`) or as `Any` takes keys of the user's choosing: those are the open groups (`open_groups()`, today
 `eval.benchmarks`, whose entries the evaluation runner checks itself). Everything else below the root is
 closed: Hydra's `+` (append) would otherwise add an unknown key to the composed config, where nothing reads
 it, and the run would go on as if the typo were not there.
@@ -28,25 +28,25 @@ from parity.config.validate import ConfigError
 _LIST_TYPES = (list, tuple)
 
 
-def _origin(tp: Any) -> Any:
-    """The container behind a type hint, looking through `X | None`."""
+def _unwrap(tp: Any) -> Any:
+    """A type hint without its `| None`."""
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1:
-        tp = args[0]
-    return typing.get_origin(tp) or tp
+        return args[0]
+    return tp
 
 
 @functools.cache
 def _fields(cls: type) -> dict[str, Any]:
-    """{field name: dataclass | dict | list | None (a plain value)} of one schema dataclass."""
+    """{field name: dataclass | dict (open: any keys) | list | None (a plain value)} of one schema dataclass."""
     hints = typing.get_type_hints(cls)
     out: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
-        tp = hints.get(f.name, Any)
-        org = _origin(tp)
+        tp = _unwrap(hints.get(f.name, Any))
+        org = typing.get_origin(tp) or tp
         if dataclasses.is_dataclass(tp):
             out[f.name] = tp
-        elif isinstance(org, type) and issubclass(org, Mapping):
+        elif tp is Any or (isinstance(org, type) and issubclass(org, Mapping)):
             out[f.name] = dict
         elif isinstance(org, type) and issubclass(org, _LIST_TYPES):
             out[f.name] = list
