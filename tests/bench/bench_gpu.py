@@ -1,8 +1,8 @@
-"""One-run GPU benchmark of the numerical core on the Qwen3-0.6B shape (issue 12), random bf16 weights.
+"""One-run GPU benchmark of the numerical core on the Qwen3-0.6B shape, random bf16 weights.
 
     PYTHONUNBUFFERED=1 python3 tests/bench/bench_gpu.py --out $OUT/bench_gpu.json
 
-(on the lent H200: PYTHONPATH=platform:<omegaconf/hydra/antlr4 site dir>; see docs/PERFORMANCE.md).
+(in an image without the project venv: PYTHONPATH=platform:<omegaconf/hydra/antlr4 site dir>; docs/PERFORMANCE.md).
 Sections, each timed with CUDA synchronisation around the region, each failure reported not fatal:
   ceilings      device-to-device copy bandwidth, bf16 8192^3 matmul rate
   rollout       batch 64, 128-token prompts, 256 sampled tokens (no EOS: min_new_tokens / random weights):
@@ -380,8 +380,8 @@ def int8_kernel_sweep() -> dict:
 
 def profile_decode_step(eng) -> dict:
     """Kernels of 4 replays of one captured decode step (CUPTI records the kernels inside a graph): device time
-    per step against wall time per replay tells launch gaps from kernel time. (Until session 6 the step's
-    functions ran eagerly for this, which launched the same kernels without the graph.)"""
+    per step against wall time per replay tells launch gaps from kernel time. (Before the pinned-tile runs of
+    2026-11-30 the step's functions ran eagerly for this, which launched the same kernels without the graph.)"""
     from parity.rollout.cuda_decode import attended_length
     st = eng._fast_state
     L = attended_length(P_TOKENS, 100, st.key_ok.shape[1])  # steps 100..103 (they share one L)

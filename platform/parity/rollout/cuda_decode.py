@@ -25,15 +25,16 @@ TorchEngine.generate dispatches here on CUDA (see `supports`). What differs from
   heads of one KV head form the rows), softmax in float32: no K/V head repetition.
 - INT8 W8A8 on the Triton path: before the first capture, each decode product's tile configuration is timed
   with the weights coming from memory and pinned (int8_triton.tune_decode), so the compiled layers launch the
-  measured best rather than a tile Inductor picked by its own benchmark (a few percent of a step on the H200).
+  measured best rather than a tile Inductor picked by its own benchmark (figures: docs/PERFORMANCE.md, "INT8 W8A8
+  decode at batch 64").
 - Sampling with top_p = 1 draws by inverse CDF over the vocabulary in index order instead of sorted order:
   the same distribution, the same per-row uniforms, without a [B, V] sort per step. Greedy and top_p < 1
   use TorchEngine._sample unchanged (bit-identical rules).
 
 The prefill (`_prefill`) is TorchEngine._forward's arithmetic writing into the static cache, with the stacked
 projections and, on CUDA with compilation on, the two halves of a layer compiled by Inductor (shapes become
-dynamic after the first change of prompt length): 2.4x (BF16) and 2.6x (INT8) faster than the modules' eager
-forward on the H200 (docs/PERFORMANCE.md). The last captured graph is kept on the engine and replayed by later
+dynamic after the first change of prompt length), faster than the modules' eager forward (figures:
+docs/PERFORMANCE.md, "Compiled prefill"). The last captured graph is kept on the engine and replayed by later
 calls of the same shape; weights are updated in place by `update_weights`, which a replay sees.
 """
 
@@ -103,8 +104,8 @@ def sample_inverse_cdf(logp: torch.Tensor, u: torch.Tensor, block: int | None = 
 
     Two levels when the vocabulary splits into blocks: the block whose cumulative mass first reaches the target
     (a scan over V / block block sums), then the token inside that block (a scan over `block` values). A full
-    scan over a [64, 151,936] row block was 8% of a decode step on the H200; the two-level one reads the
-    probabilities once. Sums are grouped differently, so a target within float rounding of a boundary may map
+    scan over a [64, 151,936] row block was a sizeable share of a decode step (docs/PERFORMANCE.md, "Two-level
+    inverse-CDF draw"); the two-level one reads the probabilities once. Sums are grouped differently, so a target within float rounding of a boundary may map
     to the neighbouring token; the distribution is the same."""
     p = logp.exp()
     B, V = p.shape
