@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from parity.__main__ import _commands
+from parity.__main__ import FLAG_COMMANDS, _commands
 from parity.commands._help import command_doc
 from parity.config.keys import open_groups, schema_keys
 
 REPO = Path(__file__).resolve().parents[1]
-HYDRA_COMMANDS = [c for c in _commands() if c != "grade"]
+HYDRA_COMMANDS = [c for c in _commands() if c not in FLAG_COMMANDS]
 
 
 def _cli(*args: str) -> tuple[subprocess.CompletedProcess, float]:

@@ -61,7 +61,7 @@ def test_no_close_key_lists_the_keys_beside_it() -> None:
     with pytest.raises(ConfigError) as e:
         load_config(["+algorithm.correction.dual.zzz=1"])
     assert str(e.value) == ("unknown config key `algorithm.correction.dual.zzz`; valid under "
-                            "algorithm.correction.dual: c, eta, lambda0, lambda_max")
+                            "algorithm.correction.dual: c, discrepancy, eta, lambda0, lambda_max")
 
 
 def test_groups_sweeps_and_open_groups_still_pass() -> None:

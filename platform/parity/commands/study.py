@@ -1,5 +1,5 @@
 """`python -m parity study --preset laptop|gpu|cluster [--stage search|arms] [--quick]`: the collapse-and-rescue
-study. Every arm (mismatch source x correction x objective, parity.study.presets) is trained once per seed as its
+study of corrections under a rollout mismatch. Every arm (mismatch source x correction x objective, parity.study.presets) is trained once per seed as its
 own `python -m parity train` process, several at a time; the results go to <out>/study.json (every run: its
 config, per-step curves, final and peak reward, held-out accuracy of the trained weights unquantized, collapse
 step), <out>/study.md (mean ± standard error over seeds per arm) and three PNG figures.
@@ -10,6 +10,12 @@ step), <out>/study.md (mean ± standard error over seeds per arm) and three PNG 
     python -m parity study --figures-only --out outputs/study/laptop-arms   # table and figures again
 
 Runs already finished (their summary.json exists) are read back, not rerun."""
+
+EXAMPLES = [
+    "python -m parity study --preset laptop --quick",
+    "python -m parity study --preset laptop --stage search",
+    "python -m parity study --preset gpu --outputs-dir /tmp/po",
+]
 
 from __future__ import annotations
 

@@ -37,6 +37,14 @@ def _unwrap(tp: Any) -> Any:
 
 
 @functools.cache
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
 def _fields(cls: type) -> dict[str, Any]:
     """{field name: dataclass | dict (open: any keys) | list | None (a plain value)} of one schema dataclass."""
     hints = typing.get_type_hints(cls)
@@ -46,6 +54,8 @@ def _fields(cls: type) -> dict[str, Any]:
         org = typing.get_origin(tp) or tp
         if dataclasses.is_dataclass(tp):
             out[f.name] = tp
+        elif tp is Any and not isinstance(_default(f), Mapping):  # a value of several types (e.g. a number or auto)
+            out[f.name] = None
         elif tp is Any or (isinstance(org, type) and issubclass(org, Mapping)):
             out[f.name] = dict
         elif isinstance(org, type) and issubclass(org, _LIST_TYPES):
