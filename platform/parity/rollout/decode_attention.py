@@ -23,6 +23,7 @@ import torch
 
 from parity.precision.kv_packed import (
     KIND_RAW,
+    PACKED_KINDS,
     PackedKVCache,
     PackedLayer,
     kernel_shape_ok,
@@ -57,6 +58,28 @@ def split_plan(B: int, n_kv: int, L: int, device: torch.device) -> tuple[int, in
     want = -(-_PROGRAMS_PER_SM * _sm_count(device) // (B * n_kv))
     per = -(-tiles // max(1, min(tiles, want)))
     return -(-tiles // per), per
+
+
+def use_packed(engine, dtype: torch.dtype) -> bool:
+    """Whether the decode path stores this engine's KV cache packed: a packed kind, `engine.kv_packed` not False,
+    and (unless it is True, which forces the packed cache with the torch backend off CUDA) a CUDA device whose
+    kernels pass their self-check for the format (`usable`)."""
+    codec, want = engine.kv_codec, getattr(engine, "kv_packed", None)
+    if codec is None or codec.kind not in PACKED_KINDS or want is False:
+        return False
+    if want:
+        return True
+    dev = engine.device
+    return dev.type == "cuda" and usable(dev.index or 0, codec.kind, bool(getattr(codec, "hadamard", False)),
+                                         codec.head_dim, dtype)
+
+
+def packed_cache_for(engine, batch: int, slots: int, dtype: torch.dtype) -> PackedKVCache | None:
+    """The decode path's packed cache for `batch` rows of `slots` slots, or None (use_packed says no)."""
+    if not use_packed(engine, dtype):
+        return None
+    return PackedKVCache(engine.kv_codec, len(engine.model.model.layers), batch, engine.n_kv, slots, dtype,
+                         engine.device)
 
 
 def torch_decode_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, kmask: torch.Tensor,
