@@ -151,8 +151,8 @@ class PackedKVCache:
         if self.backend == "torch":
             idx = slot + torch.arange(k.shape[2], device=slot.device)
             for x, codes, scale in ((k, layer.k, layer.k_scale), (v, layer.v, layer.v_scale)):
-                st = self.codec.pack(x)
-                codes.index_copy_(2, idx, st.codes.to(codes.dtype))
+                st = self.codec.pack(x)  # one-byte codes copied as bytes (no index_copy_ for fp8 on CPU)
+                codes.view(torch.uint8).index_copy_(2, idx, st.codes.to(codes.dtype).view(torch.uint8))
                 if scale is not None:
                     scale.index_copy_(2, idx, self._scale_word(st))
             return

@@ -52,11 +52,18 @@ def generate_in_chunks(engine: Any, prompt_token_ids: list[list[int]], spec: Sam
         raise ValueError(f"engine.kv_budget_bytes holds {rows} rows, fewer than one prompt's n={spec.n} samples")
     ids = list(range(len(prompt_token_ids))) if prompt_ids is None else list(prompt_ids)
     padded = replace(spec, pad_prompts_to=max(spec.pad_prompts_to, prompt_len))
-    parts = [generate(engine, prompt_token_ids[i:i + per], padded, ids[i:i + per])
+    # each chunk's tensors copied at once: on CPU the decode path's batch tensors are its state buffers, which the
+    # next chunk (same shapes, same state) overwrites
+    parts = [_own(generate(engine, prompt_token_ids[i:i + per], padded, ids[i:i + per]))
              for i in range(0, len(prompt_token_ids), per)]
     out = concat_batches(parts, group_offsets=list(range(0, len(prompt_token_ids), per)))
     out.meta["kv_budget_chunks"] = len(parts)
     return out
+
+
+def _own(b: RolloutBatch) -> RolloutBatch:
+    return replace(b, **{f.name: getattr(b, f.name).clone() for f in fields(b)
+                         if isinstance(getattr(b, f.name), torch.Tensor)})
 
 
 def concat_batches(parts: list[RolloutBatch], group_offsets: list[int]) -> RolloutBatch:
