@@ -418,9 +418,10 @@ def _decode_forward(engine: Any, st: _State, tok: torch.Tensor, L: int) -> torch
     h = inner.embed_tokens(tok[:, None])  # [B, 1, hidden]
     fused_write = _FUSED_CACHE_WRITE and engine.kv_codec is None
     packed = st.extras.get("packed")
+    if packed is not None:
+        from parity.rollout.decode_attention import packed_decode_attention
     for (pre, post), cache in zip(st.extras["layers"], st.caches):
         if packed is not None:  # packed cache: the write kernel, then the decode-attention kernel reading it
-            from parity.rollout.decode_attention import packed_decode_attention
             q, k, v = pre_fn(h, *pre, cos, sin, D)
             packed.write(cache, k, v, slot)
             out = packed_decode_attention(q, packed, cache, st.key_ok, slot, L, post[0])

@@ -134,12 +134,15 @@ def _launch(q, kc, vc, ks, vs, key_ok, slot, L: int, scale: float, kind: int, ha
     else:
         m = lsum = acc = out
     ok = key_ok.view(torch.uint8) if key_ok.dtype == torch.bool else key_ok
-    _attn_kernel[(B * n_kv, splits)](
+    # on CUDA the warps and pipeline depth are tuned per format the first time (outside any graph capture: the
+    # decode path's first step of each length runs for real before its capture); the interpreter runs one
+    kernel, cfg = (_attn_tuned, {}) if q.is_cuda else (_attn_kernel, {"num_warps": 4, "num_stages": 2})
+    kernel[(B * n_kv, splits)](
         q, kc, vc, ks, vs, ok, slot, out, m, lsum, acc, he, ho, sg, fp8_scale, scale * math.log2(math.e),
         L, S, n_kv, H, per, splits, ok.stride(0),
         G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=BLOCK_N, D=D, KIND=kind, HADAMARD=hadamard,
         DC=kc.shape[-1], TMODE=transform_mode(D), ONE_SPLIT=splits == 1,
-        DOT_PREC="ieee" if q.dtype == torch.float32 else None, num_warps=4, num_stages=2)
+        DOT_PREC="ieee" if q.dtype == torch.float32 else None, **cfg)
     if splits > 1:
         _reduce_kernel[(B * H,)](m, lsum, acc, out, splits, D=D, BLOCK_S=triton.next_power_of_2(splits),
                                  num_warps=4)
@@ -207,6 +210,10 @@ if triton is not None:
             pa = acc_ptr + part[:, None] * D
             tl.store(pa + col0[None, :], acc0, mask=g_ok[:, None])
             tl.store(pa + col1[None, :], acc1, mask=g_ok[:, None])
+
+    _attn_tuned = triton.autotune(
+        configs=[triton.Config({}, num_warps=w, num_stages=st) for w, st in ((4, 2), (8, 2), (4, 3), (8, 1))],
+        key=["KIND", "HADAMARD", "D", "BLOCK_G", "ONE_SPLIT", "DOT_PREC"])(_attn_kernel)
 
     @triton.jit
     def _reduce_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, n_split, D: tl.constexpr, BLOCK_S: tl.constexpr):
