@@ -55,7 +55,7 @@ def main() -> None:
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "packed_kv.json"))
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--skip-tests", action="store_true")
-    p.add_argument("--test-timeout", type=int, default=200)
+    p.add_argument("--test-timeout", type=int, default=240)
     p.add_argument("--workers", type=int, default=8)
     args = p.parse_args()
     if not torch.cuda.is_available():

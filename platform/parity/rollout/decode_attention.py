@@ -38,13 +38,15 @@ try:
 except ImportError:  # CPU installs
     triton = None
 
-BLOCK_N = 64  # slots per tile
+BLOCK_N = 64  # slots per split unit (splits cover multiples of it); the kernel's tile is 64 or 32 (tuned)
 # programs to aim for: splits are added while (rows x KV heads x splits) is below this many per SM
 _PROGRAMS_PER_SM = 2
+_UNTUNED_TILE = 64  # the kernel's tile off CUDA (the interpreter), where nothing is tuned
 _DEFAULT_SMS = 132
 unusable_reason: str | None = None  # why usable() said no, for reports
 
 
+@functools.cache
 def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -136,11 +138,12 @@ def _launch(q, kc, vc, ks, vs, key_ok, slot, L: int, scale: float, kind: int, ha
     ok = key_ok.view(torch.uint8) if key_ok.dtype == torch.bool else key_ok
     # on CUDA the warps and pipeline depth are tuned per format the first time (outside any graph capture: the
     # decode path's first step of each length runs for real before its capture); the interpreter runs one
-    kernel, cfg = (_attn_tuned, {}) if q.is_cuda else (_attn_kernel, {"num_warps": 4, "num_stages": 2})
+    kernel, cfg = ((_attn_tuned, {}) if q.is_cuda else
+                   (_attn_kernel, {"BLOCK_N": _UNTUNED_TILE, "num_warps": 4, "num_stages": 2}))
     kernel[(B * n_kv, splits)](
         q, kc, vc, ks, vs, ok, slot, out, m, lsum, acc, he, ho, sg, fp8_scale, scale * math.log2(math.e),
-        L, S, n_kv, H, per, splits, ok.stride(0),
-        G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=BLOCK_N, D=D, KIND=kind, HADAMARD=hadamard,
+        L, S, n_kv, H, per * BLOCK_N, splits, ok.stride(0),
+        G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, KIND=kind, HADAMARD=hadamard,
         DC=kc.shape[-1], TMODE=transform_mode(D), ONE_SPLIT=splits == 1,
         DOT_PREC="ieee" if q.dtype == torch.float32 else None, **cfg)
     if splits > 1:
@@ -152,7 +155,7 @@ def _launch(q, kc, vc, ks, vs, key_ok, slot, L: int, scale: float, kind: int, ha
 if triton is not None:
     @triton.jit
     def _attn_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, ok_ptr, slot_ptr, o_ptr, m_ptr, l_ptr, acc_ptr,
-                     he_ptr, ho_ptr, sg_ptr, fp8_scale, qk_scale, L, S, n_kv, H, per_split, n_split, ok_stride,
+                     he_ptr, ho_ptr, sg_ptr, fp8_scale, qk_scale, L, S, n_kv, H, split_slots, n_split, ok_stride,
                      G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
                      KIND: tl.constexpr, HADAMARD: tl.constexpr, DC: tl.constexpr, TMODE: tl.constexpr,
                      ONE_SPLIT: tl.constexpr, DOT_PREC: tl.constexpr):
@@ -177,11 +180,11 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc0 = tl.zeros([BLOCK_G, D // 2], tl.float32)
         acc1 = tl.zeros([BLOCK_G, D // 2], tl.float32)
-        t0 = sp * per_split
-        t1 = tl.minimum(t0 + per_split, tl.cdiv(L, BLOCK_N))
-        for t in range(t0, t1):
-            offs = t * BLOCK_N + tl.arange(0, BLOCK_N)
-            in_l = offs < L
+        lo = sp * split_slots
+        hi = tl.minimum(lo + split_slots, L)
+        for start in range(lo, hi, BLOCK_N):
+            offs = start + tl.arange(0, BLOCK_N)
+            in_l = offs < hi
             seen = tl.load(ok_ptr + b.to(tl.int64) * ok_stride + offs, mask=in_l, other=0) != 0
             seen = seen & in_l & (offs <= slot)
             k0, k1 = _kv_tile(kc, ks, offs, in_l, he, ho, sg0, sg1, fp8_scale, KIND, HADAMARD, D, OUT, TMODE)
@@ -212,7 +215,8 @@ if triton is not None:
             tl.store(pa + col1[None, :], acc1, mask=g_ok[:, None])
 
     _attn_tuned = triton.autotune(
-        configs=[triton.Config({}, num_warps=w, num_stages=st) for w, st in ((4, 2), (8, 2), (4, 3), (8, 1))],
+        configs=[triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st)
+                 for n, w, st in ((64, 4, 2), (64, 8, 2), (32, 4, 2), (32, 8, 2))],
         key=["KIND", "HADAMARD", "D", "BLOCK_G", "ONE_SPLIT", "DOT_PREC"])(_attn_kernel)
 
     @triton.jit
