@@ -60,10 +60,13 @@ def _engine(model_dir, kind: str, packed: bool) -> TorchEngine:
     return eng
 
 
-@pytest.mark.parametrize("kind", ["int4_per_token_head", "int8", "fp8"])
-@pytest.mark.parametrize("spec", [SamplingSpec(temperature=0.0, max_new_tokens=20, n=2, seed=1),
-                                  SamplingSpec(temperature=1.0, top_p=1.0, max_new_tokens=20, n=2, seed=5,
-                                               topk_logprobs=4)], ids=["greedy", "sampled"])
+GREEDY = SamplingSpec(temperature=0.0, max_new_tokens=20, n=2, seed=1)
+SAMPLED = SamplingSpec(temperature=1.0, top_p=1.0, max_new_tokens=20, n=2, seed=5, topk_logprobs=4)
+
+
+@pytest.mark.parametrize("kind,spec", [("int4_per_token_head", GREEDY), ("int4_per_token_head", SAMPLED),
+                                       ("int8", SAMPLED), ("fp8", GREEDY)], ids=["int4-greedy", "int4-sampled",
+                                                                                 "int8-sampled", "fp8-greedy"])
 def test_decode_path_packed_equals_simulated(model_dir, kind, spec):
     sim = fast_generate(_engine(model_dir, kind, False), PROMPTS, spec, use_graphs=False)
     eng = _engine(model_dir, kind, True)

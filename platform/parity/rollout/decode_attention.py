@@ -249,12 +249,15 @@ def self_check(codec, dtype: torch.dtype, device: torch.device) -> str | None:
     got = cache.state(layer, "k", 0, S)
     if not torch.equal(got.codes.view(torch.uint8), ref.codes.view(torch.uint8)):
         return f"{codec.kind}: codes differ from the codec's ({int((got.codes.view(torch.uint8) != ref.codes.view(torch.uint8)).sum())})"
-    if ref.scale is not None and not (torch.equal(got.scale, ref.scale) and
-                                      (ref.zero is None or torch.equal(got.zero, ref.zero))):
-        return f"{codec.kind}: scales or zero points differ from the codec's"
+    if ref.scale is not None and not torch.equal(got.scale, ref.scale):
+        return f"{codec.kind}: {int((got.scale != ref.scale).sum())} of {ref.scale.numel()} scales differ"
+    if ref.zero is not None and not torch.equal(got.zero, ref.zero):
+        return f"{codec.kind}: {int((got.zero != ref.zero).sum())} of {ref.zero.numel()} zero points differ"
     kh, vh = cache.values(layer, S)
-    if not (torch.equal(kh, codec.roundtrip(k)) and torch.equal(vh, codec.roundtrip(v))):
-        return f"{codec.kind}: dequantized values differ from the codec's roundtrip"
+    for got_v, want_v in ((kh, codec.roundtrip(k)), (vh, codec.roundtrip(v))):
+        if not torch.equal(got_v, want_v):
+            return (f"{codec.kind}: {int((got_v != want_v).sum())} of {want_v.numel()} dequantized values differ "
+                    f"from the codec's roundtrip (max abs {float((got_v.float() - want_v.float()).abs().max()):.3g})")
     q = torch.randn(B, H, D, generator=g).to(dtype).to(device)
     key_ok = torch.ones(B, S, dtype=torch.bool, device=device)
     key_ok[0, :7] = False
