@@ -30,12 +30,10 @@ TorchEngine.generate dispatches here on CUDA (see `supports`). What differs from
   the same distribution, the same per-row uniforms, without a [B, V] sort per step. Greedy and top_p < 1
   use TorchEngine._sample unchanged (bit-identical rules).
 
-- A low-precision KV cache (int8, fp8, int4_per_token_head) is stored packed (parity.precision.kv_packed: codes
-  and per-token-head scales, 68 bytes a token-head for int4 against 256 for bf16) and read by a Triton
-  flash-decoding kernel that dequantizes in registers (parity.rollout.decode_attention) to exactly the values the
-  simulated cache holds; `_PACKED_KV = False` (or engine.kv_packed = False) keeps the simulated cache (bf16
-  holding the codec's roundtrip), the reference. `engine.kv_budget_bytes` caps the cache: a call with more rows
-  than fit runs in chunks (rollout/kv_budget.py), so a smaller cache per row means larger decode batches.
+- A low-precision KV cache is stored packed (precision/kv_packed.py: 68 bytes a token-head for int4 against 256)
+  and read by a Triton decode-attention kernel that dequantizes in registers to exactly the simulated cache's
+  values (rollout/decode_attention.py); `_PACKED_KV = False` keeps the simulated cache, the reference.
+  `engine.kv_budget_bytes` caps the cache; a call with more rows runs in chunks that fit (rollout/kv_budget.py).
 
 The prefill (`_prefill`) is TorchEngine._forward's arithmetic writing into the static cache, with the stacked
 projections and, on CUDA with compilation on, the two halves of a layer compiled by Inductor (shapes become
@@ -360,9 +358,9 @@ def _int8_triton_shapes(layers: list) -> list[tuple[int, int]]:
 
 
 def _compiled(engine: Any, want: bool) -> tuple[Any, ...]:
-    """The per-layer functions (pre-attention, post-attention, pre-attention with the cache write, and o_proj + MLP
-    for the packed cache, whose attention is a Triton kernel between them), compiled with Inductor when `want` (every layer has the same shapes, so
-    each compiles once and serves all 28); plain functions otherwise."""
+    """The per-layer functions (pre-attention, post-attention, pre-attention with the cache write, o_proj + MLP for
+    the packed cache), compiled with Inductor when `want` (every layer has the same shapes, so each compiles once
+    and serves all 28); plain functions otherwise."""
     if not want:
         return _pre_attention, _post_attention, _pre_attention_write, _o_proj_mlp
     fns = engine.__dict__.get("_fast_compiled")
