@@ -9,6 +9,10 @@ Sections, each timed with CUDA synchronisation around the region, each failure r
                 HF generate, TorchEngine plain loop, TorchEngine fast path BF16 (and, A/B, attending over the
                 whole cache; q/k/v and gate/up unstacked), INT8 W8A8 (A/B: unstacked; cuBLASLt instead of
                 the fused Triton kernel), INT8 W8A8 + INT4 KV; per-projection latency at M = 64
+  kv            the packed KV cache (tests/bench/gpu_bench_kv.py): BF16, W8A8, W8A8 + INT4 KV, W8A8 + FP8 KV,
+                BF16 + INT4 KV (packed) and W8A8 + INT4 KV simulated: tokens/s at batch 64 and at the largest batch
+                whose cache fits in BF16's bytes at batch 64, KV bytes a step, fraction of the roof counting KV;
+                the decode attention alone per format (kv_attention)
   check         fast path == plain loop in float32 (greedy and top-p: same tokens, log-probs to rounding);
                 BF16 fast-path log-probs vs a teacher-forced HF forward (and the plain loop's, for scale)
   sync          update_weights seconds: BF16 -> BF16 engine, BF16 -> INT8 W8A8 engine
@@ -43,6 +47,7 @@ from gpu_bench_common import (
     timed,
     top_kernels,
 )
+from gpu_bench_kv import attention_us, kv_rows
 from gpu_bench_trainer import trainer
 
 
@@ -466,7 +471,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="bench_gpu.json")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--skip", default="", help="comma-separated sections to skip: rollout,check,sync,trainer,compile,"
+    p.add_argument("--skip", default="", help="comma-separated sections to skip: rollout,kv,check,sync,trainer,compile,"
                    "interleaved, anchors (HF generate, the plain loop and the older-design A/Bs), sweep (INT8 tile sweep)")
     p.add_argument("--trainer-modes", default="", help="comma-separated trainer variants to run (default: all), "
                    "e.g. grpo_compiled,grpo_compiled_cudagraphs")
@@ -490,6 +495,9 @@ def main() -> None:
         weight_sync()
     RESULTS.pop("_engines", None)
     torch.cuda.empty_cache()
+    if "kv" not in skip:
+        kv_rows(d, args.reps)
+        attention_us()
     if "trainer" not in skip:
         trainer(d, "compile" not in skip, set(filter(None, args.trainer_modes.split(","))) or None,
                 "interleaved" not in skip)

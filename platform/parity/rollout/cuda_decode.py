@@ -31,6 +31,11 @@ TorchEngine.generate dispatches here on CUDA (see `supports`). What differs from
   the same distribution, the same per-row uniforms, without a [B, V] sort per step. Greedy and top_p < 1
   use TorchEngine._sample unchanged (bit-identical rules).
 
+- A low-precision KV cache is stored packed (precision/kv_packed.py: 68 bytes a token-head for int4 against 256)
+  and read by a Triton decode-attention kernel that dequantizes in registers to exactly the simulated cache's
+  values (rollout/decode_attention.py); `_PACKED_KV = False` keeps the simulated cache, the reference.
+  `engine.kv_budget_bytes` caps the cache; a call with more rows runs in chunks that fit (rollout/kv_budget.py).
+
 The prefill (`_prefill`) is TorchEngine._forward's arithmetic writing into the static cache, with the stacked
 projections and, on CUDA with compilation on, the two halves of a layer compiled by Inductor (shapes become
 dynamic after the first change of prompt length), faster than the modules' eager forward (figures:
@@ -68,6 +73,9 @@ _FUSED_CACHE_WRITE = True
 # weights coming from memory, and pinned (int8_triton.tune_decode), so the compiled layers launch the measured
 # best; False: the compiled graph picks among the candidates itself when first built (benchmark A/B)
 _PIN_INT8 = True
+# A low-precision KV cache stored packed and read by the Triton decode-attention kernel on CUDA (see the module
+# docstring); False: the simulated cache (bf16 values of the codec's roundtrip, the reference; benchmark A/B)
+_PACKED_KV = True
 
 
 def supports(engine: Any) -> bool:
@@ -269,12 +277,19 @@ def _prefill(engine: Any, st: _State, ids: torch.Tensor, pos: torch.Tensor, mask
     h = inner.embed_tokens(ids)
     cos, sin = inner.rotary_emb(h, pos)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    for (pre, post), (ck, cv) in zip(st.extras["layers"], st.caches):
+    packed = st.extras.get("packed")
+    for (pre, post), cache in zip(st.extras["layers"], st.caches):
         q, k, v = pre_fn(h, *pre, cos, sin, D)
-        if engine.kv_codec is not None:
-            k, v = engine.kv_codec.roundtrip(k), engine.kv_codec.roundtrip(v)
-        ck[:, :, :T], cv[:, :, :T] = k, v
-        h = post_fn(h, q, ck[:, :, :T], cv[:, :, :T], mask, *post)
+        if packed is not None:  # packed cache: write the codes, attend over their dequantized values
+            packed.write(cache, k, v, st.extras["slot0"])
+            ck, cv = packed.values(cache, T)
+        else:
+            ck, cv = cache
+            if engine.kv_codec is not None:
+                k, v = engine.kv_codec.roundtrip(k), engine.kv_codec.roundtrip(v)
+            ck[:, :, :T], cv[:, :, :T] = k, v
+            ck, cv = ck[:, :, :T], cv[:, :, :T]
+        h = post_fn(h, q, ck, cv, mask, *post)
     return engine.model.lm_head(inner.norm(h[:, -1])).float()
 
 
@@ -343,17 +358,18 @@ def _int8_triton_shapes(layers: list) -> list[tuple[int, int]]:
     return out
 
 
-def _compiled(engine: Any, want: bool) -> tuple[Any, Any]:
-    """The two per-layer functions, compiled with Inductor when `want` (every layer has the same shapes, so
-    each compiles once and serves all 28); plain functions otherwise."""
+def _compiled(engine: Any, want: bool) -> tuple[Any, ...]:
+    """The per-layer functions (pre-attention, post-attention, pre-attention with the cache write, o_proj + MLP for
+    the packed cache), compiled with Inductor when `want` (every layer has the same shapes, so each compiles once
+    and serves all 28); plain functions otherwise."""
     if not want:
-        return _pre_attention, _post_attention, _pre_attention_write
+        return _pre_attention, _post_attention, _pre_attention_write, _o_proj_mlp
     fns = engine.__dict__.get("_fast_compiled")
     if fns is None:
         from parity.training.fast_compile import raise_recompile_limit
         raise_recompile_limit(64)  # one specialisation per attended length L and per engine's weight formats
         fns = tuple(torch.compile(f, dynamic=False, fullgraph=True)
-                    for f in (_pre_attention, _post_attention, _pre_attention_write))
+                    for f in (_pre_attention, _post_attention, _pre_attention_write, _o_proj_mlp))
         engine._fast_compiled = fns
     return fns
 
@@ -368,7 +384,7 @@ def _run_prefill(engine: Any, st: _State, ids: torch.Tensor, pos: torch.Tensor, 
     fns = st.extras.get("prefill_fns")
     if fns is None:
         fns = eager
-        if _PREFILL == "compiled" and compile_layers and engine.kv_codec is None:
+        if _PREFILL == "compiled" and compile_layers and (engine.kv_codec is None or "packed" in st.extras):
             fns = engine.__dict__.get("_prefill_compiled") or (
                 torch.compile(_prefill_pre, fullgraph=True), torch.compile(_prefill_post, fullgraph=True))
             engine._prefill_compiled = fns
@@ -393,14 +409,24 @@ def _decode_forward(engine: Any, st: _State, tok: torch.Tensor, L: int) -> torch
     """One token per row at slot start + t, rope position plen + t, attending over cache slots [0, L) (L covers
     the slot): logits [B, V] float32."""
     inner, D = engine.model.model, engine.head_dim
-    pre_fn, post_fn, pre_write_fn = st.extras["fns"]
+    pre_fn, post_fn, pre_write_fn, o_mlp_fn = st.extras["fns"]
     pos = st.plen + st.t
     slot = st.start + st.t
     cos, sin = st.cos[pos][:, None, :], st.sin[pos][:, None, :]  # [B, 1, D], broadcast over heads
     kmask = (torch.arange(L, device=tok.device)[None, :] <= slot) & st.key_ok[:, :L]
     h = inner.embed_tokens(tok[:, None])  # [B, 1, hidden]
     fused_write = _FUSED_CACHE_WRITE and engine.kv_codec is None
-    for (pre, post), (ck, cv) in zip(st.extras["layers"], st.caches):
+    packed = st.extras.get("packed")
+    if packed is not None:
+        from parity.rollout.decode_attention import packed_decode_attention
+    for (pre, post), cache in zip(st.extras["layers"], st.caches):
+        if packed is not None:  # packed cache: the write kernel, then the decode-attention kernel reading it
+            q, k, v = pre_fn(h, *pre, cos, sin, D)
+            packed.write(cache, k, v, slot)
+            out = packed_decode_attention(q, packed, cache, st.key_ok, slot, L, post[0])
+            h = o_mlp_fn(h, out[:, None], *post[1:])
+            continue
+        ck, cv = cache
         if fused_write:
             q = pre_write_fn(h, *pre, cos, sin, D, ck, cv, slot)
         else:
@@ -449,10 +475,15 @@ def _new_state(engine: Any, key: tuple, B: int, S: int, R: int, K: int, dtype: t
     dev = engine.device
     max_pos = engine.model.config.max_position_embeddings
     cos, sin = rope_tables(engine, max_pos, dtype)
-    caches = [(torch.zeros(B, engine.n_kv, S, engine.head_dim, dtype=dtype, device=dev),
-               torch.zeros(B, engine.n_kv, S, engine.head_dim, dtype=dtype, device=dev))
-              for _ in engine.model.model.layers]
-    return _State(
+    from parity.rollout.decode_attention import packed_cache_for
+    packed = packed_cache_for(engine, B, S, dtype) if _PACKED_KV else None
+    if packed is not None:  # the packed low-precision cache (one PackedLayer a layer)
+        caches = packed.layers
+    else:
+        caches = [(torch.zeros(B, engine.n_kv, S, engine.head_dim, dtype=dtype, device=dev),
+                   torch.zeros(B, engine.n_kv, S, engine.head_dim, dtype=dtype, device=dev))
+                  for _ in engine.model.model.layers]
+    st = _State(
         key=key, caches=caches, cos=cos, sin=sin,
         t=torch.zeros(1, dtype=torch.long, device=dev), start=torch.zeros(1, dtype=torch.long, device=dev),
         plen=torch.zeros(B, dtype=torch.long, device=dev), key_ok=torch.zeros(B, S, dtype=torch.bool, device=dev),
@@ -464,6 +495,10 @@ def _new_state(engine: Any, key: tuple, B: int, S: int, R: int, K: int, dtype: t
         topk_ids=torch.zeros(B, R, K, dtype=torch.int32, device=dev) if K else None,
         topk_lp=torch.zeros(B, R, K, dtype=torch.float32, device=dev) if K else None,
     )
+    if packed is not None:
+        st.extras["packed"] = packed
+        st.extras["slot0"] = torch.zeros(1, dtype=torch.long, device=dev)
+    return st
 
 
 def _capture(engine: Any, st: _State, spec: SamplingSpec, L: int) -> Any:
@@ -499,7 +534,14 @@ def fast_generate(engine: Any, prompt_token_ids: list[list[int]], spec: Sampling
     w = engine.model.lm_head.weight
     dtype = w.dtype if w.is_floating_point() else torch.bfloat16
     compile_layers = use_graphs and getattr(engine, "fast_compile", True)
-    key = (B, S, R, K, spec.temperature, spec.top_p, dtype, use_graphs, compile_layers)
+    if getattr(engine, "kv_budget_bytes", None):  # a capped KV cache: as many rows a call as fit, in chunks
+        from parity.rollout.kv_budget import generate_in_chunks, rows_that_fit
+        fit = rows_that_fit(engine, S, dtype, _PACKED_KV)
+        if B > fit:
+            return generate_in_chunks(engine, prompt_token_ids, spec, prompt_ids, fit, P,
+                                      lambda *a: fast_generate(*a, use_graphs=use_graphs))
+    key = (B, S, R, K, spec.temperature, spec.top_p, dtype, use_graphs, compile_layers, _PACKED_KV,
+           getattr(engine, "kv_packed", None))
     st = engine.__dict__.get("_fast_state")
     if st is None or st.key != key:
         engine._fast_state = None  # free the old cache before allocating the new one
@@ -565,6 +607,8 @@ def fast_generate(engine: Any, prompt_token_ids: list[list[int]], spec: Sampling
         topk_logprobs=None if st.topk_lp is None else st.topk_lp.cpu(),
         meta={"engine": engine.name, **engine.describe(),
               "decode_path": ("cuda_graph" if use_graphs else "static_cache_eager")
-              + ("+inductor_layers" if compile_layers else "")},
+              + ("+inductor_layers" if compile_layers else ""),
+              "kv_cache_layout": ("packed" if "packed" in st.extras else
+                                  "plain" if engine.kv_codec is None else "simulated")},
     )
     return batch
