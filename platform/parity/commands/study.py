@@ -11,11 +11,6 @@ step), <out>/study.md (mean ± standard error over seeds per arm) and three PNG 
 
 Runs already finished (their summary.json exists) are read back, not rerun."""
 
-EXAMPLES = [
-    "python -m parity study --preset laptop --quick",
-    "python -m parity study --preset laptop --stage search",
-    "python -m parity study --preset gpu --outputs-dir /tmp/po",
-]
 
 from __future__ import annotations
 
@@ -27,6 +22,12 @@ import shlex
 import sys
 import time
 from pathlib import Path
+
+EXAMPLES = [
+    "python -m parity study --preset laptop --quick",
+    "python -m parity study --preset laptop --stage search",
+    "python -m parity study --preset gpu --outputs-dir /tmp/po",
+]
 
 
 def _parser() -> argparse.ArgumentParser:
