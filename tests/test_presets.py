@@ -48,3 +48,22 @@ def test_quick_variants_run_end_to_end(quick_cfg, name, metric):
         assert last["r3/routing_disagreement_replayed"] == 0.0
     if name.startswith("seed_qwen35"):
         assert summary["engine"]["weights"] == "int8" and summary["engine"]["kv_cache"] == "int4_per_token_head"
+
+
+@pytest.mark.parametrize("name", ["countdown_tiny", "countdown_gpu"])
+def test_countdown_presets_run_end_to_end(quick_cfg, name):
+    """The mismatch substrate's presets, shrunk to seconds (the 27 M GPU preset too, on the CPU), with the dial on."""
+    from pathlib import Path
+
+    cfg = quick_cfg(f"experiment={name}", f"trainer.run_name={name}", "model.tokenizer_corpus_size=300",
+                    "model.warm_start.steps=4", "model.warm_start.batch_size=4", "model.warm_start.eval_problems=2",
+                    "trainer.eval_problems=2", "rollout.max_new_tokens=24", "rollout.n=2", "trainer.total_steps=1",
+                    "trainer.checkpoint_every=0", "rollout.precision.perturbation.sigma=0.05")
+    assert cfg.data.name == "countdown" and cfg.model.tokenizer == "bpe"
+    summary = train(cfg)
+    last = MetricsLog(Path(summary["run_dir"]) / "metrics.jsonl").read()[-1]
+    assert last["step"] == 1 and summary["collapse_step"] is None
+    for key in ("drift/adv_token_mean", "drift/delta_cosine", "response/entropy", "train/collapsed",
+                "mismatch/abs_prob_diff_mean"):
+        assert key in last, key
+    assert summary["engine"]["perturbation"]["sigma"] == 0.05

@@ -22,9 +22,8 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK)
-    fast.padding_side = "left"
-    return fast
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK,
+                                   padding_side="left")  # an init argument: saved, so AutoTokenizer loads it too
 
 
 def save_char_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
@@ -46,7 +45,5 @@ def build_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedToke
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK,
-                                   clean_up_tokenization_spaces=False)
-    fast.padding_side = "left"
-    return fast
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK,
+                                   clean_up_tokenization_spaces=False, padding_side="left")
