@@ -22,6 +22,9 @@ QUICK = [
 ]
 
 
+from tests.prefect_services import prefect_services, sweep_store  # noqa: E402,F401  (session fixtures)
+
+
 @pytest.fixture(scope="session")
 def outputs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("outputs")
@@ -49,7 +52,7 @@ def prepared_model(quick_cfg) -> Path:
 # scans every loaded module's attributes, and Flask's LocalProxy objects raise on that scan, so the vLLM
 # tests run after everything else except these; vLLM in turn changes process-wide torch state, so the
 # tests compared bit for bit against Ray actors run before it.
-_FLASK_IMPORTERS = {"test_tracking_mlflow.py", "test_dashboard_pages.py", "test_docker_compose.py",
+_FLASK_IMPORTERS = {"test_tracking_mlflow.py", "test_dashboard_pages.py", "test_dashboard_sweep.py", "test_docker_compose.py",
                     "test_reliability_faults.py", "test_reliability_security.py"}
 
 
