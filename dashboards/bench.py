@@ -190,7 +190,8 @@ def bar_spec(metric: str, evaluations: list[str]) -> dict[str, Any]:
     errs = {"mark": {"type": "rule", "color": "#333", "strokeWidth": 1.5}, "encoding": {
         "x": x, "xOffset": {"field": "evaluation", "sort": evaluations}, "y": {"field": "lo", "type": "quantitative"},
         "y2": {"field": "hi"}, "tooltip": tooltip}}
-    return {"height": 300, "layer": [bars, errs], "usermeta": {"embedOptions": {"renderer": "svg"}}}
+    return {"height": 260, "autosize": {"type": "fit-x", "contains": "padding"}, "layer": [bars, errs],
+            "usermeta": {"embedOptions": {"renderer": "svg"}}}
 
 
 def chart_rows(bench: pd.DataFrame, metric: str) -> pd.DataFrame:

@@ -72,14 +72,20 @@ PLOT_COLUMNS = ["series", "key", "step", "value", "lo", "hi", "n"]
 def curves(history: pd.DataFrame, labels: dict[str, str], smoothing: float = 0.0,
            group_seeds: bool = False) -> pd.DataFrame:
     """Plot table (series, key, step, value, lo, hi, n) from a metric history (run_id, key, step, value) and
-    each run's legend label. Each run is smoothed on its own; with group_seeds, runs sharing a label become
-    one series: the mean over them at each step with the min..max band (n = runs present at that step);
+    each run's legend label. Each run is smoothed on its own, and only where a metric is logged on most
+    steps: a sparse one (held-out accuracy every N steps) is left as measured, since an average over points
+    N steps apart would misstate where the run ended. With group_seeds, runs sharing a label become one
+    series: the mean over them at each step with the min..max band (n = runs present at that step);
     otherwise lo = hi = value."""
     if history.empty:
         return pd.DataFrame(columns=PLOT_COLUMNS)
     h = history[history["run_id"].isin(list(labels))].sort_values(["run_id", "key", "step"]).copy()
-    if smoothing > 0:
-        h["value"] = h.groupby(["run_id", "key"], sort=False)["value"].transform(lambda s: ema(s.to_numpy(), smoothing))
+    if smoothing > 0 and not h.empty:
+        def smooth(g: pd.DataFrame) -> pd.Series:
+            dense = len(g) >= 0.5 * (g["step"].iloc[-1] - g["step"].iloc[0] + 1)
+            return pd.Series(ema(g["value"].to_numpy(), smoothing) if dense else g["value"].to_numpy(), index=g.index)
+
+        h["value"] = pd.concat([smooth(g) for _, g in h.groupby(["run_id", "key"], sort=False)])
     h["series"] = h["run_id"].map(labels)
     if not group_seeds:
         h["lo"] = h["hi"] = h["value"]
@@ -132,7 +138,9 @@ def curve_spec(key: str, banded: bool, points: bool, series: Sequence[str] = (),
     legend's labels are text in the page."""
     x = {"field": "step", "type": "quantitative", "title": "step", "axis": {"format": "d", "tickMinStep": 1}}
     color = {"field": "series", "type": "nominal", "title": None,
-             "legend": {"orient": "bottom", "direction": "vertical", "labelLimit": 420},
+             # the band's faint fill would otherwise be the legend's symbol: a full-strength stroke, as the lines
+             "legend": {"orient": "bottom", "direction": "vertical", "labelLimit": 420, "symbolType": "stroke",
+                        "symbolOpacity": 1, "symbolStrokeWidth": 3},
              **({"scale": {"domain": list(series), "range": PALETTE}} if series else {})}
     line = {"mark": {"type": "line", "point": points},
             "encoding": {"x": x, "color": color,
@@ -142,8 +150,7 @@ def curve_spec(key: str, banded: bool, points: bool, series: Sequence[str] = (),
                                      {"field": "value", "type": "quantitative", "format": ".6g"},
                                      {"field": "n", "type": "quantitative", "title": "seeds"}]}}
     band = {"mark": {"type": "area", "opacity": 0.2},
-            "encoding": {"x": x, "color": {**color, "legend": None}, "y": {"field": "lo", "type": "quantitative"},
-                         "y2": {"field": "hi"}}}
+            "encoding": {"x": x, "color": color, "y": {"field": "lo", "type": "quantitative"}, "y2": {"field": "hi"}}}
     layers = [band, line] if banded else [line]
     if markers is not None and not markers.empty:
         layers.append({"data": {"values": markers[["series", "step"]].to_dict("records")},
@@ -151,5 +158,7 @@ def curve_spec(key: str, banded: bool, points: bool, series: Sequence[str] = (),
                        "encoding": {"x": x, "color": color,
                                     "tooltip": [{"field": "series", "type": "nominal"},
                                                 {"field": "step", "type": "quantitative", "title": "collapse at step"}]}})
-    return {"height": 240, "title": {"text": panel_title(key), "anchor": "start", "fontSize": 13},
+    # fit-x: the width follows the column, the height is the plot's own (legend and title come on top of it)
+    return {"height": 200, "autosize": {"type": "fit-x", "contains": "padding"},
+            "title": {"text": panel_title(key), "anchor": "start", "fontSize": 13},
             "layer": layers, "usermeta": {"embedOptions": {"renderer": "svg"}}}

@@ -43,6 +43,10 @@ def test_curves_group_seeds_mean_and_band():
     sm = curves.curves(hist, {"a": "s0", "b": "s1"}, smoothing=0.5)
     a = sm[sm["series"] == "s0"].sort_values("step")["value"].tolist()
     assert a == pytest.approx([0.2, (0.5 * 0.5 * 0.2 + 0.5 * 0.4) / 0.75])
+    # an evaluation every 10 steps is left as measured: its last point is where the run ended
+    sparse = pd.DataFrame([("a", "eval/accuracy", s, v) for s, v in [(0, 0.1), (10, 0.3), (20, 0.5)]],
+                          columns=["run_id", "key", "step", "value"])
+    assert curves.curves(sparse, {"a": "s0"}, smoothing=0.6)["value"].tolist() == [0.1, 0.3, 0.5]
 
 
 def test_collapse_markers_first_flagged_step_or_recorded_step():
@@ -55,7 +59,7 @@ def test_collapse_markers_first_flagged_step_or_recorded_step():
     spec = curves.curve_spec("reward/mean", banded=True, points=True, series=["none", "tis"], markers=m)
     rule = spec["layer"][-1]
     assert rule["mark"]["type"] == "rule" and rule["data"]["values"][0] == {"series": "none", "step": 3}
-    assert spec["layer"][0]["encoding"]["color"]["legend"] is None  # the legend shows lines, not bands
+    assert spec["layer"][0]["mark"]["type"] == "area" and spec["layer"][1]["mark"]["type"] == "line"
     assert curves.collapse_markers(hist.iloc[:0], {"a": "x"}).empty
 
 

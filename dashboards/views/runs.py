@@ -35,8 +35,8 @@ c3.write(f"{len(shown_top)} of {len(top)} runs ({n_pipelines} pipelines, "
 # shows however long the run names are
 COLUMNS = ["run", "mlflow", "status", "precision", "correction", "seed", "final_reward", "heldout_accuracy",
            "benchmark_avg", "collapsed", "started"]
-WIDTH = {"run": 220, "mlflow": 55, "status": 80, "precision": 80, "correction": 85, "seed": 45, "final_reward": 70,
-         "heldout_accuracy": 70, "benchmark_avg": 70, "collapsed": 75, "started": 85}
+WIDTH = {"run": 250, "mlflow": 52, "status": 75, "precision": 85, "correction": 80, "seed": 40, "final_reward": 62,
+         "heldout_accuracy": 65, "benchmark_avg": 60, "collapsed": 72, "started": 82}
 table = shown[COLUMNS].assign(started=shown["started"].dt.strftime("%m-%d %H:%M"))
 table = frames.missing_as_dash(table, ["precision", "correction", "seed", "collapsed", "started"])
 numbers = ["final_reward", "heldout_accuracy", "benchmark_avg"]
