@@ -1,5 +1,7 @@
-"""Pure table transforms behind the pages: run rows, per-step curves with smoothing and seed bands, benchmark
-tables. No I/O here, so every number the dashboard shows can be checked by hand in tests."""
+"""Pure table transforms behind the Runs page and the labels every page shares: one row per pipeline or plain
+training run (its stages folded under it), values inherited from the stage that measured them, and legend
+labels from the config keys that differ between chosen runs. No I/O here, so every number the dashboard
+shows can be checked by hand in tests (per-step curves: dashboards/curves.py, benchmarks: dashboards/bench.py)."""
 
 from __future__ import annotations
 
@@ -9,24 +11,27 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
 from dashboards.data import RunRecord, mlflow_run_url
+from parity.tracking import naming
 
-# Per-step curves the Compare page offers first (METRICS.md and the training loop name them).
-CURVE_METRICS = [
-    "reward/mean", "eval/accuracy", "eval/accuracy_unquantized", "mismatch/abs_prob_diff_mean", "mismatch/k3_kl",
-    "correction/lambda",
-    "correction/sc_term_abs", "perf/rollout_tokens_per_s",
-]
+MISSING = "—"
 # Metric names a run may carry its benchmark average under (first found wins).
-BENCH_AVG_KEYS = ("eval/macro/avg@k", "eval/avg@k", "benchmark/macro_avg", "eval/benchmark_avg")
+BENCH_AVG_KEYS = ("benchmark_macro_avg", "eval/macro/avg@k", "eval/macro/avg_at_k", "eval/avg@k",
+                  "benchmark/macro_avg", "eval/benchmark_avg")
 _BENCH_AVG_RE = re.compile(r"(macro|average|bench\w*_avg)", re.IGNORECASE)
 # Keys that differ between seeds (or names/paths) of one configuration and so do not define it.
 _NOT_CONFIG = re.compile(r"(^|\.)(seed|shuffle_seed|run_name|experiment_name|resume)$|(^|\.)(outputs_dir|out_dir|"
                          r"path|model_path|datasets_dir|export_dir|tracking_uri|registry_url)$|^tracking\.|^hydra")
+# Keys never worth a legend entry: names, places, bookkeeping (a different model.path is a different model: kept).
+_NOT_LABEL = re.compile(r"(^|\.)(run_name|resume|outputs_dir|out_dir|export_dir|datasets_dir|"
+                        r"quantization_config_file)$|^tracking\.|^hydra|^eval\.(model_path|run_name|registered_model)$|"
+                        r"^distributed\.(address|init_timeout_s)$")
+_PRECISION_KEYS = re.compile(r"^rollout\.precision\.(weights|activations|kv_cache|perturbation\.sigma)$|"
+                             r"^actor_rollout_ref\.rollout\.(quantization|engine_kwargs\.vllm\.kv_cache_dtype)$")
 _UNSET = ("", "None", "null", "none")
+SEED_KEY = "trainer.seed"
 
 
 def param(params: dict[str, str], key: str, default: str = "") -> str:
@@ -34,15 +39,36 @@ def param(params: dict[str, str], key: str, default: str = "") -> str:
     return default if v is None or v in _UNSET else str(v)
 
 
-def precision_label(params: dict[str, str]) -> str:
-    """'bf16' or 'wint8-aint8-kvint4_per_token_head' (the label the pipeline gives its artifacts). The seed block's `quantization` selects W8A8 and its
-    vLLM kv_cache_dtype, as parity.precision resolves it."""
+def _precision_parts(params: dict[str, str]) -> tuple[str, str, str]:
     q = param(params, "actor_rollout_ref.rollout.quantization")
     if q:
+        w = a = q
         kv = param(params, "actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_dtype", "bf16")
-        return f"w{q}-a{q}-kv{kv}"
+        kv = {"auto": "bf16", "int8_per_token_head": "int8"}.get(kv, kv)
+        return w, a, kv
     w, a, kv = (param(params, f"rollout.precision.{k}", "bf16") for k in ("weights", "activations", "kv_cache"))
+    return w, a, kv
+
+
+def precision_label(params: dict[str, str]) -> str:
+    """'bf16' or 'wint8-aint8-kvint4_per_token_head' (the label the pipeline gives its artifacts). The seed block's
+    `quantization` selects W8A8 and its vLLM kv_cache_dtype, as parity.precision resolves it."""
+    w, a, kv = _precision_parts(params)
     return "bf16" if (w, a, kv) == ("bf16", "bf16", "bf16") else f"w{w}-a{a}-kv{kv}"
+
+
+def precision_short(params: dict[str, str]) -> str:
+    """The run names' spelling: 'bf16', 'int8', 'int8+int4kv' (parity.tracking.naming.precision_short)."""
+    return naming.precision_short(*_precision_parts(params), params.get("rollout.precision.perturbation.sigma"))
+
+
+_LONG = re.compile(r"^w(?P<w>[^-]+)-a(?P<a>[^-]+)-kv(?P<kv>.+)$")
+
+
+def short_of_label(label: str) -> str:
+    """'wint8-aint8-kvbf16' (an artifact's precision in the registry) -> 'int8'."""
+    m = _LONG.match(str(label or ""))
+    return naming.precision_short(m["w"], m["a"], m["kv"]) if m else str(label or "bf16")
 
 
 def config_key(params: dict[str, str]) -> str:
@@ -62,46 +88,101 @@ def bench_average(metrics: dict[str, float]) -> float | None:
     return None
 
 
-RUN_COLUMNS = ["run_name", "experiment", "stage", "model", "precision", "correction", "seed", "status",
-               "final_reward", "benchmark_avg", "started", "config", "mlflow", "run_id", "parent_id"]
+# ---------------------------------------------------------------- runs
+
+RUN_COLUMNS = ["run", "mlflow", "status", "experiment", "precision", "correction", "seed", "final_reward",
+               "heldout_accuracy", "benchmark_avg", "collapsed", "started", "kind", "stage", "model", "sweep",
+               "config", "run_name", "run_id", "parent_id", "train_run_id", "collapse_step", "params"]
+TOP_KINDS = ("pipeline", "train", "run")
+
+
+def _stage_of(r: RunRecord) -> str:
+    s = r.tags.get("parity.stage") or r.tags.get("stage") or ""
+    if s:
+        return s
+    return r.run_name if r.parent_id and r.run_name in ("prepare", "quantize", "validate", "train", "evaluate",
+                                                        "register", "compare") else ""
+
+
+def _kind(r: RunRecord, has_parent: bool, n_children: int) -> str:
+    tagged = r.tags.get(naming.KIND_TAG)
+    if tagged:
+        return tagged
+    if has_parent:
+        return "stage"
+    if n_children or r.tags.get("parity.flow"):
+        return "pipeline"
+    if r.tags.get("parity.command") == "train" or "reward/mean" in r.metrics:
+        return "train"
+    return "run"
+
+
+def _first(*values: Any) -> Any:
+    return next((v for v in values if v is not None), None)
+
+
+def _collapse(own: RunRecord, train: RunRecord | None) -> tuple[str, float | None]:
+    flag = _first(own.metrics.get("collapsed"), train.metrics.get("collapsed") if train else None,
+                  train.metrics.get("train/collapsed") if train else None)
+    step = _first(own.metrics.get("collapse_step"), train.metrics.get("collapse_step") if train else None)
+    if flag is None:
+        return "", None
+    return ("yes" + (f" (step {int(step)})" if step is not None else "")) if flag >= 0.5 else "no", step
 
 
 def runs_frame(records: Sequence[RunRecord], mlflow_ui: str) -> pd.DataFrame:
-    """One row a run. A stage run (nested under a pipeline run) inherits what it lacks from its pipeline:
-    the benchmark average of an evaluate sibling shows on the train run and on the pipeline."""
+    """One row a run, pipelines and plain training runs first (newest first), each followed by its stages.
+    A stage inherits the config of its pipeline (runs of older stores logged params on the pipeline only);
+    a pipeline shows what its stages measured when it does not carry the number itself (older stores): the
+    final reward and held-out accuracy of its train stage, the benchmark average of its evaluate stage."""
     by_id = {r.run_id: r for r in records}
-    family: dict[str, list[RunRecord]] = {}
+    kids: dict[str, list[RunRecord]] = {}
     for r in records:
-        family.setdefault(r.parent_id or r.run_id, []).append(r)
+        if r.parent_id in by_id:
+            kids.setdefault(r.parent_id, []).append(r)
 
-    def related_avg(r: RunRecord) -> float | None:
-        own = bench_average(r.metrics)
-        if own is not None:
-            return own
-        for other in family.get(r.parent_id or r.run_id, []):
-            v = bench_average(other.metrics)
-            if v is not None:
-                return v
-        return None
-
-    rows = []
-    for r in records:
-        params = dict(by_id[r.parent_id].params) if r.parent_id in by_id else {}
-        params.update(r.params)
-        rows.append({
-            "run_name": r.run_name, "experiment": param(params, "experiment_name", r.experiment),
-            "stage": r.tags.get("parity.stage", r.tags.get("stage", "pipeline" if r.run_id in family
-                                                           and len(family[r.run_id]) > 1 else "")),
-            "model": param(params, "model.name", param(params, "model.path")),
-            "precision": precision_label(params),
-            "correction": param(params, "algorithm.correction.name", "none") if params else "",
-            "seed": param(params, "trainer.seed"), "status": r.status,
-            "final_reward": r.metrics.get("reward/mean"), "benchmark_avg": related_avg(r),
+    def row(r: RunRecord) -> dict[str, Any]:
+        parent = by_id.get(r.parent_id or "")
+        params = {**(parent.params if parent else {}), **r.params}
+        tags = {**(parent.tags if parent else {}), **r.tags}
+        children = sorted(kids.get(r.run_id, []), key=lambda k: k.start_time or 0)
+        kind, stage = _kind(r, parent is not None, len(children)), _stage_of(r)
+        train = r if kind == "train" or stage == "train" else next((k for k in children if _stage_of(k) == "train"),
+                                                                    None)
+        bench = _first(bench_average(r.metrics), *(bench_average(k.metrics) for k in reversed(children)))
+        collapsed, collapse_step = _collapse(r, train)
+        final = _first(r.metrics.get("final_reward"), train.metrics.get("reward/mean") if train else None)
+        acc = _first(r.metrics.get("heldout_accuracy"), train.metrics.get("eval/accuracy") if train else None)
+        return {
+            "run": f"↳ {stage or r.run_name}" if kind == "stage" else r.run_name,
+            "mlflow": mlflow_run_url(mlflow_ui, r.experiment_id, r.run_id), "status": r.status,
+            "experiment": param(params, "experiment_name", tags.get("parity.experiment", r.experiment)),
+            "precision": tags.get("parity.precision") or (precision_short(params) if params else ""),
+            "correction": tags.get("parity.correction") or (param(params, "algorithm.correction.name", "none")
+                                                            if params else ""),
+            "seed": param(params, SEED_KEY, tags.get("parity.seed", "")),
+            "final_reward": final if kind != "stage" or train is r else None,
+            "heldout_accuracy": acc if kind != "stage" or train is r else None,
+            "benchmark_avg": bench if kind != "stage" else bench_average(r.metrics),
+            "collapsed": collapsed, "collapse_step": collapse_step,
             "started": pd.to_datetime(r.start_time, unit="ms") if r.start_time else pd.NaT,
-            "config": config_key(params), "mlflow": mlflow_run_url(mlflow_ui, r.experiment_id, r.run_id),
-            "run_id": r.run_id, "parent_id": r.parent_id or "",
-        })
+            "kind": kind, "stage": stage, "model": param(params, "model.name", param(params, "model.path")),
+            "sweep": tags.get(naming.SWEEP_TAG, ""), "config": config_key(params), "run_name": r.run_name,
+            "run_id": r.run_id, "parent_id": r.parent_id or "", "train_run_id": train.run_id if train else "",
+            "params": params,
+        }
+
+    rows: list[dict[str, Any]] = []
+    for r in records:
+        if r.parent_id in by_id:
+            continue  # placed under its pipeline
+        rows.append(row(r))
+        rows += [row(k) for k in sorted(kids.get(r.run_id, []), key=lambda k: k.start_time or 0)]
     return pd.DataFrame(rows, columns=RUN_COLUMNS)
+
+
+def top_level(df: pd.DataFrame) -> pd.DataFrame:
+    return df[df["kind"] != "stage"]
 
 
 def filter_runs(df: pd.DataFrame, choices: dict[str, Iterable[str]], text: str = "") -> pd.DataFrame:
@@ -117,149 +198,80 @@ def filter_runs(df: pd.DataFrame, choices: dict[str, Iterable[str]], text: str =
     return df[mask]
 
 
-def ema(values: Sequence[float], weight: float) -> np.ndarray:
-    """TensorBoard-style smoothing: s_t = w s_{t-1} + (1 - w) x_t from s_0 = 0, divided by 1 - w^(t+1) so
-    early points are not pulled to zero. weight = 0 returns the values."""
-    if not 0.0 <= weight < 1.0:
-        raise ValueError(f"smoothing weight must be in [0, 1), got {weight}")
-    x = np.asarray(values, dtype=np.float64)
-    out = np.empty_like(x)
-    s = 0.0
-    for t, v in enumerate(x):
-        s = weight * s + (1.0 - weight) * v
-        out[t] = s / (1.0 - weight ** (t + 1))
+def with_stages(df: pd.DataFrame, shown_top: pd.DataFrame) -> pd.DataFrame:
+    """The chosen top-level rows, each followed by its stage rows (the frame's order)."""
+    keep = set(shown_top["run_id"])
+    return df[df["run_id"].isin(keep) | df["parent_id"].isin(keep)]
+
+
+def missing_as_dash(df: pd.DataFrame, text_columns: Sequence[str]) -> pd.DataFrame:
+    """Empty text cells shown as '—' (numbers are left to the table's formatter, which shows them the same)."""
+    out = df.copy()
+    for c in text_columns:
+        if c in out.columns:
+            out[c] = out[c].map(lambda v: MISSING if v is None or (isinstance(v, float) and pd.isna(v))
+                                or str(v) in ("", "None", "nan", "NaT") else v)
     return out
 
 
-def curves(history: pd.DataFrame, runs: pd.DataFrame, smoothing: float = 0.0, group_seeds: bool = False) -> pd.DataFrame:
-    """Plot table (series, key, step, value, lo, hi, n) from a metric history (run_id, key, step, value).
-    Each run is smoothed on its own; with group_seeds, runs of one configuration become one series: the mean
-    over seeds at each step with the min..max band (n = seeds present at that step); otherwise lo = hi = value."""
-    cols = ["series", "key", "step", "value", "lo", "hi", "n"]
-    if history.empty:
-        return pd.DataFrame(columns=cols)
-    info = runs.set_index("run_id")
-    h = history.sort_values(["run_id", "key", "step"]).copy()
-    if smoothing > 0:
-        h["value"] = h.groupby(["run_id", "key"], sort=False)["value"].transform(lambda s: ema(s.to_numpy(), smoothing))
+# ---------------------------------------------------------------- legend labels
+
+def _short_keys(keys: Sequence[str]) -> dict[str, str]:
+    """The last component of each key, or more of it where two keys would read the same."""
+    out = {}
+    for k in keys:
+        parts = k.split(".")
+        n = 1
+        while n < len(parts) and sum(1 for o in keys if o.split(".")[-n:] == parts[-n:]) > 1:
+            n += 1
+        out[k] = ".".join(parts[-n:])
+    return out
+
+
+def differing_keys(params_by_run: dict[str, dict[str, str]]) -> list[str]:
+    """The config keys whose values differ between the runs (precision keys folded into 'precision')."""
+    if len(params_by_run) < 2:
+        return []
+    keys = sorted({k for p in params_by_run.values() for k in p if not _NOT_LABEL.search(k)})
+    out = [k for k in keys if not _PRECISION_KEYS.search(k)
+           and len({str(p.get(k, MISSING)) for p in params_by_run.values()}) > 1]
+    if len({precision_short(p) for p in params_by_run.values()}) > 1:
+        out.append("precision")
+    return out
+
+
+_ORDER = {"experiment_name": 0, "model.name": 1, "model.path": 1, "precision": 2, "algorithm.correction.name": 3,
+          SEED_KEY: 9}
+
+
+def config_labels(params_by_run: dict[str, dict[str, str]], titles: dict[str, str],
+                  group_seeds: bool = False) -> dict[str, str]:
+    """Legend label of each run from the config keys that differ between the runs: 'tis' vs 'none', 'int8'
+    vs 'bf16', 'lr=1e-05', 'seed 1' (left out when seeds are grouped); the run's title when nothing differs.
+    Runs whose labels would collide (repeats of one configuration) get their short id appended unless
+    grouped, where sharing a label is what puts them in one group."""
+    keys = sorted(differing_keys(params_by_run), key=lambda k: (_ORDER.get(k, 5), k))
+    if group_seeds:
+        keys = [k for k in keys if k != SEED_KEY]
+    short = _short_keys([k for k in keys if k not in _ORDER])
+
+    def part(k: str, p: dict[str, str]) -> str:
+        if k == "precision":
+            return precision_short(p)
+        v = str(p.get(k, MISSING))
+        if k == SEED_KEY:
+            return f"seed {v}"
+        if k in _ORDER:
+            return v
+        return f"{short[k]}={v}"
+
+    labels = {rid: " / ".join(part(k, p) for k in keys) for rid, p in params_by_run.items()}
+    if not keys:
+        labels = {rid: titles.get(rid, rid[:8]) for rid in params_by_run}
     if not group_seeds:
-        h["series"] = h["run_id"].map(info["run_name"])
-        h["lo"] = h["hi"] = h["value"]
-        h["n"] = 1
-        return h[cols].reset_index(drop=True)
-    h["series"] = h["run_id"].map(lambda rid: series_label(info.loc[rid]))
-    g = h.groupby(["series", "key", "step"], sort=True)["value"]
-    out = pd.DataFrame({"value": g.mean(), "lo": g.min(), "hi": g.max(), "n": g.count()}).reset_index()
-    return out[cols]
-
-
-def series_label(row: pd.Series) -> str:
-    """Name of a configuration's seed group: what differs between configurations, plus its key."""
-    return f"{row['correction']} | {row['precision']} | {row['model']} [{row['config']}]"
-
-
-def missing_metrics(history: pd.DataFrame, run_names: dict[str, str], keys: Sequence[str]) -> list[str]:
-    """'run: key' for each selected run that has no value of a selected key."""
-    have = set(zip(history["run_id"], history["key"], strict=True)) if not history.empty else set()
-    return [f"{name}: {k}" for rid, name in run_names.items() for k in keys if (rid, k) not in have]
-
-
-def wide_csv(plot: pd.DataFrame) -> str:
-    """The plotted data as CSV, one row per (series, step), one column per metric (plus bands when grouped)."""
-    if plot.empty:
-        return "series,step\n"
-    value = plot.pivot_table(index=["series", "step"], columns="key", values="value", aggfunc="first")
-    if (plot["n"] > 1).any():
-        lo = plot.pivot_table(index=["series", "step"], columns="key", values="lo", aggfunc="first").add_suffix(" (min)")
-        hi = plot.pivot_table(index=["series", "step"], columns="key", values="hi", aggfunc="first").add_suffix(" (max)")
-        value = value.join(lo).join(hi)
-    return value.reset_index().to_csv(index=False)
-
-
-# ---------------------------------------------------------------- benchmarks
-
-BENCH_COLUMNS = ["source", "run", "correction", "precision", "benchmark", "metric", "k", "value", "ci_low", "ci_high",
-                 "problems", "out_dir"]
-METRIC_NAMES = ("avg@k", "pass@1", "pass@k", "maj@k")
-
-
-def eval_precision(summary: dict) -> str:
-    eng = summary.get("engine") or {}
-    return precision_label({f"rollout.precision.{k}": str(eng.get(k, "bf16")) for k in ("weights", "activations",
-                                                                                         "kv_cache")})
-
-
-def file_rows(out_dir: str, summary: dict, run: str, correction: str) -> list[dict[str, Any]]:
-    """Long rows of one `evaluate` metrics.json: one per benchmark and metric, plus the macro average
-    when there are several benchmarks. ValueError names the file when its layout is not evaluate's."""
-    prec = eval_precision(summary)
-    benches = summary.get("benchmarks")
-    if not isinstance(benches, dict):
-        raise ValueError(f"{out_dir}/metrics.json: key `benchmarks` must be an object")
-    items = [(name, b.get("k"), b.get("problems"), b.get("metrics") or {}) for name, b in benches.items()]
-    if len(benches) > 1:
-        items.append(("macro", None, None, summary.get("macro") or {}))
-    return [{"source": "file", "run": run, "correction": correction, "precision": prec, "benchmark": name,
-             "metric": metric, "k": k, "value": e.get("value"), "ci_low": e.get("ci_low"), "ci_high": e.get("ci_high"),
-             "problems": n, "out_dir": out_dir} for name, k, n, ms in items for metric, e in ms.items()]
-
-
-def registry_rows(evals: pd.DataFrame, summaries: dict[str, dict], runs: pd.DataFrame) -> list[dict[str, Any]]:
-    """Long rows of the registry's evaluation_results. The registry keeps point values; the intervals come
-    from the evaluation's own metrics.json (its out_dir) when it is still there. The run and correction are
-    those of the pipeline's MLflow run."""
-    by_run = runs.set_index("run_id") if not runs.empty else None
-    rows = []
-    for r in evals.itertuples(index=False):
-        metrics = json.loads(r.metrics) if isinstance(r.metrics, str) else (r.metrics or {})
-        run, corr = f"pipeline {r.pipeline_id}", _override(r.overrides, "algorithm.correction.name")
-        if by_run is not None and r.mlflow_run_id in by_run.index:
-            run, corr = by_run.at[r.mlflow_run_id, "run_name"], by_run.at[r.mlflow_run_id, "correction"]
-        cis = (((summaries.get(str(r.out_dir)) or {}).get("benchmarks") or {}).get(r.benchmark) or {}).get("metrics") or {}
-        for metric, value in metrics.items():
-            if metric not in METRIC_NAMES:
-                continue
-            ci = cis.get(metric) or {}
-            rows.append({"source": "registry", "run": run, "correction": corr or "none",
-                         "precision": r.precision or "bf16", "benchmark": r.benchmark, "metric": metric, "k": r.k,
-                         "value": ci.get("value", value), "ci_low": ci.get("ci_low"), "ci_high": ci.get("ci_high"),
-                         "problems": r.problems, "out_dir": str(r.out_dir or "")})
-    return rows
-
-
-def _override(overrides: Any, key: str) -> str:
-    items = json.loads(overrides) if isinstance(overrides, str) else (overrides or [])
-    for o in items:
-        if str(o).lstrip("+~").startswith(key + "="):
-            return str(o).split("=", 1)[1]
-    return ""
-
-
-def run_of_eval_dir(name: str) -> str:
-    """evaluate names its folder <run or model>-YYYYmmdd-HHMMSS."""
-    m = re.match(r"^(.*)-\d{8}-\d{6}$", name)
-    return m.group(1) if m else name
-
-
-def fmt_ci(value: float | None, lo: float | None, hi: float | None) -> str:
-    if value is None or pd.isna(value):
-        return ""
-    if lo is None or hi is None or pd.isna(lo) or pd.isna(hi):
-        return f"{100 * value:.1f}"
-    return f"{100 * value:.1f} [{100 * lo:.1f}, {100 * hi:.1f}]"
-
-
-def side_by_side(bench: pd.DataFrame, metric: str, by: str = "run") -> pd.DataFrame:
-    """Rows (by, benchmark), one column per rollout precision: 'value [ci_low, ci_high]' in percent, the
-    latest evaluation of each (by, benchmark, precision)."""
-    d = bench[bench["metric"] == metric]
-    if d.empty:
-        return pd.DataFrame()
-    d = d.drop_duplicates([by, "benchmark", "precision"], keep="last").copy()
-    d["cell"] = [fmt_ci(v, lo, hi) for v, lo, hi in zip(d["value"], d["ci_low"], d["ci_high"], strict=True)]
-    t = d.pivot(index=[by, "benchmark"], columns="precision", values="cell").fillna("")
-    order = ["bf16", *sorted(c for c in t.columns if c != "bf16")]
-    return t[[c for c in order if c in t.columns]].reset_index()
+        counts = pd.Series(list(labels.values())).value_counts()
+        labels = {rid: f"{lab} ({rid[:6]})" if counts[lab] > 1 else lab for rid, lab in labels.items()}
+    return labels
 
 
 # ---------------------------------------------------------------- regression checks and precision reports
@@ -318,18 +330,3 @@ def report_rows(folder: str, report: dict) -> list[dict[str, Any]]:
     return [row]
 
 
-def curve_spec(key: str, banded: bool, points: bool) -> dict[str, Any]:
-    """Vega-Lite spec of one metric's curves over the plot table's columns (written by hand: building it
-    through Altair costs ~0.15 s a chart, most of a cached page's time)."""
-    x = {"field": "step", "type": "quantitative", "title": "step", "axis": {"format": "d", "tickMinStep": 1}}
-    color = {"field": "series", "type": "nominal", "title": None}
-    line = {"mark": {"type": "line", "point": points},
-            "encoding": {"x": x, "color": color,
-                         "y": {"field": "value", "type": "quantitative", "title": key, "scale": {"zero": False},
-                               "axis": {"format": "~g"}},
-                         "tooltip": [{"field": "series", "type": "nominal"}, {"field": "step", "type": "quantitative"},
-                                     {"field": "value", "type": "quantitative", "format": ".6g"},
-                                     {"field": "n", "type": "quantitative", "title": "seeds"}]}}
-    band = {"mark": {"type": "area", "opacity": 0.2},
-            "encoding": {"x": x, "color": color, "y": {"field": "lo", "type": "quantitative"}, "y2": {"field": "hi"}}}
-    return {"height": 260, "layer": [band, line] if banded else [line]}

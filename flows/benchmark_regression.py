@@ -5,6 +5,8 @@ A benchmark without a baseline gets this result as its baseline (tracking.regres
 
 from __future__ import annotations
 
+import time
+
 from omegaconf import OmegaConf
 from prefect import flow
 
@@ -48,7 +50,8 @@ def check_model(ref: PipelineRef, cfg: OmegaConf, model: dict) -> list[dict]:
 
 def run_regression(overrides: list[str]) -> dict:
     cfg = load_config(overrides)
-    ref = open_pipeline(FLOW_NAME, cfg, overrides)
+    ref = open_pipeline(FLOW_NAME, cfg, overrides,
+                        title=f"{cfg.experiment_name} / benchmark regression / {time.strftime('%Y-%m-%d %H:%M')}")
     try:
         models = registry(ref.registry_url).latest_artifacts(("checkpoint",), n=int(cfg.tracking.regression.models),
                                                              registered_only=True)

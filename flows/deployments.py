@@ -2,7 +2,7 @@
 
     train-and-eval/local          on demand; parameters: overrides (Hydra override strings)
     benchmark-regression/nightly  cron tracking.regression.cron (02:00 daily by default)
-    sweep/local                   on demand; parameters: corrections, overrides, runs
+    sweep/local                   on demand; parameters: corrections, seeds, overrides, runs, name
 
 The flow runs execute in subprocesses of this one (Prefect's runner), so a crashed run does not take
 the server or the other deployments down."""
@@ -31,8 +31,9 @@ def deployments(cron: str | None = None, default_overrides: list[str] | None = N
                                      description="quantize -> validate -> train -> evaluate on Hydra overrides"),
         benchmark_regression.to_deployment(name="nightly", cron=cron, parameters={"overrides": base},
                                            description="latest registered model vs stored baselines"),
-        sweep.to_deployment(name="local", parameters={"corrections": DEFAULT_SWEEP, "overrides": base},
-                            description="one train-and-eval per correction"),
+        sweep.to_deployment(name="local", parameters={"corrections": DEFAULT_SWEEP, "seeds": [0], "overrides": base},
+                            description="one train-and-eval per correction and seed; prints the dashboard's "
+                                        "Compare page of its members"),
     ]
 
 

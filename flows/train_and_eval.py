@@ -7,12 +7,14 @@ validation report's verdict as the reason."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from omegaconf import OmegaConf
 from prefect import flow
 
 from parity.config import load_config
-from tasks.recording import PipelineRef, close_pipeline, open_pipeline, plain, stage
+from parity.tracking.naming import headline_metrics
+from tasks.recording import PipelineRef, close_pipeline, log_headline, open_pipeline, plain, stage
 from tasks.records import record_artifact_task, record_evaluation_task, register_model_task
 from tasks.stages import (
     ValidationFailed,
@@ -67,6 +69,8 @@ def run_stages(ref: PipelineRef, cfg: OmegaConf) -> dict:
                                    f"(report: {v.get('report_path')})")
     with stage(ref, "train") as st:
         t = st.done(train_task(c, ref.tracking_uri, st.run_id, float(cfg.tracking.flush_wait_s)))
+        for name in ("metrics.jsonl", "summary.json"):
+            st.artifact(Path(t["run_dir"]) / name, "run")
     precision = precision_label(cfg)
     ckpt_id = record_artifact_task(r, "checkpoint", t["latest_checkpoint"], precision, parent_id=rollout_id,
                                    validation_status=v["status"])
@@ -74,6 +78,7 @@ def run_stages(ref: PipelineRef, cfg: OmegaConf) -> dict:
         e = evaluate_task(c, t["latest_checkpoint"])
         e["result_ids"] = record_evaluation_task(r, e, ckpt_id, st.run_id)
         st.done({"macro": e["macro"], "out_dir": e["out_dir"], "result_ids": e["result_ids"]})
+    log_headline(ref, headline_metrics(t, e["macro"]), step=int(t.get("steps") or 0))
     registered = None
     if cfg.tracking.log_model:
         with stage(ref, "register") as st:
@@ -82,6 +87,7 @@ def run_stages(ref: PipelineRef, cfg: OmegaConf) -> dict:
                 {"precision": precision, "validation_status": v["status"], "pipeline_id": str(ref.pipeline_id),
                  "run_name": str(cfg.trainer.run_name)}))
     return {"pipeline_id": ref.pipeline_id, "mlflow_run_id": ref.run_id, "run_name": str(cfg.trainer.run_name),
+            "title": ref.title,
             "precision": precision, "validation": v["status"], "checkpoint": t["latest_checkpoint"],
             "initial_accuracy": t["initial_accuracy"], "final_accuracy": t["final_accuracy"],
             "final_reward": t["final_reward"], "train_seconds": t["seconds"], "evaluation": e["macro"],
@@ -91,9 +97,9 @@ def run_stages(ref: PipelineRef, cfg: OmegaConf) -> dict:
                             "evaluate": e.get("lib_seconds", 0.0)}}
 
 
-def run_pipeline(overrides: list[str], extra_config_dir: str | None = None) -> dict:
+def run_pipeline(overrides: list[str], extra_config_dir: str | None = None, sweep: str | None = None) -> dict:
     cfg = compose(list(overrides), extra_config_dir)
-    ref = open_pipeline(FLOW_NAME, cfg, list(overrides))
+    ref = open_pipeline(FLOW_NAME, cfg, list(overrides), sweep=sweep)
     try:
         result = run_stages(ref, cfg)
     except BaseException as e:
@@ -104,6 +110,8 @@ def run_pipeline(overrides: list[str], extra_config_dir: str | None = None) -> d
 
 
 @flow(name=FLOW_NAME, log_prints=True)
-def train_and_eval(overrides: list[str] | None = None, extra_config_dir: str | None = None) -> dict:
-    """Hydra overrides, e.g. ["experiment=arith_tiny", "algorithm.correction.name=tis"]."""
-    return run_pipeline(list(overrides or []), extra_config_dir)
+def train_and_eval(overrides: list[str] | None = None, extra_config_dir: str | None = None,
+                   sweep: str | None = None) -> dict:
+    """Hydra overrides, e.g. ["experiment=arith_tiny", "algorithm.correction.name=tis"]; `sweep` tags the
+    MLflow runs as members of that sweep (the dashboard's Compare page opens on them)."""
+    return run_pipeline(list(overrides or []), extra_config_dir, sweep)

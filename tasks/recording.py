@@ -16,7 +16,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from parity.config import flatten
-from parity.tracking import mlflow_log
+from parity.tracking import mlflow_log, naming
 from parity.tracking.registry import Registry
 from parity.tracking.secrets import mask_url, masked_config_yaml
 
@@ -40,7 +40,9 @@ def mlflow_client(uri: str) -> Any:
 
 @dataclass
 class PipelineRef:
-    """Small and serialisable: what a task needs to find the pipeline's records."""
+    """Small and serialisable: what a task needs to find the pipeline's records. `title` names the MLflow
+    runs (naming.run_title); `params`/`tags` are what every stage run of the pipeline carries (kept out of
+    as_dict, which is what tasks receive)."""
 
     flow: str
     registry_url: str
@@ -50,9 +52,13 @@ class PipelineRef:
     run_id: str  # the MLflow parent run
     flow_run_id: str | None = None
     stages: list[str] = field(default_factory=list)
+    title: str = ""
+    sweep: str | None = None
+    params: dict[str, Any] = field(default_factory=dict, repr=False)
+    tags: dict[str, str] = field(default_factory=dict, repr=False)
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if k not in ("params", "tags")}
 
 
 def _flow_run_id() -> str | None:
@@ -64,9 +70,12 @@ def _flow_run_id() -> str | None:
         return None
 
 
-def open_pipeline(flow: str, cfg: DictConfig, overrides: list[str]) -> PipelineRef:
-    """Registry row + MLflow parent run with the flattened resolved config as params (secrets masked)
-    and the resolved config as an artifact."""
+def open_pipeline(flow: str, cfg: DictConfig, overrides: list[str], title: str | None = None,
+                  sweep: str | None = None) -> PipelineRef:
+    """Registry row + MLflow parent run named `title` (by default what the config runs: naming.run_title) in
+    the MLflow experiment `tracking.experiment` (one per experiment_name by default), with the flattened
+    resolved config as params (secrets masked), the resolved config as an artifact, and tags naming the
+    experiment, precision, correction, seed and the sweep it belongs to."""
     t = cfg.tracking
     reg = registry(str(t.registry_url))
     flow_run_id = _flow_run_id()
@@ -74,16 +83,25 @@ def open_pipeline(flow: str, cfg: DictConfig, overrides: list[str]) -> PipelineR
                              flow_run_id=flow_run_id)
     c = mlflow_client(str(t.tracking_uri))
     exp = mlflow_log.experiment_id(c, str(t.experiment), mlflow_log.default_artifact_dir(str(t.tracking_uri)))
-    run_id = mlflow_log.start_run(c, exp, f"{flow}-{pid}", tags={
-        "parity.flow": flow, "parity.pipeline_id": str(pid), "parity.flow_run_id": str(flow_run_id),
-        "parity.experiment": str(cfg.experiment_name)})
+    title = title or naming.run_title(cfg)
+    tags = {**naming.run_tags(cfg), "parity.flow": flow, "parity.pipeline_id": str(pid),
+            "parity.flow_run_id": str(flow_run_id), **({naming.SWEEP_TAG: sweep} if sweep else {})}
+    run_id = mlflow_log.start_run(c, exp, title, tags={**tags, naming.KIND_TAG: "pipeline"})
     reg.set_pipeline_mlflow_run(pid, run_id)
-    mlflow_log.log_params(c, run_id, flatten(cfg))
+    params = flatten(cfg)
+    mlflow_log.log_params(c, run_id, params)
     with tempfile.TemporaryDirectory() as d:
         p = Path(d) / "config.yaml"
         p.write_text(masked_config_yaml(cfg))
         mlflow_log.log_artifact(c, run_id, p)
-    return PipelineRef(flow, str(t.registry_url), str(t.tracking_uri), exp, pid, run_id, flow_run_id)
+    return PipelineRef(flow, str(t.registry_url), str(t.tracking_uri), exp, pid, run_id, flow_run_id, title=title,
+                       sweep=sweep, params=params, tags=tags)
+
+
+def log_headline(ref: PipelineRef, metrics: dict[str, float], step: int = 0) -> None:
+    """The pipeline run's own numbers (naming.headline_metrics), shown as columns in MLflow's runs table."""
+    if metrics:
+        mlflow_log.log_metrics(mlflow_client(ref.tracking_uri), ref.run_id, metrics, step=step)
 
 
 def close_pipeline(ref: PipelineRef, ok: bool, reason: str | None = None) -> None:
@@ -129,12 +147,24 @@ def _reason(e: BaseException) -> str:
     return mask_url(msg if str(e) else "".join(traceback.format_exception_only(e)).strip())
 
 
+# stage runs that carry the whole flattened config (the runs a researcher compares); the others carry the
+# keys that tell runs apart (naming.identity_params)
+FULL_PARAMS_STAGES = frozenset({"train", "evaluate"})
+
+
 @contextmanager
 def stage(ref: PipelineRef, name: str) -> Iterator[StageHandle]:
+    """A stage: registry row + MLflow run `<pipeline title> / <name>` nested under the pipeline's run, with
+    the pipeline's tags and its params (all of them for FULL_PARAMS_STAGES, the identifying ones otherwise)."""
     reg = registry(ref.registry_url)
     c = mlflow_client(ref.tracking_uri)
-    run_id = mlflow_log.start_run(c, ref.experiment_id, name, parent_run_id=ref.run_id,
-                                  tags={"parity.stage": name, "parity.pipeline_id": str(ref.pipeline_id)})
+    run_id = mlflow_log.start_run(c, ref.experiment_id, naming.stage_title(ref.title or ref.flow, name),
+                                  parent_run_id=ref.run_id,
+                                  tags={**ref.tags, "parity.stage": name, "parity.pipeline_id": str(ref.pipeline_id),
+                                        naming.KIND_TAG: "stage"})
+    if ref.params:
+        mlflow_log.log_params(c, run_id, ref.params if name in FULL_PARAMS_STAGES
+                              else naming.identity_params(ref.params))
     h = StageHandle(ref, name, reg.start_stage(ref.pipeline_id, name, mlflow_run_id=run_id), run_id)
     ref.stages.append(name)
     try:

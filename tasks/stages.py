@@ -167,9 +167,12 @@ def train_task(cfg: dict, tracking_uri: str | None = None, mlflow_run_id: str | 
     if cb is not None:
         summary["mlflow_unwritten_metrics"] = 0 if cb.close(wait_s=flush_wait_s) else len(cb.buffer)
         summary["mlflow_outages"] = cb.outages
-    return {k: summary.get(k) for k in ("run_dir", "initial_accuracy", "final_accuracy", "final_reward",
-                                        "latest_checkpoint", "steps", "seconds", "mlflow_unwritten_metrics",
-                                        "mlflow_outages", "mlflow_callback_s", "lib_seconds")}
+    out = {k: summary.get(k) for k in ("run_dir", "initial_accuracy", "final_accuracy", "final_reward",
+                                       "latest_checkpoint", "steps", "seconds", "mlflow_unwritten_metrics",
+                                       "mlflow_outages", "mlflow_callback_s", "lib_seconds")}
+    # present only where the training measured them (a quantized rollout; a loop with the collapse alarm)
+    out.update({k: summary[k] for k in ("final_accuracy_unquantized", "collapse_step") if k in summary})
+    return out
 
 
 @task(name="evaluate", retries=1, retry_delay_seconds=5, retry_condition_fn=_transient)

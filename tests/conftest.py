@@ -32,6 +32,9 @@ QUICK = [f"model.dtype={TEST_DTYPE}",
 ]
 
 
+from tests.prefect_services import prefect_services, sweep_store  # noqa: E402,F401  (session fixtures)
+
+
 @pytest.fixture(scope="session")
 def test_dtype():
     """The torch dtype the quick settings compute in (model.dtype, see the module docstring)."""
@@ -74,7 +77,7 @@ def prepared_model(quick_cfg) -> Path:
 # scans every loaded module's attributes, and Flask's LocalProxy objects raise on that scan, so the vLLM
 # tests run after everything else except these; vLLM in turn changes process-wide torch state, so the
 # tests compared bit for bit against Ray actors run before it.
-_FLASK_IMPORTERS = {"test_tracking_mlflow.py", "test_dashboard_pages.py", "test_docker_compose.py",
+_FLASK_IMPORTERS = {"test_tracking_mlflow.py", "test_dashboard_pages.py", "test_dashboard_sweep.py", "test_docker_compose.py",
                     "test_reliability_faults.py", "test_reliability_security.py"}
 
 

@@ -1,6 +1,9 @@
-"""The dashboard in a real browser: `streamlit run` on 127.0.0.1 (a free port), Debian's chromium headless
-(installed with apt-get when missing), driven over the DevTools protocol: wait for the Compare page's
-chart to render, save a screenshot, check the chart exists and the page shows no error."""
+"""The dashboard in a real browser: `streamlit run` on 127.0.0.1 (a free port) over the stores of the session's
+tiny sweep (two corrections x two seeds through `sweep/local`, tests/prefect_services.py), Debian's
+chromium headless (installed with apt-get when missing), driven over the DevTools protocol. The Compare
+page opened with the link the sweep printed renders its charts with the legend labels the sweep's
+configs differ by ("none", "tis"); Runs and Benchmarks render too. Screenshots of the three pages are
+saved (PARITY_SCREENSHOT_DIR keeps them: docs/dashboard/ holds the committed ones)."""
 
 from __future__ import annotations
 
@@ -10,20 +13,18 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_dashboard_pages import build_stores  # noqa: E402  (the same session-wide stores)
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--window-size=1400,1800", "--remote-debugging-port=0", "--remote-allow-origins=*"]
+                  "--window-size=1400,1500", "--remote-debugging-port=0", "--remote-allow-origins=*"]
 ERROR_JS = ("document.querySelectorAll('[data-testid=\"stException\"], [data-testid=\"stAlertContentError\"], "
             "[data-testid=\"stAlertContentWarning\"]').length")
 WIDGETS_JS = ("document.querySelectorAll('[data-testid=\"stMultiSelect\"], [data-testid=\"stSlider\"], "
@@ -102,22 +103,42 @@ class Cdp:
         self.ws.close()
 
 
-@pytest.fixture(scope="session")
-def stores(quick_cfg, outputs_dir: Path, prepared_model) -> dict:
-    return build_stores(quick_cfg, outputs_dir)
+LEGEND_JS = ("Array.from(document.querySelectorAll('[data-testid=\"stVegaLiteChart\"] .role-legend-label text'))"
+             ".map(t => t.textContent)")
+TITLE_JS = "document.querySelector('h1') && document.querySelector('h1').innerText"
+TABLE_JS = "document.querySelectorAll('[data-testid=\"stDataFrame\"] canvas').length"
 
 
-def test_compare_page_renders_chart_in_chromium(stores, tmp_path):
+def _wait(cdp: Cdp, ready, what: str, timeout_s: float = 240) -> None:
+    deadline = time.monotonic() + timeout_s  # the first render imports mlflow and altair: slow on a loaded machine
+    while not ready():
+        assert time.monotonic() < deadline, f"{what} did not render"
+        time.sleep(0.5)
+    time.sleep(1.5)  # let vega and the table canvas finish drawing before the screenshot
+
+
+def _shot(cdp: Cdp) -> bytes:
+    shot = base64.b64decode(cdp.call("Page.captureScreenshot", format="png")["data"])
+    assert shot[:8] == b"\x89PNG\r\n\x1a\n" and len(shot) > 20_000
+    return shot
+
+
+def test_sweep_pages_render_in_chromium(sweep_store, tmp_path):
     browser = chromium()
     port = free_port()
-    env = {**os.environ, "PARITY_TRACKING_URI": stores["tracking_uri"], "PARITY_REGISTRY_URL": stores["registry_url"],
-           "PARITY_OUTPUTS": stores["outputs_dir"], "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PARITY_TRACKING_URI": sweep_store["tracking_uri"],
+           "PARITY_REGISTRY_URL": sweep_store["registry_url"], "PARITY_OUTPUTS": sweep_store["outputs_dir"],
+           "OMP_NUM_THREADS": "1"}
     app = subprocess.Popen([str(REPO / ".venv" / "bin" / "streamlit"), "run", str(REPO / "dashboards" / "app.py"),
                             "--server.address", "127.0.0.1", "--server.port", str(port), "--server.headless", "true",
                             "--browser.gatherUsageStats", "false"], env=env, cwd=REPO,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    # the link the sweep flow printed, on this test's port
+    link = urlsplit(sweep_store["compare_url"])
+    compare_url = urlunsplit(link._replace(netloc=f"127.0.0.1:{port}"))
     profile = tmp_path / "chromium-profile"
     chrome = None
+    shots, seen = {}, {}
     try:
         wait_http(f"http://127.0.0.1:{port}/_stcore/health", 120, app)
         chrome = subprocess.Popen([browser, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "about:blank"],
@@ -133,15 +154,21 @@ def test_compare_page_renders_chart_in_chromium(stores, tmp_path):
         cdp = Cdp(page["webSocketDebuggerUrl"])
         try:
             cdp.call("Page.enable")
-            cdp.call("Page.navigate", url=f"http://127.0.0.1:{port}/compare")
-            deadline = time.monotonic() + 240  # first render imports mlflow and altair: slow on a loaded machine
-            while (cdp.eval(CHART_JS) or 0) < 4 or (cdp.eval(WIDGETS_JS) or 0) < 3:
-                assert time.monotonic() < deadline, "the Compare page's chart did not render"
-                time.sleep(0.5)
-            time.sleep(1.0)  # let vega finish drawing before the screenshot
-            shot = base64.b64decode(cdp.call("Page.captureScreenshot", format="png", captureBeyondViewport=True)["data"])
-            charts, errors = cdp.eval(CHART_JS), cdp.eval(ERROR_JS)
-            title = cdp.eval("document.querySelector('h1') && document.querySelector('h1').innerText")
+            cdp.call("Page.navigate", url=compare_url)
+            _wait(cdp, lambda: (cdp.eval(CHART_JS) or 0) >= 4 and (cdp.eval(WIDGETS_JS) or 0) >= 3
+                  and len(cdp.eval(LEGEND_JS) or []) >= 8, "the Compare page's charts")
+            shots["compare"] = _shot(cdp)
+            seen["compare"] = {"title": cdp.eval(TITLE_JS), "errors": cdp.eval(ERROR_JS), "charts": cdp.eval(CHART_JS),
+                               "legend": cdp.eval(LEGEND_JS)}
+            cdp.call("Page.navigate", url=f"http://127.0.0.1:{port}/")
+            _wait(cdp, lambda: cdp.eval(TITLE_JS) == "Runs" and (cdp.eval(TABLE_JS) or 0) >= 1, "the Runs page")
+            shots["runs"] = _shot(cdp)
+            seen["runs"] = {"errors": cdp.eval(ERROR_JS)}
+            cdp.call("Page.navigate", url=f"http://127.0.0.1:{port}/benchmarks")
+            _wait(cdp, lambda: cdp.eval(TITLE_JS) == "Benchmarks" and (cdp.eval(CHART_JS) or 0) >= 1
+                  and len(cdp.eval(LEGEND_JS) or []) >= 4, "the Benchmarks page")
+            shots["benchmarks"] = _shot(cdp)
+            seen["benchmarks"] = {"errors": cdp.eval(ERROR_JS), "legend": cdp.eval(LEGEND_JS)}
         finally:
             cdp.close()
     finally:
@@ -150,8 +177,13 @@ def test_compare_page_renders_chart_in_chromium(stores, tmp_path):
         stop(app)
     out = Path(os.environ.get("PARITY_SCREENSHOT_DIR", tmp_path))
     out.mkdir(parents=True, exist_ok=True)
-    (out / "dashboard_compare.png").write_bytes(shot)
-    assert shot[:8] == b"\x89PNG\r\n\x1a\n" and len(shot) > 20_000
-    assert charts >= 4  # reward, accuracy and the two mismatch curves the page opens with
-    assert errors == 0, "the page shows an error or warning element"
-    assert title == "Compare runs"
+    for name, shot in shots.items():
+        (out / f"{name}.png").write_bytes(shot)
+    c = seen["compare"]
+    assert c["title"] == "Compare runs" and c["errors"] == 0, c
+    assert c["charts"] >= 4  # reward, held-out accuracy and two mismatch measures
+    # every chart's legend names the two corrections: the config key the sweep's members differ by, seeds grouped
+    assert set(c["legend"]) == {"none", "tis"} and len(c["legend"]) == 2 * c["charts"], c["legend"]
+    assert seen["runs"]["errors"] == 0 and seen["benchmarks"]["errors"] == 0
+    assert {f"arith_tiny / bf16 / {corr} / seed {s} @ step 2" for corr in ("none", "tis") for s in (0, 1)} <= \
+        set(seen["benchmarks"]["legend"])

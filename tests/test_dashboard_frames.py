@@ -1,4 +1,5 @@
-"""The dashboard's table transforms against hand computations, and its read-only store access."""
+"""The dashboard's table transforms against hand computations (runs, legend labels, curves, benchmarks), the
+run naming they share with MLflow, and the read-only store access."""
 
 from __future__ import annotations
 
@@ -10,41 +11,67 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dashboards import data, figures, frames
+from dashboards import bench, curves, data, figures, frames
+from parity.tracking import naming
 
 
 def test_ema_matches_hand_computation():
     # w = 0.5: s1 = 0.5*1 = 0.5 -> /0.5 = 1; s2 = 0.25 + 0.5*3 = 1.75 -> /0.75 = 2.333..; s3 = 0.875 + 0 -> /0.875 = 1
-    got = frames.ema([1.0, 3.0, 0.0], 0.5)
+    got = curves.ema([1.0, 3.0, 0.0], 0.5)
     assert got == pytest.approx([1.0, 1.75 / 0.75, 0.875 / 0.875])
-    assert frames.ema([2.0, 5.0], 0.0).tolist() == [2.0, 5.0]
+    assert curves.ema([2.0, 5.0], 0.0).tolist() == [2.0, 5.0]
     with pytest.raises(ValueError, match="smoothing weight"):
-        frames.ema([1.0], 1.0)
-
-
-def _runs(*rows: tuple[str, str, str, str]) -> pd.DataFrame:
-    return pd.DataFrame([{"run_id": rid, "run_name": name, "correction": corr, "precision": "bf16", "model": "m",
-                          "config": cfg} for rid, name, corr, cfg in rows])
+        curves.ema([1.0], 1.0)
 
 
 def test_curves_group_seeds_mean_and_band():
-    runs = _runs(("a", "s0", "dual", "c1"), ("b", "s1", "dual", "c1"), ("c", "x", "none", "c2"))
+    labels = {"a": "dual", "b": "dual", "c": "none"}  # a and b: two seeds of one configuration
     hist = pd.DataFrame([("a", "reward/mean", 1, 0.2), ("a", "reward/mean", 2, 0.4),
                          ("b", "reward/mean", 1, 0.6), ("b", "reward/mean", 2, 0.8),
-                         ("c", "reward/mean", 1, 0.5)], columns=["run_id", "key", "step", "value"])
-    plain = frames.curves(hist, runs)
-    assert sorted(plain["series"].unique()) == ["s0", "s1", "x"]
+                         ("c", "reward/mean", 1, 0.5), ("z", "reward/mean", 1, 9.0)],
+                        columns=["run_id", "key", "step", "value"])
+    plain = curves.curves(hist, {"a": "s0", "b": "s1", "c": "x"})
+    assert sorted(plain["series"].unique()) == ["s0", "s1", "x"]  # z was not chosen
     assert (plain["lo"] == plain["value"]).all()
-    grouped = frames.curves(hist, runs, group_seeds=True)
-    g1 = grouped[grouped["series"].str.startswith("dual")].sort_values("step")
+    grouped = curves.curves(hist, labels, group_seeds=True)
+    g1 = grouped[grouped["series"] == "dual"].sort_values("step")
     assert g1["value"].tolist() == pytest.approx([0.4, 0.6])
     assert g1["lo"].tolist() == pytest.approx([0.2, 0.4]) and g1["hi"].tolist() == pytest.approx([0.6, 0.8])
     assert g1["n"].tolist() == [2, 2]
-    assert grouped[grouped["series"].str.startswith("none")]["n"].tolist() == [1]
+    assert grouped[grouped["series"] == "none"]["n"].tolist() == [1]
     # smoothing is applied per run before averaging: run a smoothed with w=0.5 is [0.2, (0.05+0.2)/0.75]
-    sm = frames.curves(hist, runs, smoothing=0.5)
+    sm = curves.curves(hist, {"a": "s0", "b": "s1"}, smoothing=0.5)
     a = sm[sm["series"] == "s0"].sort_values("step")["value"].tolist()
     assert a == pytest.approx([0.2, (0.5 * 0.5 * 0.2 + 0.5 * 0.4) / 0.75])
+    # an evaluation every 10 steps is left as measured: its last point is where the run ended
+    sparse = pd.DataFrame([("a", "eval/accuracy", s, v) for s, v in [(0, 0.1), (10, 0.3), (20, 0.5)]],
+                          columns=["run_id", "key", "step", "value"])
+    assert curves.curves(sparse, {"a": "s0"}, smoothing=0.6)["value"].tolist() == [0.1, 0.3, 0.5]
+
+
+def test_collapse_markers_first_flagged_step_or_recorded_step():
+    hist = pd.DataFrame([("a", "train/collapsed", s, v) for s, v in [(1, 0.0), (2, 0.0), (3, 1.0), (4, 1.0)]]
+                        + [("b", "train/collapsed", 1, 0.0), ("b", "reward/mean", 1, 0.3)],
+                        columns=["run_id", "key", "step", "value"])
+    m = curves.collapse_markers(hist, {"a": "none", "b": "tis", "c": "dual"}, {"b": None, "c": 7.0})
+    assert m.to_dict("records") == [{"series": "none", "run_id": "a", "step": 3},
+                                    {"series": "dual", "run_id": "c", "step": 7}]
+    spec = curves.curve_spec("reward/mean", banded=True, points=True, series=["none", "tis"], markers=m)
+    rule = spec["layer"][-1]
+    assert rule["mark"]["type"] == "rule" and rule["data"]["values"][0] == {"series": "none", "step": 3}
+    assert spec["layer"][0]["mark"]["type"] == "area" and spec["layer"][1]["mark"]["type"] == "line"
+    assert curves.collapse_markers(hist.iloc[:0], {"a": "x"}).empty
+
+
+def test_default_panels_and_smoothing():
+    present = ["perf/step_s", "mismatch/k3_kl", "drift/entropy", "eval/accuracy", "reward/mean", "drift/length_std",
+               "mismatch/abs_prob_diff_mean", "mismatch/chi2", "correction/lambda"]
+    assert curves.default_panels(present) == ["reward/mean", "eval/accuracy", "mismatch/abs_prob_diff_mean",
+                                              "mismatch/k3_kl", "drift/entropy", "drift/length_std",
+                                              "correction/lambda"]
+    assert curves.default_panels(["reward/mean", "eval/accuracy_unquantized", "mismatch/x"]) == [
+        "reward/mean", "eval/accuracy_unquantized", "mismatch/x"]
+    assert [curves.default_smoothing(n) for n in (2, 9, 10, 19, 20, 500)] == [0.0, 0.0, 0.3, 0.3, 0.6, 0.6]
 
 
 def test_config_key_ignores_seed_and_names_only():
@@ -60,19 +87,107 @@ def test_precision_label():
     assert frames.precision_label({"rollout.precision.weights": "int8", "rollout.precision.activations": "int8",
                                    "rollout.precision.kv_cache": "int4_per_token_head"}) == \
         "wint8-aint8-kvint4_per_token_head"
-    assert frames.precision_label({"actor_rollout_ref.rollout.quantization": "int8",
-                                   "actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_dtype": "int4_per_token_head"}) \
-        == "wint8-aint8-kvint4_per_token_head"
+    seed = {"actor_rollout_ref.rollout.quantization": "int8",
+            "actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_dtype": "int4_per_token_head"}
+    assert frames.precision_label(seed) == "wint8-aint8-kvint4_per_token_head"
     assert frames.precision_label({"actor_rollout_ref.rollout.quantization": "None"}) == "bf16"
+    # the run names' spelling
+    assert frames.precision_short(seed) == "int8+int4kv" and frames.precision_short({}) == "bf16"
+    assert frames.short_of_label("wint8-aint8-kvbf16") == "int8" and frames.short_of_label("bf16") == "bf16"
+    assert naming.precision_short("int8", "bf16", "fp8") == "wint8-abf16+fp8kv"
+    assert naming.precision_short("fp8", "fp8", "bf16", perturbation_sigma="0.01") == "fp8+σ0.01"
+    assert naming.precision_short("bf16", "bf16", "bf16", perturbation_sigma=0.0) == "bf16"
 
 
-def test_side_by_side_puts_bf16_first_with_intervals():
-    rows = [{"run": "r", "correction": "dual", "precision": p, "benchmark": "aime24", "metric": "avg@k",
-             "value": v, "ci_low": v - 0.1, "ci_high": v + 0.1} for p, v in [("wfp8-afp8-kvbf16", 0.3), ("bf16", 0.5)]]
-    t = frames.side_by_side(pd.DataFrame(rows), "avg@k")
-    assert list(t.columns) == ["run", "benchmark", "bf16", "wfp8-afp8-kvbf16"]
-    assert t.iloc[0]["bf16"] == "50.0 [40.0, 60.0]" and t.iloc[0]["wfp8-afp8-kvbf16"] == "30.0 [20.0, 40.0]"
-    assert frames.side_by_side(pd.DataFrame(rows), "pass@k").empty
+def test_run_names_tags_and_identity_params():
+    from parity.config import flatten, load_config
+
+    cfg = load_config(["rollout.precision.weights=int8", "rollout.precision.activations=int8",
+                       "rollout.precision.kv_cache=int4_per_token_head", "algorithm.correction.name=score_centering+tis",
+                       "algorithm.policy_loss=reinforce", "rollout.topk_logprobs=8",
+                       "trainer.seed=3"])
+    assert naming.run_title(cfg) == "arith_tiny / int8+int4kv / score_centering+tis / seed 3"
+    assert naming.stage_title(naming.run_title(cfg), "train").endswith("seed 3 / train")
+    assert naming.run_tags(cfg)["parity.precision"] == "int8+int4kv"
+    ident = naming.identity_params(flatten(cfg))
+    assert {"experiment_name", "trainer.lr", "trainer.seed", "algorithm.correction.tis.C",
+            "algorithm.correction.score_centering.top_k", "rollout.precision.kv_cache"} <= set(ident)
+    assert not any(k.startswith(("algorithm.correction.dual.", "tracking.", "eval.")) for k in ident)
+
+
+def test_headline_metrics():
+    train = {"final_reward": 0.5, "final_accuracy": 0.25, "initial_accuracy": 0.125, "steps": 3}
+    assert naming.headline_metrics(train, {"avg@k": 0.4, "pass@k": 0.6}) == {
+        "final_reward": 0.5, "heldout_accuracy": 0.25, "heldout_accuracy_initial": 0.125, "benchmark_macro_avg": 0.4}
+    assert naming.headline_metrics({**train, "collapse_step": None})["collapsed"] == 0.0
+    fired = naming.headline_metrics({**train, "final_reward": None, "collapse_step": 14,
+                                     "final_accuracy_unquantized": 0.3})
+    assert (fired["collapsed"], fired["collapse_step"], fired["heldout_accuracy_unquantized"]) == (1.0, 14.0, 0.3)
+    assert "final_reward" not in fired and "collapsed" not in naming.headline_metrics(train)
+
+
+def _params(**kw: str) -> dict[str, str]:
+    base = {"experiment_name": "arith_tiny", "algorithm.correction.name": "none", "trainer.seed": "0",
+            "trainer.lr": "5e-05", "trainer.run_name": "x", "outputs_dir": "/o", "rollout.precision.weights": "bf16",
+            "rollout.precision.activations": "bf16", "algorithm.correction.tis.C": "2.0"}
+    return {**base, **{k.replace("__", "."): v for k, v in kw.items()}}
+
+
+def test_config_labels_name_what_differs():
+    runs = {"a": _params(), "b": _params(trainer__seed="1", trainer__run_name="y"),
+            "c": _params(algorithm__correction__name="tis", trainer__run_name="z"),
+            "d": _params(algorithm__correction__name="tis", trainer__seed="1", outputs_dir="/elsewhere")}
+    titles = {k: f"title {k}" for k in runs}
+    assert frames.differing_keys(runs) == ["algorithm.correction.name", "trainer.seed"]
+    assert frames.config_labels(runs, titles) == {"a": "none / seed 0", "b": "none / seed 1", "c": "tis / seed 0",
+                                                  "d": "tis / seed 1"}
+    assert frames.config_labels(runs, titles, group_seeds=True) == {"a": "none", "b": "none", "c": "tis", "d": "tis"}
+    # precision keys fold into one label; other keys by their last name (or more where two would read the same)
+    prec = {"a": _params(), "b": _params(rollout__precision__weights="int8", rollout__precision__activations="int8",
+                                         trainer__lr="1e-05", algorithm__correction__tis__C="5.0")}
+    assert frames.config_labels(prec, titles) == {"a": "bf16 / C=2.0 / lr=5e-05", "b": "int8 / C=5.0 / lr=1e-05"}
+    # nothing differs: the run's own title; repeats of one configuration kept apart by their id unless grouped
+    assert frames.config_labels({"a": _params()}, titles) == {"a": "title a"}
+    same = {"run1aaaa": _params(), "run2bbbb": _params(trainer__run_name="other")}
+    assert frames.config_labels(same, {"run1aaaa": "t", "run2bbbb": "t"}) == {"run1aaaa": "t (run1aa)",
+                                                                             "run2bbbb": "t (run2bb)"}
+    assert set(frames.config_labels(same, {"run1aaaa": "t", "run2bbbb": "t"}, group_seeds=True).values()) == {"t"}
+
+
+def test_bench_labels_and_one_row_per_evaluation():
+    assert bench.eval_key("/abs/outputs/eval/x-20261201-101500") == bench.eval_key("outputs/eval/x-20261201-101500") \
+        == "eval/x-20261201-101500"
+    assert bench.stamp_of("eval/x-20261201-101500") == "2026-12-01 10:15:00" and bench.stamp_of("eval/x") == ""
+    assert bench.model_label({"path": "outputs/runs/r1/checkpoints/step_000040"}, "e") == "r1 @ step 40"
+    assert bench.model_label({"registered_model": {"name": "parity-arith_tiny", "version": 3}}, "e") == \
+        "parity-arith_tiny v3"
+    hub = "/root/.cache/huggingface/hub/models--Qwen--Qwen3-8B/snapshots/0123456789abcdef0123"
+    assert bench.model_label({"path": hub}, "e") == "Qwen/Qwen3-8B"
+    assert bench.model_label({"path": "/models/exported/6d22da0e1f2a3b4c5d6e"}, "e") == "exported"
+    assert bench.model_label({}, "outputs/eval/Qwen3-8B-20261201-101500") == "Qwen3-8B"
+    row = {"correction": "tis", "benchmark": "aime24", "metric": "avg@k", "k": 4, "problems": 30, "ci_low": 0.2,
+           "ci_high": 0.4, "value": 0.3}
+    rows = pd.DataFrame([
+        {**row, "model": "m @ step 2", "precision": "bf16", "source": "registry", "key": "eval/a", "stamp": "s1",
+         "out_dir": "/o/eval/a"},
+        {**row, "model": "m @ step 2", "precision": "bf16", "source": "file", "key": "eval/a", "stamp": "s1",
+         "out_dir": "/o/eval/a"},  # the same evaluation found as a folder
+        {**row, "model": "m @ step 2", "precision": "int8", "source": "registry", "key": "eval/b", "stamp": "s2",
+         "out_dir": "/o/eval/b", "value": 0.25},
+        {**row, "model": "other", "precision": "bf16", "source": "file", "key": "eval/c", "stamp": "s3",
+         "out_dir": "/o/eval/c"},
+        {**row, "model": "other", "precision": "bf16", "source": "file", "key": "eval/d", "stamp": "s4",
+         "out_dir": "/o/eval/d"}], columns=bench.BENCH_COLUMNS)
+    one = bench.one_per_evaluation(rows)
+    assert one["evaluation"].tolist() == ["m @ step 2 [bf16]", "m @ step 2 [int8]", "other (s3)", "other (s4)"]
+    assert one.iloc[0]["source"] == "registry"
+    t = bench.benchmark_table(one, "avg@k")
+    assert t["evaluation"].tolist() == ["other (s4)", "other (s3)", "m @ step 2 [int8]", "m @ step 2 [bf16]"]
+    assert t.loc[2, "aime24"] == "25.0 [20.0, 40.0]" and list(t.columns) == ["evaluation", "aime24", "correction",
+                                                                             "precision", "out_dir"]
+    assert bench.benchmark_table(one, "pass@k").empty
+    bars = bench.chart_rows(one, "avg@k")
+    assert bars["pct"].tolist() == pytest.approx([30.0, 25.0, 30.0, 30.0]) and bars["lo"].iloc[0] == pytest.approx(20.0)
 
 
 def test_flag_checks_and_missing_metrics():
@@ -82,14 +197,14 @@ def test_flag_checks_and_missing_metrics():
     assert f["flagged"].tolist() == [True, False]  # newest first
     assert f["delta"].tolist() == pytest.approx([-20.0, 1.0])
     hist = pd.DataFrame([("a", "reward/mean", 1, 0.1)], columns=["run_id", "key", "step", "value"])
-    assert frames.missing_metrics(hist, {"a": "run-a"}, ["reward/mean", "correction/lambda"]) == \
+    assert curves.missing_metrics(hist, {"a": "run-a"}, ["reward/mean", "correction/lambda"]) == \
         ["run-a: correction/lambda"]
 
 
 def test_wide_csv_and_png():
     plot = pd.DataFrame({"series": ["s", "s"], "key": ["k", "k"], "step": [1, 2], "value": [0.5, 0.25],
                          "lo": [0.4, 0.2], "hi": [0.6, 0.3], "n": [2, 2]})
-    csv = pd.read_csv(io.StringIO(frames.wide_csv(plot)))
+    csv = pd.read_csv(io.StringIO(curves.wide_csv(plot)))
     assert csv.columns.tolist() == ["series", "step", "k", "k (min)", "k (max)"]
     assert csv["k (max)"].tolist() == [0.6, 0.3]
     png = figures.curves_png(plot, ["k"])

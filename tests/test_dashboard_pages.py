@@ -1,7 +1,9 @@
-"""Every dashboard page under streamlit's AppTest, against stores filled by a real tiny pipeline: a 2-step
+"""Every dashboard page under streamlit's AppTest, against stores filled by a real tiny pipeline in the older
+layout (one MLflow experiment `parity`, runs named `train-and-eval-<id>` / `train` / `evaluate`, params on
+the pipeline run only: stores written before runs were named by what they ran still read right): a 2-step
 training run logged by parity.tracking's MlflowCallback under a pipeline parent run, its checkpoint
 evaluated at BF16 and at W8A8 INT8 and recorded in the registry, and regression checks. Built once per
-test session (the browser test reuses it)."""
+test session. The pages on a real sweep's stores: tests/test_dashboard_sweep.py."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import os
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -167,21 +170,38 @@ def _texts(elements) -> list[str]:
     return [e.value for e in elements]
 
 
-def test_runs_page_lists_pipeline_and_stages_with_values(app_env):
+def displayed(df_element):
+    """What a table shows (the Styler's display values: '—' where a value is missing)."""
+    from streamlit import dataframe_util
+
+    return dataframe_util.convert_arrow_bytes_to_pandas_df(df_element.proto.arrow_data.styler.display_values)
+
+
+def test_runs_page_folds_the_stages_of_an_older_store_under_their_pipeline(app_env):
+    """A store of the older layout (one MLflow experiment, runs named `train-and-eval-1` / `train`, params on the
+    pipeline run only): one row for the pipeline, carrying what its stages measured; stages on demand."""
     at = _app()
     df = at.dataframe[0].value
-    assert {"train-and-eval-1", "train", "evaluate"} <= set(df["run_name"])
-    train = df[df["run_name"] == "train"].iloc[0]
+    assert df["run"].tolist() == ["train-and-eval-1"]
+    row = df.iloc[0]
     last_reward = [r["reward/mean"] for r in app_env["history"] if "reward/mean" in r][-1]
-    assert train["final_reward"] == pytest.approx(last_reward)
-    assert train["correction"] == "dual" and train["precision"] == "bf16" and train["stage"] == "train"
-    assert train["status"] == "FINISHED"
-    assert train["mlflow"].endswith(f"/runs/{app_env['train_run']}")
-    # the benchmark average of the pipeline's evaluate stage (its latest macro avg@k) shows on the train run
-    assert train["benchmark_avg"] == pytest.approx(app_env["evals"]["int8"]["avg@k"])
-    at.multiselect(key="runs_filter_stage").set_value(["train"]).run()
-    assert at.dataframe[0].value["run_name"].tolist() == ["train"]
-    at.multiselect(key="runs_filter_stage").set_value([]).run()
+    assert row["final_reward"] == pytest.approx(last_reward)
+    assert row["heldout_accuracy"] == pytest.approx([r["eval/accuracy"] for r in app_env["history"]
+                                                     if "eval/accuracy" in r][-1])
+    assert row["correction"] == "dual" and row["precision"] == "bf16" and row["status"] == "FINISHED"
+    assert row["mlflow"].endswith(f"/runs/{app_env['parent']}")
+    # the benchmark average of the pipeline's latest evaluate stage (its macro avg@k)
+    assert row["benchmark_avg"] == pytest.approx(app_env["evals"]["int8"]["avg@k"])
+    assert list(df.columns)[:2] == ["run", "mlflow"]  # the link stays in view however wide the names
+    shown = displayed(at.dataframe[0])
+    assert shown.iloc[0]["collapsed"] == "—" and shown.iloc[0]["seed"] == "0"
+    at.toggle(key="runs_show_stages").set_value(True).run()
+    df = at.dataframe[0].value
+    assert df["run"].tolist() == ["train-and-eval-1", "↳ train", "↳ evaluate", "↳ evaluate"]
+    assert df.iloc[1]["final_reward"] == pytest.approx(last_reward) and pd.isna(df.iloc[2]["final_reward"])
+    assert [df.iloc[2]["benchmark_avg"], df.iloc[3]["benchmark_avg"]] == pytest.approx(
+        [app_env["evals"]["bf16"]["avg@k"], app_env["evals"]["int8"]["avg@k"]])
+    assert displayed(at.dataframe[0]).iloc[2]["final_reward"] == "—"
     at.text_input(key="runs_filter_text").set_value("nothing-matches").run()
     assert at.dataframe[0].value.empty
 
@@ -198,9 +218,13 @@ def _chart_values(at) -> list[dict]:
     return rows
 
 
+def _specs(at) -> list[dict]:
+    return [json.loads(ch.proto.spec) for ch in at.get("vega_lite_chart")]
+
+
 def test_compare_page_plots_the_logged_curves(app_env):
     at = _app("compare")
-    at.multiselect(key="compare_runs").set_value([app_env["train_run"]])
+    assert at.multiselect(key="compare_runs").value == [app_env["parent"]]  # the pipeline, its train stage's curves
     at.multiselect(key="compare_metrics").set_value(["reward/mean", "correction/lambda", "correction/sc_term_abs"]).run()
     assert not at.exception
     rows = _chart_values(at)
@@ -209,34 +233,35 @@ def test_compare_page_plots_the_logged_curves(app_env):
     assert {(s, round(v, 9)) for s, v in got} == {(s, round(v, 9)) for s, v in want}
     assert any(r.get("key") == "correction/lambda" for r in rows)
     # dual logs no score-centering term: the page says so instead of drawing an empty chart
-    assert any("train: correction/sc_term_abs" in t for t in _texts(at.info))
+    assert any("train-and-eval-1: correction/sc_term_abs" in t for t in _texts(at.info))
     csv = at.get("download_button")[0]
     assert csv.proto.label == "Download data (CSV)"
-    # smoothing changes the plotted values by the EMA
+    # two steps: no smoothing by default; smoothing changes the plotted values by the EMA
+    assert at.slider(key="compare_smoothing").value == 0.0
     at.slider(key="compare_smoothing").set_value(0.5).run()
     sm = sorted((r["step"], r["value"]) for r in _chart_values(at) if r.get("key") == "reward/mean")
     raw = sorted(want)
     assert sm[0][1] == pytest.approx(raw[0][1])
     assert sm[1][1] == pytest.approx((0.25 * raw[0][1] + 0.5 * raw[1][1]) / 0.75)
-    # seed grouping: one series per configuration, named by what defines it; one seed -> band of zero width
-    at.slider(key="compare_smoothing").set_value(0.0)
-    at.checkbox(key="compare_group").check().run()
+    # one run: its name is the label, a seed group of one has a band of zero width
+    at.slider(key="compare_smoothing").set_value(0.0).run()
     grouped = [r for r in _chart_values(at) if r.get("key") == "reward/mean"]
-    assert {r["series"].split(" [")[0] for r in grouped} == {"dual | bf16 | tiny_qwen3"}
+    assert {r["series"] for r in grouped} == {"train-and-eval-1"}
     assert sorted((r["step"], r["value"], r["lo"], r["hi"], r["n"]) for r in grouped) == \
         sorted((s, v, v, v, 1) for s, v in raw)
 
 
-def test_benchmarks_page_shows_bf16_and_int8_side_by_side(app_env):
+def test_benchmarks_page_shows_bf16_and_int8_of_one_checkpoint(app_env):
     at = _app("benchmarks")
-    table = at.dataframe[0].value
-    row = table[table["benchmark"] == "arithmetic"].iloc[0]
-    assert row["run"] == "train-and-eval-1"
-    assert list(table.columns)[:3] == ["run", "benchmark", "bf16"] and "wint8-aint8-kvbf16" in table.columns
-    for prec, key in [("bf16", "bf16"), ("wint8-aint8-kvbf16", "int8")]:
-        assert row[prec].startswith(f"{100 * app_env['evals'][key]['avg@k']:.1f} [")
-    at.radio(key="bench_by").set_value("correction").run()
-    assert at.dataframe[0].value.iloc[0]["correction"] == "dual"
+    table = at.dataframe[0].value.set_index("evaluation")
+    for prec, key in [("bf16", "bf16"), ("int8", "int8")]:
+        row = table.loc[f"train-and-eval-1 @ step 2 [{prec}]"]
+        assert row["arithmetic"].startswith(f"{100 * app_env['evals'][key]['avg@k']:.1f} [")
+        assert row["correction"] == "dual" and row["precision"] == prec
+    bars = [r for r in _chart_values(at) if str(r.get("evaluation", "")).startswith("train-and-eval-1 @ step 2")]
+    assert len(bars) == 2 and all(r["lo"] <= r["pct"] <= r["hi"] for r in bars)
+    assert sorted(r["pct"] for r in bars) == pytest.approx(sorted(100 * app_env["evals"][k]["avg@k"]
+                                                                 for k in ("bf16", "int8")))
 
 
 def test_regression_page_highlights_flagged_drop(app_env):
@@ -302,7 +327,7 @@ def test_store_untouched_by_the_dashboard(app_env):
 
 
 def test_sql_fast_path_matches_the_mlflow_client(app_env):
-    from dashboards import data, frames, mlflow_sql
+    from dashboards import curves, data, mlflow_sql
 
     uri = app_env["tracking_uri"]
     client_runs = data.fetch_runs(data.mlflow_client(uri))
@@ -310,6 +335,6 @@ def test_sql_fast_path_matches_the_mlflow_client(app_env):
     sql_runs = mlflow_sql.fetch_runs(eng)
     assert [r.__dict__ for r in sql_runs] == [r.__dict__ for r in client_runs]
     assert len(client_runs) == 4 and any(r.params for r in sql_runs) and any(r.metrics for r in sql_runs)
-    ids, keys = [r.run_id for r in client_runs], frames.CURVE_METRICS
+    ids, keys = [r.run_id for r in client_runs], curves.CURVE_METRICS
     a, b = data.metric_history(data.mlflow_client(uri), ids, keys), mlflow_sql.metric_history(eng, ids, keys)
     assert len(a) > 0 and a.equals(b)

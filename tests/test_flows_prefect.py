@@ -2,28 +2,23 @@
 deployments served by `python -m flows.deployments`, `train-and-eval/local` triggered through the
 Prefect REST API with tiny settings. Then a second run whose INT8 precision validation fails: the flow
 run is Failed with the report's verdict before training, the stages before it keep their records.
-`sweep/local` runs two members for real (train-and-eval subflows), each registering a version of one
-model, and `python -m parity evaluate eval.registered_model=NAME[:VERSION]` evaluates those versions."""
+`sweep/local` runs two corrections x two seeds for real (train-and-eval subflows, tests/prefect_services.py),
+each registering a version of one model and named in MLflow by what it ran, and `python -m parity evaluate
+eval.registered_model=NAME[:VERSION]` evaluates those versions. Server, deployments and sweep are shared by
+the session (the dashboard tests read the sweep's stores)."""
 
 from __future__ import annotations
 
 import json
-import time
-import urllib.error
-import urllib.request
+import re
 from pathlib import Path
 
 import pytest
 
-from scripts.run_local import (
-    free_port,
-    start_server,
-    start_serving,
-    stop_process,
-    wait_deployment,
-    wait_healthy,
-)
 from tests.conftest import QUICK
+from tests.prefect_services import SWEEP_CORRECTIONS, SWEEP_MODEL, SWEEP_SEEDS
+from tests.prefect_services import api as _api
+from tests.prefect_services import run_deployment as _run_deployment
 
 pytestmark = pytest.mark.slow
 RUN_NAME = "flowtest"
@@ -31,58 +26,11 @@ INT8_FAILING = ["rollout.precision.weights=int8", "rollout.precision.activations
                 "rollout.precision.validation.num_prompts=4", "rollout.precision.validation.samples_per_prompt=1",
                 "rollout.precision.validation.max_new_tokens=8",
                 "rollout.precision.validation.max_mean_abs_prob_diff=1e-12"]
-TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
-
-
-def _api(url: str, method: str = "GET", body: dict | None = None) -> dict:
-    """One REST call; 429/502/503 are retried with a short backoff as Prefect's own client does (the server
-    answers 503 while its SQLite database is busy, which a loaded 2-core CI machine met once)."""
-    for attempt in range(6):
-        req = urllib.request.Request(url, method=method, data=None if body is None else json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=30) as r:
-                return json.loads(r.read() or b"{}")
-        except urllib.error.HTTPError as e:
-            if e.code not in (429, 502, 503) or attempt == 5:
-                raise
-            time.sleep(2 * (attempt + 1))
-    raise AssertionError("unreachable")
 
 
 @pytest.fixture(scope="module")
-def prefect(tmp_path_factory):
-    root = tmp_path_factory.mktemp("prefect")
-    out = root / "outputs"
-    port = free_port()
-    api = f"http://127.0.0.1:{port}/api"
-    server = start_server(root / "home", port, root / "server.log")
-    serving = None
-    try:
-        wait_healthy(api, server, timeout_s=300)
-        serving = start_serving(root / "home", api, root / "serve.log", extra_env={"PARITY_OUTPUTS": str(out)})
-        wait_deployment(api, "train-and-eval/local", serving, timeout_s=300)
-        for name in ("benchmark-regression/nightly", "sweep/local"):
-            wait_deployment(api, name, serving, timeout_s=60)
-        yield {"api": api, "out": out, "root": root}
-    finally:
-        if serving is not None:
-            stop_process(serving.pid)
-        stop_process(server.pid)
-
-
-def _run_deployment(api: str, name: str, overrides: list[str], timeout_s: float = 600,
-                    parameters: dict | None = None) -> dict:
-    dep = _api(f"{api}/deployments/name/{name}")
-    run = _api(f"{api}/deployments/{dep['id']}/create_flow_run", "POST",
-               {"parameters": {"overrides": overrides, **(parameters or {})}})
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        fr = _api(f"{api}/flow_runs/{run['id']}")
-        if fr["state"]["type"] in TERMINAL:
-            return fr
-        time.sleep(2)
-    raise TimeoutError(f"flow run {run['id']} of {name} not finished after {timeout_s} s")
+def prefect(prefect_services):
+    return prefect_services
 
 
 def _overrides(out: Path) -> list[str]:
@@ -120,9 +68,11 @@ def test_train_and_eval_completes_then_failed_stage_keeps_earlier_records(prefec
     parent = c.get_run(p["mlflow_run_id"])
     assert parent.info.status == "FINISHED" and parent.data.tags["parity.flow_run_id"] == fr["id"]
     assert parent.data.params["trainer.total_steps"] == "2" and parent.data.params["rollout.n"] == "4"
+    assert parent.info.run_name == "arith_tiny / bf16 / none / seed 0"
     children = c.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
-    assert sorted(r.info.run_name for r in children) == sorted(s["name"] for s in p["stages"])
-    train_run = next(r for r in children if r.info.run_name == "train")
+    assert sorted(r.info.run_name for r in children) == sorted(f"{parent.info.run_name} / {s['name']}"
+                                                               for s in p["stages"])
+    train_run = next(r for r in children if r.data.tags["parity.stage"] == "train")
     assert [m.step for m in c.get_metric_history(train_run.info.run_id, "reward/mean")] == [1, 2]
     assert c.get_metric_history(train_run.info.run_id, "perf/step_s")
     mv = c.get_model_version("flowtest-model", ckpt["mlflow_model_version"])
@@ -149,7 +99,8 @@ def test_train_and_eval_completes_then_failed_stage_keeps_earlier_records(prefec
     assert run2.info.status == "FAILED"
     val_run = next(r for r in c.search_runs([run2.info.experiment_id],
                                             f"tags.mlflow.parentRunId = '{run2.info.run_id}'")
-                   if r.info.run_name == "validate")
+                   if r.data.tags["parity.stage"] == "validate")
+    assert run2.info.run_name == "arith_tiny / int8 / none / seed 0"
     assert val_run.info.status == "FAILED"
     assert {a.path for a in c.list_artifacts(val_run.info.run_id, "validation")} == {
         "validation/validation.json", "validation/validation.md"}
@@ -184,59 +135,79 @@ def test_benchmark_regression_fails_on_a_drop_and_records_the_check(prefect):
     reg.close()
 
 
-SWEEP_MODEL = "sweeptest-model"
-
-
-@pytest.fixture(scope="module")
-def sweep_run(prefect):
-    """`sweep/local` with two corrections on the tiny settings: two train-and-eval subflows, each
-    registering a version of SWEEP_MODEL."""
-    api, out = prefect["api"], prefect["out"]
-    common = [f"outputs_dir={out}", *QUICK, "eval.suite=[arithmetic]", "eval.limit=4",
-              f"tracking.model_name={SWEEP_MODEL}"]
-    fr = _run_deployment(api, "sweep/local", common, parameters={"corrections": ["none", "tis"]})
-    children = _api(f"{api}/flow_runs/filter", "POST",
-                    {"flow_runs": {"parent_flow_run_id": {"any_": [fr["id"]]}}, "sort": "START_TIME_ASC"})
-    return {"flow_run": fr, "children": children}
-
-
-def test_sweep_runs_each_member_with_its_records(prefect, sweep_run):
-    from parity.tracking import mlflow_log
+def test_sweep_runs_each_member_with_its_records(prefect, sweep_store):
+    """`sweep/local` with corrections x seeds: one train-and-eval subflow per member, each with its registry
+    records, MLflow runs named by what they ran in the experiment's own MLflow experiment (tagged for
+    MLflow's training-runs view), params on the train run, headline metrics on the pipeline run, the run
+    folder's files as artifacts; the flow prints the dashboard's Compare link of the sweep."""
+    from parity.tracking import mlflow_log, naming
     from parity.tracking.registry import Registry
 
-    out = prefect["out"]
-    fr, children = sweep_run["flow_run"], sweep_run["children"]
+    fr, children = sweep_store["flow_run"], sweep_store["children"]
     assert fr["state"]["type"] == "COMPLETED", fr["state"]
-    assert len(children) == 2
+    assert len(children) == 4
     assert all(ch["state"]["type"] == "COMPLETED" for ch in children), [ch["state"] for ch in children]
     flows = {_api(f"{prefect['api']}/flows/{ch['flow_id']}")["name"] for ch in children}
     assert flows == {"train-and-eval"}
+    sweep_id = sweep_store["sweep"]
+    assert re.fullmatch(r"sweep-\d{8}-\d{6}", sweep_id)
+    assert sweep_store["compare_url"] == f"http://127.0.0.1:8501/compare?sweep={sweep_id}"
 
-    reg = Registry(f"sqlite:///{out}/registry.db")
-    c = mlflow_log.client(f"sqlite:///{out}/mlflow.db")
+    reg = Registry(sweep_store["registry_url"])
+    c = mlflow_log.client(sweep_store["tracking_uri"])
+    exp = c.get_experiment_by_name("arith_tiny")
+    assert exp.tags[naming.EXPERIMENT_KIND_TAG] == naming.TRAINING_EXPERIMENT
+    # one MLflow experiment per experiment_name (MLflow's own "Default" aside)
+    assert {e.name for e in c.search_experiments()} - {"Default"} == {"arith_tiny"}
+    members = [(corr, seed) for corr in SWEEP_CORRECTIONS for seed in SWEEP_SEEDS]
     versions = []
-    for ch, correction in zip(children, ("none", "tis"), strict=True):
+    for ch, (correction, seed) in zip(children, members, strict=True):
         (pid,) = reg.pipelines_of_flow_run(ch["id"])
         p = reg.pipeline(pid)
         assert p["status"] == "completed" and f"algorithm.correction.name={correction}" in p["overrides"]
+        assert f"trainer.seed={seed}" in p["overrides"]
         assert [(st["name"], st["status"]) for st in p["stages"]] == [
             ("prepare", "completed"), ("quantize", "skipped"), ("validate", "skipped"), ("train", "completed"),
             ("evaluate", "completed"), ("register", "completed")]
         run_name = next(o.split("=", 1)[1] for o in p["overrides"] if o.startswith("trainer.run_name="))
-        assert run_name.startswith("sweep-") and run_name.endswith(f"-{correction}")
+        assert run_name == f"{sweep_id}-{correction}-s{seed}"
         rid = p["stages"][4]["result"]["result_ids"]["arithmetic"]
         assert len(reg.sample_scores(rid)) == 4
+
         parent = c.get_run(p["mlflow_run_id"])
+        title = f"arith_tiny / bf16 / {correction} / seed {seed}"
+        assert parent.info.run_name == title and parent.info.experiment_id == exp.experiment_id
         assert parent.info.status == "FINISHED" and parent.data.tags["parity.flow_run_id"] == ch["id"]
+        assert parent.data.tags[naming.SWEEP_TAG] == sweep_id and parent.data.tags["parity.correction"] == correction
         assert parent.data.params["algorithm.correction.name"] == correction
-        stages = c.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
-        assert sorted(r.info.run_name for r in stages) == sorted(st["name"] for st in p["stages"])
-        train_run = next(r for r in stages if r.info.run_name == "train")
+        stages = c.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+        assert sorted(r.info.run_name for r in stages) == sorted(f"{title} / {st['name']}" for st in p["stages"])
+        assert all(r.data.tags[naming.SWEEP_TAG] == sweep_id for r in stages)
+        train_run = next(r for r in stages if r.info.run_name == f"{title} / train")
+        # the train run carries the whole config: it can be filtered and compared on its own
+        assert train_run.data.params == parent.data.params and len(train_run.data.params) > 100
+        assert train_run.data.params["trainer.seed"] == str(seed) and train_run.data.params["trainer.lr"] == "5e-05"
+        prep = next(r for r in stages if r.data.tags["parity.stage"] == "prepare")
+        assert prep.data.params["algorithm.correction.name"] == correction and prep.data.params["trainer.seed"] == str(seed)
+        history = [json.loads(x) for x in (Path(sweep_store["outputs_dir"]) / "runs" / run_name / "metrics.jsonl")
+                   .read_text().splitlines()]
         assert [m.step for m in c.get_metric_history(train_run.info.run_id, "reward/mean")] == [1, 2]
+        assert {a.path for a in c.list_artifacts(train_run.info.run_id, "run")} == {"run/metrics.jsonl",
+                                                                                     "run/summary.json"}
+        # the pipeline run's headline numbers are the train and evaluate stages' own
+        m = parent.data.metrics
+        assert m["final_reward"] == pytest.approx(history[-1]["reward/mean"])
+        assert m["heldout_accuracy"] == pytest.approx(p["stages"][3]["result"]["final_accuracy"])
+        assert m["benchmark_macro_avg"] == pytest.approx(p["stages"][4]["result"]["macro"]["avg@k"])
+        summary = json.loads((Path(sweep_store["outputs_dir"]) / "runs" / run_name / "summary.json").read_text())
+        if "collapse_step" in summary:  # the loop's collapse alarm reports it: the flag follows it
+            assert m["collapsed"] == (0.0 if summary["collapse_step"] is None else 1.0)
+        else:
+            assert "collapsed" not in m
         versions.append((p["stages"][5]["result"]["version"], f"runs/{run_name}/checkpoints/step_000002"))
-    assert [v for v, _ in versions] == ["1", "2"]
+    assert [v for v, _ in versions] == ["1", "2", "3", "4"]
     rows = reg.registered_versions(SWEEP_MODEL)
-    assert [(r["mlflow_model_version"], r["kind"]) for r in rows] == [("1", "checkpoint"), ("2", "checkpoint")]
+    assert [(r["mlflow_model_version"], r["kind"]) for r in rows] == [(v, "checkpoint") for v in ("1", "2", "3", "4")]
     assert all(r["path"].endswith(tail) for r, (_, tail) in zip(rows, versions, strict=True))
     assert c.get_model_version(SWEEP_MODEL, "2").tags["precision"] == "bf16"
     reg.close()
@@ -249,7 +220,7 @@ def _eval_cfg(out: Path, *overrides: str):
                         "eval.max_new_tokens=8", *overrides])
 
 
-def test_evaluate_a_registered_model(prefect, sweep_run, capsys):
+def test_evaluate_a_registered_model(sweep_store, capsys):
     """`python -m parity evaluate eval.registered_model=NAME[:VERSION]` against the registry DB and MLflow
     model registry that the sweep's register stages filled."""
     import shutil
@@ -259,9 +230,9 @@ def test_evaluate_a_registered_model(prefect, sweep_run, capsys):
     from parity.errors import ParityError
     from parity.tracking.registry import Registry
 
-    out = prefect["out"]
-    with Registry(f"sqlite:///{out}/registry.db") as reg:
-        v1, v2 = reg.registered_versions(SWEEP_MODEL)
+    out = Path(sweep_store["outputs_dir"])
+    with Registry(sweep_store["registry_url"]) as reg:
+        v1, *_, v4 = reg.registered_versions(SWEEP_MODEL)
 
     capsys.readouterr()
     main(["evaluate", f"outputs_dir={out}", "eval.suite=[arithmetic]", "eval.limit=4", "eval.grade_workers=1",
@@ -279,12 +250,12 @@ def test_evaluate_a_registered_model(prefect, sweep_run, capsys):
     # no version = the latest; "latest" says the same
     for spec in (SWEEP_MODEL, f"{SWEEP_MODEL}:latest"):
         path, chosen, info = resolve_eval_model_info(_eval_cfg(out, f"eval.registered_model={spec}"))
-        assert (str(path), info["version"]) == (v2["path"], 2) and "version 2" in chosen
+        assert (str(path), info["version"]) == (v4["path"], 4) and "version 4" in chosen
 
     # unknown version / name / malformed version / two selections: one error naming the key
     for override, match in [
         (f"eval.registered_model={SWEEP_MODEL}:9", rf"`eval.registered_model`: model '{SWEEP_MODEL}' has no version 9; "
-                                                   r"versions: 1, 2$"),
+                                                   r"versions: 1, 2, 3, 4$"),
         ("eval.registered_model=nosuch", r"`eval.registered_model`: no registered model named 'nosuch' .*registered: "
                                          rf"(flowtest-model, )?{SWEEP_MODEL}$"),
         (f"eval.registered_model={SWEEP_MODEL}:x1", r"`eval.registered_model`: version 'x1'"),

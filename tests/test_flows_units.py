@@ -35,6 +35,19 @@ def test_sweep_members_one_per_correction():
     assert m == [["trainer.total_steps=3", "algorithm.correction.name=none", "trainer.run_name=sweep-S-none"],
                  ["trainer.total_steps=3", "algorithm.correction.name=score_centering+tis",
                   "trainer.run_name=sweep-S-score_centering_tis"]]
+    seeded = member_overrides(["none", "tis"], [], "S", seeds=[0, 1])
+    assert [m[-2:] for m in seeded] == [
+        ["trainer.seed=0", "trainer.run_name=sweep-S-none-s0"], ["trainer.seed=1", "trainer.run_name=sweep-S-none-s1"],
+        ["trainer.seed=0", "trainer.run_name=sweep-S-tis-s0"], ["trainer.seed=1", "trainer.run_name=sweep-S-tis-s1"]]
+    assert [m[0] for m in seeded] == ["algorithm.correction.name=none"] * 2 + ["algorithm.correction.name=tis"] * 2
+
+
+def test_sweep_prints_the_compare_page_of_its_members(monkeypatch):
+    from flows.sweep import dashboard_compare_url
+
+    assert dashboard_compare_url("sweep-20261201-101500") == "http://127.0.0.1:8501/compare?sweep=sweep-20261201-101500"
+    monkeypatch.setenv("PARITY_DASHBOARD_URL", "https://dash.example/parity/")
+    assert dashboard_compare_url("s 1") == "https://dash.example/parity/compare?sweep=s+1"
 
 
 @pytest.mark.parametrize("exc, retry", [(ConnectionError("db down"), True), (RuntimeError("worker died"), True),

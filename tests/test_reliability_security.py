@@ -243,8 +243,9 @@ def test_sql_goes_through_bound_parameters(quick_cfg, mlflow_store, tmp_path):
     assert c.get_run(ref.run_id).data.params["trainer.run_name"] == EVIL
     eng = mlflow_sql.engine(uri)  # the dashboard's read path reads it back literally
     runs = {r.run_name: r for r in mlflow_sql.fetch_runs(eng)}
-    assert EVIL in runs and runs[f"train-and-eval-{ref.pipeline_id}"].params["trainer.run_name"] == EVIL
-    assert mlflow_sql.metric_history(eng, [runs[EVIL].run_id, EVIL], [EVIL, "reward/mean"]).empty
+    assert f"{ref.title} / {EVIL}" in runs and runs[ref.title].params["trainer.run_name"] == EVIL
+    assert runs[ref.title].tags["parity.run_name"] == EVIL
+    assert mlflow_sql.metric_history(eng, [runs[f"{ref.title} / {EVIL}"].run_id, EVIL], [EVIL, "reward/mean"]).empty
 
 
 def test_no_eval_or_exec_anywhere_in_the_sources():

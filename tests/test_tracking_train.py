@@ -35,9 +35,13 @@ def test_enabled_logs_params_step_metrics_and_artifacts(outputs_dir, prepared_mo
     out = _main(capsys, *args)
     c = mlflow_log.client(f"sqlite:///{store}")
     run = c.get_run(out["mlflow_run_id"])
-    assert run.info.status == "FINISHED" and run.info.run_name == "tracked"
-    assert c.get_experiment(run.info.experiment_id).name == "plain-train"
-    assert run.data.tags["parity.command"] == "train"
+    # named like a pipeline's train stage, by what it ran; trainer.run_name and the facts as tags
+    assert run.info.status == "FINISHED" and run.info.run_name == "arith_tiny / bf16 / none / seed 0 / train"
+    exp = c.get_experiment(run.info.experiment_id)
+    assert exp.name == "plain-train" and exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    assert run.data.tags["parity.command"] == "train" and run.data.tags["parity.run_name"] == "tracked"
+    assert (run.data.tags["parity.correction"], run.data.tags["parity.precision"], run.data.tags["parity.seed"]) == \
+        ("none", "bf16", "0")
     assert run.data.tags["parity.run_dir"] == str(Path(out["run_dir"]).resolve())
 
     # params: exactly the flattened resolved config of the same overrides, as MLflow stores them
@@ -54,6 +58,11 @@ def test_enabled_logs_params_step_metrics_and_artifacts(outputs_dir, prepared_mo
         assert [(m.step, m.value) for m in hist] == [(r["step"], pytest.approx(r[key])) for r in rows if key in r]
     assert [m.step for m in c.get_metric_history(run.info.run_id, "eval/accuracy")] == [0]
     assert out["mlflow_unwritten_metrics"] == 0
+    # the headline numbers of the run (what MLflow's runs table shows as columns)
+    summary = json.loads((Path(out["run_dir"]) / "summary.json").read_text())
+    assert run.data.metrics["final_reward"] == pytest.approx(rows[-1]["reward/mean"])
+    assert run.data.metrics["heldout_accuracy"] == pytest.approx(summary["final_accuracy"])
+    assert ("collapsed" in run.data.metrics) == ("collapse_step" in summary)
 
     assert {a.path for a in c.list_artifacts(run.info.run_id)} == {"config.yaml", "run"}
     assert {a.path for a in c.list_artifacts(run.info.run_id, "run")} == {"run/metrics.jsonl", "run/summary.json"}
@@ -63,8 +72,25 @@ def test_enabled_logs_params_step_metrics_and_artifacts(outputs_dir, prepared_mo
         _main(capsys, *args)
     assert e.value.code == 2
     runs = c.search_runs([run.info.experiment_id], "attributes.status = 'FAILED'")
-    assert len(runs) == 1 and runs[0].info.run_name == "tracked"
+    assert len(runs) == 1 and runs[0].data.tags["parity.run_name"] == "tracked"
     assert "already has checkpoints" in runs[0].data.tags["parity.failure"]
+
+
+def test_experiment_defaults_to_the_experiment_name(outputs_dir, tmp_path, capsys):
+    """Without tracking.experiment, runs land in one MLflow experiment per experiment_name; an experiment of an
+    older store that lacks the kind tag gets it, one a user set is left alone."""
+    from parity.config import load_config
+    from parity.tracking import mlflow_log
+
+    cfg = load_config([f"outputs_dir={outputs_dir}"])
+    assert cfg.tracking.experiment == cfg.experiment_name == "arith_tiny"
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    c = mlflow_log.client(uri)
+    old = c.create_experiment("old-store")
+    mine = c.create_experiment("mine", tags={"mlflow.experimentKind": "genai_development"})
+    assert mlflow_log.experiment_id(c, "old-store") == old and mlflow_log.experiment_id(c, "mine") == mine
+    assert c.get_experiment(old).tags["mlflow.experimentKind"] == "custom_model_development"
+    assert c.get_experiment(mine).tags["mlflow.experimentKind"] == "genai_development"
 
 
 def test_disabled_writes_nothing(outputs_dir, prepared_model, tmp_path, capsys):

@@ -1,4 +1,5 @@
-"""Runs: every MLflow run, filterable, each linked to its MLflow page."""
+"""Runs: one row per pipeline or plain training run (its stages folded under it), filterable, each linked to its
+MLflow page."""
 
 from __future__ import annotations
 
@@ -10,29 +11,46 @@ st.title("Runs")
 src = common.sources()
 common.sources_caption(src)
 runs = common.runs_or_stop(src)
+top = frames.top_level(runs)
 
-FILTERS = ["experiment", "model", "precision", "correction", "status", "stage"]
-cols = st.columns(len(FILTERS) + 1)
+FILTERS = ["experiment", "sweep", "precision", "correction", "seed", "status"]
+cols = st.columns(len(FILTERS))
 choices = {}
-for col, name in zip(cols, FILTERS, strict=False):
-    options = sorted(v for v in runs[name].astype(str).unique() if v)
+for col, name in zip(cols, FILTERS, strict=True):
+    options = sorted(v for v in top[name].astype(str).unique() if v)
     choices[name] = col.multiselect(name, options, key=f"runs_filter_{name}")
-text = cols[-1].text_input("run name contains", key="runs_filter_text")
-shown = frames.filter_runs(runs, choices, text)
+c1, c2, c3 = st.columns([2, 1, 3])
+text = c1.text_input("run name contains", key="runs_filter_text")
+c2.write("")  # aligns the toggle with the text box
+show_stages = c2.toggle("show stages", key="runs_show_stages", help="list each pipeline's stage runs under it")
+shown_top = frames.filter_runs(top, choices, text)
+shown = frames.with_stages(runs, shown_top) if show_stages else shown_top
 
-st.write(f"{len(shown)} of {len(runs)} runs")
+n_pipelines = int((shown_top["kind"] == "pipeline").sum())
+c3.write("")
+c3.write(f"{len(shown_top)} of {len(top)} runs ({n_pipelines} pipelines, "
+         f"{int((shown_top['kind'] == 'train').sum())} plain training runs)"
+         + (f", with their {len(shown) - len(shown_top)} stage runs" if show_stages else ""))
+# the columns fit the page at 1400 px (names wrap in their cell's tooltip); the MLflow link comes second so it
+# shows however long the run names are
+COLUMNS = ["run", "mlflow", "status", "precision", "correction", "seed", "final_reward", "heldout_accuracy",
+           "benchmark_avg", "collapsed", "started"]
+WIDTH = {"run": 250, "mlflow": 52, "status": 75, "precision": 85, "correction": 80, "seed": 40, "final_reward": 62,
+         "heldout_accuracy": 65, "benchmark_avg": 60, "collapsed": 72, "started": 82}
+table = shown[COLUMNS].assign(started=shown["started"].dt.strftime("%m-%d %H:%M"))
+table = frames.missing_as_dash(table, ["precision", "correction", "seed", "collapsed", "started"])
+numbers = ["final_reward", "heldout_accuracy", "benchmark_avg"]
+label = {"final_reward": "reward", "heldout_accuracy": "held-out", "benchmark_avg": "bench."}
 st.dataframe(
-    shown.drop(columns=["parent_id"]),
+    table.style.format({c: "{:.3f}" for c in numbers}, na_rep=frames.MISSING),
     hide_index=True,
     width="stretch",
     column_config={
-        "mlflow": st.column_config.LinkColumn("MLflow", display_text="open"),
-        "final_reward": st.column_config.NumberColumn("final reward", format="%.3f"),
-        "benchmark_avg": st.column_config.NumberColumn("benchmark avg", format="%.3f"),
-        "started": st.column_config.DatetimeColumn("started", format="YYYY-MM-DD HH:mm"),
-        "run_id": st.column_config.TextColumn("run id"),
+        **{c: (st.column_config.NumberColumn if c in numbers else st.column_config.TextColumn)(label.get(c, c), width=WIDTH[c])
+           for c in COLUMNS if c != "mlflow"},
+        "mlflow": st.column_config.LinkColumn("MLflow", display_text="open", width=WIDTH["mlflow"]),
     },
 )
-missing = shown[shown["final_reward"].isna() & (shown["stage"].isin(["train", ""]))]
-if len(missing):
-    st.caption(f"{len(missing)} run(s) logged no `reward/mean` (not a training run, or it stopped before step 1).")
+st.caption("reward: the last `reward/mean`; held-out: the last `eval/accuracy` (rollout engine); bench.: the "
+           "evaluate stage's macro `avg@k`; collapsed: the collapse alarm (`train/collapsed`); — where a run did "
+           "not measure it. Experiment and sweep of each run: the filters above, and the Compare page.")

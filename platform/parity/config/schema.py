@@ -392,7 +392,7 @@ class TrackingConfig:
     enabled: bool = False
     tracking_uri: str = "${oc.env:PARITY_TRACKING_URI,sqlite:///${outputs_dir}/mlflow.db}"
     registry_url: str = "${oc.env:PARITY_REGISTRY_URL,sqlite:///${outputs_dir}/registry.db}"
-    experiment: str = "parity"
+    experiment: str = "${experiment_name}"  # the MLflow experiment: one per experiment_name unless set
     model_name: str = "parity-${experiment_name}"  # MLflow registered model of the pipeline's trained model
     log_model: bool = True  # log the trained checkpoint as an MLflow artifact and register a version
     flush_wait_s: float = 10.0  # after training, how long to retry writing metrics buffered during an outage

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from parity.tracking.naming import EXPERIMENT_KIND_TAG, TRAINING_EXPERIMENT
 from parity.tracking.secrets import mask_params, mask_url
 
 log = logging.getLogger(__name__)
@@ -34,18 +35,22 @@ def client(tracking_uri: str) -> Any:
 
 def experiment_id(c: Any, name: str, artifact_dir: str | None = None) -> str:
     """The experiment's id, created on first use. A SQLite store keeps artifacts beside it (artifact_dir),
-    not in ./mlruns of whatever directory the process happens to run in."""
+    not in ./mlruns of whatever directory the process happens to run in. The experiment is tagged as one of
+    training runs (naming.EXPERIMENT_KIND_TAG), so MLflow 3's UI opens it on its runs table rather than on
+    GenAI traces; an experiment of an older store gets the tag on its next use, one a user set is kept."""
     exp = c.get_experiment_by_name(name)
-    if exp is not None:
-        return exp.experiment_id
-    location = Path(artifact_dir).resolve().as_uri() if artifact_dir else None
-    try:
-        return c.create_experiment(name, artifact_location=location)
-    except Exception:  # created concurrently by another process
-        exp = c.get_experiment_by_name(name)
-        if exp is None:
-            raise
-        return exp.experiment_id
+    if exp is None:
+        location = Path(artifact_dir).resolve().as_uri() if artifact_dir else None
+        try:
+            return str(c.create_experiment(name, artifact_location=location,
+                                           tags={EXPERIMENT_KIND_TAG: TRAINING_EXPERIMENT}))
+        except Exception:  # created concurrently by another process
+            exp = c.get_experiment_by_name(name)
+            if exp is None:
+                raise
+    if EXPERIMENT_KIND_TAG not in (exp.tags or {}):
+        c.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, TRAINING_EXPERIMENT)
+    return str(exp.experiment_id)
 
 
 def default_artifact_dir(tracking_uri: str) -> str | None:

@@ -1,11 +1,14 @@
 """`python -m parity train tracking.enabled=true`: the run logged to MLflow without a flow.
 
-One MLflow run in experiment `tracking.experiment`, named after `trainer.run_name`: the flattened
-resolved config as params (secrets masked) and as `config.yaml`, every step's metrics through
-`MlflowCallback` (buffered while the store is unreachable), and at the end the run folder's
-`metrics.jsonl` and `summary.json` under `run/`. A training error marks the run FAILED with the
-reason in the tag `parity.failure`. Inside the train-and-eval flow the `train` stage does this itself
-(nested under the pipeline's run), so this module is for the plain command only."""
+One MLflow run in experiment `tracking.experiment` (the experiment_name by default), named like the
+train stage of a pipeline: `<experiment> / <precision> / <correction> / seed <n> / train`
+(parity.tracking.naming), tagged with those facts and `trainer.run_name`; the flattened resolved config
+as params (secrets masked) and as `config.yaml`, every step's metrics through `MlflowCallback` (buffered
+while the store is unreachable), the headline metrics (final reward, held-out accuracy, the collapse flag
+where the loop reports one), and at the end the run folder's `metrics.jsonl` and `summary.json` under
+`run/`. A training error marks the run FAILED with the reason in the tag `parity.failure`. Inside the
+train-and-eval flow the `train` stage does this itself (nested under the pipeline's run), so this
+module is for the plain command only."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from typing import Any
 
 from parity.config import flatten
 from parity.errors import ParityError
-from parity.tracking import mlflow_log
+from parity.tracking import mlflow_log, naming
 from parity.tracking.secrets import mask_url, masked_config_yaml
 
 
@@ -34,9 +37,9 @@ def tracked_train(cfg: Any, train_fn: Callable[[Any, list], dict]) -> dict:
     run_dir = run_dir_of(cfg)
     c = mlflow_log.client(uri)
     exp = mlflow_log.experiment_id(c, str(t.experiment), mlflow_log.default_artifact_dir(uri))
-    run_id = mlflow_log.start_run(c, exp, str(cfg.trainer.run_name), tags={
-        "parity.command": "train", "parity.run_dir": str(run_dir.resolve()),
-        "parity.experiment": str(cfg.experiment_name), "parity.resume": str(bool(cfg.trainer.resume)).lower()})
+    run_id = mlflow_log.start_run(c, exp, naming.stage_title(naming.run_title(cfg), "train"), tags={
+        **naming.run_tags(cfg), naming.KIND_TAG: "train", "parity.stage": "train", "parity.command": "train",
+        "parity.run_dir": str(run_dir.resolve()), "parity.resume": str(bool(cfg.trainer.resume)).lower()})
     cb = mlflow_log.MlflowCallback(uri, run_id, mlflow_client=c, flush_every_s=float(t.flush_every_s))
     try:
         mlflow_log.log_params(c, run_id, flatten(cfg))
@@ -55,6 +58,7 @@ def tracked_train(cfg: Any, train_fn: Callable[[Any, list], dict]) -> dict:
             pass
         raise
     unwritten = 0 if cb.close(wait_s=float(t.flush_wait_s)) else len(cb.buffer)
+    mlflow_log.log_metrics(c, run_id, naming.headline_metrics(summary), step=int(summary.get("steps") or 0))
     for name in ("metrics.jsonl", "summary.json"):
         mlflow_log.log_artifact(c, run_id, run_dir / name, "run")
     mlflow_log.end_run(c, run_id, ok=True)

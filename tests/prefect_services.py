@@ -1,0 +1,112 @@
+"""Session-wide Prefect services and the tiny sweep run through them, shared by the flow, tracking and
+dashboard tests (tests/conftest.py imports the fixtures).
+
+`prefect_services`: a real Prefect server on 127.0.0.1 (its home and database in a temp dir) and the
+deployments served by `python -m flows.deployments`. `sweep_store`: `sweep/local` triggered through the
+Prefect REST API with two corrections x two seeds on the quick settings, into its own outputs folder, so
+its MLflow store and registry hold exactly the sweep (the other flow tests write beside it, not into it)."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from scripts.run_local import (
+    free_port,
+    start_server,
+    start_serving,
+    stop_process,
+    wait_deployment,
+    wait_healthy,
+)
+
+TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+SWEEP_MODEL = "sweeptest-model"
+SWEEP_CORRECTIONS = ["none", "tis"]
+SWEEP_SEEDS = [0, 1]
+
+
+def api(url: str, method: str = "GET", body: dict | None = None) -> dict | list:
+    """One REST call; 429/502/503 are retried with a short backoff as Prefect's own client does (the server
+    answers 503 while its SQLite database is busy, which a loaded 2-core CI machine met once)."""
+    for attempt in range(6):
+        req = urllib.request.Request(url, method=method, data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return json.loads(r.read() or b"{}")
+        except urllib.error.HTTPError as e:
+            if e.code not in (429, 502, 503) or attempt == 5:
+                raise
+            time.sleep(2 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+def run_deployment(api_url: str, name: str, overrides: list[str], timeout_s: float = 600,
+                   parameters: dict | None = None) -> dict:
+    """`prefect deployment run NAME` through the REST API, waited for until the flow run is terminal."""
+    dep = api(f"{api_url}/deployments/name/{name}")
+    run = api(f"{api_url}/deployments/{dep['id']}/create_flow_run", "POST",
+              {"parameters": {"overrides": overrides, **(parameters or {})}})
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        fr = api(f"{api_url}/flow_runs/{run['id']}")
+        if fr["state"]["type"] in TERMINAL:
+            return fr
+        time.sleep(2)
+    raise TimeoutError(f"flow run {run['id']} of {name} not finished after {timeout_s} s")
+
+
+def flow_run_logs(api_url: str, flow_run_id: str) -> list[str]:
+    logs = api(f"{api_url}/logs/filter", "POST",
+               {"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "sort": "TIMESTAMP_ASC", "limit": 200})
+    return [row["message"] for row in logs]
+
+
+@pytest.fixture(scope="session")
+def prefect_services(tmp_path_factory):
+    root = tmp_path_factory.mktemp("prefect")
+    out = root / "outputs"
+    port = free_port()
+    api_url = f"http://127.0.0.1:{port}/api"
+    server = start_server(root / "home", port, root / "server.log")
+    serving = None
+    try:
+        wait_healthy(api_url, server, timeout_s=300)
+        serving = start_serving(root / "home", api_url, root / "serve.log", extra_env={"PARITY_OUTPUTS": str(out)})
+        wait_deployment(api_url, "train-and-eval/local", serving, timeout_s=300)
+        for name in ("benchmark-regression/nightly", "sweep/local"):
+            wait_deployment(api_url, name, serving, timeout_s=60)
+        yield {"api": api_url, "out": out, "root": root}
+    finally:
+        if serving is not None:
+            stop_process(serving.pid)
+        stop_process(server.pid)
+
+
+@pytest.fixture(scope="session")
+def sweep_store(prefect_services, prepared_model: Path) -> dict:
+    """The sweep's flow run, its member flow runs, the Compare link it printed and its stores."""
+    from tests.conftest import QUICK
+
+    api_url, out = prefect_services["api"], prefect_services["root"] / "sweep"
+    common = [f"outputs_dir={out}", *QUICK, f"model.path={prepared_model}", "eval.suite=[arithmetic]", "eval.limit=4",
+              f"tracking.model_name={SWEEP_MODEL}"]
+    t0 = time.monotonic()
+    fr = run_deployment(api_url, "sweep/local", common,
+                        parameters={"corrections": SWEEP_CORRECTIONS, "seeds": SWEEP_SEEDS})
+    seconds = time.monotonic() - t0
+    children = api(f"{api_url}/flow_runs/filter", "POST",
+                   {"flow_runs": {"parent_flow_run_id": {"any_": [fr["id"]]}}, "sort": "START_TIME_ASC"})
+    logs = flow_run_logs(api_url, fr["id"])
+    link = next((m for line in logs if (m := re.search(r"Compare them side by side: (\S+)", line))), None)
+    return {"flow_run": fr, "children": children, "logs": logs, "compare_url": link[1] if link else None,
+            "sweep": re.search(r"[?&]sweep=([^&]+)", link[1])[1] if link else None, "seconds": seconds,
+            "outputs_dir": str(out), "tracking_uri": f"sqlite:///{out}/mlflow.db",
+            "registry_url": f"sqlite:///{out}/registry.db"}
