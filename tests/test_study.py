@@ -13,7 +13,7 @@ from parity.study.runs import late_mean, smoothed_peak
 
 
 def _run(arm: str, seed: int, final: float, held: float | None, collapse: int | None) -> dict:
-    return {"name": f"{arm}-{seed}", "arm": arm, "seed": seed, "labels": {}, "initial_reward": 0.2,
+    return {"name": f"{arm}-{seed}", "arm": arm, "seed": seed, "labels": {}, "initial_reward": 0.2, "steps": 40,
             "final_reward": final, "peak_reward": final + 0.1, "heldout_initial": 0.3, "heldout_final": held,
             "heldout_engine_final": held, "collapse_step": collapse, "mismatch_mean": 0.01,
             "delta_cosine_final": None, "curves": {}, "evals": {}}
@@ -40,9 +40,9 @@ def test_arm_rows_and_table_by_hand() -> None:
     assert a["heldout_final"]["se"] == pytest.approx(0.1 / math.sqrt(3))
     assert rows["b"]["heldout_final"] == {"mean": None, "se": None, "n": 0} and rows["b"]["collapsed"] == 1
     md = table(runs)
-    assert "| a | 3 | 0.200 ± 0.000 → 0.700 ± 0.115 (0.800 ± 0.115) | 0.300 ± 0.000 → 0.500 ± 0.058 |" in md
+    assert "| a | 3 | 40 | 0.200 ± 0.000 → 0.700 ± 0.115 (0.800 ± 0.115) | 0.300 ± 0.000 → 0.500 ± 0.058 |" in md
     assert "| 2/3 (step 16) |" in md and "| 1/1 (step 5) |" in md
-    assert "| b | seed 1 failed | ValueError: bad |" in md
+    assert "| b | seed 1 failed | | ValueError: bad |" in md
 
 
 def test_laptop_quick_study_end_to_end(tmp_path) -> None:
@@ -64,7 +64,7 @@ def test_laptop_quick_study_end_to_end(tmp_path) -> None:
     assert runs["sigma=0.2 / none / grpo"]["mismatch_mean"] > 100 * runs["bf16 / none / grpo"]["mismatch_mean"]
     assert len(runs["sigma=0.2 / none / grpo"]["curves"]["drift/delta_cosine"]) == 2
     assert {a["arm"] for a in study["arms"]} == set(runs)
-    assert "| sigma=0.2 / none / grpo | 1 |" in (out / "study.md").read_text()
+    assert "| sigma=0.2 / none / grpo | 1 | 2 |" in (out / "study.md").read_text()
     for name in ("reward_curves.png", "drift_curves.png", "final_accuracy.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # a second call reads the finished runs back instead of training them again

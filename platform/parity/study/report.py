@@ -49,15 +49,19 @@ def arm_rows(results: list[dict]) -> list[dict]:
 
 def table(results: list[dict]) -> str:
     """The Markdown table: one row per arm, mean ± s.e. over its seeds."""
-    lines = ["| arm | seeds | reward start → final (peak) | held-out acc, trained weights unquantized: start → final | "
+    lines = ["| arm | seeds | steps done | reward start → final (peak) | held-out acc, trained weights unquantized: start → final | "
              "held-out acc, rollout engine | collapsed (mean step) | mean abs(p − q) | drift cos(θ−θ0, Δ) final |",
-             "|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|"]
     for arm, rs in group_by_arm(results).items():
         steps = [r["collapse_step"] for r in rs if r["collapse_step"] is not None]
         collapse = f"{len(steps)}/{len(rs)}" + (f" (step {statistics.fmean(steps):.0f})" if steps else "")
         mm = mean_se([r.get("mismatch_mean") for r in rs])[0]
+        done = sorted(r.get("steps", 0) for r in rs)
+        done_s = f"{done[0]}" if done[0] == done[-1] else f"{done[0]}-{done[-1]}"
+        if any(r.get("partial") for r in rs):
+            done_s += " (stopped early)"
         lines.append(
-            f"| {arm} | {len(rs)} | {_fmt([r['initial_reward'] for r in rs])} → {_fmt([r['final_reward'] for r in rs])} "
+            f"| {arm} | {len(rs)} | {done_s} | {_fmt([r['initial_reward'] for r in rs])} → {_fmt([r['final_reward'] for r in rs])} "
             f"({_fmt([r['peak_reward'] for r in rs])}) | {_fmt([r['heldout_initial'] for r in rs])} → "
             f"{_fmt([r['heldout_final'] for r in rs])} | {_fmt([r.get('heldout_engine_final') for r in rs])} | "
             f"{collapse} | {'—' if mm is None else f'{mm:.2e}'} | {_fmt([r.get('delta_cosine_final') for r in rs])} |")
@@ -65,7 +69,7 @@ def table(results: list[dict]) -> str:
         if "error" in r:
             last = ([ln for ln in r["error"].strip().splitlines() if ln.strip() and "HYDRA_FULL_ERROR" not in ln]
                     or ["?"])[-1][:140]
-            lines.append(f"| {r['arm']} | seed {r['seed']} failed | {last} | | | | | |")
+            lines.append(f"| {r['arm']} | seed {r['seed']} failed | | {last} | | | | | |")
     return "\n".join(lines) + "\n"
 
 
@@ -131,10 +135,11 @@ def figures(results: list[dict], out_dir: Path, title: str, smooth: int = 5) -> 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     curve_panel(axes[0], "reward/mean", label=f"sampled reward (mean of {smooth} steps; band ± s.e. over seeds; "
                                               "dotted: collapse alarm)")
-    curve_panel(axes[1], "eval/accuracy_unquantized", "evals", 1, "held-out accuracy, trained weights unquantized")
-    if not any(r["evals"].get("eval/accuracy_unquantized") for rs in groups.values() for r in rs):
-        axes[1].cla()
-        curve_panel(axes[1], "eval/accuracy", "evals", 1, "held-out accuracy (rollout engine)")
+    for rs in groups.values():  # study.json files written before the key existed
+        for r in rs:
+            r["evals"].setdefault("heldout_unquantized", r["evals"].get("eval/accuracy_unquantized")
+                                  or r["evals"].get("eval/accuracy", []))
+    curve_panel(axes[1], "heldout_unquantized", "evals", 1, "held-out accuracy, trained weights on an exact engine")
     axes[0].legend(fontsize=7, loc="best")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()

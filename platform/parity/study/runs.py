@@ -23,7 +23,7 @@ CURVE_KEYS = ("reward/mean", "mismatch/abs_prob_diff_mean", "mismatch/k3_kl", "d
               "drift/adv_token_mean", "drift/adv_length_cov", "response/length_mean", "response/length_cv_within_group",
               "response/entropy", "response/repeat_4gram_frac", "response/truncated_frac", "train/collapsed",
               "correction/lambda", "correction/tolerance", "correction/masked_frac", "train/grad_norm")
-EVAL_KEYS = ("eval/accuracy", "eval/accuracy_unquantized")
+EVAL_KEYS = ("eval/accuracy", "eval/accuracy_unquantized")  # (+ heldout_unquantized: the one of the two that is exact)
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,7 @@ def read_run(spec: RunSpec, run_dir: Path, seconds: float | None = None) -> dict
     evals = {k: [[r["step"], r[k]] for r in rows if k in r] for k in EVAL_KEYS}
     rewards = [r["reward/mean"] for r in steps]
     plain = evals["eval/accuracy_unquantized"] or evals["eval/accuracy"]  # an exact rollout's own engine is that
+    evals["heldout_unquantized"] = plain  # the trained weights on an exact engine, for every arm alike
     cos = [v for _, v in curves["drift/delta_cosine"]]
     return {"name": spec.name, "arm": spec.arm, "seed": spec.seed, "labels": dict(spec.labels),
             "overrides": list(spec.overrides), "steps": len(steps), "curves": {k: v for k, v in curves.items() if v},
