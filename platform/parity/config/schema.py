@@ -76,7 +76,6 @@ class DataConfig:
     problem_field: str = "problem"
     answer_field: str = "answer"
     min_difficulty: float | None = None
-    max_prompt_chars: int = 512
     prompt_template: str = "{problem} Answer in \\boxed{{}}.\n"
     arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
     shuffle_seed: int = 0
@@ -209,7 +208,6 @@ class CorrectionConfig:
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     norm_adv_by_std: bool = True
-    adv_eps: float = 1e-6  # added to the group std
     policy_loss: str = "ppo_clip"  # ppo_clip | reinforce
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
