@@ -62,7 +62,10 @@ def _run_hydra(cmd: str, module, rest: list[str]) -> None:
     from parity.config import ConfigError, config_dir, normalize_overrides, register_schema, validate_config
     from parity.errors import ParityError
 
-    register_schema()
+    try:
+        register_schema(normalize_overrides(rest))  # modules named by algorithm.correction.modules register first
+    except ConfigError as e:
+        _fail(str(e))
 
     @hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")
     def app(cfg: DictConfig) -> None:

@@ -8,6 +8,7 @@ every response token the step saw (all micro-batches). lambda is state and is ch
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,11 +17,17 @@ from parity.algorithms.corrections.base import (
     CORRECTIONS,
     Correction,
     CorrectionContext,
-    read_section,
     require,
 )
 from parity.algorithms.mismatch import StepMetrics
-from parity.config.schema import DualConfig
+
+
+@dataclass
+class DualConfig:
+    c: float = 0.0037  # tolerance on the mean |p_train - p_inf|
+    lambda0: float = 0.1
+    eta: float = 1.0
+    lambda_max: float = 10.0
 
 
 def prob_gap(ctx: CorrectionContext) -> torch.Tensor:
@@ -33,15 +40,11 @@ def dual_update(lam: float, mean_delta: float, c: float, eta: float, lambda_max:
     return min(max(lam + eta * (mean_delta - c), 0.0), lambda_max)
 
 
-@CORRECTIONS.register("dual")
+@CORRECTIONS.register("dual", config=DualConfig)
 class Dual(Correction):
-    name = "dual"
-    config_key = "dual"
-    config_cls = DualConfig
-
     def __init__(self, cfg: Any = None, tolerance: float = 0.0) -> None:
-        cfg = read_section(cfg, DualConfig, "algorithm.correction.dual")
         super().__init__(cfg, tolerance)
+        cfg = self.cfg
         require(cfg.c >= 0, self.key("c"), f"the tolerance must be >= 0, got {cfg.c}")
         require(cfg.eta >= 0, self.key("eta"), f"must be >= 0, got {cfg.eta}")
         require(cfg.lambda_max >= 0, self.key("lambda_max"), f"must be >= 0, got {cfg.lambda_max}")

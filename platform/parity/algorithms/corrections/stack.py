@@ -1,9 +1,11 @@
-"""`build_corrections(cfg) -> CorrectionStack`: parse `algorithm.correction.name` ('a+b'), build each
-correction from its config section, check that they compose, and run them as one."""
+"""`build_corrections(cfg) -> CorrectionStack`: import the modules of corrections defined outside parity, parse
+`algorithm.correction.name` ('a+b'), build each correction from its config section, check that they compose,
+and run them as one."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import importlib
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -91,6 +93,16 @@ class CorrectionStack:
             c.load_state_dict(own)
 
 
+def import_modules(modules: Iterable[str] | None) -> None:
+    """Import the modules of `algorithm.correction.modules`; each registers its corrections when first imported
+    (a module imported before is not run again)."""
+    for m in modules or ():
+        try:
+            importlib.import_module(str(m))
+        except ImportError as e:
+            raise ValueError(f"{KEY}.modules: cannot import {str(m)!r}: {e}") from e
+
+
 def parse_names(name: str) -> list[str]:
     parts = [p.strip() for p in str(name).split("+")]
     require(all(parts), f"{KEY}.name", f"empty part in {name!r}; join registered names with '+'")
@@ -115,6 +127,7 @@ def build_corrections(cfg: Any, policy_loss: str | None = None, topk_logprobs: i
 
     `policy_loss` (algorithm.policy_loss) and `topk_logprobs` (rollout.topk_logprobs), when given, are
     checked against the corrections' needs. Every error is a ValueError naming the offending key."""
+    import_modules(_section(cfg, "modules"))
     name = _section(cfg, "name") if cfg is not None else None
     name = "none" if name is None else name
     tolerance = _section(cfg, "tolerance")
