@@ -9,7 +9,14 @@ from dataclasses import dataclass
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from parity.algorithms import ADV_ESTIMATORS, AGGREGATIONS, CORRECTIONS, POLICY_LOSSES, get_policy_loss
+from parity.algorithms import (
+    ADV_ESTIMATORS,
+    AGGREGATIONS,
+    CORRECTIONS,
+    POLICY_LOSSES,
+    build_corrections,
+    get_policy_loss,
+)
 from parity.config import ConfigError, load_config
 from parity.config.schema import CorrectionConfig, add_correction_section
 
@@ -59,6 +66,30 @@ def test_sections_are_declared_once() -> None:
         CORRECTIONS.register("tis")(CORRECTIONS.get("none"))
 
 
+def test_a_correction_registered_after_composing_is_composable(monkeypatch) -> None:
+    """A registration after the schema was stored with Hydra (a notebook importing its own module late) is seen by
+    the next composition. The registry and CorrectionConfig are restored after the test."""
+    from parity.algorithms.corrections import Correction
+
+    load_config([])
+    monkeypatch.setattr(CORRECTIONS, "_items", dict(CORRECTIONS._items))
+    for attr in ("__init__", "__repr__", "__eq__", "__dataclass_fields__", "__dataclass_params__", "__match_args__",
+                 "__annotations__"):
+        monkeypatch.setattr(CorrectionConfig, attr, CorrectionConfig.__dict__[attr])
+
+    @dataclass
+    class LateConfig:
+        x: int = 1
+
+    @CORRECTIONS.register("late", config=LateConfig)
+    class Late(Correction):
+        pass
+
+    cfg = load_config(["algorithm.correction.name=late", "algorithm.correction.late.x=3"])
+    assert cfg.algorithm.correction.late.x == 3
+    assert build_corrections(cfg.algorithm.correction).corrections[0].cfg == LateConfig(x=3)
+
+
 @pytest.mark.parametrize(("key", "registry"), [("algorithm.policy_loss", POLICY_LOSSES),
                                                ("algorithm.loss_agg_mode", AGGREGATIONS),
                                                ("algorithm.adv_estimator", ADV_ESTIMATORS)])
@@ -72,7 +103,7 @@ def test_validation_asks_the_registries(key: str, registry, monkeypatch) -> None
 
 
 def test_the_objective_resolves_its_configuration_once() -> None:
-    from parity.algorithms import Objective, build_corrections
+    from parity.algorithms import Objective
     from parity.config.schema import AlgorithmConfig
 
     obj = Objective(AlgorithmConfig(policy_loss="reinforce", loss_agg_mode="seq-mean-token-mean"),
