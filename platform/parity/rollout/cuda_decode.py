@@ -371,7 +371,8 @@ class CudaDecoder:
         w = eng.model.lm_head.weight
         dtype = w.dtype if w.is_floating_point() else torch.bfloat16
         compile_layers = use_graphs and self.compile
-        st = self._state_for((B, S, R, K, spec.temperature, spec.top_p, dtype, use_graphs, compile_layers), dtype)
+        key = (B, S, R, K, spec.temperature, spec.top_p, dtype, use_graphs, compile_layers)
+        st = self._state_for(key, B, S, R, K, dtype, use_graphs, compile_layers)
 
         prompts, pmask = lay.prompts.to(dev), lay.prompt_mask.to(dev)
         st.uniforms.copy_(lay.uniforms())
@@ -410,7 +411,8 @@ class CudaDecoder:
                   "decode_path": ("cuda_graph" if use_graphs else "static_cache_eager")
                   + ("+inductor_layers" if compile_layers else "")})
 
-    def _state_for(self, key: tuple, dtype: torch.dtype) -> DecodeState:
+    def _state_for(self, key: tuple, B: int, S: int, R: int, K: int, dtype: torch.dtype, use_graphs: bool,
+                   compile_layers: bool) -> DecodeState:
         """The last call's state when `key` (shapes, sampling, route) matches, its stacked weights refreshed;
         else a new one (the old cache freed first)."""
         st = self.state
@@ -419,7 +421,6 @@ class CudaDecoder:
                 f.refresh()
             return st
         self.state = None
-        B, S, R, K, use_graphs, compile_layers = key[0], key[1], key[2], key[3], key[7], key[8]
         st = self.new_state(key, B, S, R, K, dtype)
         st.extras["fns"] = self.layer_functions(compile_layers)
         st.extras["fused"] = []
