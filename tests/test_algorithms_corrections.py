@@ -100,8 +100,10 @@ def _objective(stack, batch, old, adv, metrics):
     return rl_objective(hidden, weight, batch, adv, old, 1.0, stack, cfg, loss_denominators(batch.response_mask), metrics)
 
 
-def test_dual_advantage_shift_and_lambda_update_by_hand() -> None:
+@pytest.mark.parametrize("discrepancy", ["seq_mean", "token_mean"])
+def test_dual_advantage_shift_and_lambda_update_by_hand(discrepancy: str) -> None:
     cfg = CorrectionConfig(name="dual")
+    cfg.dual.discrepancy = discrepancy
     stack = build_corrections(cfg)
     # delta = |p_train - p_inf|: [[0.1, 0.05], [0.0, pad]]
     batch, old, adv = _dual_batch([[0.5, 0.9], [0.2, NAN]], [[0.4, 0.95], [0.2, NAN]], [1.0, -1.0])
@@ -114,10 +116,61 @@ def test_dual_advantage_shift_and_lambda_update_by_hand() -> None:
     batch2, old2, adv2 = _dual_batch([[0.7]], [[0.4]], [0.5])
     _objective(stack, batch2, old2, adv2, m)
     out = stack.end_step()
-    mean_delta = (0.1 + 0.05 + 0.0 + 0.3) / 4
+    if discrepancy == "token_mean":  # over the step's 4 response tokens
+        mean_delta = (0.1 + 0.05 + 0.0 + 0.3) / 4
+    else:  # the paper's: each of the 3 trajectories' own mean, averaged
+        mean_delta = ((0.1 + 0.05) / 2 + 0.0 / 1 + 0.3 / 1) / 3
     assert out["correction/dual_delta_mean"] == pytest.approx(mean_delta, rel=1e-6)
+    # dual.c unset: c is algorithm.correction.tolerance, 0.0037 by default (the paper's)
     assert out["correction/lambda_next"] == pytest.approx(0.1 + 1.0 * (mean_delta - 0.0037), rel=1e-6)
+    assert out["correction/dual_c"] == 0.0037
     assert stack.corrections[0].lam == out["correction/lambda_next"]
+
+
+def test_dual_c_of_its_own_wins_over_the_tolerance() -> None:
+    cfg = CorrectionConfig(name="dual", tolerance=0.05)
+    stack = build_corrections(cfg)
+    assert stack.corrections[0].c == 0.05 and stack.tolerance == 0.05
+    cfg.dual.c = 0.0037
+    assert build_corrections(cfg).corrections[0].c == 0.0037
+
+
+def test_tolerance_auto_measures_the_first_steps_then_holds() -> None:
+    cfg = CorrectionConfig(name="dual", tolerance="auto", tolerance_multiple=2.0, tolerance_steps=2)
+    stack = build_corrections(cfg)
+    dual = stack.corrections[0]
+    assert stack.tolerance is None and dual.c is None
+    # step 1 and 2: one trajectory each, delta 0.1 then 0.3; lambda waits until c is known
+    for p_train, lam in ((0.5, 0.1), (0.7, 0.1)):
+        batch, old, adv = _dual_batch([[p_train]], [[0.4]], [1.0])
+        m = StepMetrics()
+        _objective(stack, batch, old, adv, m)
+        assert "mismatch/frac_over_tol" not in m.compute()  # no tolerance yet: no over-tolerance fraction
+        out = stack.end_step(m.compute())
+        assert dual.lam == pytest.approx(lam)
+    c = 2.0 * (0.1 + 0.3) / 2
+    assert stack.tolerance == pytest.approx(c) and dual.c == pytest.approx(c)
+    assert out["correction/tolerance"] == pytest.approx(c)
+    # step 3 updates lambda against the measured c; the state carries c over a resume
+    batch, old, adv = _dual_batch([[0.9]], [[0.4]], [1.0])
+    _objective(stack, batch, old, adv, StepMetrics())
+    out = stack.end_step({})
+    assert out["correction/lambda_next"] == pytest.approx(0.1 + (0.5 - c), rel=1e-6)
+    again = build_corrections(cfg)
+    again.load_state_dict(stack.state_dict())
+    assert again.tolerance == pytest.approx(c) and again.corrections[0].c == pytest.approx(c)
+
+
+def test_tolerance_auto_takes_a_validated_discrepancy_and_refuses_nonsense() -> None:
+    cfg = CorrectionConfig(name="dual", tolerance="auto", tolerance_multiple=1.5)
+    stack = build_corrections(cfg, measured_discrepancy=0.004)
+    assert stack.tolerance == pytest.approx(0.006) and stack.corrections[0].c == pytest.approx(0.006)
+    with pytest.raises(ValueError, match="algorithm.correction.tolerance"):
+        build_corrections(CorrectionConfig(name="dual", tolerance="often"))
+    cfg = CorrectionConfig(name="dual")
+    cfg.dual.discrepancy = "median"
+    with pytest.raises(ValueError, match="algorithm.correction.dual.discrepancy"):
+        build_corrections(cfg)
 
 
 def test_dual_lambda_clamps() -> None:

@@ -19,7 +19,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import parity.commands as commands_pkg  # noqa: E402
 
-FLAG_COMMANDS = {"grade"}
+FLAG_COMMANDS = {"grade", "study"}
 
 
 def _commands() -> list[str]:

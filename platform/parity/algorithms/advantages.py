@@ -58,6 +58,16 @@ def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, norm_by_std:
     return torch.where(constant, torch.zeros_like(adv), adv).to(torch.float32)
 
 
+@ADV_ESTIMATORS.register("raw")
+def raw_reward_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, norm_by_std: bool = True,
+                          eps: float = 1e-6) -> torch.Tensor:
+    """A_i = r_i: REINFORCE on the raw reward, no baseline and no normalisation (norm_by_std is ignored). Its
+    per-token advantages never sum to zero over a group, so the sampler-drift term that group centring cancels
+    for equal-length responses is left in full: the objective on which a rollout mismatch drifts the most."""
+    _check_rewards(rewards, group_ids)
+    return rewards.to(torch.float32).clone()
+
+
 def compute_advantages(name: str, rewards: torch.Tensor, group_ids: torch.Tensor, norm_by_std: bool = True,
                        eps: float = 1e-6) -> torch.Tensor:
     """Per-response advantages [B] fp32 from the registered estimator `name`."""

@@ -135,11 +135,12 @@ def _pearson(s: Mapping[str, float]) -> float | None:
 
 
 def record_mismatch(metrics: StepMetrics, train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
-                    mask: torch.Tensor, tolerance: float) -> None:
+                    mask: torch.Tensor, tolerance: float | None) -> None:
     """Accumulate the mismatch between pi_train and pi_inf on the sampled tokens of one micro-batch.
 
     r = p_train / p_inf; y ~ pi_inf, so k1 = E[-log r] and k3 = E[r - 1 - log r] estimate
-    KL(pi_inf || pi_train) and chi2 = E[(r - 1)^2] the chi-square divergence."""
+    KL(pi_inf || pi_train) and chi2 = E[(r - 1)^2] the chi-square divergence. `tolerance` None (an auto
+    tolerance not measured yet): no frac_over_tol."""
     lt = torch.where(mask, train_logprobs.detach().to(torch.float64), 0.0)
     li = torch.where(mask, rollout_logprobs.detach().to(torch.float64), 0.0)
     m = mask.to(torch.float64)
@@ -155,17 +156,21 @@ def record_mismatch(metrics: StepMetrics, train_logprobs: torch.Tensor, rollout_
     sums = {
         _N: m.sum(), f"{_P}#d": d.sum(), f"{_P}#k1": (-lr).sum(), f"{_P}#k3": ((r - 1.0 - lr) * m).sum(),
         f"{_P}#chi2": (((r - 1.0) ** 2) * m).sum(), f"{_P}#w": r.sum(), f"{_P}#w2": (r * r).sum(),
-        f"{_P}#over": ((d > tolerance) & mask).sum(), f"{_P}#x": x.sum(), f"{_P}#y": y.sum(),
+        f"{_P}#x": x.sum(), f"{_P}#y": y.sum(),
         f"{_P}#xx": (x * x).sum(), f"{_P}#yy": (y * y).sum(), f"{_P}#xy": (x * y).sum(),
         f"{_P}#seqs": has.sum(), f"{_P}#ppl": seq_ppl_ratio.sum(),
     }
+    if tolerance is not None:
+        sums[f"{_P}#over"] = ((d > tolerance) & mask).sum()
     for k, v in sums.items():
         metrics.add_sum(k, v)
     metrics.add_masked_max(f"{_P}abs_prob_diff_max", d, mask)
     for name, fn in {
         "abs_prob_diff_mean": _ratio(f"{_P}#d"), "k1_kl": _ratio(f"{_P}#k1"), "k3_kl": _ratio(f"{_P}#k3"),
-        "chi2": _ratio(f"{_P}#chi2"), "frac_over_tol": _ratio(f"{_P}#over"), "ess": _ess,
+        "chi2": _ratio(f"{_P}#chi2"), "ess": _ess,
         "prob_pearson": _pearson, "ppl_ratio": _ratio(f"{_P}#ppl", f"{_P}#seqs"),
     }.items():
         metrics.add_derived(f"{_P}{name}", fn)
     metrics.add_derived(f"{_P}tokens", lambda s: s.get(_N))
+    if tolerance is not None:
+        metrics.add_derived(f"{_P}frac_over_tol", _ratio(f"{_P}#over"))

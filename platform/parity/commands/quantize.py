@@ -13,21 +13,11 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
 
 from omegaconf import DictConfig
 
-from parity.precision.config import PrecisionConfigError, quantization_config_path, resolve_precision
-
-
-def quantized_checkpoint_dir(cfg: Any, precision: Any) -> Path:
-    from parity.precision.export import checkpoint_dir_name
-
-    seed_file = quantization_config_path(cfg)
-    if seed_file:
-        return Path(str(seed_file)).parent
-    name = checkpoint_dir_name(str(cfg.model.name), precision.weights, precision.activations)
-    return Path(str(cfg.rollout.precision.export_dir)) / name
+from parity.precision.config import PrecisionConfigError, resolve_precision
+from parity.precision.export import quantized_checkpoint_dir  # noqa: F401  (its home before; tasks import it here)
 
 
 def run(cfg: DictConfig) -> dict:

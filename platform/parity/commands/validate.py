@@ -20,14 +20,14 @@ from parity.precision.config import load_quantization_config_file, quantization_
 
 
 def heldout_prompts(cfg: Any, n: int, seed: int) -> list[tuple[str, str]]:
-    """(prompt text, reference answer): the arithmetic test split, or problems of the configured data
+    """(prompt text, reference answer): the synthetic task's test split, or problems of the configured data
     (the quantization is calibration-free, so any prompts are held out from it)."""
     from parity.data.prompts import render_prompt
 
-    if cfg.data.name == "arithmetic":
-        from parity.data.arithmetic import arithmetic_problems
+    if cfg.data.name in ("arithmetic", "countdown"):
+        from parity.data.tasks import synthetic_task
 
-        problems = arithmetic_problems("test", n, cfg.data.arithmetic, seed_offset=seed)
+        problems = synthetic_task(cfg.data).test_problems(n, seed_offset=seed)
     else:
         from parity.data.prompts import build_train_stream
 
@@ -37,8 +37,10 @@ def heldout_prompts(cfg: Any, n: int, seed: int) -> list[tuple[str, str]]:
 
 def _quant_side(cfg: Any, source: Path, ckpt_dir: Path, precision: Any) -> Any:
     from parity.precision.export import load_compressed_checkpoint_
-    from parity.rollout import build_engine
+    from parity.rollout import build_engine, is_perturbed
 
+    if is_perturbed(precision):  # the rollout's perturbation (theta_0 + Delta, then quantized) is what is validated
+        return build_engine(cfg, ckpt_dir if cfg.rollout.name == "vllm" else source, precision, reference_dir=source)
     if cfg.rollout.name == "vllm":
         return build_engine(cfg, ckpt_dir, precision)
     engine = build_engine(cfg, source, precision)  # BF16 weights quantized in place, KV codec set up
@@ -56,11 +58,12 @@ def run(cfg: DictConfig) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from parity.commands.quantize import quantized_checkpoint_dir
     from parity.models.prepare import prepare_model
+    from parity.precision.export import quantized_checkpoint_dir
     from parity.precision.validate import (
         ValidationThresholds,
         enforce_thresholds,
+        precision_record,
         validate_precision,
         write_report,
     )
@@ -89,8 +92,7 @@ def run(cfg: DictConfig) -> dict:
     finally:
         quant.close()
     report.update(checkpoint_dir=str(info.checkpoint_dir), source_model=str(source),
-                  precision={"weights": precision.weights, "activations": precision.activations,
-                             "kv_cache": precision.kv_cache})
+                  precision=precision_record(precision))
     json_path, md_path = write_report(report, info.checkpoint_dir)
     enforce_thresholds(report)  # after writing: the report says why
     m = report["metrics"]

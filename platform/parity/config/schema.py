@@ -56,6 +56,11 @@ class ModelConfig:
     # compute dtype of trainer forward and rollout engine: auto = bfloat16 on CUDA and on CPUs with native
     # bf16 (AMX / AVX512-BF16), float32 elsewhere (bf16 is emulated ~7x slower on AVX2 CPUs)
     dtype: str = "auto"
+    # tiny models: char (one token a printable character) | bpe (byte-level BPE trained by `prepare` on the task's
+    # prompts and teacher responses, at most tokenizer_vocab_size entries, cached under outputs/tokenizers/)
+    tokenizer: str = "char"
+    tokenizer_vocab_size: int = 2048
+    tokenizer_corpus_size: int = 20000  # teacher responses the BPE is trained on
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
 
@@ -70,8 +75,24 @@ class ArithmeticConfig:
 
 
 @dataclass
+class CountdownConfig:
+    """Countdown (parity.data.countdown): reach the target from the numbers, each used once."""
+
+    min_numbers: int = 3  # numbers in a problem: its difficulty level
+    max_numbers: int = 4
+    max_number: int = 9  # numbers are drawn from 1..max_number
+    ops: list[str] = field(default_factory=lambda: ["+", "-", "*"])  # of + - * /
+    min_target: int = 10
+    max_target: int = 100
+    max_value: int = 999  # intermediate results must stay in 1..max_value (integers; / only when exact)
+    max_attempts: int = 8  # the warm-start teacher gives up after this many missed attempts (a wrong answer)
+    n_test: int = 256
+    seed: int = 1234
+
+
+@dataclass
 class DataConfig:
-    name: str = "arithmetic"  # arithmetic | math_train | a jsonl file
+    name: str = "arithmetic"  # arithmetic | countdown | math_train | jsonl (data.path)
     path: str | None = None  # jsonl for name=jsonl
     datasets_dir: str = "${oc.env:PARITY_DATASETS,../shared/datasets}"
     problem_field: str = "problem"
@@ -79,6 +100,7 @@ class DataConfig:
     min_difficulty: float | None = None
     prompt_template: str = "{problem} Answer in \\boxed{{}}.\n"
     arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
+    countdown: CountdownConfig = field(default_factory=CountdownConfig)
     shuffle_seed: int = 0
 
 
@@ -100,6 +122,17 @@ class PrecisionValidationConfig:
 
 
 @dataclass
+class PerturbationConfig:
+    """A controlled mismatch (parity.precision.perturbation): the rollout engine's weights are theta + Delta with
+    Delta = sigma * eps * |theta_0| (eps ~ N(0, 1) per weight, theta_0 the run's starting model), re-applied after
+    every weight sync; the trainer is never perturbed. Composes with the formats (perturbed, then quantized)."""
+
+    sigma: float = 0.0  # 0 = off (bit-identical to no perturbation)
+    mode: str = "fixed"  # fixed: one Delta for the whole run (from seed) | redraw: a new Delta at every sync
+    seed: int = 0
+
+
+@dataclass
 class PrecisionConfig:
     weights: str = "bf16"  # bf16 | int8 | fp8 | int4 | int3  (int4 / int3: torch engine only)
     activations: str = "bf16"  # bf16 | int8 | fp8 | int4  (per-token dynamic; int4: torch engine only)
@@ -107,6 +140,7 @@ class PrecisionConfig:
     kv_hadamard: bool = True  # int4 KV: rotate by vLLM's randomized Hadamard transform before quantizing
     # `quantize` writes <export_dir>/<model>-W8A8-INT8/ (checkpoint + config.json), the seed's path pattern
     export_dir: str = "${outputs_dir}/precision_validation"
+    perturbation: PerturbationConfig = field(default_factory=PerturbationConfig)
     validation: PrecisionValidationConfig = field(default_factory=PrecisionValidationConfig)
 
 
@@ -168,13 +202,19 @@ class CorrectionConfig:
     unknown key or a wrong type inside any of them, naming the key."""
 
     name: str = "none"  # registered names joined by '+', e.g. score_centering+tis
-    tolerance: float = 0.0037  # c of the mismatch telemetry's over-tolerance fraction
+    # c of the mismatch telemetry's over-tolerance fraction and of the dual: a number (0.0037 = DC-GRPO's for
+    # Qwen3-8B) or auto = tolerance_multiple x the mean |p_train - p_inf| the validate stage measured for this
+    # rollout precision (its validation.json), or, without one, of the first tolerance_steps steps
+    tolerance: Any = 0.0037
+    tolerance_multiple: float = 1.0
+    tolerance_steps: int = 3
     # modules that register corrections defined outside parity, imported by every process that builds the
     # corrections (the trainer, each Ray actor) before the names are looked up
     modules: list[str] = field(default_factory=list)
 
 
-CORRECTION_KEYS = ("name", "tolerance", "modules")  # CorrectionConfig's own keys: no section may take them
+# CorrectionConfig's own keys (before any section is added): no section may take them
+CORRECTION_KEYS = tuple(f.name for f in dataclasses.fields(CorrectionConfig))
 
 
 def add_correction_section(key: str, section: type) -> None:
@@ -212,6 +252,15 @@ class AlgorithmConfig:
 
 
 @dataclass
+class CollapseConfig:
+    """The collapse alarm (parity.training.collapse): `train/collapsed` turns 1 once the step's sampled reward
+    has stayed below `fraction` x its running peak for `patience` consecutive steps."""
+
+    fraction: float = 0.5
+    patience: int = 10
+
+
+@dataclass
 class TrainerConfig:
     total_steps: int = 40
     prompts_per_step: int = 16
@@ -235,6 +284,7 @@ class TrainerConfig:
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     max_bad_steps: int = 3  # consecutive non-finite steps before the run stops
+    collapse: CollapseConfig = field(default_factory=CollapseConfig)
     gradient_checkpointing: bool = False
     # torch.compile each decoder layer (Inductor; parity.training.fast_compile): fused norms / rotary / SiLU /
     # residual kernels, about 2x the eager step on an H200 at 8 x 1024. Compiles on the first steps (~45 s) and

@@ -92,3 +92,17 @@ class ArithmeticStream:
 
     def load_state_dict(self, state: dict) -> None:
         self.position = int(state["position"])
+
+
+TEACHER_ERRORS = ("none", "last_digit", "drop_sign")
+
+
+def teacher_answer(answer: str, kind: str, rate: float, rng: random.Random) -> str:
+    """The warm-start target: the right answer, or with probability `rate` the teacher's systematic slip."""
+    if kind == "none" or rate <= 0.0 or rng.random() >= rate:
+        return answer
+    if kind == "last_digit":
+        return answer[:-1] + str((int(answer[-1]) + 1) % 10)
+    if kind == "drop_sign":
+        return answer.lstrip("-")
+    raise ValueError(f"config key `model.warm_start.teacher_error`: unknown slip {kind!r}; known: {TEACHER_ERRORS}")

@@ -25,6 +25,8 @@ from parity.errors import DataError
 from parity.rewards.extract import last_boxed
 
 ARITHMETIC = "arithmetic"
+COUNTDOWN = "countdown"
+SYNTHETIC = (ARITHMETIC, COUNTDOWN)  # the generated tasks' held-out test splits (parity.data.tasks)
 _REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -126,7 +128,7 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
 
 
 def benchmark_names() -> list[str]:
-    return [*BENCHMARKS, ARITHMETIC]
+    return [*BENCHMARKS, *SYNTHETIC]
 
 
 def resolve_datasets_dir(path: str | os.PathLike | None = None) -> Path:
@@ -203,18 +205,20 @@ def _spec(name: str) -> BenchmarkSpec:
 
 def load_benchmark(name: str, datasets_dir: str | os.PathLike | None = None, source: str = "local",
                    limit: int | None = None, arithmetic_cfg: Any = None, arithmetic_n: int | None = None,
-                   hub: dict | None = None) -> list[Problem]:
-    """Problems of one benchmark, in file order, the first `limit` of them when set."""
+                   hub: dict | None = None, countdown_cfg: Any = None) -> list[Problem]:
+    """Problems of one benchmark, in file order, the first `limit` of them when set. The synthetic tasks'
+    benchmarks (arithmetic, countdown) are their generators' test splits, `data.<name>.n_test` problems."""
     if limit is not None and limit < 1:
         raise DataError(f"benchmark {name!r}: limit must be >= 1, got {limit}")
-    if name == ARITHMETIC:
-        from parity.data.arithmetic import arithmetic_problems
+    if name in SYNTHETIC:
+        from parity.data.tasks import SyntheticTask
 
-        if arithmetic_cfg is None:
-            raise DataError("benchmark 'arithmetic' needs the arithmetic generator's config (data.arithmetic)")
-        n = arithmetic_n or int(arithmetic_cfg.n_test)
+        gen_cfg = arithmetic_cfg if name == ARITHMETIC else countdown_cfg
+        if gen_cfg is None:
+            raise DataError(f"benchmark {name!r} needs its generator's config (data.{name})")
+        n = (arithmetic_n if name == ARITHMETIC else None) or int(gen_cfg.n_test)
         n = min(n, limit) if limit else n
-        return arithmetic_problems("test", n, arithmetic_cfg)
+        return SyntheticTask(name, gen_cfg).test_problems(n)
     if source == "local":
         problems = load_local(name, datasets_dir)
     elif source == "hub":

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from parity.data.arithmetic import ArithmeticStream, Problem
+from parity.data.countdown import CountdownStream
 from parity.errors import DataError
 
 
@@ -83,9 +84,11 @@ class ListStream:
         self.position = int(state["position"])
 
 
-def build_train_stream(data_cfg: Any, seed: int = 0) -> ArithmeticStream | ListStream:
-    if data_cfg.name == "arithmetic":
-        return ArithmeticStream(data_cfg.arithmetic, seed=seed)
+def build_train_stream(data_cfg: Any, seed: int = 0) -> ArithmeticStream | CountdownStream | ListStream:
+    if data_cfg.name in ("arithmetic", "countdown"):
+        from parity.data.tasks import synthetic_task
+
+        return synthetic_task(data_cfg).stream(seed=seed)
     if data_cfg.name == "math_train":
         path = Path(data_cfg.datasets_dir) / "math_train" / "train.jsonl"
     elif data_cfg.name == "jsonl":
@@ -93,7 +96,8 @@ def build_train_stream(data_cfg: Any, seed: int = 0) -> ArithmeticStream | ListS
             raise DataError("config key `data.path`: required when data.name=jsonl")
         path = Path(data_cfg.path)
     else:
-        raise DataError(f"config key `data.name`: unknown dataset {data_cfg.name!r}; known: arithmetic, math_train, jsonl")
+        raise DataError(f"config key `data.name`: unknown dataset {data_cfg.name!r}; known: arithmetic, countdown, "
+                        "math_train, jsonl")
     problems, _ = load_jsonl_problems(path, data_cfg.problem_field, data_cfg.answer_field,
                                       skip_missing_answers=data_cfg.name == "math_train",
                                       min_difficulty=data_cfg.min_difficulty)

@@ -50,12 +50,13 @@ def set_rng_state(s: dict) -> None:
 
 
 class RolloutWorker:
-    def __init__(self, cfg: Any, model_dir: str, version: int, cpus: float = 1.0) -> None:
+    def __init__(self, cfg: Any, model_dir: str, version: int, cpus: float = 1.0, base_dir: str | None = None) -> None:
+        """`base_dir`: the run's starting model, theta_0 of a rollout perturbation (parity.rollout.perturbed)."""
         from parity.rollout import build_engine
 
         _threads(cpus)
         self.cfg = _cfg(cfg)
-        self.engine = build_engine(self.cfg, model_dir)
+        self.engine = build_engine(self.cfg, model_dir, reference_dir=base_dir, syncs=version)
         self.version = version  # trainer steps behind the weights this engine holds
 
     def ready(self) -> dict:
@@ -69,9 +70,16 @@ class RolloutWorker:
         """`packed` arrives resolved from the object store (parity.distributed.weights)."""
         from parity.distributed.weights import unpack_weights
 
-        seconds = self.engine.update_weights(unpack_weights(packed))
+        seconds = self._load(unpack_weights(packed), version)
         self.version = version
         return seconds
+
+    def _load(self, named: Any, version: int) -> float:
+        from parity.rollout.perturbed import PerturbedEngine
+
+        if isinstance(self.engine, PerturbedEngine):  # the draw follows the trainer's step, also after a restart
+            return self.engine.update_weights(named, syncs=version)
+        return self.engine.update_weights(named)
 
     def join_weight_group(self, address: str, port: int, rank: int, world: int, backend: str, meta: list,
                           timeout_s: float) -> dict:
@@ -92,7 +100,7 @@ class RolloutWorker:
         """The trainer's broadcast, loaded as it arrives (one tensor at a time)."""
         t0 = time.perf_counter()
         named = self.weight_group.receive(self.weight_meta, self.weight_device)
-        self.engine.update_weights(named)
+        self._load(named, version)
         for _ in named:  # every tensor is a collective: take the rest even if the engine stopped early
             pass
         self.version = version
@@ -125,7 +133,7 @@ class TrainerWorker:
         seed = int(cfg.trainer.seed)
         random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
         self.tok = AutoTokenizer.from_pretrained(base_dir)
-        self.resume_from = resume_from
+        self.resume_from, self.base_dir = resume_from, base_dir
         self.step_count = 0
         model = AutoModelForCausalLM.from_pretrained(resume_from or base_dir, dtype=torch.float32)
         if self.world == 1:
@@ -137,7 +145,7 @@ class TrainerWorker:
         from parity.training.trainer import Trainer
 
         if self.world == 1:
-            self.trainer = Trainer(model, self.cfg, self.device)
+            self.trainer = Trainer(model, self.cfg, self.device, reference_dir=self.base_dir)
             if self.cfg.rollout.capture_routing:
                 from parity.moe.replay import TrainerReplay
                 self.trainer.replay = TrainerReplay(self.trainer.model)

@@ -17,8 +17,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from parity.data.arithmetic import arithmetic_problems
 from parity.data.prompts import build_train_stream, render_prompt
+from parity.data.tasks import heldout_problems
 from parity.distributed.actors import RolloutWorker, TrainerWorker
 from parity.distributed.cluster import in_bundle, placement, ray_session, trainer_workers, weight_sync
 from parity.distributed.rollout_pool import PendingRollout, RolloutPool
@@ -26,6 +26,7 @@ from parity.errors import ParityError
 from parity.models.prepare import prepare_model
 from parity.rollout import sampling_spec
 from parity.training.checkpoint import CheckpointManager
+from parity.training.collapse import CollapseAlarm
 from parity.training.heldout import heldout_accuracy
 from parity.training.loop import Callback, MetricsLog, run_dir_of
 
@@ -78,7 +79,7 @@ def start_actors(cfg: Any, pg: Any, base_dir: str, start_dir: str, resume_from: 
     workers = [remote_worker.options(name=f"{name}-rollout-{i}", num_cpus=d.rollout_cpus, num_gpus=d.rollout_gpus,
                                      max_restarts=restarts, max_task_retries=0,
                                      scheduling_strategy=in_bundle(pg, i)).remote(plain, start_dir, start_step,
-                                                                                  d.rollout_cpus)
+                                                                                  d.rollout_cpus, base_dir)
                for i in range(d.num_rollout_workers)]
     if world > 1:  # rank 0 chooses the rendezvous; every rank joins at once, then shards its policy
         address, port = ray.get(trainers[0].rendezvous.remote())
@@ -124,7 +125,7 @@ def train_distributed(cfg: Any, callbacks: list[Callback] | None = None) -> dict
         log.info("resumed %s from %s (step %d)", run_dir.name, resume_from, start_step)
     metrics_log = MetricsLog(run_dir / "metrics.jsonl")
     metrics_log.truncate_after(start_step)
-    test_problems = arithmetic_problems("test", tc.eval_problems, cfg.data.arithmetic)
+    test_problems = heldout_problems(cfg, tc.eval_problems)
 
     with ray_session(cfg.distributed) as cluster:
         pg = placement(cfg.distributed)
@@ -140,6 +141,7 @@ def train_distributed(cfg: Any, callbacks: list[Callback] | None = None) -> dict
             with GraderPool(workers=cfg.eval.grade_workers, timeout_s=cfg.eval.grade_timeout_s) as grader:
                 loop = _Loop(cfg, tok, stream, pool, trainer, grader, ckpts, metrics_log, callbacks, test_problems)
                 summary.update(loop.run(start_step))
+                summary["collapse_step"] = loop.alarm.fired_at
         finally:
             pool.close()
             trainer.kill()
@@ -166,6 +168,8 @@ class _Loop:
         self.ckpts, self.metrics_log, self.callbacks, self.test_problems = ckpts, metrics_log, callbacks, test_problems
         self.overlap = bool(cfg.distributed.off_policy_overlap)
         self.broadcast = weight_sync(cfg.distributed) == "broadcast"
+        self.alarm = CollapseAlarm.from_config(cfg)
+        self.alarm.replay(metrics_log.read())
 
     def evaluate(self) -> float:
         c = self.cfg
@@ -216,7 +220,8 @@ class _Loop:
                             "perf/rollout_tokens_per_s": n_tok / max(1e-9, roll_s),
                             "perf/train_tokens_per_s": n_tok / max(1e-9, metrics["perf/train_s"]),
                             "perf/staleness": float(step - result.min_version),
-                            "faults/worker_restarts": float(self.pool.pop_restarts())})
+                            "faults/worker_restarts": float(self.pool.pop_restarts()),
+                            "train/collapsed": self.alarm.update(step + 1, metrics["reward/mean"])})
             done = step + 1
             if tc.eval_every and (done % tc.eval_every == 0 or done == tc.total_steps):
                 metrics["eval/accuracy"] = self.evaluate()

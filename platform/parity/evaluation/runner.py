@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from parity.data.arithmetic import Problem
-from parity.data.benchmarks import ARITHMETIC, BENCHMARKS, load_benchmark
+from parity.data.benchmarks import BENCHMARKS, SYNTHETIC, load_benchmark
 from parity.errors import ParityError
 from parity.evaluation.metrics import benchmark_metrics, format_table, macro_average, pass_curve
 from parity.rollout.base import Engine, SamplingSpec
@@ -131,7 +131,8 @@ def decode_responses(tokenizer: Any, batch: Any) -> list[str]:
 def _load(settings: BenchmarkSettings, eval_cfg: Any, data_cfg: Any) -> list[Problem]:
     return load_benchmark(settings.name, datasets_dir=_get(data_cfg, "datasets_dir"),
                           source=str(_get(eval_cfg, "source", "local")), limit=settings.limit,
-                          arithmetic_cfg=_get(data_cfg, "arithmetic"), hub=settings.hub)
+                          arithmetic_cfg=_get(data_cfg, "arithmetic"), hub=settings.hub,
+                          countdown_cfg=_get(data_cfg, "countdown"))
 
 
 def run_benchmark(engine: Engine, tokenizer: Any, grader: Any, settings: BenchmarkSettings, problems: list[Problem],
@@ -183,13 +184,13 @@ def evaluate(engine: Engine, tokenizer: Any, suite: list[str], eval_cfg: Any, ou
     was evaluated: its folder, how it was chosen, the registered name and version) is kept as 'model'."""
     suite = list(suite)
     if not suite:
-        raise ParityError("config key `eval.suite`: empty; known benchmarks: " + ", ".join([*BENCHMARKS, ARITHMETIC]))
+        raise ParityError("config key `eval.suite`: empty; known benchmarks: " + ", ".join([*BENCHMARKS, *SYNTHETIC]))
     for name in suite:
-        if name not in BENCHMARKS and name != ARITHMETIC:
+        if name not in BENCHMARKS and name not in SYNTHETIC:
             raise ParityError(f"config key `eval.suite`: unknown benchmark {name!r}; known: "
-                              + ", ".join([*BENCHMARKS, ARITHMETIC]))
+                              + ", ".join([*BENCHMARKS, *SYNTHETIC]))
     for name in dict(_get(eval_cfg, "benchmarks", {}) or {}):
-        if name not in BENCHMARKS and name != ARITHMETIC:
+        if name not in BENCHMARKS and name not in SYNTHETIC:
             raise ParityError(f"config key `eval.benchmarks.{name}`: unknown benchmark")
     n_boot, level = int(_get(eval_cfg, "bootstrap", 1000)), float(_get(eval_cfg, "ci_level", 0.95))
     _require(n_boot >= 1, "eval.bootstrap", f"must be >= 1, got {n_boot}")

@@ -1,5 +1,7 @@
 """`prepare`: build (or locate) the model a run starts from. The tiny default is built from its config,
-warm-started on arithmetic and cached under outputs/models/<name>-<hash of its config>/."""
+warm-started on its task (arithmetic, countdown) and cached under outputs/models/<name>-<hash of its config>/.
+With `model.tokenizer=bpe` a byte-level BPE is first trained on the task's corpus (prompts and teacher
+responses) and cached under outputs/tokenizers/bpe-<hash of what it was trained on>/."""
 
 from __future__ import annotations
 
@@ -19,6 +21,20 @@ log = logging.getLogger(__name__)
 PREPARE_VERSION = 1  # bump when the warm-start recipe changes, so caches are rebuilt
 
 
+def _task(cfg: Any) -> Any:
+    from parity.data.tasks import synthetic_task
+    return synthetic_task(cfg.data, cfg.model.warm_start)
+
+
+def tokenizer_payload(cfg: Any) -> dict | None:
+    """What a BPE tokenizer is a function of (None for the character tokenizer)."""
+    if str(cfg.model.tokenizer) == "char":
+        return None
+    return {"kind": str(cfg.model.tokenizer), "vocab_size": int(cfg.model.tokenizer_vocab_size),
+            "corpus_size": int(cfg.model.tokenizer_corpus_size), "template": cfg.data.prompt_template,
+            **_task(cfg).config_payload()}
+
+
 def tiny_model_dir(cfg: Any) -> Path:
     from parity.models.tiny import config_hash
     payload = {"v": PREPARE_VERSION, "arch": cfg.model.arch,
@@ -26,6 +42,11 @@ def tiny_model_dir(cfg: Any) -> Path:
                "warm_start": OmegaConf.to_container(cfg.model.warm_start, resolve=True),
                "arith": OmegaConf.to_container(cfg.data.arithmetic, resolve=True),
                "template": cfg.data.prompt_template}
+    task = _task(cfg)
+    if task.name != "arithmetic":  # (the arithmetic default keeps the cache key it always had)
+        payload["task"] = task.config_payload()
+    if (tp := tokenizer_payload(cfg)) is not None:
+        payload["tokenizer"] = tp
     from parity.paths import plain_name
 
     return Path(cfg.outputs_dir) / "models" / f"{plain_name(cfg.model.name, 'model.name')}-{config_hash(payload)}"
@@ -63,10 +84,50 @@ def prepare_model(cfg: Any) -> dict:
     return _build_tiny(cfg, target)
 
 
+def tokenizer_corpus(cfg: Any) -> list[str]:
+    """The BPE's training texts: rendered prompts and the teacher's responses of train problems (a stream
+    seed of their own, so the corpus is not the warm start's batches)."""
+    import random
+
+    from parity.data.prompts import render_prompt
+
+    task = _task(cfg)
+    problems = task.stream(seed=20_000).take(int(cfg.model.tokenizer_corpus_size))
+    rng = random.Random("tokenizer-corpus")
+    return [render_prompt(cfg.data.prompt_template, p.problem) + task.demonstration(p, rng) for p in problems]
+
+
+def prepare_tokenizer(cfg: Any) -> Any:
+    """The run's tokenizer (character-level, or the cached BPE trained on the task's corpus)."""
+    from transformers import AutoTokenizer
+
+    from parity.models.tiny import config_hash
+    from parity.models.tokenizer import build_bpe_tokenizer, build_char_tokenizer
+
+    payload = tokenizer_payload(cfg)
+    if payload is None:
+        return build_char_tokenizer()
+    if payload["kind"] != "bpe":
+        raise ParityError(f"config key `model.tokenizer`: unknown tokenizer {payload['kind']!r}; known: char, bpe")
+    target = Path(cfg.outputs_dir) / "tokenizers" / f"bpe-{config_hash(payload)}"
+    if (target / "tokenizer.json").is_file():
+        return AutoTokenizer.from_pretrained(str(target))
+    t0 = time.time()
+    tok = build_bpe_tokenizer(tokenizer_corpus(cfg), payload["vocab_size"])
+    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tok.save_pretrained(str(tmp))
+    (tmp / "corpus.json").write_text(json.dumps({**payload, "vocab": len(tok), "seconds": round(time.time() - t0, 1)},
+                                                indent=1))
+    if target.exists():
+        shutil.rmtree(target)
+    os.replace(tmp, target)
+    log.info("trained %s: %d tokens", target, len(tok))
+    return AutoTokenizer.from_pretrained(str(target))
+
+
 def _build_tiny(cfg: Any, target: Path) -> dict:
-    from parity.data.arithmetic import arithmetic_problems
     from parity.models.tiny import build_tiny_model, count_params
-    from parity.models.tokenizer import save_char_tokenizer
     from parity.rewards.grader import GraderPool
     from parity.rollout import compute_dtype, resolve_device
     from parity.rollout.torch_engine import TorchEngine
@@ -76,20 +137,23 @@ def _build_tiny(cfg: Any, target: Path) -> dict:
     t0 = time.time()
     device = resolve_device(cfg.trainer.device)
     ws = cfg.model.warm_start
-    model = build_tiny_model(cfg.model.arch, cfg.model.tiny, seed=ws.seed)
+    tok = prepare_tokenizer(cfg)
+    model = build_tiny_model(cfg.model.arch, cfg.model.tiny, seed=ws.seed, tok=tok)
     tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tok = save_char_tokenizer(tmp)
+    tok.save_pretrained(str(tmp))
     dtype = compute_dtype(cfg, device)
-    losses = warm_start(model, tok, cfg.data, ws, dtype, device)
+    task = _task(cfg)
+    losses = warm_start(model, tok, task, cfg.data.prompt_template, ws, dtype, device)
     model.save_pretrained(str(tmp), safe_serialization=True)
-    problems = arithmetic_problems("test", ws.eval_problems, cfg.data.arithmetic)
+    problems = task.test_problems(int(ws.eval_problems))
     engine = TorchEngine(tmp, device=str(device), dtype=dtype)
     with GraderPool(workers=cfg.eval.grade_workers, timeout_s=cfg.eval.grade_timeout_s) as grader:
         acc = heldout_accuracy(engine, tok, problems, cfg.data.prompt_template, grader, cfg.rollout.max_new_tokens)
     engine.close()
-    info = {"params": count_params(model), "warm_start_steps": ws.steps, "final_sft_loss": losses[-1] if losses else None,
+    info = {"params": count_params(model), "vocab": len(tok), "task": task.name,
+            "warm_start_steps": ws.steps, "final_sft_loss": losses[-1] if losses else None,
             "heldout_accuracy": acc, "heldout_problems": len(problems), "seconds": round(time.time() - t0, 1)}
     (tmp / "prepare.json").write_text(json.dumps(info, indent=1))
     if target.exists():

@@ -12,8 +12,9 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, Qwen3Config, Qw
 from parity.models.tokenizer import EOS, PAD, build_char_tokenizer
 
 
-def tiny_config(arch: str, tiny: Any) -> PretrainedConfig:
-    tok = build_char_tokenizer()
+def tiny_config(arch: str, tiny: Any, tok: Any = None) -> PretrainedConfig:
+    """The transformers config of a tiny model for tokenizer `tok` (default: the character tokenizer)."""
+    tok = build_char_tokenizer() if tok is None else tok
     vocab = int(tiny.vocab_size) or len(tok)
     common = dict(
         vocab_size=vocab, hidden_size=tiny.hidden_size, num_hidden_layers=tiny.num_hidden_layers,
@@ -34,9 +35,9 @@ def tiny_config(arch: str, tiny: Any) -> PretrainedConfig:
     raise ValueError(f"config key `model.arch`: unknown tiny architecture {arch!r}; known: qwen3, qwen3_moe")
 
 
-def build_tiny_model(arch: str, tiny: Any, seed: int = 0) -> torch.nn.Module:
+def build_tiny_model(arch: str, tiny: Any, seed: int = 0, tok: Any = None) -> torch.nn.Module:
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch, tiny), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, tiny, tok), dtype=torch.float32)
     return model
 
 

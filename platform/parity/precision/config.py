@@ -114,7 +114,7 @@ def check_kv_head_dim(kv_cache: str, head_dim: int | None, key: str = "model.tin
 def resolve_precision(cfg: Any) -> Any:
     """The rollout precision (a PrecisionConfig) selected by `cfg` (see module docstring)."""
     # lazily: the schema lives in parity.config, whose package imports hydra
-    from parity.config.schema import PrecisionConfig
+    from parity.config.schema import PerturbationConfig, PrecisionConfig
 
     own = _get(_get(cfg, "rollout"), "precision")
     weights = str(_get(own, "weights", "bf16"))
@@ -132,7 +132,11 @@ def resolve_precision(cfg: Any) -> Any:
         activations = _merge("activations", activations, formats[1], f"{SEED}.quantization")
     kv = _merge("kv_cache", kv, _seed_kv(seed), f"{SEED}.engine_kwargs.vllm.kv_cache_dtype")
     check_kv_head_dim(kv, head_dim_from_config(cfg))
-    extra = {k: _get(own, k) for k in ("kv_hadamard",) if _get(own, k) is not None}
+    extra: dict[str, Any] = {k: _get(own, k) for k in ("kv_hadamard",) if _get(own, k) is not None}
+    p = _get(own, "perturbation")
+    if p is not None:  # the mismatch dial (parity.precision.perturbation) travels with the formats it composes with
+        extra["perturbation"] = PerturbationConfig(**{k: _get(p, k, getattr(PerturbationConfig, k))
+                                                      for k in ("sigma", "mode", "seed")})
     return PrecisionConfig(weights=weights, activations=activations, kv_cache=kv, **extra)
 
 

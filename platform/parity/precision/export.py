@@ -45,6 +45,18 @@ def checkpoint_dir_name(model_name: str, weights: str, activations: str) -> str:
     return f"{base}-W8A{a_bits}-{weights.upper()}"
 
 
+def quantized_checkpoint_dir(cfg: Any, precision: Any) -> Path:
+    """Where `quantize` writes (and `validate` reads) the rollout's checkpoint: the folder of the seed block's
+    quantization_config_file when set, else <rollout.precision.export_dir>/<model>-W8A8-INT8 (and siblings)."""
+    from parity.precision.config import quantization_config_path
+
+    seed_file = quantization_config_path(cfg)
+    if seed_file:
+        return Path(str(seed_file)).parent
+    name = checkpoint_dir_name(str(cfg.model.name), precision.weights, precision.activations)
+    return Path(str(cfg.rollout.precision.export_dir)) / name
+
+
 def quantization_config_dict(weights: str, activations: str) -> dict:
     """The `quantization_config` entry, produced by compressed_tensors' pydantic classes."""
     from compressed_tensors.quantization import (

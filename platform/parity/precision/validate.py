@@ -215,3 +215,34 @@ def write_report(report: dict, out_dir: str | Path, stem: str = "validation") ->
     j.write_text(json.dumps(report, indent=2))
     md.write_text(report_markdown(report))
     return j, md
+
+
+def precision_record(precision: Any) -> dict:
+    """The rollout precision as a validation report records it (formats and the perturbation dial)."""
+    from parity.precision.perturbation import perturbation_of
+
+    sigma, mode, seed = perturbation_of(precision)
+    rec = {"weights": str(precision.weights), "activations": str(precision.activations),
+           "kv_cache": str(precision.kv_cache)}
+    if sigma > 0:
+        rec["perturbation"] = {"sigma": sigma, "mode": mode, "seed": seed}
+    return rec
+
+
+def validated_discrepancy(cfg: Any, precision: Any) -> tuple[float, str] | None:
+    """(mean |p_train - p_inf|, report path) that `validate` measured for this rollout precision, or None when
+    no report exists for it (algorithm.correction.tolerance=auto then measures the first steps instead). A report
+    written for another precision (other formats, another perturbation) is not used."""
+    from parity.precision.export import quantized_checkpoint_dir
+
+    if str(precision.weights) == "bf16" and str(precision.activations) == "bf16":
+        return None  # nothing to quantize: no validate stage ran
+    path = quantized_checkpoint_dir(cfg, precision) / "validation.json"
+    try:
+        report = json.loads(path.read_text())
+        value = float(report["metrics"]["abs_prob_diff_mean"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if report.get("precision") != precision_record(precision) or not math.isfinite(value):
+        return None
+    return value, str(path)

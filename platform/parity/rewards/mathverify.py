@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from parity.data.countdown import ANSWER_PREFIX as COUNTDOWN_PREFIX
+from parity.data.countdown import decode_answer as decode_countdown
 from parity.rewards.extract import last_boxed
 
 # Statuses of a graded item. Only "correct" scores 1.0.
@@ -81,6 +83,8 @@ def _grade_unprotected(response: str, answer: str, max_answer_chars: int) -> Gra
         return GradeResult(0.0, extracted, TOO_LONG)
     if answer is None or not str(answer).strip():
         return GradeResult(0.0, extracted, BAD_GOLD)
+    if str(answer).startswith(COUNTDOWN_PREFIX):  # an expression to check, not a value to compare
+        return _grade_countdown(extracted, str(answer))
     gold = _parse_cached(str(answer))
     if not gold:
         return GradeResult(0.0, extracted, BAD_GOLD)
@@ -89,6 +93,18 @@ def _grade_unprotected(response: str, answer: str, max_answer_chars: int) -> Gra
         return GradeResult(0.0, extracted, UNPARSABLE)
     ok = _mv().verify(list(gold), pred, timeout_seconds=None)  # type: ignore[arg-type]
     return GradeResult(1.0 if ok else 0.0, extracted, CORRECT if ok else WRONG)
+
+
+def _grade_countdown(extracted: str, answer: str) -> GradeResult:
+    from parity.rewards.countdown import check
+
+    try:
+        numbers, target = decode_countdown(answer)
+    except ValueError:
+        return GradeResult(0.0, extracted, BAD_GOLD)
+    ok, status = check(extracted, numbers, target)
+    return GradeResult(1.0 if ok else 0.0, extracted, {"correct": CORRECT, "wrong": WRONG, "too_long": TOO_LONG}
+                       .get(status, UNPARSABLE))
 
 
 def grade_one(response: str, answer: str, timeout_s: float | None = 5.0,

@@ -32,6 +32,11 @@ def compute_dtype(cfg: Any, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if name == "bfloat16" else torch.float32
 
 
+def is_perturbed(precision: Any) -> bool:
+    from parity.precision.perturbation import is_perturbed as perturbed
+    return perturbed(precision)
+
+
 def rollout_precision(cfg: Any) -> Any:
     """The rollout's precision: the seed block's `actor_rollout_ref.rollout` when it sets a quantization,
     else `rollout.precision` (parity.precision.config resolves both)."""
@@ -42,17 +47,30 @@ def rollout_precision(cfg: Any) -> Any:
     return resolve_precision(cfg)
 
 
-def build_engine(cfg: Any, model_dir: str | Path, precision: Any = None) -> Engine:
+def build_engine(cfg: Any, model_dir: str | Path, precision: Any = None, reference_dir: str | Path | None = None,
+                 syncs: int = 0) -> Engine:
+    """The configured rollout engine on the weights in `model_dir`. With `rollout.precision.perturbation.sigma`
+    > 0 and `reference_dir` (theta_0: the run's starting model) given, the engine samples with theta + Delta
+    (parity.rollout.perturbed; `syncs` = weight syncs done before, on resume)."""
     precision = rollout_precision(cfg) if precision is None else precision
     device = resolve_device(cfg.trainer.device)
     if cfg.rollout.name == "torch":
         from parity.rollout.torch_engine import TorchEngine
-        return TorchEngine(model_dir, precision=precision, device=str(device), dtype=compute_dtype(cfg, device),
-                           capture_routing=bool(cfg.rollout.capture_routing))
-    if cfg.rollout.name == "vllm":
+        engine: Engine = TorchEngine(model_dir, precision=precision, device=str(device),
+                                     dtype=compute_dtype(cfg, device), capture_routing=bool(cfg.rollout.capture_routing))
+    elif cfg.rollout.name == "vllm":
         from parity.rollout.vllm_engine import VllmEngine  # lazy: vLLM is optional for the numerical core
-        return VllmEngine(cfg, model_dir, precision=precision)
-    raise ValueError(f"config key `rollout.name`: unknown engine {cfg.rollout.name!r}; known: torch, vllm")
+        engine = VllmEngine(cfg, model_dir, precision=precision)
+    else:
+        raise ValueError(f"config key `rollout.name`: unknown engine {cfg.rollout.name!r}; known: torch, vllm")
+    if reference_dir is not None and is_perturbed(precision):
+        from parity.precision.perturbation import Perturbation, load_reference, perturbation_of
+        from parity.rollout.perturbed import PerturbedEngine
+
+        theta0 = load_reference(reference_dir)
+        start = theta0 if Path(reference_dir).resolve() == Path(model_dir).resolve() else load_reference(model_dir)
+        return PerturbedEngine(engine, Perturbation(theta0, *perturbation_of(precision)), start, syncs)  # type: ignore[return-value]
+    return engine
 
 
 def sampling_spec(cfg: Any, seed: int) -> SamplingSpec:

@@ -18,13 +18,21 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from parity.data.arithmetic import arithmetic_problems
 from parity.data.prompts import build_train_stream, render_prompt
+from parity.data.tasks import heldout_problems
 from parity.errors import ParityError
 from parity.models.prepare import prepare_model
 from parity.paths import plain_name
-from parity.rollout import build_engine, compute_dtype, resolve_device, rollout_precision, sampling_spec
+from parity.rollout import (
+    build_engine,
+    compute_dtype,
+    is_perturbed,
+    resolve_device,
+    rollout_precision,
+    sampling_spec,
+)
 from parity.training.checkpoint import CheckpointManager
+from parity.training.collapse import CollapseAlarm
 from parity.training.heldout import heldout_accuracy
 from parity.training.trainer import Trainer
 
@@ -77,8 +85,10 @@ def _set_rng_state(s: dict) -> None:
 
 
 def _quantized(precision: Any) -> bool:
-    """Whether a rollout precision changes any number the engine computes (weights, activations or KV cache)."""
-    return any(str(getattr(precision, k, "bf16")) != "bf16" for k in ("weights", "activations", "kv_cache"))
+    """Whether a rollout precision changes any number the engine computes (weights, activations or KV cache,
+    or a perturbation of the weights)."""
+    return (any(str(getattr(precision, k, "bf16")) != "bf16" for k in ("weights", "activations", "kv_cache"))
+            or is_perturbed(precision))
 
 
 def train(cfg: Any, callbacks: list[Callback] | None = None) -> dict:
@@ -105,7 +115,7 @@ def train(cfg: Any, callbacks: list[Callback] | None = None) -> dict:
     tok = AutoTokenizer.from_pretrained(str(base))
     model = AutoModelForCausalLM.from_pretrained(str(start_dir), dtype=torch.float32)
     stream = build_train_stream(cfg.data, seed=seed)
-    trainer = Trainer(model, cfg, device)
+    trainer = Trainer(model, cfg, device, reference_dir=str(base))
     start_step = 0
     metrics_log = MetricsLog(run_dir / "metrics.jsonl")
     if resume_from is not None:
@@ -116,12 +126,14 @@ def train(cfg: Any, callbacks: list[Callback] | None = None) -> dict:
         start_step = int(state["step"])
         log.info("resumed %s from %s (step %d)", run_dir.name, resume_from, start_step)
     metrics_log.truncate_after(start_step)
+    alarm = CollapseAlarm.from_config(cfg)
+    alarm.replay(metrics_log.read())  # a resumed run's alarm state is that of its logged rewards
 
     # 2. the rollout engine starts from the trainer's weights (re-quantized where its precision says so)
-    engine = build_engine(cfg, start_dir)
+    engine = build_engine(cfg, start_dir, reference_dir=base, syncs=start_step)
     # long prompts (MATH with the tiny model's 256 positions) keep their end, where the question is
     max_prompt = model.config.max_position_embeddings - cfg.rollout.max_new_tokens
-    test_problems = arithmetic_problems("test", cfg.trainer.eval_problems, cfg.data.arithmetic)
+    test_problems = heldout_problems(cfg, cfg.trainer.eval_problems)
     summary: dict[str, Any] = {"run_dir": str(run_dir), "start_step": start_step, "engine": engine.describe()}
     # the same weights without the rollout's quantization, evaluated beside it (trainer.eval_unquantized)
     plain = None
@@ -162,6 +174,7 @@ def train(cfg: Any, callbacks: list[Callback] | None = None) -> dict:
             t_train = time.perf_counter()
             metrics["perf/sync_s"] = engine.update_weights(trainer.sync_weights())
             metrics["data/prompt_truncated_frac"] = n_cut / max(1, len(problems))
+            metrics["train/collapsed"] = alarm.update(step + 1, metrics["reward/mean"])
             n_tok = int(batch.response_mask.sum())
             metrics.update({"perf/rollout_s": t_roll - t0, "perf/grade_s": t_grade - t_roll,
                             "perf/train_s": t_train - t_grade, "perf/step_s": time.perf_counter() - t0,
@@ -186,6 +199,8 @@ def train(cfg: Any, callbacks: list[Callback] | None = None) -> dict:
                     "final_reward": next((r["reward/mean"] for r in reversed(rows) if "reward/mean" in r), None),
                     "latest_checkpoint": str(ckpts.list()[-1]) if ckpts.list() else None,
                     "seconds": round(time.time() - t_start, 1)})
+    summary["collapse_step"] = alarm.fired_at
+    summary["tolerance"] = {"value": trainer.corrections.tolerance, "source": trainer.tolerance_source}
     plain_accs = [r["eval/accuracy_unquantized"] for r in rows if "eval/accuracy_unquantized" in r]
     if plain_accs:
         summary["final_accuracy_unquantized"] = plain_accs[-1]

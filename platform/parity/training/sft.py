@@ -1,4 +1,5 @@
-"""Supervised warm start of the tiny model on the arithmetic task (prompt -> \\boxed{answer}<eos>)."""
+"""Supervised warm start of the tiny model on its task: prompt -> the task teacher's response <eos>
+(arithmetic: `\\boxed{answer}`, with the teacher's slip; countdown: a search trace ending in `\\boxed{expr}`)."""
 
 from __future__ import annotations
 
@@ -9,31 +10,18 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from parity.data.arithmetic import ArithmeticStream
+from parity.data.arithmetic import TEACHER_ERRORS, teacher_answer  # noqa: F401  (re-exported)
 from parity.data.prompts import render_prompt
-
-TEACHER_ERRORS = ("none", "last_digit", "drop_sign")
-
-
-def teacher_answer(answer: str, kind: str, rate: float, rng: random.Random) -> str:
-    """The warm-start target: the right answer, or with probability `rate` the teacher's systematic slip."""
-    if kind == "none" or rate <= 0.0 or rng.random() >= rate:
-        return answer
-    if kind == "last_digit":
-        return answer[:-1] + str((int(answer[-1]) + 1) % 10)
-    if kind == "drop_sign":
-        return answer.lstrip("-")
-    raise ValueError(f"config key `model.warm_start.teacher_error`: unknown slip {kind!r}; known: {TEACHER_ERRORS}")
+from parity.data.tasks import SyntheticTask
 
 
-def _encode_batch(tok: Any, problems: list, template: str, answers: list[str] | None = None
+def _encode_batch(tok: Any, problems: list, template: str, targets: list[str]
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Left-padded prompt+target rows, attention mask and loss mask (target tokens and EOS only)."""
     seqs, tgt = [], []
-    for i, p in enumerate(problems):
+    for p, text in zip(problems, targets, strict=True):
         prompt = tok(render_prompt(template, p.problem))["input_ids"]
-        answer = p.answer if answers is None else answers[i]
-        target = tok(f"\\boxed{{{answer}}}")["input_ids"] + [tok.eos_token_id]
+        target = tok(text)["input_ids"] + [tok.eos_token_id]
         seqs.append(prompt + target)
         tgt.append(len(target))
     T = max(map(len, seqs))
@@ -47,20 +35,20 @@ def _encode_batch(tok: Any, problems: list, template: str, answers: list[str] | 
     return ids, am, lm
 
 
-def warm_start(model: torch.nn.Module, tok: Any, data_cfg: Any, ws: Any, dtype: torch.dtype,
+def warm_start(model: torch.nn.Module, tok: Any, task: SyntheticTask, template: str, ws: Any, dtype: torch.dtype,
                device: torch.device) -> list[float]:
     model.train().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=ws.weight_decay, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, ws.warmup_steps))
                                               * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, ws.steps)))))
-    stream = ArithmeticStream(data_cfg.arithmetic, seed=10_000 + ws.seed)
+    stream = task.stream(seed=10_000 + ws.seed)
     teacher_rng = random.Random(f"teacher:{ws.seed}")
     losses = []
     bar = tqdm(range(ws.steps), desc="warm start", unit="step", mininterval=2.0)
     for _ in bar:
         problems = stream.take(ws.batch_size)
-        answers = [teacher_answer(p.answer, ws.teacher_error, ws.teacher_error_rate, teacher_rng) for p in problems]
-        ids, am, lm = _encode_batch(tok, problems, data_cfg.prompt_template, answers)
+        targets = [task.demonstration(p, teacher_rng) for p in problems]
+        ids, am, lm = _encode_batch(tok, problems, template, targets)
         ids, am, lm = ids.to(device), am.to(device), lm.to(device)
         pos = (am.long().cumsum(-1) - 1).clamp_min(0)
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):

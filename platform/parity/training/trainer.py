@@ -18,6 +18,7 @@ from parity.algorithms.advantages import compute_advantages
 from parity.algorithms.aggregation import loss_denominators
 from parity.algorithms.corrections import build_corrections
 from parity.algorithms.corrections.base import token_rows
+from parity.algorithms.drift import drift_metrics
 from parity.algorithms.mismatch import StepMetrics
 from parity.algorithms.objective import Objective
 from parity.errors import ParityError
@@ -55,7 +56,10 @@ def check_token_ids(batch: RolloutBatch, vocab: int) -> bool:
 
 
 class Trainer:
-    def __init__(self, model: torch.nn.Module, cfg: Any, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, cfg: Any, device: torch.device,
+                 reference_dir: str | None = None) -> None:
+        """`reference_dir`: the run's starting model (theta_0); with a rollout perturbation on, each step then
+        reports drift/delta_cosine, how far the policy moved along the sampler's bias."""
         self.model, self.cfg, self.device = model.to(device), cfg, device
         self.alg, self.tcfg = cfg.algorithm, cfg.trainer
         self.compute_dtype = compute_dtype(cfg, device)
@@ -65,7 +69,7 @@ class Trainer:
         fused = device.type == "cuda" and all(p.is_floating_point() for p in params)
         self.optimizer = torch.optim.AdamW(params, lr=self.tcfg.lr, betas=tuple(self.tcfg.betas),
                                            weight_decay=self.tcfg.weight_decay, **({"fused": True} if fused else {}))
-        self.corrections = build_corrections(self.alg.correction)
+        self.corrections = build_corrections(self.alg.correction, measured_discrepancy=self._validated_discrepancy())
         self.objective = Objective(self.alg, self.corrections)  # policy loss and aggregation resolved once
         self.bad_steps = 0  # consecutive non-finite steps
         self.skipped_steps = 0
@@ -76,6 +80,25 @@ class Trainer:
             mode = str(self.tcfg.compile_mode)
             compile_decoder_layers_(self.model, mode=None if mode == "default" else mode)
         self.routing_replay = bool(cfg.algorithm.routing_replay)
+        self.rl_steps = 0  # RL steps taken (= weight syncs the rollout engine has had when the next batch is sampled)
+        self.drift_probe = None
+        if reference_dir is not None:
+            from parity.precision.perturbation import DriftProbe
+            from parity.rollout import rollout_precision
+            self.drift_probe = DriftProbe.from_precision(rollout_precision(cfg), reference_dir, device)
+
+    def _validated_discrepancy(self) -> float | None:
+        """For algorithm.correction.tolerance=auto: the mismatch the validate stage measured for this rollout
+        precision (None: the first steps measure it); `tolerance_source` says which."""
+        self.tolerance_source = None
+        if str(self.alg.correction.tolerance).strip().lower() != "auto":
+            return None
+        from parity.precision.validate import validated_discrepancy
+        from parity.rollout import rollout_precision
+        found = validated_discrepancy(self.cfg, rollout_precision(self.cfg))
+        n = int(self.alg.correction.tolerance_steps)
+        self.tolerance_source = found[1] if found else f"first {n} steps"
+        return found[0] if found else None
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.compute_dtype == torch.float32:
@@ -202,8 +225,12 @@ class Trainer:
                 losses.append(total)
         self._reduce_step_state(metrics)
         out = metrics.compute()
+        out.update(drift_metrics(adv, batch))
+        if self.drift_probe is not None:  # the batch was sampled after rl_steps syncs (redraw: that draw's Delta)
+            out["drift/delta_cosine"] = self.drift_probe.cosine(self.model.named_parameters(), self.rl_steps)
+        self.rl_steps += 1
         out.update(self._r3_metrics)
-        out.update(self.corrections.end_step())
+        out.update(self.corrections.end_step(out))
         r = batch.rewards.float()
         out.update({
             "train/loss": sum(losses) / max(1, len(losses)) if losses else float("nan"),
@@ -228,9 +255,10 @@ class Trainer:
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "corrections": self.corrections.state_dict(),
-                "bad_steps": self.bad_steps, "skipped_steps": self.skipped_steps}
+                "bad_steps": self.bad_steps, "skipped_steps": self.skipped_steps, "rl_steps": self.rl_steps}
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.corrections.load_state_dict(state["corrections"])
         self.bad_steps, self.skipped_steps = state["bad_steps"], state["skipped_steps"]
+        self.rl_steps = int(state.get("rl_steps", 0))  # checkpoints written before the counter existed: 0

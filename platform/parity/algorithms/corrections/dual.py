@@ -2,8 +2,11 @@
 train/inference probability gap.
 
 Per token: delta = |p_train(y) - p_inf(y)| of the sampled token and A' = A - lambda * delta.
-Once per step: lambda <- clip(lambda + eta * (mean delta - c), 0, lambda_max), where the mean runs over
-every response token the step saw (all micro-batches). lambda is state and is checkpointed."""
+Once per step: lambda <- clip(lambda + eta * (D - c), 0, lambda_max), where D is the step's discrepancy over
+every response the step saw (all micro-batches): with `discrepancy=seq_mean` (the paper's constraint) the mean
+over trajectories of each trajectory's own mean (1/|tau|) sum_t delta_t, with `token_mean` the mean over all
+response tokens. c is `dual.c`, or when that is null `algorithm.correction.tolerance` (a number or auto: until
+auto has measured it, lambda stays where it is). lambda is state and is checkpointed."""
 
 from __future__ import annotations
 
@@ -21,13 +24,19 @@ from parity.algorithms.corrections.base import (
 )
 from parity.algorithms.mismatch import StepMetrics
 
+DISCREPANCIES = ("seq_mean", "token_mean")
+
 
 @dataclass
 class DualConfig:
-    c: float = 0.0037  # tolerance on the mean |p_train - p_inf|
+    # tolerance on the discrepancy; null = algorithm.correction.tolerance (a number, or auto); 0.0037 = the paper's
+    c: float | None = None
     lambda0: float = 0.1
     eta: float = 1.0
     lambda_max: float = 10.0
+    # the constrained discrepancy: seq_mean = (1/|tau|) sum_t |p_train - p_inf| per trajectory, averaged over the
+    # step's trajectories (the paper's) | token_mean = averaged over all the step's response tokens
+    discrepancy: str = "seq_mean"
 
 
 def prob_gap(ctx: CorrectionContext) -> torch.Tensor:
@@ -42,10 +51,13 @@ def dual_update(lam: float, mean_delta: float, c: float, eta: float, lambda_max:
 
 @CORRECTIONS.register("dual", config=DualConfig)
 class Dual(Correction):
-    def __init__(self, cfg: Any = None, tolerance: float = 0.0) -> None:
+    def __init__(self, cfg: Any = None, tolerance: float | None = 0.0) -> None:
         super().__init__(cfg, tolerance)
         cfg = self.cfg
-        require(cfg.c >= 0, self.key("c"), f"the tolerance must be >= 0, got {cfg.c}")
+        require(cfg.c is None or cfg.c >= 0, self.key("c"), f"the tolerance must be >= 0, got {cfg.c}")
+        require(cfg.discrepancy in DISCREPANCIES, self.key("discrepancy"),
+                f"must be one of {', '.join(DISCREPANCIES)}, got {cfg.discrepancy!r}")
+        self.c: float | None = float(cfg.c) if cfg.c is not None else (None if tolerance is None else float(tolerance))
         require(cfg.eta >= 0, self.key("eta"), f"must be >= 0, got {cfg.eta}")
         require(cfg.lambda_max >= 0, self.key("lambda_max"), f"must be >= 0, got {cfg.lambda_max}")
         require(0 <= cfg.lambda0 <= cfg.lambda_max, self.key("lambda0"),
@@ -61,10 +73,21 @@ class Dual(Correction):
     def advantage_shift(self, ctx: CorrectionContext) -> torch.Tensor:
         return self.lam * prob_gap(ctx)
 
+    def set_tolerance(self, c: float) -> None:
+        """The tolerance `algorithm.correction.tolerance=auto` measured (kept when dual.c is set)."""
+        if self.cfg.c is None:
+            self.c = float(c)
+
     def record(self, ctx: CorrectionContext, metrics: StepMetrics) -> None:
         d = prob_gap(ctx).to(torch.float64)
-        self._delta_sum = self._delta_sum + d.sum()
-        self._count = self._count + ctx.mask.sum().to(torch.float64)
+        if self.cfg.discrepancy == "token_mean":
+            self._delta_sum = self._delta_sum + d.sum()
+            self._count = self._count + ctx.mask.sum().to(torch.float64)
+        else:  # each trajectory's own mean gap, summed over trajectories (empty ones do not count)
+            n = ctx.mask.sum(-1).to(torch.float64)
+            has = n > 0
+            self._delta_sum = self._delta_sum + torch.where(has, d.sum(-1) / n.clamp_min(1.0), 0.0).sum()
+            self._count = self._count + has.sum().to(torch.float64)
         metrics.set_value("correction/lambda", self.lam)
 
     def step_sums(self) -> dict[str, float]:
@@ -79,9 +102,12 @@ class Dual(Correction):
         out = {"correction/lambda": used}
         if count > 0:
             mean_delta = float(self._delta_sum) / count
-            if math.isfinite(mean_delta):  # a non-finite step (skipped by the trainer) must not poison lambda
-                self.lam = dual_update(self.lam, mean_delta, self.cfg.c, self.cfg.eta, self.cfg.lambda_max)
+            # a non-finite step (skipped by the trainer) must not poison lambda; no c yet (auto): lambda waits
+            if math.isfinite(mean_delta) and self.c is not None:
+                self.lam = dual_update(self.lam, mean_delta, self.c, self.cfg.eta, self.cfg.lambda_max)
             out["correction/dual_delta_mean"] = mean_delta
+        if self.c is not None:
+            out["correction/dual_c"] = self.c
         out["correction/lambda_next"] = self.lam
         self.steps += 1
         self._reset_accumulators()
@@ -89,7 +115,7 @@ class Dual(Correction):
 
     def state_dict(self) -> dict[str, Any]:
         return {"lambda": self.lam, "steps": self.steps, "delta_sum": float(self._delta_sum),
-                "count": float(self._count)}
+                "count": float(self._count), "c": self.c}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         missing = {"lambda", "steps"} - set(state)
@@ -99,3 +125,5 @@ class Dual(Correction):
         self.steps = int(state["steps"])
         self._delta_sum = float(state.get("delta_sum", 0.0))
         self._count = float(state.get("count", 0.0))
+        if state.get("c") is not None and self.cfg.c is None:  # a measured (auto) tolerance resumes as it was
+            self.c = float(state["c"])

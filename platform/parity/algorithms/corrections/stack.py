@@ -5,6 +5,7 @@ and run them as one."""
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -16,12 +17,33 @@ from parity.types import RolloutBatch
 STATE_VERSION = 1
 
 
-class CorrectionStack:
-    """The configured corrections, applied in the order named."""
+class AutoTolerance:
+    """`algorithm.correction.tolerance=auto` without a validate report: c = multiple x the mean discrepancy of the
+    first `steps` steps (the dual's own discrepancy when the dual is stacked, else mismatch/abs_prob_diff_mean)."""
 
-    def __init__(self, corrections: list[Correction], tolerance: float = 0.0037) -> None:
+    def __init__(self, multiple: float, steps: int) -> None:
+        require(multiple > 0, f"{KEY}.tolerance_multiple", f"must be > 0, got {multiple}")
+        require(steps >= 1, f"{KEY}.tolerance_steps", f"must be >= 1, got {steps}")
+        self.multiple, self.steps = float(multiple), int(steps)
+        self.seen: list[float] = []
+
+    def observe(self, discrepancy: float | None) -> float | None:
+        """Take one step's discrepancy; the tolerance once `steps` finite ones were seen, else None."""
+        if discrepancy is not None and math.isfinite(discrepancy):
+            self.seen.append(float(discrepancy))
+        if len(self.seen) < self.steps:
+            return None
+        return self.multiple * sum(self.seen[: self.steps]) / self.steps
+
+
+class CorrectionStack:
+    """The configured corrections, applied in the order named. `tolerance` None: being measured (AutoTolerance)."""
+
+    def __init__(self, corrections: list[Correction], tolerance: float | None = 0.0037,
+                 auto: AutoTolerance | None = None) -> None:
         self.corrections = corrections
-        self.tolerance = float(tolerance)
+        self.tolerance = None if tolerance is None else float(tolerance)
+        self.auto = auto
 
     def __iter__(self) -> Iterator[Correction]:
         return iter(self.corrections)
@@ -68,15 +90,30 @@ class CorrectionStack:
             if own:
                 c.set_step_sums(own)
 
-    def end_step(self) -> dict[str, float]:
-        """Update per-step state (e.g. lambda) and return the correction/* metrics of the step."""
+    def end_step(self, observed: dict[str, float] | None = None) -> dict[str, float]:
+        """Update per-step state (e.g. lambda) and return the correction/* metrics of the step. `observed`: the
+        step's other metrics (mismatch/*), from which an auto tolerance is measured."""
         out: dict[str, float] = {}
         for c in self.corrections:
             out.update(c.end_step())
+        if self.tolerance is None and self.auto is not None:
+            seen = out.get("correction/dual_delta_mean", (observed or {}).get("mismatch/abs_prob_diff_mean"))
+            value = self.auto.observe(seen)
+            if value is not None:
+                self.set_tolerance(value)
+        if self.tolerance is not None:
+            out["correction/tolerance"] = self.tolerance
         return out
 
+    def set_tolerance(self, c: float) -> None:
+        self.tolerance = float(c)
+        for corr in self.corrections:
+            if hasattr(corr, "set_tolerance"):
+                corr.set_tolerance(c)
+
     def state_dict(self) -> dict[str, Any]:
-        return {"version": STATE_VERSION, "names": self.names,
+        return {"version": STATE_VERSION, "names": self.names, "tolerance": self.tolerance,
+                "auto_seen": list(self.auto.seen) if self.auto is not None else None,
                 "corrections": {c.name: c.state_dict() for c in self.corrections}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -91,6 +128,10 @@ class CorrectionStack:
                                      f"(it was saved with {state.get('names')})")
                 continue
             c.load_state_dict(own)
+        if self.auto is not None and state.get("auto_seen") is not None:
+            self.auto.seen = [float(x) for x in state["auto_seen"]]
+        if self.tolerance is None and state.get("tolerance") is not None:
+            self.set_tolerance(float(state["tolerance"]))
 
 
 def import_modules(modules: Iterable[str] | None) -> None:
@@ -122,17 +163,39 @@ def _section(cfg: Any, key: str | None) -> Any:
     return getattr(cfg, key, None)
 
 
-def build_corrections(cfg: Any, policy_loss: str | None = None, topk_logprobs: int | None = None) -> CorrectionStack:
+def resolve_tolerance(value: Any, measured: float | None = None, multiple: float = 1.0) -> float | None:
+    """The tolerance c of `algorithm.correction.tolerance`: a number as given; `auto` = multiple x `measured` (the
+    validate stage's mean |p_train - p_inf| for this precision), or None when nothing was measured yet."""
+    if value is None:
+        return 0.0037
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return None if measured is None else float(multiple) * float(measured)
+    try:
+        c = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{KEY}.tolerance: must be a number >= 0 or auto, got {value!r}") from None
+    require(c >= 0, f"{KEY}.tolerance", f"the mismatch tolerance c must be >= 0, got {c}")
+    return c
+
+
+def build_corrections(cfg: Any, policy_loss: str | None = None, topk_logprobs: int | None = None,
+                      measured_discrepancy: float | None = None) -> CorrectionStack:
     """The CorrectionStack for `cfg` = the `algorithm.correction` config (DictConfig, dataclass or dict).
 
     `policy_loss` (algorithm.policy_loss) and `topk_logprobs` (rollout.topk_logprobs), when given, are
-    checked against the corrections' needs. Every error is a ValueError naming the offending key."""
+    checked against the corrections' needs; `measured_discrepancy` is what a validate report measured, for
+    tolerance=auto. Every error is a ValueError naming the offending key."""
     import_modules(_section(cfg, "modules"))
     name = _section(cfg, "name") if cfg is not None else None
     name = "none" if name is None else name
-    tolerance = _section(cfg, "tolerance")
-    tolerance = 0.0037 if tolerance is None else float(tolerance)
-    require(tolerance >= 0, f"{KEY}.tolerance", f"the mismatch tolerance c must be >= 0, got {tolerance}")
+    raw = _section(cfg, "tolerance")
+    multiple = _section(cfg, "tolerance_multiple")
+    multiple = 1.0 if multiple is None else float(multiple)
+    tolerance = resolve_tolerance(raw, measured_discrepancy, multiple)
+    auto = None
+    if tolerance is None:
+        steps = _section(cfg, "tolerance_steps")
+        auto = AutoTolerance(multiple, 3 if steps is None else int(steps))
     corrections = []
     for n in parse_names(name):
         cls = CORRECTIONS.get(n)
@@ -140,6 +203,6 @@ def build_corrections(cfg: Any, policy_loss: str | None = None, topk_logprobs: i
     weighted = [c.name for c in corrections if type(c).weights is not Correction.weights]
     require(len(weighted) <= 1, f"{KEY}.name",
             f"at most one importance-weight correction may be stacked, got {'+'.join(weighted)}")
-    stack = CorrectionStack(corrections, tolerance)
+    stack = CorrectionStack(corrections, tolerance, auto)
     stack.check(policy_loss, topk_logprobs)
     return stack

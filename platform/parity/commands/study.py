@@ -1,0 +1,183 @@
+"""`python -m parity study --preset laptop|gpu|cluster [--stage search|arms] [--quick]`: the collapse-and-rescue
+study. Every arm (mismatch source x correction x objective, parity.study.presets) is trained once per seed as its
+own `python -m parity train` process, several at a time; the results go to <out>/study.json (every run: its
+config, per-step curves, final and peak reward, held-out accuracy of the trained weights unquantized, collapse
+step), <out>/study.md (mean ± standard error over seeds per arm) and three PNG figures.
+
+    python -m parity study --preset laptop --stage search     # where does uncorrected training degrade?
+    python -m parity study --preset laptop                    # every arm of the headline setting, 3 seeds
+    python -m parity study --preset laptop --quick            # 2 steps, 1 seed: the whole path in seconds
+    python -m parity study --figures-only --out outputs/study/laptop-arms   # table and figures again
+
+Runs already finished (their summary.json exists) are read back, not rerun."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+
+
+def _parser() -> argparse.ArgumentParser:
+    from parity.study.presets import PRESETS
+
+    p = argparse.ArgumentParser(prog="python -m parity study", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="laptop")
+    p.add_argument("--stage", choices=["search", "arms"], default="arms",
+                   help="search: uncorrected training over the mismatch sources; arms: every correction at the "
+                        "headline setting (default)")
+    p.add_argument("--quick", action="store_true", help="2 steps, 1 seed, tiny batches (the smoke form)")
+    p.add_argument("--out", default=None, help="folder of study.json, study.md and the figures "
+                                               "(default <outputs>/study/<preset>-<stage>[-quick])")
+    p.add_argument("--outputs-dir", default=os.environ.get("PARITY_OUTPUTS", "outputs"))
+    p.add_argument("--seeds", default=None, help="comma-separated seeds (default: the preset's)")
+    p.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the preset's)")
+    p.add_argument("--eval-every", type=int, default=None)
+    p.add_argument("--concurrency", type=int, default=None, help="runs at a time (default: the preset's)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per run (default: the preset's)")
+    p.add_argument("--arms", default="", help="only arms whose name contains one of these comma-separated words")
+    p.add_argument("--extra", default="", help="more Hydra overrides for every run, space-separated")
+    p.add_argument("--tag", default="", help="a word in every run name (studies that differ only in --extra)")
+    p.add_argument("--figures-only", action="store_true", help="rewrite study.md and the figures from study.json")
+    p.add_argument("--collect", action="store_true", help="read the runs' folders as they are (unfinished ones "
+                   "marked partial) into study.json, the table and the figures, without training")
+    return p
+
+
+def _run_name(preset: str, tag: str, arm_name: str, seed: int, quick: bool) -> str:
+    from parity.paths import plain_name
+
+    slug = "".join(c if c.isalnum() or c == "." else "-" for c in arm_name.replace("=", "").replace("+", "_")
+                   .replace(" / ", "_")).strip("-")
+    while "--" in slug:
+        slug = slug.replace("--", "-")
+    return plain_name(f"study-{preset}{'-quick' if quick else ''}{f'-{tag}' if tag else ''}-{slug}-s{seed}",
+                      "trainer.run_name")
+
+
+def _host() -> dict:
+    info = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count()}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+        info["cpu_bf16"] = "avx512_bf16" in flags or "amx_bf16" in flags
+        names = [ln.split(":", 1)[1].strip() for ln in flags.splitlines() if ln.startswith("model name")]
+        info["cpu"] = names[0] if names else None
+    except OSError:
+        pass
+    return info
+
+
+def _error_line(text: str) -> str:
+    """The line of a failed run's log that says what went wrong (not Hydra's closing hint)."""
+    lines = [ln for ln in text.strip().splitlines() if ln.strip() and "HYDRA_FULL_ERROR" not in ln]
+    return (lines or ["failed"])[-1][:160]
+
+
+def write_outputs(study: dict, out: Path) -> list[str]:
+    from parity.study.report import arm_rows, figures, table
+
+    study["arms"] = arm_rows(study["runs"])
+    (out / "study.json").write_text(json.dumps(study, indent=1, default=str))
+    head = (f"# Study `{study['preset']}` ({study['stage']}{', quick' if study.get('quick') else ''})\n\n"
+            f"{study.get('note', '')}\n\nCommand: `{study['command']}`  \nDate: {study['date']}; host: "
+            f"{json.dumps(study['host'])}; wall time {study.get('wall_s', 0):.0f} s; {len(study['runs'])} runs, "
+            f"{study['steps']} steps each, seeds {study['seeds']}.\n\n")
+    (out / "study.md").write_text(head + table(study["runs"]))
+    try:
+        return [str(p) for p in figures(study["runs"], out, f"{study['preset']} / {study['stage']}")]
+    except ImportError as e:  # matplotlib is not part of the numerical core (a bare GPU image may lack it)
+        print(f"study: figures skipped ({e}); rerun with --figures-only where matplotlib is installed", flush=True)
+        return []
+
+
+def main(argv: list[str]) -> dict:
+    from parity.study.presets import PRESETS, QUICK
+    from parity.study.runs import RunSpec, prepare_model, run_all
+
+    a = _parser().parse_args(argv)
+    preset = PRESETS[a.preset]
+    out = Path(a.out or Path(a.outputs_dir) / "study" / f"{a.preset}-{a.stage}{'-quick' if a.quick else ''}")
+    if a.figures_only:
+        study = json.loads((out / "study.json").read_text())
+        return {"command": "study", "out": str(out), "figures": write_outputs(study, out)}
+    arms = list(preset.search if a.stage == "search" else preset.arms)
+    if a.arms:
+        words = [w.strip() for w in a.arms.split(",") if w.strip()]
+        arms = [x for x in arms if any(w in x.name for w in words)]
+        if not arms:
+            raise ValueError(f"--arms {a.arms!r}: no arm of preset {a.preset} ({a.stage}) matches")
+    seeds = [int(s) for s in a.seeds.split(",")] if a.seeds else list(preset.seeds)
+    steps = a.steps or (2 if a.quick else preset.steps)
+    eval_every = a.eval_every or (1 if a.quick else preset.eval_every)
+    if a.quick and not a.seeds:
+        seeds = seeds[:1]
+    base = [f"experiment={preset.experiment}", *preset.base, f"trainer.total_steps={steps}",
+            f"trainer.eval_every={eval_every}"]
+    if a.quick:
+        base += list(preset.quick or QUICK)
+    base += a.extra.split()
+    specs = [RunSpec(_run_name(a.preset, a.tag, x.name, s, a.quick), x.name, s,
+                     (*base, *x.overrides(), f"trainer.seed={s}"), x.labels())
+             for x in arms for s in seeds]
+    out.mkdir(parents=True, exist_ok=True)
+    if a.collect:
+        from parity.study.runs import read_run
+
+        prev = json.loads((out / "study.json").read_text()) if (out / "study.json").is_file() else {}
+        runs = []
+        for s in specs:
+            run_dir = Path(a.outputs_dir) / "runs" / s.name
+            if (run_dir / "metrics.jsonl").is_file():
+                runs.append(read_run(s, run_dir))
+        study = {**{k: v for k, v in prev.items() if k != "runs"}, "preset": a.preset, "stage": a.stage,
+                 "quick": a.quick, "note": preset.note, "steps": steps, "seeds": seeds, "runs": runs,
+                 "collected": True, "date": prev.get("date", time.strftime("%Y-%m-%d")),
+                 "host": prev.get("host", _host()), "command": prev.get("command", "python -m parity study " +
+                                                                         " ".join(shlex.quote(x) for x in argv))}
+        return {"command": "study", "out": str(out), "runs": len(runs), "figures": write_outputs(study, out)}
+    concurrency = a.concurrency or (1 if a.quick else preset.concurrency)
+    threads = a.threads or preset.threads_per_run
+    t0 = time.time()
+    print(f"study {a.preset}/{a.stage}: {len(specs)} runs ({len(arms)} arms x {len(seeds)} seeds), {steps} steps, "
+          f"{concurrency} at a time; preparing the warm start", flush=True)
+    prep = prepare_model(base, a.outputs_dir, max(threads, min(os.cpu_count() or 1, 8)), in_process=concurrency <= 1)
+    print(f"study: model {prep.get('model_dir')} (held-out {prep.get('heldout_accuracy')}) after "
+          f"{time.time() - t0:.0f} s", flush=True)
+    study = {"preset": a.preset, "stage": a.stage, "quick": a.quick, "note": preset.note,
+             "command": "python -m parity study " + " ".join(shlex.quote(x) for x in argv),
+             "date": time.strftime("%Y-%m-%d"), "host": _host(), "steps": steps, "seeds": seeds,
+             "model": prep, "runs": []}
+
+    finished: list[dict] = []
+
+    def done(r: dict, k: int, n: int, elapsed: float) -> None:
+        finished.append(r)  # study.json grows run by run: an interrupted study keeps what it measured
+        (out / "study.json").write_text(json.dumps({**study, "runs": finished, "partial": True}, indent=1, default=str))
+        brief = _error_line(r["error"]) if "error" in r else (
+            f"reward {r['initial_reward']:.3f} -> {r['final_reward']:.3f}, held-out "
+            f"{r['heldout_initial']} -> {r['heldout_final']}, collapse {r['collapse_step']}")
+        print(f"[{elapsed:6.0f} s {k}/{n}] {r['arm']} seed {r['seed']}: {brief}", flush=True)
+
+    study["runs"] = run_all(specs, a.outputs_dir, concurrency, threads, out / "logs", done, preset.env)
+    study["wall_s"] = round(time.time() - t0, 1)
+    figs = write_outputs(study, out)
+    print((out / "study.md").read_text(), flush=True)
+    failed = [r["name"] for r in study["runs"] if "error" in r]
+    if failed:
+        print(f"study: {len(failed)} runs failed (logs in {out / 'logs'}): {', '.join(failed)}", file=sys.stderr)
+    return {"command": "study", "out": str(out), "runs": len(specs), "failed": len(failed),
+            "wall_s": study["wall_s"], "figures": figs}

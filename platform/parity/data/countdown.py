@@ -1,0 +1,234 @@
+"""Countdown: reach a target from given numbers with + - * (and / where enabled), each number used once.
+
+A reasoning task whose worked solutions vary in length between samples of one prompt: the teacher that
+warm-starts the model writes a search trace, one attempt a line (each attempt combines two numbers at a time
+until one is left, then says whether it hit the target), stops at the first hit and boxes its expression,
+or gives up after `max_attempts` misses and boxes its closest attempt, which is wrong. So a response's length
+is the number of attempts it needed, and the long responses are the give-ups: length and correctness
+correlate, as they do in the long chains of thought the published mismatch collapses were seen on.
+
+    prompt:    Use 3 5 7 to make 22.
+    response:  7+5=12 12*3=36 no
+               3*5=15 15+7=22 yes
+               \\boxed{3*5+7}
+
+Deterministic: a problem is a function of (data.countdown.seed, split, index); every problem has a solution
+(its target is the value of a random combination of its numbers). Train and test are disjoint: a problem
+(its numbers as a multiset and its target) belongs to the test split iff a hash of it falls in the test
+bucket. The reference answer handed to the grader is `countdown:3,5,7=22` (parity.rewards.countdown
+checks the boxed expression itself: no eval, bounded size)."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from parity.data.arithmetic import Problem
+from parity.errors import DataError
+
+ANSWER_PREFIX = "countdown:"
+TEST_BUCKETS = 10
+OPS = ("+", "-", "*", "/")
+_PREC = {"+": 1, "-": 1, "*": 2, "/": 2}
+
+
+@dataclass(frozen=True)
+class Term:
+    """A number on the board: its value, the expression that made it, and that expression's precedence
+    (3 for a literal), so expressions are written with the fewest parentheses."""
+
+    value: int
+    expr: str
+    prec: int = 3
+
+
+def encode_answer(numbers: list[int] | tuple[int, ...], target: int) -> str:
+    return f"{ANSWER_PREFIX}{','.join(str(n) for n in numbers)}={target}"
+
+
+def decode_answer(answer: str) -> tuple[list[int], int]:
+    """(numbers, target) of a `countdown:a,b,c=t` reference; ValueError naming the text otherwise."""
+    if not answer.startswith(ANSWER_PREFIX):
+        raise ValueError(f"not a countdown reference: {answer[:60]!r}")
+    body = answer[len(ANSWER_PREFIX):]
+    nums, sep, target = body.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return [int(x) for x in nums.split(",")], int(target)
+    except ValueError:
+        raise ValueError(f"malformed countdown reference {answer[:60]!r}; expected countdown:3,5,7=22") from None
+
+
+def combine(a: Term, b: Term, op: str, max_value: int) -> Term | None:
+    """a op b as a new board number, or None when the result leaves the task's rules: non-positive,
+    fractional or above `max_value`."""
+    if op == "+":
+        v = a.value + b.value
+    elif op == "-":
+        v = a.value - b.value
+    elif op == "*":
+        v = a.value * b.value
+    elif op == "/":
+        if b.value <= 1 or a.value % b.value:
+            return None
+        v = a.value // b.value
+    else:
+        raise ValueError(f"unknown countdown operation {op!r}; known: {' '.join(OPS)}")
+    if v <= 0 or v > max_value:
+        return None
+    p = _PREC[op]
+    left = a.expr if a.prec >= p else f"({a.expr})"
+    # a right operand of equal precedence needs parentheses under - and / (a-(b-c), a/(b/c))
+    right = b.expr if b.prec > p or (b.prec == p and op in "+*") else f"({b.expr})"
+    return Term(v, f"{left}{op}{right}", p)
+
+
+def random_path(rng: random.Random, numbers: list[int], ops: list[str], max_value: int
+                ) -> tuple[list[str], Term]:
+    """One attempt: repeatedly combine two board numbers (a random ordered pair and a random operation that
+    keeps the board within the rules) until one is left. Returns the written steps ("3*5=15") and the
+    final term."""
+    board = [Term(n, str(n)) for n in numbers]
+    steps = []
+    for _ in range(1000):
+        if len(board) == 1:
+            return steps, board[0]
+        i, j = rng.sample(range(len(board)), 2)
+        options = [(op, t) for op in rng.sample(ops, len(ops)) if (t := combine(board[i], board[j], op, max_value))]
+        if not options:  # e.g. a - b with a < b: the other order
+            i, j = j, i
+            options = [(op, t) for op in ops if (t := combine(board[i], board[j], op, max_value))]
+            if not options:  # both orders leave the rules (only possible under max_value): another pair
+                continue
+        op, t = options[0]
+        steps.append(f"{board[i].value}{op}{board[j].value}={t.value}")
+        board = [b for k, b in enumerate(board) if k not in (i, j)] + [t]
+    raise DataError(f"countdown: no operation combines the numbers {numbers} within data.countdown.max_value={max_value}")
+
+
+@dataclass(frozen=True)
+class Trace:
+    text: str  # the attempts and the boxed answer (no EOS)
+    attempts: int
+    solved: bool
+
+
+def teacher_trace(rng: random.Random, numbers: list[int], target: int, ops: list[str], max_value: int,
+                  max_attempts: int) -> Trace:
+    """The warm-start teacher: random attempts (distinct step sequences) until one hits the target, or
+    `max_attempts` misses, after which it boxes the attempt that came closest (a wrong answer)."""
+    lines, seen = [], set()
+    best: tuple[int, str] | None = None
+    for _ in range(20 * max_attempts):
+        if len(lines) >= max_attempts:
+            break
+        steps, final = random_path(rng, numbers, ops, max_value)
+        key = " ".join(steps)
+        if key in seen:
+            continue
+        seen.add(key)
+        hit = final.value == target
+        lines.append(f"{key} {'yes' if hit else 'no'}")
+        if hit:
+            return Trace("\n".join(lines) + f"\n\\boxed{{{final.expr}}}", len(lines), True)
+        if best is None or abs(final.value - target) < best[0]:
+            best = (abs(final.value - target), final.expr)
+    assert best is not None
+    return Trace("\n".join(lines) + f"\n\\boxed{{{best[1]}}}", len(lines), False)
+
+
+def _is_test(numbers: list[int], target: int) -> bool:
+    key = f"{sorted(numbers)}->{target}"
+    return int(hashlib.sha1(key.encode()).hexdigest()[:8], 16) % TEST_BUCKETS == 0
+
+
+def _check_cfg(cfg: Any) -> tuple[int, int, list[str]]:
+    lo, hi = int(cfg.min_numbers), int(cfg.max_numbers)
+    if not 2 <= lo <= hi <= 6:
+        raise DataError(f"config keys `data.countdown.min_numbers/max_numbers`: need 2 <= min <= max <= 6, got {lo}, {hi}")
+    ops = [str(o) for o in cfg.ops]
+    bad = [o for o in ops if o not in OPS]
+    if bad or not ops:
+        raise DataError(f"config key `data.countdown.ops`: unknown operation(s) {bad or ops}; known: {' '.join(OPS)}")
+    if not 1 <= int(cfg.min_target) <= int(cfg.max_target):
+        raise DataError("config keys `data.countdown.min_target/max_target`: need 1 <= min_target <= max_target, got "
+                        f"{cfg.min_target}, {cfg.max_target}")
+    if int(cfg.max_number) < 1:
+        raise DataError(f"config key `data.countdown.max_number`: must be >= 1, got {cfg.max_number}")
+    return lo, hi, ops
+
+
+def draw_problem(rng: random.Random, cfg: Any) -> tuple[list[int], int]:
+    """Numbers of a random level and the value of a random combination of them as the target (so a solution
+    exists), redrawn until the target lies in [min_target, max_target]."""
+    lo, hi, ops = _check_cfg(cfg)
+    for _ in range(10_000):
+        numbers = [rng.randint(1, int(cfg.max_number)) for _ in range(rng.randint(lo, hi))]
+        _, final = random_path(rng, numbers, ops, int(cfg.max_value))
+        if int(cfg.min_target) <= final.value <= int(cfg.max_target):
+            return numbers, final.value
+    raise DataError("data.countdown: no target in [min_target, max_target] after 10,000 draws; widen the range")
+
+
+def problem_text(numbers: list[int], target: int) -> str:
+    return f"Use {' '.join(str(n) for n in numbers)} to make {target}."
+
+
+def _problem(split: str, index: int, numbers: list[int], target: int) -> Problem:
+    return Problem(id=f"countdown-{split}-{index}", problem=problem_text(numbers, target),
+                   answer=encode_answer(numbers, target))
+
+
+def countdown_problems(split: str, n: int, cfg: Any, seed_offset: int = 0) -> list[Problem]:
+    """`n` distinct problems of `split` ('train' or 'test'), deterministic in (cfg.seed, seed_offset)."""
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    rng = random.Random(f"countdown:{cfg.seed}:{split}:{seed_offset}")
+    out: list[Problem] = []
+    seen: set[str] = set()
+    for _ in range(200 * n + 10_000):
+        if len(out) >= n:
+            return out
+        numbers, target = draw_problem(rng, cfg)
+        key = f"{sorted(numbers)}->{target}"
+        if key in seen or _is_test(numbers, target) != (split == "test"):
+            continue
+        seen.add(key)
+        out.append(_problem(split, len(out), numbers, target))
+    raise DataError(f"could not draw {n} distinct {split} countdown problems; widen data.countdown's ranges")
+
+
+def problem_numbers(p: Problem) -> tuple[list[int], int]:
+    return decode_answer(p.answer)
+
+
+class CountdownStream:
+    """Endless deterministic stream of train problems; its position is part of the checkpoint."""
+
+    def __init__(self, cfg: Any, seed: int = 0) -> None:
+        _check_cfg(cfg)
+        self.cfg, self.seed, self.position = cfg, seed, 0
+
+    def take(self, n: int) -> list[Problem]:
+        out = []
+        while len(out) < n:
+            rng = random.Random(f"countdown:{self.cfg.seed}:stream:{self.seed}:{self.position}")
+            self.position += 1
+            numbers, target = draw_problem(rng, self.cfg)
+            if not _is_test(numbers, target):
+                out.append(_problem("train", self.position - 1, numbers, target))
+        return out
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = int(state["position"])
+
+
+def countdown_demonstration(p: Problem, cfg: Any, rng: random.Random) -> Trace:
+    numbers, target = decode_answer(p.answer)
+    return teacher_trace(rng, numbers, target, [str(o) for o in cfg.ops], int(cfg.max_value), int(cfg.max_attempts))

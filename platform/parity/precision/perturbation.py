@@ -1,0 +1,140 @@
+"""A controlled mismatch dial: the rollout engine samples with theta + Delta while the trainer learns theta.
+
+    Delta = sigma * eps * |theta_0|,   eps ~ N(0, 1) per weight,   theta_0 = the run's starting model
+
+(the score-centering paper's fixed-bias mismatch). `fixed`: one Delta for the whole run (drawn from `seed`),
+re-applied after every weight sync, so the sampler's bias points the same way step after step, like a
+quantization error does. `redraw`: a new Delta at every sync (draw k at sync k), the control that breaks the
+fixed-bias feedback loop. Every draw is a pure function of (seed, draw, parameter name, theta_0), so the
+engine side (which perturbs) and the trainer side (which measures how far the policy drifted along Delta)
+compute the same Delta independently, on any runner, across resumes.
+
+The perturbation is applied to full-precision tensors before the engine's own format (a quantized engine
+quantizes theta + Delta), through the engine's ordinary weight sync, so it works for every engine."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MODES = ("fixed", "redraw")
+
+
+def _get(node: Any, key: str, default: Any) -> Any:
+    if node is None:
+        return default
+    if isinstance(node, dict):
+        return node.get(key, default)
+    return getattr(node, key, default)
+
+
+def perturbation_of(precision: Any) -> tuple[float, str, int]:
+    """(sigma, mode, seed) of a precision's `perturbation` section; ValueError naming the key if invalid."""
+    p = _get(precision, "perturbation", None)
+    sigma, mode, seed = float(_get(p, "sigma", 0.0)), str(_get(p, "mode", "fixed")), int(_get(p, "seed", 0))
+    if not sigma >= 0.0:
+        raise ValueError(f"config key `rollout.precision.perturbation.sigma`: must be >= 0, got {sigma}")
+    if mode not in MODES:
+        raise ValueError(f"config key `rollout.precision.perturbation.mode`: must be one of {', '.join(MODES)}, "
+                         f"got {mode!r}")
+    return sigma, mode, seed
+
+
+def is_perturbed(precision: Any) -> bool:
+    return perturbation_of(precision)[0] > 0.0
+
+
+def _seed(seed: int, draw: int, name: str) -> int:
+    h = hashlib.blake2b(f"perturbation:{seed}:{draw}:{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & ((1 << 63) - 1)
+
+
+def load_reference(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """theta_0: the named parameters (HF names, as a trainer's weight sync sends them) of the model in
+    `model_dir`, float32 on the CPU."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+class Perturbation:
+    """Delta draws for one run. `delta(name, draw)` is float32 on the CPU; `fixed` caches its one draw."""
+
+    def __init__(self, reference: dict[str, torch.Tensor], sigma: float, mode: str = "fixed", seed: int = 0) -> None:
+        if mode not in MODES:
+            raise ValueError(f"perturbation mode must be one of {', '.join(MODES)}, got {mode!r}")
+        self.sigma, self.mode, self.seed = float(sigma), mode, int(seed)
+        self.scale = {n: (self.sigma * t.float().abs()) for n, t in reference.items()}
+        self._cache: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def from_precision(cls, precision: Any, model_dir: str | Path) -> Perturbation | None:
+        """The run's perturbation, or None when sigma is 0 (then nothing is loaded or touched)."""
+        sigma, mode, seed = perturbation_of(precision)
+        return cls(load_reference(model_dir), sigma, mode, seed) if sigma > 0 else None
+
+    def draw_index(self, syncs: int) -> int:
+        """Which draw the engine holds after `syncs` weight syncs (0 = the starting weights)."""
+        return 0 if self.mode == "fixed" else int(syncs)
+
+    def delta(self, name: str, draw: int) -> torch.Tensor:
+        if name not in self.scale:
+            raise KeyError(f"perturbation: the starting model has no parameter {name!r}")
+        draw = self.draw_index(draw)
+        if self.mode == "fixed" and name in self._cache:
+            return self._cache[name]
+        scale = self.scale[name]
+        g = torch.Generator().manual_seed(_seed(self.seed, draw, name))
+        d = torch.randn(scale.shape, generator=g, dtype=torch.float32) * scale
+        if self.mode == "fixed":
+            self._cache[name] = d
+        return d
+
+    def apply(self, named_tensors: Iterable[tuple[str, torch.Tensor]], draw: int
+              ) -> Iterator[tuple[str, torch.Tensor]]:
+        """theta + Delta, tensor by tensor, each in its own dtype and device (added in float32)."""
+        for name, t in named_tensors:
+            yield name, (t.float() + self.delta(name, draw).to(t.device)).to(t.dtype)
+
+    def describe(self) -> dict:
+        return {"sigma": self.sigma, "mode": self.mode, "seed": self.seed}
+
+
+class DriftProbe:
+    """How far the trained policy moved along the sampler's bias: cos(theta_t - theta_0, Delta) over all the
+    policy's parameters (float64 sums). Positive and rising: the policy drifts toward the sampler's weights,
+    the feedback loop score centering removes; about 0 under `redraw`."""
+
+    def __init__(self, perturbation: Perturbation, reference: dict[str, torch.Tensor], device: torch.device) -> None:
+        self.p = perturbation
+        self.theta0 = {n: t.to(device) for n, t in reference.items()}
+
+    @classmethod
+    def from_precision(cls, precision: Any, model_dir: str | Path, device: torch.device) -> DriftProbe | None:
+        sigma, mode, seed = perturbation_of(precision)
+        if sigma <= 0:
+            return None
+        ref = load_reference(model_dir)
+        return cls(Perturbation(ref, sigma, mode, seed), ref, device)
+
+    @torch.no_grad()
+    def cosine(self, named_parameters: Iterable[tuple[str, torch.Tensor]], draw: int) -> float:
+        dot = torch.zeros((), dtype=torch.float64)
+        nd = torch.zeros((), dtype=torch.float64)
+        ns = torch.zeros((), dtype=torch.float64)
+        for name, p in named_parameters:
+            if name not in self.theta0:
+                continue
+            step = (p.detach().double() - self.theta0[name].double()).reshape(-1)
+            d = self.p.delta(name, draw).to(p.device, torch.float64).reshape(-1)
+            dot, nd, ns = dot + (step @ d).cpu(), nd + (d @ d).cpu(), ns + (step @ step).cpu()
+        den = float(nd.sqrt() * ns.sqrt())
+        return float(dot) / den if den > 0 else 0.0
+
+
+__all__ = ["Perturbation", "DriftProbe", "perturbation_of", "is_perturbed", "load_reference", "MODES"]

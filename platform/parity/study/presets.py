@@ -1,0 +1,142 @@
+"""The collapse-and-rescue study's presets: which model and task, which mismatch sources, corrections and
+objectives, how many seeds and steps, and how many runs at a time.
+
+An arm is one (mismatch source, correction, objective) combination; a study runs every arm once per seed. Each
+preset has two stages: `search`, the dose-response of uncorrected training over the mismatch sources (where does
+it degrade?), and `arms`, every correction at the headline setting the search found. `--quick` shrinks any preset
+to seconds (2 steps, 1 seed, tiny batches), the form `make test` runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# mismatch sources: the rollout engine's difference from the trainer
+SOURCES: dict[str, list[str]] = {
+    "bf16": [],
+    "int8+int4kv": ["+precision=w8a8_int8_kv_int4"],
+    "w4a4+int4kv": ["rollout.precision.weights=int4", "rollout.precision.activations=int4",
+                    "rollout.precision.kv_cache=int4_per_token_head"],
+    "fp8+int4kv_norot": ["rollout.precision.weights=fp8", "rollout.precision.activations=fp8",
+                         "rollout.precision.kv_cache=int4_per_token_head", "rollout.precision.kv_hadamard=false"],
+}
+
+
+def sigma_source(sigma: float, mode: str = "fixed") -> tuple[str, list[str]]:
+    name = f"sigma={sigma:g}" + ("" if mode == "fixed" else f" {mode}")
+    return name, [f"rollout.precision.perturbation.sigma={sigma:g}", f"rollout.precision.perturbation.mode={mode}"]
+
+
+TOPK = ["rollout.topk_logprobs=64"]
+CORRECTIONS: dict[str, list[str]] = {
+    "none": ["algorithm.correction.name=none"],
+    "tis": ["algorithm.correction.name=tis"],
+    "icepop": ["algorithm.correction.name=icepop"],
+    "mis": ["algorithm.correction.name=mis"],
+    "score_centering": ["algorithm.correction.name=score_centering", *TOPK],
+    "score_centering+tis": ["algorithm.correction.name=score_centering+tis", *TOPK],
+    "dual (c=0.0037)": ["algorithm.correction.name=dual", "algorithm.correction.dual.c=0.0037"],
+    "dual (auto)": ["algorithm.correction.name=dual", "algorithm.correction.tolerance=auto"],
+}
+OBJECTIVES: dict[str, list[str]] = {
+    # the seeds' objective: group-normalised advantages (on-policy, one epoch: the PPO-clip gradient is REINFORCE's)
+    "grpo": ["algorithm.adv_estimator=grpo", "algorithm.norm_adv_by_std=true", "algorithm.policy_loss=reinforce"],
+    # REINFORCE on the raw 0/1 reward: no baseline, the largest sampler drift
+    "reinforce_raw": ["algorithm.adv_estimator=raw", "algorithm.policy_loss=reinforce"],
+}
+
+
+@dataclass(frozen=True)
+class Arm:
+    source: str
+    source_overrides: tuple[str, ...]
+    correction: str = "none"
+    objective: str = "grpo"
+    extra: tuple[str, ...] = ()  # e.g. plain SGD
+
+    @property
+    def name(self) -> str:
+        tail = "" if not self.extra else " " + " ".join(x.split("=")[-1] for x in self.extra)
+        return f"{self.source} / {self.correction} / {self.objective}{tail}"
+
+    def overrides(self) -> list[str]:
+        return [*self.source_overrides, *CORRECTIONS[self.correction], *OBJECTIVES[self.objective], *self.extra]
+
+    def labels(self) -> dict:
+        return {"source": self.source, "correction": self.correction, "objective": self.objective,
+                "extra": " ".join(self.extra)}
+
+
+def arm(source: str | tuple[str, list[str]], correction: str = "none", objective: str = "grpo",
+        extra: tuple[str, ...] = ()) -> Arm:
+    name, overrides = (source, SOURCES[source]) if isinstance(source, str) else source
+    return Arm(name, tuple(overrides), correction, objective, tuple(extra))
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    experiment: str
+    base: tuple[str, ...]  # overrides of every run
+    steps: int
+    eval_every: int
+    seeds: tuple[int, ...]
+    concurrency: int
+    threads_per_run: int
+    search: tuple[Arm, ...]
+    arms: tuple[Arm, ...]
+    quick: tuple[str, ...] = ()
+    note: str = ""
+    env: dict = field(default_factory=dict)
+
+
+QUICK = ("model.warm_start.steps=20", "model.warm_start.batch_size=16", "model.warm_start.eval_problems=8",
+         "trainer.eval_problems=8", "trainer.prompts_per_step=2", "rollout.n=4", "rollout.max_new_tokens=24", "trainer.eval_every=1",
+         "trainer.checkpoint_every=0", "eval.grade_workers=1", "model.tokenizer_corpus_size=500")
+
+ALL_CORRECTIONS = tuple(CORRECTIONS)
+
+
+def _full(source, objective: str = "grpo") -> tuple[Arm, ...]:
+    return tuple(arm(source, c, objective) for c in ALL_CORRECTIONS)
+
+
+def _dose(sigmas: tuple[float, ...], redraw: float, objective: str = "grpo") -> tuple[Arm, ...]:
+    return (*(arm(sigma_source(s), objective=objective) for s in sigmas),
+            arm(sigma_source(redraw, "redraw"), objective=objective))
+
+
+LAPTOP = Preset(
+    name="laptop", experiment="countdown_tiny",
+    base=("trainer.checkpoint_every=0", "trainer.prompts_per_step=8", "rollout.max_new_tokens=96",
+          "data.countdown.max_numbers=3", "trainer.eval_problems=64", "eval.grade_workers=1", "trainer.lr=2e-4"),
+    steps=60, eval_every=20, seeds=(0, 1, 2), concurrency=2, threads_per_run=1,
+    search=(arm("bf16"), *_dose((0.1, 0.2, 0.4), 0.2), arm("int8+int4kv"),
+            arm("bf16", objective="reinforce_raw"), *_dose((0.2, 0.4), 0.4, "reinforce_raw")),
+    arms=(arm("bf16"), arm(sigma_source(0.2)), arm(sigma_source(0.2), "score_centering"),
+          arm(sigma_source(0.2), "tis")),
+    note="2 CPU cores, <= 15 minutes: the arms that carry the result",
+)
+
+GPU = Preset(
+    name="gpu", experiment="countdown_gpu",
+    base=("trainer.checkpoint_every=0", "eval.grade_workers=1", "trainer.device=cuda", "trainer.micro_batch_size=32"),
+    steps=60, eval_every=20, seeds=(0, 1, 2), concurrency=16, threads_per_run=1,
+    search=(arm("bf16"), *_dose((0.05, 0.1, 0.2, 0.4), 0.2), arm("int8+int4kv"), arm("w4a4+int4kv"),
+            arm("bf16", objective="reinforce_raw"), *_dose((0.1, 0.2, 0.4), 0.2, "reinforce_raw")),
+    # the headline: raw-reward REINFORCE, whose reward fell under a fixed sigma >= 0.1 in the search, every correction
+    arms=(arm("bf16", objective="reinforce_raw"), *_full(sigma_source(0.2), "reinforce_raw")),
+    note="one H200, runs packed on the GPU and its 16 cores, within one 10-minute call",
+)
+
+CLUSTER = Preset(
+    name="cluster", experiment="seed_qwen35_9b_int8_sc",
+    base=("trainer.checkpoint_every=50",),
+    steps=200, eval_every=25, seeds=(0, 1, 2), concurrency=1, threads_per_run=8,
+    search=(arm("bf16"), arm("int8+int4kv"), arm(sigma_source(0.01)), arm(sigma_source(0.02))),
+    arms=(arm("bf16"), *_full("int8+int4kv")),
+    # the quick variant runs the same preset with the tiny model substituted, as the seed's quick preset does
+    quick=("experiment=seed_qwen35_9b_int8_sc_quick",),
+    note="a real checkpoint with vLLM on a GPU cluster (Qwen3.5-9B, the seed's INT8 W8A8 + INT4 KV rollout)",
+)
+
+PRESETS = {p.name: p for p in (LAPTOP, GPU, CLUSTER)}

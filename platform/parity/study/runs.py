@@ -1,0 +1,169 @@
+"""Running a study's training runs (each one `python -m parity train` process, several at a time) and reading
+each run's folder back into one record: its arm and seed, per-step curves, and the outcomes the table reports.
+
+A run whose folder already holds summary.json is read back, not rerun, so an interrupted study continues where it
+stopped; a failed run is recorded with its error and the others carry on."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# per-step metrics kept in study.json (the rest stay in each run's metrics.jsonl)
+CURVE_KEYS = ("reward/mean", "mismatch/abs_prob_diff_mean", "mismatch/k3_kl", "drift/delta_cosine",
+              "drift/adv_token_mean", "drift/adv_length_cov", "response/length_mean", "response/length_cv_within_group",
+              "response/entropy", "response/repeat_4gram_frac", "response/truncated_frac", "train/collapsed",
+              "correction/lambda", "correction/tolerance", "correction/masked_frac", "train/grad_norm")
+EVAL_KEYS = ("eval/accuracy", "eval/accuracy_unquantized")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    name: str  # the run's folder under <outputs>/runs (trainer.run_name)
+    arm: str
+    seed: int
+    overrides: tuple[str, ...]
+    # what the arm varies, for tables and legends: source (bf16 | sigma=0.02 fixed | int8+int4kv ...), correction,
+    # objective (grpo | reinforce_raw), optimizer
+    labels: dict = field(default_factory=dict)
+
+
+def late_mean(values: list[float], frac: float = 0.1) -> float | None:
+    """Mean of the last `frac` of a series (at least one value)."""
+    if not values:
+        return None
+    k = max(1, round(len(values) * frac))
+    return statistics.fmean(values[-k:])
+
+
+def smoothed_peak(values: list[float], window: int = 5) -> float | None:
+    """The highest mean of `window` consecutive values (the series' own max when shorter)."""
+    if not values:
+        return None
+    if len(values) < window:
+        return max(values)
+    return max(statistics.fmean(values[i:i + window]) for i in range(len(values) - window + 1))
+
+
+def read_run(spec: RunSpec, run_dir: Path, seconds: float | None = None) -> dict:
+    """The study's record of a run: a finished one, or one stopped early (no summary.json yet: marked partial,
+    its collapse step read from the metrics)."""
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    partial = not (run_dir / "summary.json").is_file()
+    steps = [r for r in rows if "reward/mean" in r]
+    if partial:
+        fired = [r["step"] for r in steps if r.get("train/collapsed") == 1.0]
+        summary = {"collapse_step": fired[0] if fired else None}
+    else:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    curves = {k: [[r["step"], r[k]] for r in steps if k in r] for k in CURVE_KEYS}
+    evals = {k: [[r["step"], r[k]] for r in rows if k in r] for k in EVAL_KEYS}
+    rewards = [r["reward/mean"] for r in steps]
+    plain = evals["eval/accuracy_unquantized"] or evals["eval/accuracy"]  # an exact rollout's own engine is that
+    cos = [v for _, v in curves["drift/delta_cosine"]]
+    return {"name": spec.name, "arm": spec.arm, "seed": spec.seed, "labels": dict(spec.labels),
+            "overrides": list(spec.overrides), "steps": len(steps), "curves": {k: v for k, v in curves.items() if v},
+            "evals": {k: v for k, v in evals.items() if v},
+            "final_reward": late_mean(rewards), "peak_reward": smoothed_peak(rewards),
+            "initial_reward": statistics.fmean(rewards[:max(1, round(len(rewards) * 0.1))]) if rewards else None,
+            "heldout_initial": plain[0][1] if plain else None, "heldout_final": plain[-1][1] if plain else None,
+            "heldout_engine_final": evals["eval/accuracy"][-1][1] if evals["eval/accuracy"] else None,
+            "collapse_step": summary.get("collapse_step"), "collapsed": summary.get("collapse_step") is not None,
+            "mismatch_mean": statistics.fmean(v for _, v in curves["mismatch/abs_prob_diff_mean"])
+            if curves["mismatch/abs_prob_diff_mean"] else None,
+            "delta_cosine_final": cos[-1] if cos else None,
+            "seconds": seconds if seconds is not None else summary.get("seconds"), "engine": summary.get("engine"),
+            "partial": partial,
+            "step_seconds": statistics.median(r["perf/step_s"] for r in steps if "perf/step_s" in r)
+            if any("perf/step_s" in r for r in steps) else None}
+
+
+def _overrides(spec: RunSpec, outputs_dir: str) -> list[str]:
+    return [f"outputs_dir={outputs_dir}", *spec.overrides, f"trainer.run_name={spec.name}"]
+
+
+def _failed(spec: RunSpec, error: str, log: Path | None = None) -> dict:
+    return {"name": spec.name, "arm": spec.arm, "seed": spec.seed, "labels": dict(spec.labels),
+            "overrides": list(spec.overrides), "error": error, "log": str(log) if log else None}
+
+
+def run_one(spec: RunSpec, outputs_dir: str, env: dict, log_dir: Path, in_process: bool = False) -> dict:
+    """Train one run (unless its folder already holds a finished one) and read it back. `in_process`: in this
+    process (one import of torch for all runs: the form for runs one at a time), else as a subprocess."""
+    run_dir = Path(outputs_dir) / "runs" / spec.name
+    t0 = time.time()
+    if not (run_dir / "summary.json").is_file():
+        if run_dir.exists():  # a run that died half-way: start it again from scratch
+            import shutil
+            shutil.rmtree(run_dir)
+        log = log_dir / f"{spec.name}.log"
+        if in_process:
+            import traceback
+
+            from parity.config import load_config
+            from parity.training.loop import train
+            try:
+                train(load_config(_overrides(spec, outputs_dir)))
+            except Exception as e:  # one failed run must not stop the study
+                log.write_text(traceback.format_exc())
+                return _failed(spec, f"{type(e).__name__}: {e}", log)
+        else:
+            cmd = [sys.executable, "-m", "parity", "train", *_overrides(spec, outputs_dir)]
+            with log.open("w") as f:
+                p = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
+            if p.returncode:
+                return _failed(spec, log.read_text()[-1500:], log)
+    return read_run(spec, run_dir, round(time.time() - t0, 1))
+
+
+def run_all(specs: list[RunSpec], outputs_dir: str, concurrency: int, threads_per_run: int, log_dir: Path,
+            on_done: Callable[[dict, int, int, float], None] | None = None, extra_env: dict | None = None) -> list[dict]:
+    """Every spec, `concurrency` at a time (subprocesses; one at a time runs in this process); results in the
+    order of `specs`."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads_per_run), MKL_NUM_THREADS=str(threads_per_run),
+               PYTHONUNBUFFERED="1", **(extra_env or {}))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    out: dict[int, dict] = {}
+    if concurrency <= 1:
+        for i, s in enumerate(specs):
+            out[i] = run_one(s, outputs_dir, env, log_dir, in_process=True)
+            if on_done is not None:
+                on_done(out[i], len(out), len(specs), time.time() - t0)
+        return [out[i] for i in range(len(specs))]
+    with ThreadPoolExecutor(max(1, concurrency)) as ex:
+        futures = {ex.submit(run_one, s, outputs_dir, env, log_dir): i for i, s in enumerate(specs)}
+        for fut in as_completed(futures):
+            i = futures[fut]
+            out[i] = fut.result()
+            if on_done is not None:
+                on_done(out[i], len(out), len(specs), time.time() - t0)
+    return [out[i] for i in range(len(specs))]
+
+
+def prepare_model(base: list[str], outputs_dir: str, env_threads: int, in_process: bool = False) -> dict:
+    """Build the shared warm start once, before the runs start (every run would otherwise race to build it)."""
+    if in_process:
+        from parity.config import load_config
+        from parity.models.prepare import prepare_model as prepare
+
+        return prepare(load_config([f"outputs_dir={outputs_dir}", *base]))
+    env = dict(os.environ, OMP_NUM_THREADS=str(env_threads), PYTHONUNBUFFERED="1")
+    p = subprocess.run([sys.executable, "-m", "parity", "prepare", f"outputs_dir={outputs_dir}", *base],
+                       env=env, capture_output=True, text=True)
+    if p.returncode:
+        raise RuntimeError(f"prepare failed:\n{p.stderr[-3000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _jsonable(x: Any) -> Any:
+    return json.loads(json.dumps(x, default=str))

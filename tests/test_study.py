@@ -1,0 +1,73 @@
+"""The collapse-and-rescue study: the table's statistics against a hand computation, and the laptop preset's
+smallest variant end to end (2 steps, 1 seed): study.json, the table and the figures are written."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from parity.study.report import arm_rows, mean_se, table
+from parity.study.runs import late_mean, smoothed_peak
+
+
+def _run(arm: str, seed: int, final: float, held: float | None, collapse: int | None) -> dict:
+    return {"name": f"{arm}-{seed}", "arm": arm, "seed": seed, "labels": {}, "initial_reward": 0.2,
+            "final_reward": final, "peak_reward": final + 0.1, "heldout_initial": 0.3, "heldout_final": held,
+            "heldout_engine_final": held, "collapse_step": collapse, "mismatch_mean": 0.01,
+            "delta_cosine_final": None, "curves": {}, "evals": {}}
+
+
+def test_mean_and_standard_error_by_hand() -> None:
+    m, se, n = mean_se([0.5, 0.7, 0.9, None])
+    # sample std of (0.5, 0.7, 0.9) = 0.2; se = 0.2 / sqrt(3)
+    assert (m, n) == (pytest.approx(0.7), 3) and se == pytest.approx(0.2 / math.sqrt(3))
+    assert mean_se([0.4]) == (0.4, None, 1) and mean_se([None, float("nan")]) == (None, None, 0)
+    assert late_mean([1.0] * 18 + [0.0, 0.5]) == pytest.approx(0.25)  # the last 10% (2 of 20)
+    assert smoothed_peak([0, 1, 1, 1, 1, 1, 0, 0], window=5) == pytest.approx(1.0)
+    assert smoothed_peak([0.2, 0.4], window=5) == 0.4
+
+
+def test_arm_rows_and_table_by_hand() -> None:
+    runs = [_run("a", 0, 0.5, 0.40, None), _run("a", 1, 0.7, 0.50, 12), _run("a", 2, 0.9, 0.60, 20),
+            _run("b", 0, 0.1, None, 5), {"name": "b-1", "arm": "b", "seed": 1, "error": "boom\nValueError: bad"}]
+    rows = {r["arm"]: r for r in arm_rows(runs)}
+    a = rows["a"]
+    assert a["seeds"] == [0, 1, 2] and a["collapsed"] == 2 and a["collapse_step_mean"] == 16
+    assert a["final_reward"]["mean"] == pytest.approx(0.7)
+    assert a["final_reward"]["se"] == pytest.approx(0.2 / math.sqrt(3))
+    assert a["heldout_final"]["se"] == pytest.approx(0.1 / math.sqrt(3))
+    assert rows["b"]["heldout_final"] == {"mean": None, "se": None, "n": 0} and rows["b"]["collapsed"] == 1
+    md = table(runs)
+    assert "| a | 3 | 0.200 ± 0.000 → 0.700 ± 0.115 (0.800 ± 0.115) | 0.300 ± 0.000 → 0.500 ± 0.058 |" in md
+    assert "| 2/3 (step 16) |" in md and "| 1/1 (step 5) |" in md
+    assert "| b | seed 1 failed | ValueError: bad |" in md
+
+
+def test_laptop_quick_study_end_to_end(tmp_path) -> None:
+    from parity.commands.study import main
+
+    out = tmp_path / "study"
+    res = main(["--preset", "laptop", "--quick", "--arms", "bf16 / none,sigma=0.2 / none", "--outputs-dir",
+                str(tmp_path / "outputs"), "--out", str(out)])
+    assert res["failed"] == 0 and res["runs"] == 2
+    study = json.loads((out / "study.json").read_text())
+    assert study["preset"] == "laptop" and study["quick"] and study["steps"] == 2 and study["seeds"] == [0]
+    runs = {r["arm"]: r for r in study["runs"]}
+    assert set(runs) == {"bf16 / none / grpo", "sigma=0.2 / none / grpo"}
+    for r in runs.values():
+        assert r["steps"] == 2 and len(r["curves"]["reward/mean"]) == 2
+        assert r["collapse_step"] is None and r["heldout_final"] is not None
+        assert "rollout.precision.perturbation.sigma=0.2" in r["overrides"] or r["arm"].startswith("bf16")
+    # the dial makes the sampler differ (the barely warm-started quick model is near-uniform: small |p - q|)
+    assert runs["sigma=0.2 / none / grpo"]["mismatch_mean"] > 100 * runs["bf16 / none / grpo"]["mismatch_mean"]
+    assert len(runs["sigma=0.2 / none / grpo"]["curves"]["drift/delta_cosine"]) == 2
+    assert {a["arm"] for a in study["arms"]} == set(runs)
+    assert "| sigma=0.2 / none / grpo | 1 |" in (out / "study.md").read_text()
+    for name in ("reward_curves.png", "drift_curves.png", "final_accuracy.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # a second call reads the finished runs back instead of training them again
+    again = main(["--preset", "laptop", "--quick", "--arms", "bf16 / none", "--outputs-dir",
+                  str(tmp_path / "outputs"), "--out", str(tmp_path / "again")])
+    assert again["failed"] == 0
