@@ -36,8 +36,14 @@ mlflow-ui: setup
 dashboard: setup  ## Streamlit dashboard on http://127.0.0.1:8501 (read-only)
 	.venv/bin/streamlit run dashboards/app.py --server.address 127.0.0.1 --server.headless true --browser.gatherUsageStats false
 
+# test: the suite with the numerical tests pinned to float32 (tests/conftest.py), then the files whose tolerances
+# follow the compute dtype once more in bfloat16, whatever the CPU (AVX2-only and AVX512-BF16/AMX machines
+# resolve model.dtype=auto differently; this way both dtypes are checked on both). The second run adds
+# ~64 s of CPU (3 min wall on a 2-core machine at load average 7, 2026-12-01).
+DTYPE_TESTS := tests/test_vllm_engine.py tests/test_precision_linear.py
 test: setup
 	$(PY) -m pytest -q --durations=25 tests
+	PARITY_TEST_DTYPE=bfloat16 $(PY) -m pytest -q $(DTYPE_TESTS)
 
 # bench: every benchmark but the soak (tests/bench/bench_soak.py, 500 RL steps with worker kills: run it alone)
 bench: setup
@@ -46,7 +52,7 @@ bench: setup
 lint: setup
 	bash scripts/lint.sh
 
-# GPU benchmark of issue 12, for a CUDA machine (see docs/PERFORMANCE.md)
+# GPU benchmark of the numerical core, for a CUDA machine (docs/PERFORMANCE.md)
 bench-gpu: setup
 	$(PY) tests/bench/bench_gpu.py
 

@@ -1,7 +1,7 @@
-"""The corrections study (issue 4): the same RL setup trained once per correction, per precision setting and
+"""The corrections study: the same RL setup trained once per correction, per precision setting and
 per seed, as concurrent `python -m parity train` processes; a JSON + Markdown table of the outcomes.
 
-    .venv/bin/python scripts/study.py --out outputs/study                 # the README's study (hours on 2 cores)
+    .venv/bin/python scripts/study.py --out outputs/study      # docs/study/README.md's study (hours on 2 cores)
     .venv/bin/python scripts/study.py --steps 20 --seeds 0 --precisions int8_int4kv --corrections none,tis
     .venv/bin/python scripts/study.py --experiment arith_tiny_moe --tag noreplay \
         --extra "algorithm.routing_replay=false"        # tiny MoE, rollout routing not replayed in training
@@ -35,7 +35,8 @@ PRECISIONS = {
     # stress: RTN INT3 weights (per channel, 7 levels), INT8 activations, INT4 KV (torch engine simulation)
     "w3a8_int4kv": ["rollout.precision.weights=int3", "rollout.precision.activations=int8",
                     "rollout.precision.kv_cache=int4_per_token_head"],
-    # issue-4 pilot: per-token RTN INT4 activations (dynamic scale, 15 levels) with INT8 / INT4 weights, INT4 KV
+    # the INT4-activation pilot (docs/study/pilot_a4.md): per-token RTN INT4 activations (dynamic scale, 15 levels)
+    # with INT8 / INT4 weights, INT4 KV
     "w8a4_int4kv": ["rollout.precision.weights=int8", "rollout.precision.activations=int4",
                     "rollout.precision.kv_cache=int4_per_token_head"],
     "w4a4_int4kv": ["rollout.precision.weights=int4", "rollout.precision.activations=int4",

@@ -1,4 +1,10 @@
-"""Shared fixtures: a session-wide outputs folder and a quickly prepared tiny model."""
+"""Shared fixtures: a session-wide outputs folder and a quickly prepared tiny model, and the compute dtype the
+numerical tests check.
+
+`model.dtype=auto` computes in bfloat16 on CPUs with native bf16 (AVX512-BF16, AMX) and in float32 on
+AVX2-only ones, so a test that left it on auto would check a different dtype on different machines. The quick
+settings pin it instead: float32, or what PARITY_TEST_DTYPE says (float32 | bfloat16). `make test` runs the
+dtype-sensitive files a second time with PARITY_TEST_DTYPE=bfloat16, whatever the CPU."""
 
 from __future__ import annotations
 
@@ -14,12 +20,28 @@ REPO = Path(__file__).resolve().parents[1]
 DATASETS = Path(os.environ.get("PARITY_DATASETS", REPO.parent / "shared" / "datasets"))
 os.environ.setdefault("PARITY_DATASETS", str(DATASETS))
 
-# Settings of a run that takes seconds: small warm start, few prompts, short responses.
-QUICK = [
+TEST_DTYPE = os.environ.get("PARITY_TEST_DTYPE", "float32")
+if TEST_DTYPE not in ("float32", "bfloat16"):
+    raise ValueError(f"PARITY_TEST_DTYPE must be float32 or bfloat16, got {TEST_DTYPE!r}")
+
+# Settings of a run that takes seconds: small warm start, few prompts, short responses, the pinned dtype.
+QUICK = [f"model.dtype={TEST_DTYPE}",
     "model.warm_start.steps=30", "model.warm_start.eval_problems=16", "trainer.eval_problems=16",
     "trainer.prompts_per_step=2", "rollout.n=4", "rollout.max_new_tokens=12", "trainer.total_steps=2",
     "trainer.checkpoint_every=1", "trainer.eval_every=0", "eval.grade_workers=1",
 ]
+
+
+@pytest.fixture(scope="session")
+def test_dtype():
+    """The torch dtype the quick settings compute in (model.dtype, see the module docstring)."""
+    import torch
+
+    return getattr(torch, TEST_DTYPE)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"parity: numerical tests check model.dtype={TEST_DTYPE} (PARITY_TEST_DTYPE)"
 
 
 @pytest.fixture(scope="session")
@@ -40,9 +62,12 @@ def quick_cfg(outputs_dir: Path):
 
 @pytest.fixture(scope="session")
 def prepared_model(quick_cfg) -> Path:
+    """The warm-started tiny model, warm-started in float32 whatever TEST_DTYPE is: its weights are test input,
+    and bf16 is emulated on AVX2 CPUs (minutes). Its folder does not depend on the dtype, so runs of any dtype
+    that prepare the same settings find it."""
     from parity.models.prepare import prepare_model
 
-    return Path(prepare_model(quick_cfg())["model_dir"])
+    return Path(prepare_model(quick_cfg("model.dtype=float32"))["model_dir"])
 
 
 # Files whose tests import Flask into this process (an in-process MLflow server app). vLLM's CPU start-up

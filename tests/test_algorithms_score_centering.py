@@ -1,4 +1,4 @@
-"""Score centering (issue 4) against float64 autograd references, through rl_objective.
+"""Score centering against float64 autograd references, through rl_objective.
 
 References are written from the definitions: the centred REINFORCE loss
     -A (w_y log p_y - sum_v sg(qhat_v w_v) log p_v)

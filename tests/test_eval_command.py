@@ -73,18 +73,55 @@ def test_corrupt_latest_checkpoint_falls_back(tmp_path):
         resolve_eval_model(_cfg(tmp_path, "eval.run_name=r2"))
 
 
+def test_run_name_latest_picks_the_newest_run(tmp_path):
+    import os
+
+    from parity.commands.evaluate import resolve_eval_model
+    from parity.models.tiny import build_tiny_model
+    from parity.models.tokenizer import build_char_tokenizer
+    from parity.training.checkpoint import CheckpointManager
+
+    model, tok = build_tiny_model("qwen3", SMALL), build_char_tokenizer()
+    old, new = CheckpointManager(tmp_path / "runs" / "b_old", keep=3), CheckpointManager(tmp_path / "runs" / "a_new")
+    old.save(5, model, tok, {})
+    new.save(1, model, tok, {})
+    os.utime(old.path(5), (1_000_000, 1_000_000))  # written long ago; the name sorts after the newer run's
+    (tmp_path / "runs" / "no_checkpoints").mkdir()
+    assert resolve_eval_model(_cfg(tmp_path, "eval.run_name=latest")) == (
+        new.path(1), "eval.run_name=latest (run a_new)")
+    (new.path(1) / "MANIFEST.json").unlink()  # the newest run has no valid checkpoint left: the next newest
+    assert resolve_eval_model(_cfg(tmp_path, "eval.run_name=latest"))[0] == old.path(5)
+    with pytest.raises(ParityError, match=r"`eval.run_name`: `latest` found no training run with a valid checkpoint"):
+        resolve_eval_model(_cfg(tmp_path / "empty", "eval.run_name=latest"))
+
+
+def test_evaluate_without_a_model_says_it_evaluates_the_prepared_default(quick_cfg, prepared_model, outputs_dir,
+                                                                          capsys):
+    from parity.__main__ import main
+    from tests.conftest import QUICK
+
+    main(["evaluate", f"outputs_dir={outputs_dir}", *QUICK, "eval.suite=[arithmetic]", "eval.limit=4",
+          "eval.max_new_tokens=6", f"eval.out_dir={outputs_dir / 'eval' / 'default-model'}"])
+    captured = capsys.readouterr()
+    assert (f"evaluate: no eval.model_path, eval.run_name or eval.registered_model given: evaluating the prepared "
+            f"default model {prepared_model}") in captured.err
+    summary = json.loads(captured.out.strip().splitlines()[-1])
+    assert summary["model"] == str(prepared_model) and summary["model_from"] == "prepared default"
+
+
 def test_evaluate_command_end_to_end(run_folder, capsys):
     """The CLI dispatcher (in-process, as `python -m parity evaluate ...` runs it): the last stdout line
     is the JSON summary, and every benchmark of the quick preset is in it."""
     from parity.__main__ import main
 
     out = run_folder / "eval" / "end-to-end"  # inside outputs_dir: eval.out_dir may not leave it
-    main(["evaluate", f"outputs_dir={run_folder}", "+eval=quick", "eval.limit=2",
-          "++eval.benchmarks.arithmetic.limit=4", "++eval.benchmarks.aime24.k=3", "eval.max_new_tokens=6",
+    main(["evaluate", f"outputs_dir={run_folder}", "eval=quick", "eval.limit=2",
+          "eval.benchmarks.arithmetic.limit=4", "eval.benchmarks.aime24.k=3", "eval.max_new_tokens=6",
           "eval.grade_workers=1", "eval.run_name=r1", f"eval.out_dir={out}"])
     captured = capsys.readouterr()
     summary = json.loads(captured.out.strip().splitlines()[-1])
     assert summary["command"] == "evaluate" and summary["model"].endswith("step_000002")
+    assert f"evaluate: model {summary['model']} (from eval.run_name)" in captured.err
     names = ["arithmetic", "aime24", "aime25", "amc23", "math500", "minerva_math", "olympiadbench"]
     assert list(summary["benchmarks"]) == names
     assert summary["benchmarks"]["aime24"]["k"] == 3 and summary["benchmarks"]["arithmetic"]["problems"] == 4

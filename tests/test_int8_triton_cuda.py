@@ -1,4 +1,4 @@
-"""INT8 W8A8 decode on CUDA (skipped without a GPU; run on the lent H200, docs/PERFORMANCE.md): a pinned tile
+"""INT8 W8A8 decode on CUDA (skipped without a GPU; run on an H200, docs/PERFORMANCE.md): a pinned tile
 configuration gives the reference product eagerly and inside a compiled graph, and the INT8 fast decode path
 (CUDA graphs, compiled layers, pinned tiles or the compiled graph's own pick) gives the plain loop's tokens and
 log-probs."""

@@ -1,4 +1,10 @@
-"""QuantLinear: every kernel path against a float64 reference built from the same codes."""
+"""QuantLinear: every kernel path against a float64 reference built from the same codes.
+
+The activations of the reference tests are in the dtype the suite checks (tests/conftest.py: float32, or
+bfloat16 with PARITY_TEST_DTYPE=bfloat16), and the tolerance is that dtype's: float32 outputs agree with the
+float64 reference to summation order, bfloat16 ones to the output's rounding (8 significant bits, twice with
+a bias). The fp8 path is `fp8_scaled_mm` where torch._scaled_mm takes the row-wise call exactly (the probe,
+`_scaled_mm_works`), else the exact simulation."""
 
 from __future__ import annotations
 
@@ -6,8 +12,14 @@ import pytest
 import torch
 from torch import nn
 
+from parity.precision import linear as linear_mod
 from parity.precision.formats import quantize_rowwise
 from parity.precision.linear import QuantLinear, quant_linear_forward, select_path
+from tests.conftest import TEST_DTYPE
+
+DTYPE = getattr(torch, TEST_DTYPE)
+TOL = {"float32": {"rtol": 1e-5, "atol": 1e-5}, "bfloat16": {"rtol": 2.0 ** -6, "atol": 1e-3}}[TEST_DTYPE]
+FP8_PATH = "fp8_scaled_mm" if linear_mod._scaled_mm_works("cpu", None) else "fp8_simulated"
 
 
 def _linear(k: int = 96, n: int = 40, bias: bool = False, seed: int = 0) -> nn.Linear:
@@ -32,12 +44,12 @@ def _w8a8_reference(x: torch.Tensor, lin: nn.Linear, fmt: str) -> torch.Tensor:
 def test_w8a8_matches_float64_reference(fmt: str) -> None:
     lin = _linear(bias=True)
     q = QuantLinear.from_linear(lin, fmt, fmt)
-    assert q.path == ("int8_simulated" if fmt == "int8" else "fp8_scaled_mm")
-    x = torch.randn(3, 7, 96)
+    assert q.path == ("int8_simulated" if fmt == "int8" else FP8_PATH)
+    x = torch.randn(3, 7, 96).to(DTYPE)
     y = q(x)
-    assert y.dtype == torch.float32 and y.shape == (3, 7, 40)
+    assert y.dtype == DTYPE and y.shape == (3, 7, 40)
     ref = _w8a8_reference(x, lin, fmt)
-    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y.double(), ref, **TOL)
     # and it is really quantized: far from the float64 product of the unquantized tensors
     exact = x.double() @ lin.weight.detach().double().t() + lin.bias.detach().double()
     assert (y.double() - exact).abs().max() > 1e-3
@@ -74,10 +86,50 @@ def test_int8_paths_give_identical_results() -> None:
 def test_fp8_paths_agree() -> None:
     lin = _linear()
     wq, ws = quantize_rowwise(lin.weight.detach(), "fp8")
-    x = torch.randn(9, 96)
-    a = quant_linear_forward(x, wq, ws, None, "fp8", "fp8", "fp8_scaled_mm")
+    x = torch.randn(9, 96).to(DTYPE)
     b = quant_linear_forward(x, wq, ws, None, "fp8", "fp8", "fp8_simulated")
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    try:
+        a = quant_linear_forward(x, wq, ws, None, "fp8", "fp8", "fp8_scaled_mm")
+    except (RuntimeError, NotImplementedError) as e:  # this torch's CPU _scaled_mm refuses the row-wise call
+        assert FP8_PATH == "fp8_simulated", f"the probe passed, but the call fails: {e}"
+        return
+    if FP8_PATH == "fp8_scaled_mm":
+        torch.testing.assert_close(a.double(), b.double(), **TOL)
+    else:  # the probe said no for a dtype this torch computes wrongly; the layer never takes this path
+        assert select_path("fp8", "fp8", torch.device("cpu"), 96, 40) == "fp8_simulated"
+
+
+class _PerTensorScaledMM:
+    """Stand-in for a torch build whose CPU _scaled_mm takes per-tensor scales only: it either refuses row-wise
+    scales or applies the first one to every row (what uniform probe scales would not reveal)."""
+
+    def __init__(self, real, refuse: bool) -> None:
+        self.real, self.refuse = real, refuse
+
+    def __call__(self, a, b, scale_a, scale_b, out_dtype=None, **kw):
+        if scale_a.numel() > 1 or scale_b.numel() > 1:
+            if self.refuse:
+                raise RuntimeError("Only per-tensor scaling is supported on CPU")
+            scale_a, scale_b = scale_a.reshape(-1)[:1].reshape(()), scale_b.reshape(-1)[:1].reshape(())
+        return self.real(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, **kw)
+
+
+@pytest.mark.parametrize("refuse", [True, False])
+def test_probe_falls_back_to_the_exact_simulation_on_a_per_tensor_only_build(monkeypatch, refuse: bool) -> None:
+    if not hasattr(torch, "_scaled_mm"):
+        pytest.skip("this torch has no _scaled_mm")
+    monkeypatch.setattr(torch, "_scaled_mm", _PerTensorScaledMM(torch._scaled_mm, refuse))
+    linear_mod._scaled_mm_works.cache_clear()
+    try:
+        assert not linear_mod._scaled_mm_works("cpu", None)
+        lin = _linear(bias=True)
+        q = QuantLinear.from_linear(lin, "fp8", "fp8")
+        assert q.path == "fp8_simulated"
+        x = torch.randn(5, 96).to(DTYPE)
+        torch.testing.assert_close(q(x).double(), _w8a8_reference(x, lin, "fp8"), **TOL)
+    finally:
+        monkeypatch.undo()
+        linear_mod._scaled_mm_works.cache_clear()
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
@@ -93,10 +145,10 @@ def test_mixed_formats_use_simulation() -> None:
     lin = _linear()
     q = QuantLinear.from_linear(lin, "int8", "fp8")
     assert q.path == "wint8afp8_simulated"
-    x = torch.randn(4, 96)
+    x = torch.randn(4, 96).to(DTYPE)
     xq, xs = quantize_rowwise(x, "fp8")
     ref = (xq.double() * xs.double()) @ q.dequantized_weight(torch.float64).t()
-    torch.testing.assert_close(q(x).double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(q(x).double(), ref, **TOL)
 
 
 @pytest.mark.parametrize("fmts", [("int8", "int8"), ("fp8", "fp8"), ("int8", "bf16"), ("bf16", "bf16")])

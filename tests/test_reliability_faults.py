@@ -1,4 +1,4 @@
-"""Reliability under faults (issue 14), each through the real component: non-finite training steps through the
+"""Reliability under faults, each through the real component: non-finite training steps through the
 real loop, a full disk under a checkpoint write (a real RLIMIT_FSIZE in a forked child), an in-process trainer
 SIGKILLed mid-run and resumed, the MLflow server stopped and restarted under a training run, the registry database
 locked by another connection. docs/RELIABILITY.md maps every case to its test."""

@@ -1,4 +1,4 @@
-"""Bad inputs (issue 14): malformed datasets through the train command, responses that attack the grader, bad
+"""Bad inputs: malformed datasets through the train command, responses that attack the grader, bad
 configs; each gives one clear error or a zero score. docs/RELIABILITY.md maps every case to its test."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Security (issue 14): services on 127.0.0.1, a dashboard without a write path, names that cannot leave outputs/,
+"""Security: services on 127.0.0.1, a dashboard without a write path, names that cannot leave outputs/,
 SQL as bound parameters, no eval/exec anywhere, secrets kept out of logs, MLflow params and the dashboard.
 docs/RELIABILITY.md maps every case to its test."""
 
@@ -61,7 +61,7 @@ def test_local_services_listen_on_loopback_only(quick_cfg, tmp_path):
 
     # a local Ray as `distributed.enabled=true` starts it, with an actor (a worker process) running
     dcfg = quick_cfg("distributed.enabled=true", "distributed.num_rollout_workers=1", "distributed.num_cpus=1").distributed
-    # listeners this test process already had (servers of earlier tests in the same session) are not Ray's
+    # listeners this test process already had (servers of earlier tests in the same pytest session) are not Ray's
     before = set(_listening(_tree(os.getpid())))
     with ray_session(dcfg) as info:
         assert info["started"]

@@ -3,7 +3,12 @@
 Stage commands (prepare, train, quantize, validate, evaluate, pipeline, ...) are Hydra applications:
 `--cfg job --resolve`, `--config-dir DIR`, `--multirun` work as Hydra users know them. Each command is a
 module parity.commands.<name> with `run(cfg) -> dict`; flag-style commands (grade) define `main(argv)`.
-The last stdout line of every command is a one-line JSON summary of its result."""
+The last stdout line of every command is a one-line JSON summary of its result.
+
+`--help` (alone, or after a command) is answered from the command modules' sources without importing them
+(parity.commands._help); `--help-full` is Hydra's own help page (the whole config), `--hydra-help` Hydra's
+flags. An override naming a key the schema lacks stops the command before Hydra composes
+(parity.config.keys), with the same one-line message whether it was written `a.b=1` or `+a.b=1`."""
 
 from __future__ import annotations
 
@@ -39,38 +44,93 @@ def _fail(msg: str, code: int = 2) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     known = _commands()
-    if not argv or argv[0] in ("-h", "--help"):
-        print(f"usage: python -m parity <command> [overrides...]\ncommands: {', '.join(known)}")
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        from parity.commands._help import overview
+
+        print(overview(known))
         return
     cmd, rest = argv[0], argv[1:]
     if cmd not in known:
-        _fail(f"unknown command {cmd!r}; known: {', '.join(known)}")
-    module = importlib.import_module(f"parity.commands.{cmd}")
+        import difflib
+
+        close = difflib.get_close_matches(cmd, known, n=1)
+        _fail(f"unknown command {cmd!r}{'; did you mean ' + close[0] + '?' if close else ''} "
+              f"(known: {', '.join(known)}; `python -m parity --help` describes them)")
     if cmd in FLAG_COMMANDS:
+        module = importlib.import_module(f"parity.commands.{cmd}")
+        if any(a in ("-h", "--help") for a in rest):
+            from parity.commands._help import command_doc
+
+            d = command_doc(cmd)
+            print(module._parser().format_help().rstrip() + "\n\nexamples:\n" +
+                  "\n".join(f"  {e}" for e in d["examples"]))
+            return
         try:
             _emit(module.main(rest))
         except (ValueError, FileNotFoundError) as e:
             _fail(str(e))
         return
-    _run_hydra(cmd, module, rest)
+    if any(a in ("-h", "--help") for a in rest):
+        from parity.commands._help import command_help
+
+        print(command_help(cmd))
+        return
+    _run_hydra(cmd, ["--help" if a == "--help-full" else a for a in rest])
 
 
-def _run_hydra(cmd: str, module, rest: list[str]) -> None:
-    import hydra
-    from omegaconf import DictConfig
+# Hydra's command-line flags that take a value (the rest of the arguments are overrides or plain flags)
+_VALUE_FLAGS = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn", "--config-dir",
+                "-cd", "--experimental-rerun"}
+_INFO_CHOICES = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}
 
-    from parity.config import ConfigError, config_dir, normalize_overrides, register_schema, validate_config
+
+def _split_args(rest: list[str]) -> tuple[list[str], list[str]]:
+    """(overrides, config dirs given with --config-dir) out of a Hydra command line."""
+    overrides, dirs, i = [], [], 0
+    while i < len(rest):
+        a = rest[i]
+        if a.startswith("-"):
+            flag, _, value = a.partition("=")
+            if flag in _VALUE_FLAGS and not value and i + 1 < len(rest):
+                i, value = i + 1, rest[i + 1]
+            elif flag in ("--info", "-i") and not value and i + 1 < len(rest) and rest[i + 1] in _INFO_CHOICES:
+                i += 1
+            if flag in ("--config-dir", "-cd") and value:
+                dirs.append(value)
+        else:
+            overrides.append(a)
+        i += 1
+    return overrides, dirs
+
+
+def _run_hydra(cmd: str, rest: list[str]) -> None:
+    from parity.config import (
+        ConfigError,
+        check_config,
+        check_keys,
+        config_dir,
+        normalize_overrides,
+        register_schema,
+        validate_config,
+    )
     from parity.errors import ParityError
 
+    overrides, dirs = _split_args(rest)
     try:
-        register_schema(normalize_overrides(rest))  # modules named by algorithm.correction.modules register first
+        register_schema(normalize_overrides(overrides))  # modules named by algorithm.correction.modules register first
+        check_keys(normalize_overrides(overrides), dirs)
     except ConfigError as e:
         _fail(str(e))
+
+    import hydra
+    from omegaconf import DictConfig
 
     @hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")
     def app(cfg: DictConfig) -> None:
         try:
+            check_config(cfg)
             validate_config(cfg)
+            module = importlib.import_module(f"parity.commands.{cmd}")  # after composition: `--cfg job` stays fast
             result = module.run(cfg)
         except (ConfigError, ParityError, FileNotFoundError) as e:
             _fail(str(e))

@@ -1,14 +1,18 @@
-"""One-run GPU benchmark of the numerical core on the Qwen3-0.6B shape (issue 12), random bf16 weights.
+"""One-run GPU benchmark of the numerical core on the Qwen3-0.6B shape, random bf16 weights.
 
     PYTHONUNBUFFERED=1 python3 tests/bench/bench_gpu.py --out $OUT/bench_gpu.json
 
-(on the lent H200: PYTHONPATH=platform:<omegaconf/hydra/antlr4 site dir>; see docs/PERFORMANCE.md).
+(in an image without the project venv: PYTHONPATH=platform:<omegaconf/hydra/antlr4 site dir>; docs/PERFORMANCE.md).
 Sections, each timed with CUDA synchronisation around the region, each failure reported not fatal:
   ceilings      device-to-device copy bandwidth, bf16 8192^3 matmul rate
   rollout       batch 64, 128-token prompts, 256 sampled tokens (no EOS: min_new_tokens / random weights):
                 HF generate, TorchEngine plain loop, TorchEngine fast path BF16 (and, A/B, attending over the
                 whole cache; q/k/v and gate/up unstacked), INT8 W8A8 (A/B: unstacked; cuBLASLt instead of
                 the fused Triton kernel), INT8 W8A8 + INT4 KV; per-projection latency at M = 64
+  kv            the packed KV cache (tests/bench/gpu_bench_kv.py): BF16, W8A8, W8A8 + INT4 KV, W8A8 + FP8 KV,
+                BF16 + INT4 KV (packed) and W8A8 + INT4 KV simulated: tokens/s at batch 64 and at the largest batch
+                whose cache fits in BF16's bytes at batch 64, KV bytes a step, fraction of the roof counting KV;
+                the decode attention alone per format (kv_attention)
   check         fast path == plain loop in float32 (greedy and top-p: same tokens, log-probs to rounding);
                 BF16 fast-path log-probs vs a teacher-forced HF forward (and the plain loop's, for scale)
   sync          update_weights seconds: BF16 -> BF16 engine, BF16 -> INT8 W8A8 engine
@@ -43,6 +47,7 @@ from gpu_bench_common import (
     timed,
     top_kernels,
 )
+from gpu_bench_kv import attention_us, kv_rows
 from gpu_bench_trainer import trainer
 
 
@@ -381,8 +386,8 @@ def int8_kernel_sweep() -> dict:
 
 def profile_decode_step(eng) -> dict:
     """Kernels of 4 replays of one captured decode step (CUPTI records the kernels inside a graph): device time
-    per step against wall time per replay tells launch gaps from kernel time. (Until session 6 the step's
-    functions ran eagerly for this, which launched the same kernels without the graph.)"""
+    per step against wall time per replay tells launch gaps from kernel time. (Before the pinned-tile runs of
+    2026-11-30 the step's functions ran eagerly for this, which launched the same kernels without the graph.)"""
     from parity.rollout.cuda_decode import attended_length
     st = eng.cuda_decoder.state
     L = attended_length(P_TOKENS, 100, st.key_ok.shape[1])  # steps 100..103 (they share one L)
@@ -467,7 +472,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="bench_gpu.json")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--skip", default="", help="comma-separated sections to skip: rollout,check,sync,trainer,compile,"
+    p.add_argument("--skip", default="", help="comma-separated sections to skip: rollout,kv,check,sync,trainer,compile,"
                    "interleaved, anchors (HF generate, the plain loop and the older-design A/Bs), sweep (INT8 tile sweep)")
     p.add_argument("--trainer-modes", default="", help="comma-separated trainer variants to run (default: all), "
                    "e.g. grpo_compiled,grpo_compiled_cudagraphs")
@@ -491,6 +496,9 @@ def main() -> None:
         weight_sync()
     RESULTS.pop("_engines", None)
     torch.cuda.empty_cache()
+    if "kv" not in skip:
+        kv_rows(d, args.reps)
+        attention_us()
     if "trainer" not in skip:
         trainer(d, "compile" not in skip, set(filter(None, args.trainer_modes.split(","))) or None,
                 "interleaved" not in skip)

@@ -1,4 +1,4 @@
-"""R3 routing decode: host memory of the naive vs the streaming decode (issue 7's table).
+"""R3 routing decode: host memory of the naive vs the streaming decode (docs/ROUTING_REPLAY.md's table).
 
 64 synthetic rollouts whose final routing tensor [64, 2048, 16 MoE layers, top-8] int64 is 128 MiB; ids
 travel as uint8 (128 experts) through RoutingBatch.to_bytes/from_bytes. Each decode runs in its own

@@ -1,10 +1,10 @@
-"""Multi-GPU benchmark (issue 13): the trainer on 1 GPU (rollout on the other) vs sharded over 2 GPUs (FSDP2),
+"""Multi-GPU benchmark: the trainer on 1 GPU (rollout on the other) vs sharded over 2 GPUs (FSDP2),
 Qwen3-0.6B shape (tests/bench/bench_gpu.py SHAPE), random weights, one run, two processes (rank r on GPU r).
 
     PYTHONUNBUFFERED=1 python3 tests/bench/bench_multi_gpu.py --out $OUT/bench_multi_gpu.json   # 2-GPU host
     python tests/bench/bench_multi_gpu.py --device cpu --tiny                                     # CPU smoke test
 
-(on the lent machines: PYTHONPATH=platform:<omegaconf/hydra/antlr4 site dir>, as for bench_gpu.py.)
+(in an image without the project venv: PYTHONPATH=platform:<omegaconf/hydra/antlr4 site dir>, as for bench_gpu.py.)
 Phases, each timed with CUDA synchronisation (median of --steps after --warmup):
   one_gpu_trainer   rank 0: the single-process Trainer; rank 1: the torch rollout engine. Per RL step: rollout
                     on GPU 1 (batch to rank 0) -> trainer step on GPU 0 -> weights GPU 0 -> GPU 1 by broadcast
@@ -14,7 +14,7 @@ Phases, each timed with CUDA synchronisation (median of --steps after --warmup):
                     this phase times the trainer step (and the gather) only.
 Trainer tokens/s = rows x (prompt + response) / train step seconds, as in bench_gpu.py.
 
-The 2-GPU figures have not been measured (the multi-GPU machines were withheld); `--device cpu --tiny` runs the
+The 2-GPU figures have not been measured yet (no 2-GPU host has run it); `--device cpu --tiny` runs the
 same phases over gloo on 2 CPU processes with a tiny model (seconds), so the script is known to run."""
 
 from __future__ import annotations

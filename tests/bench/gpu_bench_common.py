@@ -77,7 +77,8 @@ def graph_us(calls: list) -> float:
 
 def cold_sets(int8_bytes: int) -> int:
     """Weight sets to rotate so that one cycle of the int8 copies moves >= 200 MB, four times the H200's 50 MB
-    L2 (session 5 rotated 8 sets: 32 MB of int8 weights stayed in L2 and flattered the INT8 products)."""
+    L2 (the compiled-prefill runs of 2026-11-29 rotated 8 sets: 32 MB of int8 weights stayed in L2 and flattered the
+    INT8 products; docs/PERFORMANCE.md)."""
     return max(8, -(-200_000_000 // int8_bytes))
 
 

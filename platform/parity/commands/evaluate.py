@@ -1,15 +1,16 @@
 """`python -m parity evaluate [overrides]`: evaluate a model on a benchmark suite.
 
 The model is one of: `eval.model_path` (a checkpoint folder, or a run folder whose latest valid
-checkpoint is taken), `eval.run_name` (the latest valid checkpoint of outputs/runs/<run_name>),
+checkpoint is taken), `eval.run_name` (the latest valid checkpoint of outputs/runs/<run_name>; `latest`:
+of the run under outputs/runs whose latest valid checkpoint is the newest),
 `eval.registered_model` (NAME or NAME:VERSION, default the latest version, of a model the train-and-eval
 flow registered: its checkpoint from the registry DB, else the MLflow model version's copy), or, when
-none is set, the run's prepared starting model (`prepare`). The summary (and metrics.json) record which
+none is set, the run's prepared starting model (`prepare`), which the command says on stderr. The summary (and metrics.json) record which
 model, and which registered version, was evaluated. The engine is the configured rollout engine at the
 configured rollout precision, so "train in BF16, deploy in FP8" is the same command with
 `rollout.precision.weights=fp8 rollout.precision.activations=fp8`.
 
-Presets: `+eval=dcmdp` (the DCMDP paper's protocol), `+eval=quick` (a smoke run on the tiny model).
+Presets: `eval=dcmdp` (the DCMDP paper's protocol), `eval=quick` (a smoke run on the tiny model).
 """
 
 from __future__ import annotations
@@ -23,6 +24,22 @@ from omegaconf import DictConfig
 
 from parity.errors import ParityError
 
+GROUPS = ["eval", "model", "rollout", "precision"]
+KEYS = [
+    "eval.model_path | eval.run_name | eval.registered_model: the model (none: the prepared default)",
+    "eval.run_name=latest: the newest training run under outputs/runs",
+    "eval.suite: benchmarks (arithmetic, aime24, aime25, amc23, math500, minerva_math, olympiadbench)",
+    "eval.k, eval.temperature, eval.max_new_tokens, eval.limit: sampling and size",
+    "eval.benchmarks.<name>.<key>: one benchmark's own k, temperature, limit, ...",
+    "eval.source: local (data.datasets_dir, ../shared/datasets or $PARITY_DATASETS) | hub",
+]
+EXAMPLES = [
+    "python -m parity evaluate eval=quick",
+    "python -m parity evaluate eval.run_name=latest",
+    "python -m parity evaluate eval=dcmdp eval.model_path=outputs/runs/my_run",
+    "python -m parity evaluate eval.run_name=latest rollout.precision.weights=int8 rollout.precision.activations=int8",
+]
+
 
 def _checkpoint_of_run(run_dir: Path, key: str) -> Path:
     from parity.training.checkpoint import CheckpointManager
@@ -33,6 +50,27 @@ def _checkpoint_of_run(run_dir: Path, key: str) -> Path:
     if latest is None:
         raise ParityError(f"config key `{key}`: run {run_dir} has no valid checkpoint under {run_dir / 'checkpoints'}")
     return latest
+
+
+LATEST = "latest"
+
+
+def newest_run(runs_dir: Path) -> tuple[Path, Path]:
+    """(run folder, its latest valid checkpoint) of the run whose checkpoint was written last
+    (`eval.run_name=latest`); runs are tried newest first, so a corrupt newest one falls back."""
+    from parity.training.checkpoint import CheckpointManager
+
+    candidates = []
+    for run_dir in runs_dir.iterdir() if runs_dir.is_dir() else []:
+        ckpts = CheckpointManager(run_dir).list() if (run_dir / "checkpoints").is_dir() else []
+        if ckpts:
+            candidates.append((ckpts[-1].stat().st_mtime, run_dir))
+    for _, run_dir in sorted(candidates, key=lambda c: c[0], reverse=True):
+        ckpt = CheckpointManager(run_dir).latest_valid()
+        if ckpt is not None:
+            return run_dir, ckpt
+    raise ParityError(f"config key `eval.run_name`: `{LATEST}` found no training run with a valid checkpoint "
+                      f"under {runs_dir}")
 
 
 def resolve_eval_model(cfg: Any) -> tuple[Path | str, str]:
@@ -68,7 +106,11 @@ def resolve_eval_model_info(cfg: Any) -> tuple[Path | str, str, dict | None]:
         name = str(e.run_name)
         if name in (".", "..") or any(c in name for c in "/\\\0") or name.startswith("."):
             raise ParityError(f"config key `eval.run_name`: {name!r} is not a valid run name")
-        return _checkpoint_of_run(Path(cfg.outputs_dir) / "runs" / name, "eval.run_name"), "eval.run_name", None
+        runs = Path(cfg.outputs_dir) / "runs"
+        if name == LATEST:
+            run_dir, ckpt = newest_run(runs)
+            return ckpt, f"eval.run_name=latest (run {run_dir.name})", None
+        return _checkpoint_of_run(runs / name, "eval.run_name"), "eval.run_name", None
     from parity.models.prepare import prepare_model
 
     return Path(prepare_model(cfg)["model_dir"]), "prepared default", None
@@ -82,7 +124,9 @@ def _out_dir(cfg: Any, model: Path | str, registered: dict | None = None) -> Pat
     if registered is not None:
         label = f"{registered['name']}-v{registered['version']}"
     else:
-        label = str(cfg.eval.run_name) if cfg.eval.run_name else Path(str(model)).name
+        run_name = str(cfg.eval.run_name) if cfg.eval.run_name else None
+        # latest: <outputs>/runs/<run>/checkpoints/step_N -> <run>
+        label = Path(str(model)).parents[1].name if run_name == LATEST else run_name or Path(str(model)).name
     return Path(cfg.outputs_dir) / "eval" / f"{label}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
@@ -93,6 +137,11 @@ def run(cfg: DictConfig) -> dict:
     from parity.rollout import build_engine
 
     model, chosen, registered = resolve_eval_model_info(cfg)
+    if chosen == "prepared default":
+        print(f"evaluate: no eval.model_path, eval.run_name or eval.registered_model given: evaluating the "
+              f"prepared default model {model}", file=sys.stderr, flush=True)
+    else:
+        print(f"evaluate: model {model} (from {chosen})", file=sys.stderr, flush=True)
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     engine = build_engine(cfg, model)
     eval_cfg = cfg.eval

@@ -1,5 +1,5 @@
-"""`python -m parity pipeline [overrides]`: the train-and-eval flow (quantize -> validate -> train ->
-evaluate -> register) in this process, with the same overrides a deployment run takes.
+"""`python -m parity pipeline [overrides]`: the whole train-and-eval flow in this process. The stages are
+quantize -> validate -> train -> evaluate -> register, with the same overrides a deployment run takes.
 
 Without PREFECT_API_URL, Prefect starts a temporary local server for the run (its home under
 <outputs>/prefect); with it (e.g. after `make run`) the flow run appears in that server's UI.
@@ -12,6 +12,16 @@ import sys
 from pathlib import Path
 
 from omegaconf import DictConfig
+
+GROUPS = ["experiment", "model", "rollout", "precision", "algorithm", "eval"]
+KEYS = [
+    "trainer.total_steps, algorithm.correction.name: as for train",
+    "tracking.tracking_uri, tracking.registry_url: where the run is recorded (MLflow, registry DB)",
+]
+EXAMPLES = [
+    "python -m parity pipeline trainer.total_steps=10",
+    "python -m parity pipeline +precision=w8a8_int8 algorithm.correction.name=tis",
+]
 
 
 def _overrides() -> list[str]:

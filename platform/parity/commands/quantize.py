@@ -19,6 +19,17 @@ from omegaconf import DictConfig
 from parity.precision.config import PrecisionConfigError, resolve_precision
 from parity.precision.export import quantized_checkpoint_dir  # noqa: F401  (its home before; tasks import it here)
 
+GROUPS = ["precision", "model"]
+KEYS = [
+    "rollout.precision.weights / .activations: int8 or fp8 (W8A8), or weights only (activations=bf16)",
+    "rollout.precision.export_dir: where <model>-W8A8-INT8/ is written",
+    "actor_rollout_ref.rollout.quantization, .quantization_config_file: the verl-style seed block",
+]
+EXAMPLES = [
+    "python -m parity quantize +precision=w8a8_int8",
+    "python -m parity quantize +precision=w8a8_fp8",
+]
+
 
 def run(cfg: DictConfig) -> dict:
     from transformers import AutoModelForCausalLM

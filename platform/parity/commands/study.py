@@ -1,5 +1,5 @@
 """`python -m parity study --preset laptop|gpu|cluster [--stage search|arms] [--quick]`: the collapse-and-rescue
-study. Every arm (mismatch source x correction x objective, parity.study.presets) is trained once per seed as its
+study of corrections under a rollout mismatch. Every arm (mismatch source x correction x objective, parity.study.presets) is trained once per seed as its
 own `python -m parity train` process, several at a time; the results go to <out>/study.json (every run: its
 config, per-step curves, final and peak reward, held-out accuracy of the trained weights unquantized, collapse
 step), <out>/study.md (mean ± standard error over seeds per arm) and three PNG figures.
@@ -11,6 +11,7 @@ step), <out>/study.md (mean ± standard error over seeds per arm) and three PNG 
 
 Runs already finished (their summary.json exists) are read back, not rerun."""
 
+
 from __future__ import annotations
 
 import argparse
@@ -21,6 +22,12 @@ import shlex
 import sys
 import time
 from pathlib import Path
+
+EXAMPLES = [
+    "python -m parity study --preset laptop --quick",
+    "python -m parity study --preset laptop --stage search",
+    "python -m parity study --preset gpu --outputs-dir /tmp/po",
+]
 
 
 def _parser() -> argparse.ArgumentParser:

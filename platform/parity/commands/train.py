@@ -9,7 +9,26 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from parity.training.loop import train
+GROUPS = ["experiment", "model", "rollout", "precision", "algorithm", "data", "trainer", "distributed"]
+KEYS = [
+    "trainer.total_steps: RL steps (optimizer steps = total_steps x trainer.mini_batches)",
+    "trainer.lr, trainer.prompts_per_step, rollout.n: learning rate; prompts a step; responses a prompt (G)",
+    "algorithm.correction.name: registered corrections joined by + (none, tis, icepop, mis, score_centering, dual)",
+    "algorithm.policy_loss: ppo_clip | reinforce (score centering needs reinforce)",
+    "rollout.precision.weights / .activations / .kv_cache: the rollout's numerics (bf16, int8, fp8, ...)",
+    "rollout.name: torch | vllm;  rollout.topk_logprobs: top-K log-probs a token (score centering needs them)",
+    "trainer.run_name: outputs/runs/<run_name>;  trainer.resume: continue from the latest valid checkpoint",
+    "tracking.enabled: log the run to MLflow;  distributed.enabled: the same loop over Ray actors",
+]
+EXAMPLES = [
+    "python -m parity train trainer.total_steps=100 algorithm.correction.name=tis",
+    "python -m parity train +precision=w8a8_int8_kv_int4 algorithm.correction.name=icepop",
+    "python -m parity train algorithm.correction.name=score_centering+tis algorithm.policy_loss=reinforce "
+    "rollout.topk_logprobs=64",
+    "python -m parity train trainer.run_name=my_run trainer.resume=true",
+    "python -m parity train tracking.enabled=true +distributed=local",
+    "python -m parity train experiment=seed_qwen35_9b_int8_sc_quick",
+]
 
 
 def _train(cfg: DictConfig, callbacks: list[Any]) -> dict:
@@ -17,6 +36,8 @@ def _train(cfg: DictConfig, callbacks: list[Any]) -> dict:
         from parity.distributed.driver import train_distributed  # lazy: Ray only when asked for
 
         return train_distributed(cfg, callbacks=callbacks)
+    from parity.training.loop import train
+
     return train(cfg, callbacks=callbacks)
 
 

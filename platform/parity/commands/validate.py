@@ -18,6 +18,16 @@ from omegaconf import DictConfig
 
 from parity.precision.config import load_quantization_config_file, quantization_config_path, resolve_precision
 
+GROUPS = ["precision", "model", "rollout"]
+KEYS = [
+    "rollout.precision.validation.num_prompts, .samples_per_prompt, .max_new_tokens: the held-out check",
+    "rollout.precision.validation.max_mean_abs_prob_diff, .max_k3_kl, .min_top1_agreement: the thresholds",
+]
+EXAMPLES = [
+    "python -m parity validate +precision=w8a8_int8",
+    "python -m parity validate +precision=w8a8_int8_kv_int4 rollout.precision.validation.max_k3_kl=0.02",
+]
+
 
 def heldout_prompts(cfg: Any, n: int, seed: int) -> list[tuple[str, str]]:
     """(prompt text, reference answer): the synthetic task's test split, or problems of the configured data

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from parity.config.keys import check_config, check_overrides, open_groups
 from parity.config.schema import CorrectionConfig, ParityConfig
 from parity.config.validate import ConfigError, validate_config
 
@@ -57,10 +59,44 @@ def config_dir() -> Path:
     return Path(env).resolve() if env else repo_root() / "configs"
 
 
+def default_groups() -> tuple[str, ...]:
+    """Config groups that configs/config.yaml's defaults list always holds (model, experiment, eval, ...)."""
+    path = config_dir() / "config.yaml"
+    return _default_groups(str(path), path.stat().st_mtime if path.is_file() else 0.0)
+
+
+@functools.cache
+def _default_groups(path: str, _mtime: float) -> tuple[str, ...]:
+    if not Path(path).is_file():
+        return ()
+    groups = []
+    for entry in OmegaConf.load(path).get("defaults", []) or []:
+        if isinstance(entry, DictConfig):
+            groups += [str(k).removeprefix("override ").removeprefix("optional ").strip() for k in entry]
+    return tuple(groups)
+
+
 def normalize_overrides(overrides: list[str]) -> list[str]:
-    """`+experiment=x` and `experiment=x` mean the same here: experiment is always in the defaults list
-    (arith_tiny), so Hydra would refuse the `+` form that users know from other projects."""
-    return [o[1:] if o.startswith("+experiment=") else o for o in overrides]
+    """`+eval=quick` and `eval=quick` mean the same here, and so for every group of the defaults list
+    (`+experiment=x`, `+model=hf`): the group is always there, so Hydra would refuse the `+` form that
+    users know from other projects. A key inside an open group (`eval.benchmarks.aime24.k=4`) is added
+    or changed without a `+`, since such groups take keys of the user's choosing."""
+    groups, opened = default_groups(), tuple(f"{g}." for g in open_groups())
+    out = []
+    for o in overrides:
+        name = o[1:].split("=", 1)[0] if o.startswith("+") and not o.startswith("++") and "=" in o else None
+        if name in groups:
+            o = o[1:]
+        elif "=" in o and o[0] not in "+~" and o.startswith(opened):  # open groups take new keys as they are
+            o = "++" + o
+        out.append(o)
+    return out
+
+
+def check_keys(overrides: list[str], extra_config_dirs: list[str | Path] = ()) -> None:
+    """Refuse an override naming a key the schema lacks (one-line ConfigError: the key and the closest
+    valid keys); group choices are recognised by the folders of the config tree and of `extra_config_dirs`."""
+    check_overrides(overrides, [config_dir(), *(Path(d) for d in extra_config_dirs)])
 
 
 def load_config(overrides: list[str] | None = None, extra_config_dir: str | None = None,
@@ -70,13 +106,15 @@ def load_config(overrides: list[str] | None = None, extra_config_dir: str | None
     from hydra.core.global_hydra import GlobalHydra
 
     overrides = normalize_overrides(list(overrides or []))
-    register_schema(overrides)
+    register_schema(overrides)  # first: the corrections' sections (and modules an override names) are keys
+    check_keys(overrides, [extra_config_dir] if extra_config_dir else [])
     if extra_config_dir:
         overrides = [f"hydra.searchpath=[file://{Path(extra_config_dir).resolve()}]", *overrides]
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
+    check_config(cfg)
     if validate:
         validate_config(cfg)
     return cfg
@@ -102,4 +140,4 @@ def flatten(cfg: DictConfig) -> dict[str, object]:
 
 
 __all__ = ["ConfigError", "load_config", "validate_config", "register_schema", "load_registries", "config_dir",
-           "flatten", "to_yaml"]
+           "flatten", "to_yaml", "check_keys", "check_config", "open_groups", "normalize_overrides", "default_groups"]

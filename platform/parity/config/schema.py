@@ -287,12 +287,12 @@ class TrainerConfig:
     collapse: CollapseConfig = field(default_factory=CollapseConfig)
     gradient_checkpointing: bool = False
     # torch.compile each decoder layer (Inductor; parity.training.fast_compile): fused norms / rotary / SiLU /
-    # residual kernels, about 2x the eager step on an H200 at 8 x 1024. Compiles on the first steps (~45 s) and
-    # once more when batch shapes change (then with dynamic shapes). Worth it for long GPU runs.
+    # residual kernels. Compiles on the first steps and once more when batch shapes change (then with dynamic
+    # shapes). Worth it for long GPU runs; measured speed-ups: docs/PERFORMANCE.md, "Settings for long GPU runs".
     compile_layers: bool = False
     # with compile_layers: "reduce-overhead" also replays the compiled layers (forward and backward) as CUDA graphs
     # (Inductor's cudagraph trees): the host launches a graph per layer instead of its kernels one by one, which
-    # matters where the step is host-bound (H200, 8 x 1024: 0.114-0.120 -> 0.098-0.101 s, 34-36% -> 41-42% MFU).
+    # matters where the step is host-bound (figures: docs/PERFORMANCE.md, "Settings for long GPU runs").
     # Recorded for the first batch shape; shapes that change from step to step run without graphs (dynamic shapes)
     compile_mode: str = "default"
 

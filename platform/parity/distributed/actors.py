@@ -13,7 +13,7 @@ collectives); rank 0 publishes the gathered weights and writes the checkpoint.
 
 With distributed.weight_sync=broadcast the weights go from trainer rank 0 to the rollout workers over a process
 group of their own (parity.distributed.weight_broadcast): `send_weights` on every trainer rank paired with
-`receive_weights` on every rollout worker. Over NCCL this path has not been run (no multi-GPU machine was lent);
+`receive_weights` on every rollout worker. Over NCCL this path has not been run yet (no multi-GPU host has);
 over gloo it runs in tests/test_distributed_fsdp.py."""
 
 from __future__ import annotations

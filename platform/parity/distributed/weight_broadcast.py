@@ -2,7 +2,7 @@
 its own, rank 0 = trainer rank 0 (the sender), ranks 1..N = the rollout workers. NCCL when the trainer and the
 rollout workers are on GPUs (device-to-device over NVLink/PCIe, no host copy), gloo on CPU (what the tests run).
 
-The NCCL case has not been run in this project (the multi-GPU machines were withheld); the same code runs over
+The NCCL case has not been run yet (no multi-GPU host has run it); the same code runs over
 gloo on CPU in tests/test_distributed_fsdp.py. NVLink multicast stays off (NCCL_NVLS_ENABLE=0 is set in the Ray
 processes' environment by parity.distributed.cluster): it can take a shared host's GPUs out of service.
 
@@ -49,7 +49,7 @@ class WeightBroadcast:
         self.rank, self.world, self.backend = rank, world, backend
         self.store = dist.TCPStore(address, port, world, is_master=rank == 0, timeout=timeout)
         if backend == "nccl":
-            # not run here (no multi-GPU machine was lent); the current CUDA device must be this process's GPU
+            # not run yet on a multi-GPU host; the current CUDA device must be this process's GPU
             self.group = dist.ProcessGroupNCCL(self.store, rank, world)
         else:
             self.group = dist.ProcessGroupGloo(self.store, rank, world, timeout)

@@ -36,7 +36,7 @@ INT3_QMAX = 3
 # int3: the same with codes in [-3, 3] (7 levels), harsher still (the corrections study's stress format)
 WEIGHT_FORMATS = ("bf16", "int8", "fp8", "int4", "int3")
 # int4 activations: per-token symmetric RTN INT4 with a dynamic scale max|token| / 7 (codes in [-7, 7]); fake-
-# quantized by the torch engine only (no exported checkpoint, no vLLM), the issue-4 pilot's harsh setting
+# quantized by the torch engine only (no exported checkpoint, no vLLM), the harsh setting of the INT4-activation pilot (docs/study/pilot_a4.md)
 ACTIVATION_FORMATS = ("bf16", "int8", "fp8", "int4")
 
 

@@ -19,6 +19,13 @@ kinds (the numerics of vLLM 0.32's kernels of the same name, see vllm/v1/attenti
                          rotates K/V (and Q) by a randomized Hadamard transform before quantizing; with
                          `hadamard=True` (default) the codec quantizes H D x and returns the inverse
                          rotation of the result, which is what attention over the rotated cache computes.
+
+Every operation is written so that a GPU kernel can reproduce its float32 bits (the packed cache of
+parity.precision.kv_packed stores these codes and its kernels dequantize to exactly these values): divisions by
+a constant are products with the float32 reciprocal (what torch does on CUDA for `tensor / scalar`, written out
+so CPU and CUDA agree), other divisions are IEEE ones, and the Hadamard transform is butterflies in a fixed
+order (`_fwht`) instead of a matrix product whose summation order is the BLAS library's. The inverse rotation
+transforms the integers q - z (exact at any order) and multiplies by the scale once.
 """
 
 from __future__ import annotations
@@ -33,6 +40,14 @@ from parity.precision.formats import FP8_DTYPE, FP8_MAX
 KV_KINDS = ("bf16", "int8", "int4_per_token_head", "fp8", "fp8_per_token_head")
 _ALIASES = {"int8_per_token_head": "int8", "fp8_e4m3": "fp8", "bfloat16": "bf16"}
 _MIN_SCALE = 1e-6  # vLLM's floor for a per-token-head scale
+
+
+def _f32_reciprocal(x: float) -> float:
+    """float32(1) / float32(x), correctly rounded: the factor torch on CUDA multiplies by for `tensor / x`."""
+    return float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(x, dtype=torch.float32))
+
+
+_INV_127, _INV_15, _INV_FP8_MAX = _f32_reciprocal(127.0), _f32_reciprocal(15.0), _f32_reciprocal(FP8_MAX)
 
 
 @dataclass
@@ -83,14 +98,28 @@ def _rht_signs(block: int, device: torch.device) -> torch.Tensor:
     return (2.0 * torch.bernoulli(torch.full((block,), 0.5), generator=gen) - 1.0).to(device)
 
 
+def _fwht(x: torch.Tensor) -> torch.Tensor:
+    """x @ H_b over the last dimension b (a power of two; H_b Sylvester's, as `_hadamard`), as butterflies in a
+    fixed order: stage h = 1, 2, 4, ..., b / 2 maps each pair (x_i, x_{i+h}) with bit h of i clear to
+    (x_i + x_{i+h}, x_i - x_{i+h}). A kernel that runs the same stages gets the same float32 bits."""
+    *lead, b = x.shape
+    h = 1
+    while h < b:
+        y = x.reshape(*lead, b // (2 * h), 2, h)
+        a, c = y.select(-2, 0), y.select(-2, 1)
+        x = torch.stack((a + c, a - c), dim=-2).reshape(*lead, b)
+        h *= 2
+    return x
+
+
 def hadamard_rotate(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """y = H (d * x) per block of b = largest power-of-two divisor of D (float32). The inverse returns
     d * (H y) / b, so hadamard_rotate(hadamard_rotate(x), inverse=True) == x up to rounding."""
     d = x.shape[-1]
     b = _largest_pow2_divisor(d)
-    h, signs = _hadamard(b, x.device), _rht_signs(b, x.device)
+    signs = _rht_signs(b, x.device)
     xb = x.float().reshape(*x.shape[:-1], d // b, b)
-    y = (xb @ h) * signs / b if inverse else (xb * signs) @ h
+    y = _fwht(xb) * signs / b if inverse else _fwht(xb * signs)
     return y.reshape(x.shape)
 
 
@@ -139,7 +168,7 @@ class Int8KVCodec(KVCodec):
 
     def _encode(self, x: torch.Tensor) -> KVState:
         xf = x.float()
-        scale = (xf.abs().amax(-1, keepdim=True) / 127.0).clamp_min(_MIN_SCALE)
+        scale = (xf.abs().amax(-1, keepdim=True) * _INV_127).clamp_min(_MIN_SCALE)
         q = _round_half_away(xf * (1.0 / scale)).clamp_(-128, 127).to(torch.int8)
         return KVState(q, scale, None, x.dtype, self.head_dim)
 
@@ -160,9 +189,10 @@ class Fp8KVCodec(KVCodec):
         if not scale > 0:
             raise ValueError(f"KV codec fp8: scale must be > 0, got {scale}")
         self.scale = float(scale)
+        self.inv_scale = _f32_reciprocal(self.scale)
 
     def _encode(self, x: torch.Tensor) -> KVState:
-        q = (x.float() / self.scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        q = (x.float() * self.inv_scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         return KVState(q, None, None, x.dtype, self.head_dim)
 
     def _decode(self, s: KVState) -> torch.Tensor:
@@ -174,7 +204,7 @@ class Fp8PerTokenHeadKVCodec(KVCodec):
 
     def _encode(self, x: torch.Tensor) -> KVState:
         xf = x.float()
-        scale = (xf.abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(_MIN_SCALE)
+        scale = (xf.abs().amax(-1, keepdim=True) * _INV_FP8_MAX).clamp_min(_MIN_SCALE)
         q = (xf * (1.0 / scale)).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         return KVState(q, scale, None, x.dtype, self.head_dim)
 
@@ -203,7 +233,7 @@ class Int4PerTokenHeadKVCodec(KVCodec):
         # half the row otherwise
         lo = xf.amin(-1, keepdim=True).clamp_max(0.0)
         hi = xf.amax(-1, keepdim=True).clamp_min(0.0)
-        scale = ((hi - lo) / 15.0).clamp_min(_MIN_SCALE)
+        scale = ((hi - lo) * _INV_15).clamp_min(_MIN_SCALE)
         zero = _round_half_away(-lo / scale).clamp_(0, 15)
         q = _round_half_away(xf * (1.0 / scale) + zero).clamp_(0, 15)
         # the zero point lives in the scale's 4 low mantissa bits in vLLM's cache: clear them
@@ -212,10 +242,16 @@ class Int4PerTokenHeadKVCodec(KVCodec):
 
     def _dequantize(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                     dtype: torch.dtype) -> torch.Tensor:
-        x = (q.float() - zero.float()) * scale
-        if self.hadamard:
-            x = hadamard_rotate(x, inverse=True)
-        return x.to(dtype)
+        n = q.float() - zero.float()  # integers in [-15, 15]
+        if not self.hadamard:
+            return (n * scale).to(dtype)
+        # the inverse rotation d * (H ((q - z) s)) / b as d * ((H (q - z)) s) / b: the transform of integers is
+        # exact in float32, so the only roundings are the product with s and the cast
+        d = n.shape[-1]
+        b = _largest_pow2_divisor(d)
+        t = _fwht(n.reshape(*n.shape[:-1], d // b, b))
+        x = (t * scale.unsqueeze(-1)) * (_rht_signs(b, n.device) / b)
+        return x.reshape(n.shape).to(dtype)
 
     def _encode(self, x: torch.Tensor) -> KVState:
         q, scale, zero = self._quantize(x)

@@ -58,21 +58,34 @@ def check_formats(weights: str, activations: str) -> None:
 
 @functools.cache
 def _scaled_mm_works(device_type: str, device_index: int | None) -> bool:
-    """Probe torch._scaled_mm with row-wise scales once per device (support depends on build and chip)."""
+    """Probe torch._scaled_mm once per device with the call quant_linear_forward makes: row-wise float32 scales
+    ([M, 1] per token, [1, N] per channel) that differ from row to row, M != N, and each output dtype the
+    path writes on that device. Support depends on build and chip: some CPU builds take per-tensor scales only
+    and either refuse row-wise ones or apply one scale to every row, which uniform scales would not reveal.
+    Anything but the exact simulation's result means no (the layer then takes the `fp8_simulated` path)."""
     if not hasattr(torch, "_scaled_mm"):
         return False
     dev = torch.device(device_type, device_index) if device_index is not None else torch.device(device_type)
     if dev.type == "cuda" and torch.cuda.get_device_capability(dev) < (8, 9):
         return False
-    try:
-        a = torch.ones(32, 32, device=dev).to(FP8_DTYPE)
-        b = torch.ones(32, 32, device=dev).to(FP8_DTYPE)
-        sa = torch.ones(32, 1, device=dev)
-        sb = torch.ones(1, 32, device=dev)
-        out = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
-        return bool((out.float() == 32).all())
-    except (RuntimeError, NotImplementedError):
-        return False
+    m, k, n = 16, 32, 48
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(m, k, generator=g) * torch.logspace(-1, 1, m).unsqueeze(1)).to(dev)
+    w = (torch.randn(n, k, generator=g) * torch.logspace(1, -1, n).unsqueeze(1)).to(dev)
+    xq, xs = quantize_rowwise(x, "fp8")
+    wq, ws = quantize_rowwise(w, "fp8")
+    want = (xq.float() @ wq.float().t()) * xs * ws.t()
+    for out_dtype in ((torch.bfloat16,) if dev.type == "cuda" else (torch.float32, torch.bfloat16)):
+        try:
+            got = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.t().contiguous(), out_dtype=out_dtype)
+        except (RuntimeError, NotImplementedError, TypeError, ValueError):
+            return False
+        # float32: summation order only; bf16: one rounding to 8 significant bits. A scale applied to the wrong
+        # rows is off by up to the 100x spread of the scales.
+        tol = 1e-4 if out_dtype == torch.float32 else 2.0 ** -7
+        if got.shape != want.shape or not torch.allclose(got.float(), want, rtol=tol, atol=tol * 1e-3):
+            return False
+    return True
 
 
 def select_path(weights: str, activations: str, device: torch.device, in_features: int,

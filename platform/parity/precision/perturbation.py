@@ -70,7 +70,7 @@ class Perturbation:
             raise ValueError(f"perturbation mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.sigma, self.mode, self.seed = float(sigma), mode, int(seed)
         self.scale = {n: (self.sigma * t.float().abs()) for n, t in reference.items()}
-        self._cache: dict[str, torch.Tensor] = {}
+        self._cache: dict[tuple[str, str], torch.Tensor] = {}  # fixed: the one draw, per device it is used on
 
     @classmethod
     def from_precision(cls, precision: Any, model_dir: str | Path) -> Perturbation | None:
@@ -82,24 +82,29 @@ class Perturbation:
         """Which draw the engine holds after `syncs` weight syncs (0 = the starting weights)."""
         return 0 if self.mode == "fixed" else int(syncs)
 
-    def delta(self, name: str, draw: int) -> torch.Tensor:
+    def delta(self, name: str, draw: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """Delta of parameter `name` at draw `draw`, float32, on `device` (default the CPU). Drawn on the CPU so
+        every device gets the same numbers; under `fixed` kept on each device it was asked for (a sync then adds
+        it without a host-to-device copy)."""
         if name not in self.scale:
             raise KeyError(f"perturbation: the starting model has no parameter {name!r}")
         draw = self.draw_index(draw)
-        if self.mode == "fixed" and name in self._cache:
-            return self._cache[name]
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        key = (name, str(dev))
+        if self.mode == "fixed" and key in self._cache:
+            return self._cache[key]
         scale = self.scale[name]
         g = torch.Generator().manual_seed(_seed(self.seed, draw, name))
-        d = torch.randn(scale.shape, generator=g, dtype=torch.float32) * scale
+        d = (torch.randn(scale.shape, generator=g, dtype=torch.float32) * scale).to(dev)
         if self.mode == "fixed":
-            self._cache[name] = d
+            self._cache[key] = d
         return d
 
     def apply(self, named_tensors: Iterable[tuple[str, torch.Tensor]], draw: int
               ) -> Iterator[tuple[str, torch.Tensor]]:
         """theta + Delta, tensor by tensor, each in its own dtype and device (added in float32)."""
         for name, t in named_tensors:
-            yield name, (t.float() + self.delta(name, draw).to(t.device)).to(t.dtype)
+            yield name, (t.float() + self.delta(name, draw, t.device)).to(t.dtype)
 
     def describe(self) -> dict:
         return {"sigma": self.sigma, "mode": self.mode, "seed": self.seed}
@@ -124,17 +129,19 @@ class DriftProbe:
 
     @torch.no_grad()
     def cosine(self, named_parameters: Iterable[tuple[str, torch.Tensor]], draw: int) -> float:
-        dot = torch.zeros((), dtype=torch.float64)
-        nd = torch.zeros((), dtype=torch.float64)
-        ns = torch.zeros((), dtype=torch.float64)
+        sums = None  # [dot, |Delta|^2, |step|^2] in float64 on the parameters' device: one sync at the end
         for name, p in named_parameters:
             if name not in self.theta0:
                 continue
             step = (p.detach().double() - self.theta0[name].double()).reshape(-1)
-            d = self.p.delta(name, draw).to(p.device, torch.float64).reshape(-1)
-            dot, nd, ns = dot + (step @ d).cpu(), nd + (d @ d).cpu(), ns + (step @ step).cpu()
-        den = float(nd.sqrt() * ns.sqrt())
-        return float(dot) / den if den > 0 else 0.0
+            d = self.p.delta(name, draw, p.device).double().reshape(-1)
+            part = torch.stack([step @ d, d @ d, step @ step])
+            sums = part if sums is None else sums + part
+        if sums is None:
+            return 0.0
+        dot, nd, ns = sums.cpu().tolist()
+        den = (nd ** 0.5) * (ns ** 0.5)
+        return dot / den if den > 0 else 0.0
 
 
 __all__ = ["Perturbation", "DriftProbe", "perturbation_of", "is_perturbed", "load_reference", "MODES"]

@@ -28,17 +28,21 @@ from the plain loop, and why:
   heads of one KV head form the rows), softmax in float32: no K/V head repetition.
 - INT8 W8A8 on the Triton path: before the first capture, each decode product's tile configuration is timed
   with the weights coming from memory and pinned (int8_triton.tune_decode), so the compiled layers launch the
-  measured best rather than a tile Inductor picked by its own benchmark (a few percent of a step on the H200).
+  measured best rather than a tile Inductor picked by its own benchmark (figures: docs/PERFORMANCE.md, "INT8 W8A8
+  decode at batch 64").
 - Sampling with top_p = 1 draws by inverse CDF over the vocabulary in index order instead of sorted order:
   the same distribution, the same per-row uniforms, without a [B, V] sort per step. Greedy and top_p < 1
   use TorchEngine.sample unchanged (bit-identical rules).
+- A low-precision KV cache is stored packed (precision/kv_packed.py: 68 bytes a token-head for int4 against 256)
+  and read by a Triton decode-attention kernel that dequantizes in registers to exactly the simulated cache's
+  values (rollout/decode_attention.py); `_PACKED_KV = False` keeps the simulated cache, the reference.
+  `engine.kv_budget_bytes` caps the cache; a call with more rows runs in chunks that fit (rollout/kv_budget.py).
 
 The prefill (`CudaDecoder.prefill`) is TorchEngine.forward's arithmetic writing into the static cache, with the
 stacked projections and, on CUDA with compilation on, the two halves of a layer compiled by Inductor (shapes
-become dynamic after the first change of prompt length): 2.4x (BF16) and 2.6x (INT8) faster than the modules'
-eager forward on the H200 (docs/PERFORMANCE.md). The last call's state and graphs are kept by the decoder and
-replayed by later calls of the same shape; weights are updated in place by `update_weights`, which a replay
-sees.
+become dynamic after the first change of prompt length), faster than the modules' eager forward (figures:
+docs/PERFORMANCE.md, "Compiled prefill"). The last call's state and graphs are kept by the decoder and replayed
+by later calls of the same shape; weights are updated in place by `update_weights`, which a replay sees.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ import torch.nn.functional as F
 from parity.precision.linear import quant_linear_forward
 from parity.rollout.base import SamplingSpec
 from parity.rollout.layout import key_slots, layout_batch, positions, prefill_mask
+from parity.rollout.sampling import _cdf_block, sample_inverse_cdf  # noqa: F401  (tests and benchmarks import them here)
 from parity.types import RolloutBatch
 
 _S_ALIGN = 64  # cache length granularity: prompts of nearby lengths reuse one captured graph
@@ -72,6 +77,9 @@ _FUSED_CACHE_WRITE = True
 # weights coming from memory, and pinned (int8_triton.tune_decode), so the compiled layers launch the measured
 # best; False: the compiled graph picks among the candidates itself when first built (benchmark A/B)
 _PIN_INT8 = True
+# A low-precision KV cache stored packed and read by the Triton decode-attention kernel on CUDA (see the module
+# docstring); False: the simulated cache (bf16 values of the codec's roundtrip, the reference; benchmark A/B)
+_PACKED_KV = True
 
 
 def supports(engine: Any) -> bool:
@@ -89,44 +97,6 @@ def supports(engine: Any) -> bool:
         if not all(isinstance(x, lin) for x in projs) or not hasattr(a, "q_norm") or not hasattr(a, "k_norm"):
             return False
     return True
-
-
-def _cdf_block(V: int) -> int:
-    """Block length of the two-level draw: the largest power of two <= 1024 dividing V (128 for Qwen's
-    151,936), so the probabilities reshape to [B, V / block, block] without a padding copy; 0 = one level."""
-    b = 1024
-    while b >= 64:
-        if V % b == 0 and V // b >= 2:
-            return b
-        b //= 2
-    return 0
-
-
-def sample_inverse_cdf(logp: torch.Tensor, u: torch.Tensor, block: int | None = None) -> torch.Tensor:
-    """Token index i with cdf[i-1] < u * total <= cdf[i] over probs = exp(logp) in vocabulary order.
-    P(i) = p_i / sum(p) exactly as the sorted inverse-CDF draw; only which uniform maps to which token differs.
-
-    Two levels when the vocabulary splits into blocks: the block whose cumulative mass first reaches the target
-    (a scan over V / block block sums), then the token inside that block (a scan over `block` values). A full
-    scan over a [64, 151,936] row block was 8% of a decode step on the H200; the two-level one reads the
-    probabilities once. Sums are grouped differently, so a target within float rounding of a boundary may map
-    to the neighbouring token; the distribution is the same."""
-    p = logp.exp()
-    B, V = p.shape
-    block = _cdf_block(V) if block is None else block
-    target = u.to(p.dtype)
-    if not block or V % block or V // block < 2:
-        cdf = p.cumsum(-1)
-        target = (target * cdf[:, -1]).unsqueeze(-1)
-        return torch.searchsorted(cdf, target).clamp_max(V - 1).squeeze(-1)
-    blocks = p.view(B, V // block, block)
-    bcdf = blocks.sum(-1).cumsum(-1)  # [B, nb]
-    target = (target * bcdf[:, -1]).unsqueeze(-1)  # [B, 1]
-    bi = torch.searchsorted(bcdf, target).clamp_max(bcdf.shape[1] - 1)  # [B, 1]
-    before = torch.where(bi > 0, bcdf.gather(1, (bi - 1).clamp_min(0)), torch.zeros_like(target))
-    inner = blocks.gather(1, bi.unsqueeze(-1).expand(B, 1, block)).squeeze(1).cumsum(-1) + before  # [B, block]
-    j = torch.searchsorted(inner, target).clamp_max(block - 1)
-    return (bi * block + j).squeeze(-1)
 
 
 def rope_tables(engine: Any, max_pos: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -345,7 +315,7 @@ class CudaDecoder:
         self.compile = True  # Inductor for the layer functions on CUDA; False: uncompiled (benchmark A/B)
         self.compile_error: str | None = None  # why compilation was given up (then `compile` is False)
         self.state: DecodeState | None = None
-        self._decode_fns: tuple | None = None  # compiled (_pre_attention, _post_attention, _pre_attention_write)
+        self._decode_fns: tuple | None = None  # compiled layer_functions(True)
         self._prefill_fns: tuple | None = None  # compiled (_prefill_pre, _prefill_post)
 
     def supports(self) -> bool:
@@ -371,7 +341,14 @@ class CudaDecoder:
         w = eng.model.lm_head.weight
         dtype = w.dtype if w.is_floating_point() else torch.bfloat16
         compile_layers = use_graphs and self.compile
-        key = (B, S, R, K, spec.temperature, spec.top_p, dtype, use_graphs, compile_layers)
+        if getattr(eng, "kv_budget_bytes", None):  # a capped KV cache: as many rows a call as fit, in chunks
+            from parity.rollout.kv_budget import generate_in_chunks, rows_that_fit
+            fit = rows_that_fit(eng, S, dtype, _PACKED_KV)
+            if B > fit:
+                return generate_in_chunks(eng, prompt_token_ids, spec, prompt_ids, fit, P,
+                                          lambda _e, *a: self.generate(*a, use_graphs=use_graphs))
+        key = (B, S, R, K, spec.temperature, spec.top_p, dtype, use_graphs, compile_layers, _PACKED_KV,
+               getattr(eng, "kv_packed", None))
         st = self._state_for(key, B, S, R, K, dtype, use_graphs, compile_layers)
 
         prompts, pmask = lay.prompts.to(dev), lay.prompt_mask.to(dev)
@@ -409,7 +386,9 @@ class CudaDecoder:
             st.responses, st.rmask, st.logps, ~st.done, st.topk_ids, st.topk_lp,
             meta={"engine": eng.name, **eng.describe(),
                   "decode_path": ("cuda_graph" if use_graphs else "static_cache_eager")
-                  + ("+inductor_layers" if compile_layers else "")})
+                  + ("+inductor_layers" if compile_layers else ""),
+                  "kv_cache_layout": ("packed" if "packed" in st.extras else
+                                      "plain" if eng.kv_codec is None else "simulated")})
 
     def _state_for(self, key: tuple, B: int, S: int, R: int, K: int, dtype: torch.dtype, use_graphs: bool,
                    compile_layers: bool) -> DecodeState:
@@ -436,10 +415,15 @@ class CudaDecoder:
         eng = self.engine
         dev = eng.device
         cos, sin = rope_tables(eng, eng.model.config.max_position_embeddings, dtype)
-        caches = [(torch.zeros(B, eng.n_kv, S, eng.head_dim, dtype=dtype, device=dev),
-                   torch.zeros(B, eng.n_kv, S, eng.head_dim, dtype=dtype, device=dev))
-                  for _ in eng.model.model.layers]
-        return DecodeState(
+        from parity.rollout.decode_attention import packed_cache_for
+        packed = packed_cache_for(eng, B, S, dtype) if _PACKED_KV else None
+        if packed is not None:  # the packed low-precision cache (one PackedLayer a layer)
+            caches = packed.layers
+        else:
+            caches = [(torch.zeros(B, eng.n_kv, S, eng.head_dim, dtype=dtype, device=dev),
+                       torch.zeros(B, eng.n_kv, S, eng.head_dim, dtype=dtype, device=dev))
+                      for _ in eng.model.model.layers]
+        st = DecodeState(
             key=key, caches=caches, cos=cos, sin=sin,
             t=torch.zeros(1, dtype=torch.long, device=dev), start=torch.zeros(1, dtype=torch.long, device=dev),
             plen=torch.zeros(B, dtype=torch.long, device=dev), key_ok=torch.zeros(B, S, dtype=torch.bool, device=dev),
@@ -451,17 +435,22 @@ class CudaDecoder:
             topk_ids=torch.zeros(B, R, K, dtype=torch.int32, device=dev) if K else None,
             topk_lp=torch.zeros(B, R, K, dtype=torch.float32, device=dev) if K else None,
         )
+        if packed is not None:
+            st.extras["packed"] = packed
+            st.extras["slot0"] = torch.zeros(1, dtype=torch.long, device=dev)
+        return st
 
     def layer_functions(self, want: bool) -> tuple:
-        """The per-layer decode functions, compiled with Inductor when `want` (every layer has the same shapes, so
-        each compiles once and serves all 28); plain functions otherwise."""
+        """The per-layer decode functions (pre-attention, post-attention, pre-attention with the cache write, o_proj +
+        MLP for the packed cache), compiled with Inductor when `want` (every layer has the same shapes, so each
+        compiles once and serves all 28); plain functions otherwise."""
         if not want:
-            return _pre_attention, _post_attention, _pre_attention_write
+            return _pre_attention, _post_attention, _pre_attention_write, _o_proj_mlp
         if self._decode_fns is None:
             from parity.training.fast_compile import raise_recompile_limit
             raise_recompile_limit(64)  # one specialisation per attended length L and per engine's weight formats
             self._decode_fns = tuple(torch.compile(f, dynamic=False, fullgraph=True)
-                                     for f in (_pre_attention, _post_attention, _pre_attention_write))
+                                     for f in (_pre_attention, _post_attention, _pre_attention_write, _o_proj_mlp))
         return self._decode_fns
 
     # ---- the prompt forward ----
@@ -476,7 +465,7 @@ class CudaDecoder:
         fns = st.extras.get("prefill_fns")
         if fns is None:
             fns = eager
-            if _PREFILL == "compiled" and compile_layers and self.engine.kv_codec is None:
+            if _PREFILL == "compiled" and compile_layers and (self.engine.kv_codec is None or "packed" in st.extras):
                 if self._prefill_fns is None:
                     self._prefill_fns = (torch.compile(_prefill_pre, fullgraph=True),
                                          torch.compile(_prefill_post, fullgraph=True))
@@ -502,12 +491,19 @@ class CudaDecoder:
         h = inner.embed_tokens(ids)
         cos, sin = inner.rotary_emb(h, pos)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        for (pre, post), (ck, cv) in zip(st.extras["layers"], st.caches):
+        packed = st.extras.get("packed")
+        for (pre, post), cache in zip(st.extras["layers"], st.caches):
             q, k, v = pre_fn(h, *pre, cos, sin, D)
-            if eng.kv_codec is not None:
-                k, v = eng.kv_codec.roundtrip(k), eng.kv_codec.roundtrip(v)
-            ck[:, :, :T], cv[:, :, :T] = k, v
-            h = post_fn(h, q, ck[:, :, :T], cv[:, :, :T], mask, *post)
+            if packed is not None:  # packed cache: write the codes, attend over their dequantized values
+                packed.write(cache, k, v, st.extras["slot0"])
+                ck, cv = packed.values(cache, T)
+            else:
+                ck, cv = cache
+                if eng.kv_codec is not None:
+                    k, v = eng.kv_codec.roundtrip(k), eng.kv_codec.roundtrip(v)
+                ck[:, :, :T], cv[:, :, :T] = k, v
+                ck, cv = ck[:, :, :T], cv[:, :, :T]
+            h = post_fn(h, q, ck, cv, mask, *post)
         return eng.model.lm_head(inner.norm(h[:, -1])).float()
 
     # ---- one decode step ----
@@ -517,14 +513,24 @@ class CudaDecoder:
         the slot): logits [B, V] float32."""
         eng = self.engine
         inner, D = eng.model.model, eng.head_dim
-        pre_fn, post_fn, pre_write_fn = st.extras["fns"]
+        pre_fn, post_fn, pre_write_fn, o_mlp_fn = st.extras["fns"]
         pos = st.plen + st.t
         slot = st.start + st.t
         cos, sin = st.cos[pos][:, None, :], st.sin[pos][:, None, :]  # [B, 1, D], broadcast over heads
         kmask = (torch.arange(L, device=tok.device)[None, :] <= slot) & st.key_ok[:, :L]
         h = inner.embed_tokens(tok[:, None])  # [B, 1, hidden]
         fused_write = _FUSED_CACHE_WRITE and eng.kv_codec is None
-        for (pre, post), (ck, cv) in zip(st.extras["layers"], st.caches):
+        packed = st.extras.get("packed")
+        if packed is not None:
+            from parity.rollout.decode_attention import packed_decode_attention
+        for (pre, post), cache in zip(st.extras["layers"], st.caches):
+            if packed is not None:  # packed cache: the write kernel, then the decode-attention kernel reading it
+                q, k, v = pre_fn(h, *pre, cos, sin, D)
+                packed.write(cache, k, v, slot)
+                out = packed_decode_attention(q, packed, cache, st.key_ok, slot, L, post[0])
+                h = o_mlp_fn(h, out[:, None], *post[1:])
+                continue
+            ck, cv = cache
             if fused_write:
                 q = pre_write_fn(h, *pre, cos, sin, D, ck, cv, slot)
             else:

@@ -119,8 +119,10 @@ LAPTOP = Preset(
 
 GPU = Preset(
     name="gpu", experiment="countdown_gpu",
-    base=("trainer.checkpoint_every=0", "eval.grade_workers=1", "trainer.device=cuda", "trainer.micro_batch_size=32"),
-    steps=60, eval_every=20, seeds=(0, 1, 2), concurrency=16, threads_per_run=1,
+    base=("trainer.checkpoint_every=0", "eval.grade_workers=1", "trainer.device=cuda", "trainer.micro_batch_size=32",
+          "trainer.prompts_per_step=8", "trainer.eval_problems=128"),
+    steps=40, eval_every=20, seeds=(0, 1, 2), concurrency=14, threads_per_run=1,
+    env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
     search=(arm("bf16"), *_dose((0.05, 0.1, 0.2, 0.4), 0.2), arm("int8+int4kv"), arm("w4a4+int4kv"),
             arm("bf16", objective="reinforce_raw"), *_dose((0.1, 0.2, 0.4), 0.2, "reinforce_raw")),
     # the headline: raw-reward REINFORCE, whose reward fell under a fixed sigma >= 0.1 in the search, every correction

@@ -1,0 +1,101 @@
+"""The packed KV cache on CPU (its torch backend: the codec's own pack and unpack), in the decode path, and the KV
+budget that chunks a call. The Triton kernels are tested by test_kv_packed_cuda.py on the device and by
+test_kv_packed_interpret.py under Triton's interpreter.
+
+The packed cache with the torch backend holds the codec's codes and returns the codec's values, and attends with
+the simulated path's arithmetic: the decode path must give the simulated cache's tokens and log-probs exactly."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from parity.config.schema import TinyModelConfig
+from parity.models.tiny import build_tiny_model
+from parity.precision.kv import make_kv_codec
+from parity.precision.kv_packed import PackedKVCache, cache_bytes_per_row
+from parity.rollout.base import SamplingSpec
+from parity.rollout.cuda_decode import fast_generate
+from parity.rollout.torch_engine import TorchEngine
+from tests.kv_packed_checks import FORMATS, check_write_and_values
+
+CPU = torch.device("cpu")
+PROMPTS = [[5, 9, 12, 3, 7], [4, 4], [11, 2, 8, 30, 1, 6, 6, 2], [7, 1, 7]]
+
+
+@pytest.mark.parametrize("kind,hadamard", FORMATS)
+def test_torch_backend_stores_the_codecs_codes_and_values(kind, hadamard):
+    check_write_and_values(kind, hadamard, 32, torch.float32, CPU)
+
+
+@pytest.mark.parametrize("kind,per_head", [("int4_per_token_head", 68), ("int8", 132), ("fp8_per_token_head", 132),
+                                           ("fp8", 128)])
+def test_cache_bytes(kind, per_head):
+    """Codes and scales as the codec counts them (int4 at head_dim 128: 64 bytes of codes + a 4-byte word)."""
+    codec = make_kv_codec(kind, 128)
+    cache = PackedKVCache(codec, 3, 2, 4, 10, torch.bfloat16, CPU)
+    assert cache.nbytes() == 2 * 3 * 2 * 4 * 10 * per_head
+    assert cache_bytes_per_row(codec, 3, 4, 10) == 2 * 3 * 4 * 10 * per_head
+    assert cache_bytes_per_row(codec, 3, 4, 10, packed=False) == 2 * 3 * 4 * 10 * 256  # bf16 values
+
+
+def test_packed_cache_rejects_unpacked_kinds():
+    with pytest.raises(ValueError, match="kind 'bf16' is not packed"):
+        PackedKVCache(make_kv_codec("bf16", 32), 1, 1, 1, 4, torch.float32, CPU)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("kv_packed_model")
+    build_tiny_model("qwen3", TinyModelConfig(), seed=3).save_pretrained(str(d))
+    return d
+
+
+def _engine(model_dir, kind: str, packed: bool) -> TorchEngine:
+    eng = TorchEngine(model_dir, precision=SimpleNamespace(weights="bf16", activations="bf16", kv_cache=kind),
+                      dtype=torch.float32)
+    eng.kv_packed = packed
+    return eng
+
+
+GREEDY = SamplingSpec(temperature=0.0, max_new_tokens=20, n=2, seed=1)
+SAMPLED = SamplingSpec(temperature=1.0, top_p=1.0, max_new_tokens=20, n=2, seed=5, topk_logprobs=4)
+
+
+@pytest.mark.parametrize("kind,spec", [("int4_per_token_head", GREEDY), ("int4_per_token_head", SAMPLED),
+                                       ("int8", SAMPLED), ("fp8", GREEDY)], ids=["int4-greedy", "int4-sampled",
+                                                                                 "int8-sampled", "fp8-greedy"])
+def test_decode_path_packed_equals_simulated(model_dir, kind, spec):
+    sim = fast_generate(_engine(model_dir, kind, False), PROMPTS, spec, use_graphs=False)
+    eng = _engine(model_dir, kind, True)
+    packed = fast_generate(eng, PROMPTS, spec, use_graphs=False)
+    assert sim.meta["kv_cache_layout"] == "simulated" and packed.meta["kv_cache_layout"] == "packed"
+    assert eng.cuda_decoder.state.extras["packed"].backend == "torch"
+    assert torch.equal(packed.responses, sim.responses)
+    assert torch.equal(packed.rollout_logprobs, sim.rollout_logprobs)
+    if spec.topk_logprobs:
+        assert torch.equal(packed.topk_ids, sim.topk_ids)
+
+
+def test_kv_budget_chunks_a_call_into_rows_that_fit(model_dir):
+    """A budget of 5 rows' float32 cache (128 bytes a token-head at head_dim 32) holds 5 rows unpacked: the call of
+    4 prompts x 2 samples runs as 2 chunks of 2 prompts; packed int4 (20 bytes a token-head) it holds 32 rows, one
+    call. Either way the rows are the unbudgeted call's."""
+    from parity.rollout.kv_budget import row_bytes, rows_that_fit
+    spec = SamplingSpec(temperature=1.0, max_new_tokens=12, n=2, seed=3)
+    whole = fast_generate(_engine(model_dir, "int4_per_token_head", False), PROMPTS, spec, use_graphs=False)
+    S = 64  # prompt 8 + 12 new tokens, rounded up to the cache granularity
+    for packed, chunks in ((False, 2), (True, None)):
+        eng = _engine(model_dir, "int4_per_token_head", packed)
+        eng.kv_budget_bytes = 5 * row_bytes(eng, S, torch.float32, packed_on=False)
+        assert rows_that_fit(eng, S, torch.float32) == (32 if packed else 5)
+        b = fast_generate(eng, PROMPTS, spec, use_graphs=False)
+        assert b.meta.get("kv_budget_chunks") == chunks
+        assert torch.equal(b.responses, whole.responses) and torch.equal(b.group_ids, whole.group_ids)
+        assert torch.equal(b.prompts, whole.prompts) and torch.equal(b.prompt_ids, whole.prompt_ids)
+        torch.testing.assert_close(b.rollout_logprobs, whole.rollout_logprobs, atol=1e-5, rtol=0)
+    eng.kv_budget_bytes = 100
+    with pytest.raises(ValueError, match=r"engine.kv_budget_bytes=100: one batch row's KV cache of 64 slots"):
+        fast_generate(eng, PROMPTS, spec, use_graphs=False)

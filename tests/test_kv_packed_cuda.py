@@ -1,0 +1,146 @@
+"""The packed KV cache and the decode-attention kernel on the device (skipped without CUDA and Triton):
+
+- the packed cache holds the codec's codes and scales and dequantizes to the simulated cache's values, bit for
+  bit (every format, bf16 and fp32, head_dim 128 / 64 / 32: the three ways the int4 loader transforms);
+- the kernel on random lengths, head counts, left padding and split counts against a float64 attention;
+- the decode path's log-probs with the packed cache against the simulated cache's (CUDA graphs; once with the
+  layers compiled by Inductor).
+
+    python -m pytest -q tests/test_kv_packed_cuda.py        (needs torch, transformers, triton, pytest only)
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+from tests.kv_packed_checks import (  # noqa: E402
+    FORMATS,
+    SHAPES,
+    attention_bound,
+    check_attention,
+    check_write_and_values,
+)
+
+CUDA = torch.device("cuda")
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+# head_dim 128 for every format; 64 and 32 for rotated int4 (its loader's fp16-dot and broadcast-sum transforms)
+WRITE_CASES = [(k, h, 128) for k, h in FORMATS] + [("int4_per_token_head", True, 64), ("int4_per_token_head", True, 32)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+@pytest.mark.parametrize("kind,hadamard,D", WRITE_CASES)
+def test_packed_cache_equals_simulated_cache_values(kind, hadamard, D, dtype):
+    for seed in range(3):
+        check_write_and_values(kind, hadamard, D, dtype, CUDA, seed=seed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+@pytest.mark.parametrize("kind,hadamard", [*FORMATS, (None, False)])
+def test_kernel_against_float64_on_random_lengths_and_heads(kind, hadamard, dtype, monkeypatch):
+    import parity.rollout.decode_attention as da
+    g = torch.Generator().manual_seed(7)
+    shapes = list(SHAPES)
+    for _ in range(4):  # and random ones: rows, KV heads, group size, slots, attended length, the step's slot
+        S = int(torch.randint(16, 400, (1,), generator=g))
+        L = int(torch.randint(1, S + 1, (1,), generator=g))
+        shapes.append((int(torch.randint(1, 9, (1,), generator=g)), int(torch.randint(1, 5, (1,), generator=g)),
+                       int(torch.randint(1, 9, (1,), generator=g)), S, L, int(torch.randint(0, L, (1,), generator=g))))
+    for i, shape in enumerate(shapes):
+        for D in (128, 64) if kind == "int4_per_token_head" and hadamard and dtype == torch.bfloat16 else (128,):
+            for programs_per_sm in (2, 0):  # 0: one split, the kernel writes the output itself
+                monkeypatch.setattr(da, "_PROGRAMS_PER_SM", programs_per_sm)
+                err = check_attention(kind, hadamard, D, dtype, CUDA, shape, seed=i)
+                assert err < attention_bound(dtype), (shape, D, programs_per_sm, err)
+
+
+@pytest.mark.parametrize("kind,hadamard", FORMATS)
+def test_self_check_passes(kind, hadamard):
+    from parity.rollout import decode_attention as da
+    ok = da.usable(0, kind, hadamard, 128, torch.bfloat16)
+    assert ok, da.unusable_reason
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A small random Qwen3 with the 0.6B model's head_dim (128) and grouped-query attention (4 heads, 2 KV)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    d = tmp_path_factory.mktemp("kv_packed_cuda_model")
+    torch.manual_seed(0)
+    # initializer_range 0.1: logits of a few units, so a wrong attention moves log-probs by far more than rounding
+    cfg = Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=128, max_position_embeddings=512,
+                      tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=0,
+                      initializer_range=0.1)
+    Qwen3ForCausalLM(cfg).save_pretrained(str(d))
+    return d
+
+
+PROMPTS = [[int(x) for x in torch.randint(2, 512, (n,), generator=torch.Generator().manual_seed(n))]
+           for n in (5, 17, 70, 1, 33, 64)]
+
+
+def _run(model_dir, kind: str, dtype: torch.dtype, packed: bool, spec, compile_layers: bool = False):
+    import parity.rollout.cuda_decode as cd
+    from parity.rollout.torch_engine import TorchEngine
+    eng = TorchEngine(model_dir, precision=SimpleNamespace(weights="bf16", activations="bf16", kv_cache=kind),
+                      device="cuda", dtype=dtype)
+    eng.cuda_decoder.compile = compile_layers
+    keep, cd._PACKED_KV = cd._PACKED_KV, packed
+    try:
+        eng.generate(PROMPTS, spec)  # captures the graphs
+        b = eng.generate(PROMPTS, spec)  # replays them
+    finally:
+        cd._PACKED_KV = keep
+    assert b.meta["decode_path"].startswith("cuda_graph")
+    assert eng.cuda_decoder.compile_error is None, eng.cuda_decoder.compile_error
+    return b
+
+
+def _agreeing_prefix(a, b) -> torch.Tensor:
+    """[B, R] bool: positions whose sampled tokens, and all before them, are the same in both batches."""
+    same = (a.responses == b.responses) & a.response_mask & b.response_mask
+    return same.long().cumprod(1).bool()
+
+
+@pytest.mark.parametrize("kind", ["int4_per_token_head", "int8", "fp8", "fp8_per_token_head"])
+def test_decode_logprobs_packed_vs_simulated_fp32(model_dir, kind):
+    """float32: the kernel's arithmetic is float32 (IEEE dots): the same greedy tokens, log-probs to rounding."""
+    from parity.rollout.base import SamplingSpec
+    from parity.rollout.decode_attention import unusable_reason
+    spec = SamplingSpec(temperature=0.0, max_new_tokens=80, n=2, seed=1)
+    sim = _run(model_dir, kind, torch.float32, False, spec)
+    packed = _run(model_dir, kind, torch.float32, True, spec)
+    assert sim.meta["kv_cache_layout"] == "simulated"
+    assert packed.meta["kv_cache_layout"] == "packed", unusable_reason
+    assert torch.equal(packed.responses, sim.responses)
+    torch.testing.assert_close(packed.rollout_logprobs, sim.rollout_logprobs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("compile_layers", [False, True], ids=["graphs", "graphs+inductor"])
+@pytest.mark.parametrize("kind", ["int4_per_token_head", "fp8_per_token_head"])
+def test_decode_logprobs_packed_vs_simulated_bf16(model_dir, kind, compile_layers):
+    """bf16: the simulated path rounds scores and probabilities to bf16 between its two matmuls, the kernel keeps
+    them in float32: log-probs agree to that rounding while the tokens agree (sampled, top-p 1). Compiled: the
+    packed path's layers compiled by Inductor against the simulated path's eager ones."""
+    if compile_layers and kind != "int4_per_token_head":
+        pytest.skip("one compiled run: the seed's format")
+    from parity.rollout.base import SamplingSpec
+    spec = SamplingSpec(temperature=1.0, top_p=1.0, max_new_tokens=80, n=2, seed=2, topk_logprobs=4)
+    sim = _run(model_dir, kind, torch.bfloat16, False, spec)
+    packed = _run(model_dir, kind, torch.bfloat16, True, spec, compile_layers)
+    assert packed.meta["kv_cache_layout"] == "packed"
+    assert packed.meta["decode_path"].endswith("+inductor_layers") == compile_layers
+    agree = _agreeing_prefix(packed, sim)
+    assert agree[:, 0].all()  # the first token comes from the prefill, over the same values in both
+    assert float(agree.float().mean()) > 0.3
+    d = (packed.rollout_logprobs - sim.rollout_logprobs).abs()[agree]
+    assert float(d.mean()) < 2e-2 and float(d.max()) < 0.25, (float(d.mean()), float(d.max()))

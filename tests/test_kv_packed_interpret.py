@@ -1,0 +1,86 @@
+"""The packed KV cache's Triton kernels under Triton's CPU interpreter (TRITON_INTERPRET=1): the checks of
+tests/kv_packed_checks.py that tests/test_kv_packed_cuda.py runs on the device, here on CPU tensors, so the
+kernels' indexing, masking and numerics are proven without a GPU. Skipped where Triton is not installed (the
+project's CPU environment); with it (`uv pip install triton==3.6.0` into the venv) these take about four minutes:
+
+    TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/test_kv_packed_interpret.py
+
+The interpreter's casts and bf16 dots are patched to round like the GPU (tests/triton_interpret.py)."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET") != "1":  # Triton fixes interpretation when its kernels are defined
+    pytest.skip("set TRITON_INTERPRET=1 before Python starts to run the kernels under Triton's interpreter",
+                allow_module_level=True)
+
+from tests.kv_packed_checks import FORMATS, SHAPES, attention_bound, check_attention, check_write_and_values  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def gpu_rounding():
+    from tests.triton_interpret import patch_casts
+    patch_casts()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("D", [32, 128])
+@pytest.mark.parametrize("kind,hadamard", FORMATS)
+def test_write_and_dequantize_bit_exact(kind, hadamard, D, dtype):
+    check_write_and_values(kind, hadamard, D, dtype, CPU)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("kind,hadamard", [*FORMATS, (None, False)])
+def test_attention_against_float64(kind, hadamard, dtype, monkeypatch):
+    import parity.rollout.decode_attention as da
+    for i, shape in enumerate(SHAPES[:2]):  # the interpreter is slow: two shapes (the CUDA test takes all)
+        D = 128 if i % 2 == 0 else 64
+        # 0 programs per SM: one split (the kernel writes the output itself); tiles of 64 and 32 slots (tuned on CUDA)
+        for programs_per_sm, tile in ((2, 64), (0, 32)):
+            monkeypatch.setattr(da, "_PROGRAMS_PER_SM", programs_per_sm)
+            monkeypatch.setattr(da, "_UNTUNED_TILE", tile)
+            err = check_attention(kind, hadamard, D, dtype, CPU, shape, seed=i)
+            assert err < attention_bound(dtype), (shape, programs_per_sm, err)
+
+
+def test_split_plan():
+    from parity.rollout.decode_attention import split_plan
+    assert split_plan(64, 8, 384, CPU) == (1, 6)  # 512 programs already fill 132 SMs twice over
+    assert split_plan(1, 8, 384, CPU) == (6, 1)
+    assert split_plan(2, 2, 1000, CPU) == (16, 1)
+    assert split_plan(32, 8, 1000, CPU) == (2, 8)  # 256 programs: two splits of 8 tiles
+
+
+@pytest.mark.parametrize("kind", ["int4_per_token_head", "fp8_per_token_head"])
+def test_decode_path_interpreted_equals_simulated(kind, tmp_path, monkeypatch):
+    """The whole decode path with the packed cache and the kernels (interpreted) against the simulated cache,
+    float32: the same greedy tokens, log-probs to float32 rounding of the attention sum."""
+    import parity.rollout.cuda_decode as cd
+    from parity.config.schema import TinyModelConfig
+    from parity.models.tiny import build_tiny_model
+    from parity.rollout.base import SamplingSpec
+    from parity.rollout.cuda_decode import fast_generate
+    from parity.rollout.torch_engine import TorchEngine
+    build_tiny_model("qwen3", TinyModelConfig(), seed=3).save_pretrained(str(tmp_path))
+    eng = TorchEngine(tmp_path, precision=SimpleNamespace(weights="bf16", activations="bf16", kv_cache=kind),
+                      dtype=torch.float32)
+    prompts = [[5, 9, 12, 3, 7], [4, 4], [11, 2, 8, 30, 1, 6, 6, 2]]
+    spec = SamplingSpec(temperature=0.0, max_new_tokens=6, n=2, seed=1)
+    monkeypatch.setattr(cd, "_PACKED_KV", False)
+    sim = fast_generate(eng, prompts, spec, use_graphs=False)
+    monkeypatch.setattr(cd, "_PACKED_KV", True)
+    eng.kv_packed = True
+    packed = fast_generate(eng, prompts, spec, use_graphs=False)
+    assert packed.meta["kv_cache_layout"] == "packed" and sim.meta["kv_cache_layout"] == "simulated"
+    assert eng.cuda_decoder.state.extras["packed"].backend == "triton"
+    assert torch.equal(packed.responses, sim.responses)
+    torch.testing.assert_close(packed.rollout_logprobs, sim.rollout_logprobs, atol=1e-4, rtol=0)
