@@ -208,8 +208,11 @@ def as_config(cfg: dict | DictConfig) -> DictConfig:
     key = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=repr).encode()).hexdigest()
     typed = _TYPED.get(key)
     if typed is None:
+        from parity.config import load_registries
         from parity.config.schema import ParityConfig
 
+        # the registered corrections' sections are part of the schema (and the config may name more modules)
+        load_registries(modules=list(cfg.get("algorithm", {}).get("correction", {}).get("modules") or []))
         typed = OmegaConf.merge(OmegaConf.structured(ParityConfig), cfg)  # type: ignore[assignment]
         if len(_TYPED) >= _TYPED_MAX:
             _TYPED.pop(next(iter(_TYPED)))

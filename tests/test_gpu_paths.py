@@ -56,7 +56,7 @@ def test_attending_over_the_filled_prefix_only_equals_the_plain_loop(engine, buc
     buckets one call crosses many L, and each step must still give the plain loop's tokens and log-probs."""
     import parity.rollout.cuda_decode as cd
     monkeypatch.setattr(cd, "_L_BUCKET", bucket)
-    engine._fast_state = None
+    engine.cuda_decoder.reset()
     assert [cd.attended_length(8, t, 64) for t in (0, 1, 3, 4)] == [-(-(9 + t) // bucket) * bucket for t in (0, 1, 3, 4)]
     assert cd.attended_length(8, 100, 64) == 64  # never past the cache
     spec = SamplingSpec(temperature=0.9, top_p=0.8, max_new_tokens=24, n=2, topk_logprobs=3, seed=5)
@@ -64,15 +64,18 @@ def test_attending_over_the_filled_prefix_only_equals_the_plain_loop(engine, buc
     assert torch.equal(fast.responses, plain.responses)
     torch.testing.assert_close(fast.rollout_logprobs, plain.rollout_logprobs, atol=2e-5, rtol=0)
     torch.testing.assert_close(fast.topk_logprobs, plain.topk_logprobs, atol=2e-5, rtol=0)
-    engine._fast_state = None
+    engine.cuda_decoder.reset()
 
 
 def test_second_call_reuses_state_and_still_matches(engine):
     spec = SamplingSpec(temperature=0.0, max_new_tokens=10, n=1, seed=2)
+    before = dict(vars(engine))
     fast_generate(engine, PROMPTS, spec, use_graphs=False)
-    state = engine._fast_state
+    state = engine.cuda_decoder.state
     again = fast_generate(engine, [[3, 1, 4, 1, 5], [9, 2], [6, 5, 3]], spec, use_graphs=False)
-    assert engine._fast_state is state  # same shapes: same buffers (a graph would be replayed)
+    assert engine.cuda_decoder.state is state  # same shapes: same buffers (a graph would be replayed)
+    # the fast path keeps its state in the decoder the engine owns, none in the engine
+    assert vars(engine).keys() == before.keys() and all(vars(engine)[k] is v for k, v in before.items())
     plain = engine.generate([[3, 1, 4, 1, 5], [9, 2], [6, 5, 3]], spec)
     assert torch.equal(again.responses, plain.responses)
 
@@ -159,7 +162,7 @@ def test_stacked_projections_follow_weight_updates(tmp_path, weights):
     eng = TorchEngine(tmp_path, dtype=torch.float32, precision=prec)
     spec = SamplingSpec(temperature=0.0, max_new_tokens=12, n=1, seed=2)
     fast_generate(eng, PROMPTS, spec, use_graphs=False)
-    fused = eng._fast_state.extras["fused"]
+    fused = eng.cuda_decoder.state.extras["fused"]
     n_layers = len(eng.model.model.layers)
     assert len(fused) == 2 * n_layers and [f.sizes[-1] for f in fused[:2]] == [
         eng.model.model.layers[0].self_attn.v_proj.out_features, eng.model.model.layers[0].mlp.up_proj.out_features]

@@ -65,8 +65,8 @@ def test_int8_fast_decode_equals_the_plain_loop(tmp_path, monkeypatch, pin: bool
     plain = eng.generate(prompts, spec)
     eng.fast_decode = True
     fast = eng.generate(prompts, spec)
-    assert fast.meta["decode_path"] == "cuda_graph+inductor_layers", getattr(eng, "fast_compile_error", None)
-    pinned = eng._fast_state.extras.get("int8_pinned", {})
+    assert fast.meta["decode_path"] == "cuda_graph+inductor_layers", eng.cuda_decoder.compile_error
+    pinned = eng.cuda_decoder.state.extras.get("int8_pinned", {})
     assert bool(pinned) == pin and all(k[0] == len(prompts) for k in pinned)
     assert torch.equal(fast.responses, plain.responses)
     torch.testing.assert_close(fast.rollout_logprobs, plain.rollout_logprobs, atol=1e-3, rtol=0)

@@ -72,7 +72,7 @@ def test_decode_path_packed_equals_simulated(model_dir, kind, spec):
     eng = _engine(model_dir, kind, True)
     packed = fast_generate(eng, PROMPTS, spec, use_graphs=False)
     assert sim.meta["kv_cache_layout"] == "simulated" and packed.meta["kv_cache_layout"] == "packed"
-    assert eng._fast_state.extras["packed"].backend == "torch"
+    assert eng.cuda_decoder.state.extras["packed"].backend == "torch"
     assert torch.equal(packed.responses, sim.responses)
     assert torch.equal(packed.rollout_logprobs, sim.rollout_logprobs)
     if spec.topk_logprobs:

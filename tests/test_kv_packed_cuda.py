@@ -93,7 +93,7 @@ def _run(model_dir, kind: str, dtype: torch.dtype, packed: bool, spec, compile_l
     from parity.rollout.torch_engine import TorchEngine
     eng = TorchEngine(model_dir, precision=SimpleNamespace(weights="bf16", activations="bf16", kv_cache=kind),
                       device="cuda", dtype=dtype)
-    eng.fast_compile = compile_layers
+    eng.cuda_decoder.compile = compile_layers
     keep, cd._PACKED_KV = cd._PACKED_KV, packed
     try:
         eng.generate(PROMPTS, spec)  # captures the graphs
@@ -101,7 +101,7 @@ def _run(model_dir, kind: str, dtype: torch.dtype, packed: bool, spec, compile_l
     finally:
         cd._PACKED_KV = keep
     assert b.meta["decode_path"].startswith("cuda_graph")
-    assert getattr(eng, "fast_compile_error", None) is None, eng.fast_compile_error
+    assert eng.cuda_decoder.compile_error is None, eng.cuda_decoder.compile_error
     return b
 
 

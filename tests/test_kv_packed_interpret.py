@@ -81,6 +81,6 @@ def test_decode_path_interpreted_equals_simulated(kind, tmp_path, monkeypatch):
     eng.kv_packed = True
     packed = fast_generate(eng, prompts, spec, use_graphs=False)
     assert packed.meta["kv_cache_layout"] == "packed" and sim.meta["kv_cache_layout"] == "simulated"
-    assert eng._fast_state.extras["packed"].backend == "triton"
+    assert eng.cuda_decoder.state.extras["packed"].backend == "triton"
     assert torch.equal(packed.responses, sim.responses)
     torch.testing.assert_close(packed.rollout_logprobs, sim.rollout_logprobs, atol=1e-4, rtol=0)

@@ -117,14 +117,13 @@ def _run_hydra(cmd: str, rest: list[str]) -> None:
 
     overrides, dirs = _split_args(rest)
     try:
+        register_schema(normalize_overrides(overrides))  # modules named by algorithm.correction.modules register first
         check_keys(normalize_overrides(overrides), dirs)
     except ConfigError as e:
         _fail(str(e))
 
     import hydra
     from omegaconf import DictConfig
-
-    register_schema()
 
     @hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")
     def app(cfg: DictConfig) -> None:

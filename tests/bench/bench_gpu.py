@@ -109,11 +109,11 @@ def rollout(d: str, reps: int, anchors: bool = True, sweep: bool = True) -> None
     t, plain = timed(lambda: eng.generate(ps, spec))
     out["torch_plain_tok_s"] = n_tok / t
     eng.fast_decode = True
-    eng.fast_compile = False
+    eng.cuda_decoder.compile = False
     eng.generate(ps, spec)
     t, _ = timed(lambda: eng.generate(ps, spec), reps)
     out["torch_fast_bf16_graph_only_tok_s"] = n_tok / t
-    eng.fast_compile = True
+    eng.cuda_decoder.compile = True
     _fast_rollout(d, reps, out, spec, ps, n_tok, eng, plain, sweep=sweep)
 
 
@@ -129,7 +129,7 @@ def _fast_rollout(d: str, reps: int, out: dict, spec, ps: list, n_tok: int, eng,
     sync()
     out["fast_first_call_s"] = time.perf_counter() - t0
     out["decode_path"] = b0.meta.get("decode_path")
-    out["compile_error"] = getattr(eng, "fast_compile_error", None)
+    out["compile_error"] = eng.cuda_decoder.compile_error
     t, fast = timed(lambda: eng.generate(ps, spec), reps)
     assert int(fast.response_mask.sum()) == n_tok, "EOS cut some rows short: token count would be wrong"
     out["torch_fast_bf16_tok_s"] = n_tok / t
@@ -158,14 +158,14 @@ def _fast_rollout(d: str, reps: int, out: dict, spec, ps: list, n_tok: int, eng,
         # A/B in the same run: every step attending over all S cache slots (the previous design)
         import parity.rollout.cuda_decode as cd
         bucket, cd._L_BUCKET = cd._L_BUCKET, 1 << 30
-        eng._fast_state = None
+        eng.cuda_decoder.reset()
         eng.generate(ps, spec)
         t, _ = timed(lambda: eng.generate(ps, spec), reps)
         out["torch_fast_bf16_full_cache_attention_tok_s"] = n_tok / t
         out["prefix_attention_speedup"] = (out["torch_fast_bf16_tok_s"]
                                            / out["torch_fast_bf16_full_cache_attention_tok_s"])
         cd._L_BUCKET = bucket
-        eng._fast_state = None
+        eng.cuda_decoder.reset()
         dump()
         # A/B: q/k/v and gate/up as separate products (the previous design)
         out["torch_fast_bf16_unstacked_tok_s"] = _decode_tok_s(eng, ps, spec, reps, stack=False)
@@ -272,13 +272,13 @@ def _decode_tok_s(eng, ps: list[list[int]], spec, reps: int, stack: bool = True,
     keep, cd._FUSED_CACHE_WRITE = cd._FUSED_CACHE_WRITE, fused_write
     try:
         with _quant_path(eng, path):
-            eng._fast_state = None
+            eng.cuda_decoder.reset()
             eng.generate(ps, spec)
             t, _ = timed(lambda: eng.generate(ps, spec), reps)
     finally:
         cd._STACK = True
         cd._FUSED_CACHE_WRITE = keep
-        eng._fast_state = None
+        eng.cuda_decoder.reset()
     return BATCH * R_TOKENS / t
 
 
@@ -287,11 +287,12 @@ def fast_prefill_ms(eng, ps: list[list[int]], spec, mode: str, path: str | None 
     """Milliseconds of the fast path's prompt forward into its static cache by route `mode` (cuda_decode's
     _PREFILL: modules / stacked / compiled), median of 5 after a warm-up; kernels=True: its top kernels."""
     import parity.rollout.cuda_decode as cd
-    from parity.rollout.torch_engine import layout_batch
-    if eng._fast_state is None:
+    from parity.rollout.layout import layout_batch
+    if eng.cuda_decoder.state is None:
         eng.generate(ps, spec)
-    st = eng._fast_state
-    _, _, ids, pmask, _ = layout_batch(ps, spec, None, eng.pad_id, eng.model.config.max_position_embeddings)
+    st = eng.cuda_decoder.state
+    lay = layout_batch(ps, spec, None, eng.pad_id, eng.model.config.max_position_embeddings)
+    ids, pmask = lay.prompts, lay.prompt_mask
     ids, pmask = ids.cuda(), pmask.cuda()
     P = ids.shape[1]
     i = torch.arange(P, device="cuda")
@@ -302,7 +303,7 @@ def fast_prefill_ms(eng, ps: list[list[int]], spec, mode: str, path: str | None 
     try:
         with _quant_path(eng, path), torch.no_grad():
             def run():
-                return cd._run_prefill(eng, st, ids, pos, mask, True)
+                return eng.cuda_decoder.prefill(st, ids, pos, mask, True)
             run()
             if kernels:
                 return top_kernels(run, 10)
@@ -388,7 +389,7 @@ def profile_decode_step(eng) -> dict:
     per step against wall time per replay tells launch gaps from kernel time. (Before the pinned-tile runs of
     2026-11-30 the step's functions ran eagerly for this, which launched the same kernels without the graph.)"""
     from parity.rollout.cuda_decode import attended_length
-    st = eng._fast_state
+    st = eng.cuda_decoder.state
     L = attended_length(P_TOKENS, 100, st.key_ok.shape[1])  # steps 100..103 (they share one L)
     st.t.fill_(100)
     t_replay, _ = timed(lambda: [st.graphs[L].replay() for _ in range(4)], 3)

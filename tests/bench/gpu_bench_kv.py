@@ -55,7 +55,7 @@ def kv_bytes_per_step(eng, batch: int, packed: bool) -> float:
 
 
 def _cache_bytes(eng) -> int:
-    st = eng._fast_state
+    st = eng.cuda_decoder.state
     if "packed" in st.extras:
         return st.extras["packed"].nbytes()
     return sum(t.numel() * t.element_size() for pair in st.caches for t in pair)
@@ -113,7 +113,7 @@ def kv_rows(d: str, reps: int, rows: list | None = None, budget_batches: bool = 
             tok_s, b = _tok_s(eng, prompts(BATCH), spec, reps)
             batches[label] = b
             row.update(linear_path=eng.linear_path, kv_cache_layout=b.meta.get("kv_cache_layout"),
-                       decode_path=b.meta.get("decode_path"), compile_error=getattr(eng, "fast_compile_error", None),
+                       decode_path=b.meta.get("decode_path"), compile_error=eng.cuda_decoder.compile_error,
                        tok_s_b64=tok_s, weight_bytes=weight_bytes(eng.model))
             is_packed = row["kv_cache_layout"] == "packed"
             kvb = kv_bytes_per_step(eng, BATCH, is_packed)
@@ -135,7 +135,7 @@ def kv_rows(d: str, reps: int, rows: list | None = None, budget_batches: bool = 
             fit = rows_that_fit(eng, SLOTS, torch.bfloat16, packed)
             row["max_batch_in_budget"] = fit
             if budget_batches and fit > BATCH:
-                eng._fast_state = None
+                eng.cuda_decoder.reset()
                 tok_max, _ = _tok_s(eng, prompts(fit), spec, max(2, reps - 1))
                 kvm = kv_bytes_per_step(eng, fit, is_packed)
                 roof_m = bw * fit / (row["weight_bytes"] + kvm)
@@ -147,7 +147,7 @@ def kv_rows(d: str, reps: int, rows: list | None = None, budget_batches: bool = 
         finally:
             cd._PACKED_KV = keep
             eng.kv_budget_bytes = None
-            eng._fast_state = None
+            eng.cuda_decoder.reset()
         if eng is not ref:
             del eng
         gc.collect()

@@ -24,7 +24,7 @@ def replay_profile(eng, steps: int = 8) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from parity.rollout.cuda_decode import attended_length
-    st = eng._fast_state
+    st = eng.cuda_decoder.state
     L = attended_length(P_TOKENS, 100, st.key_ok.shape[1])
     g = st.graphs[L]
     st.t.fill_(100)
@@ -66,7 +66,7 @@ def main() -> None:
         eng.generate(ps, spec)
         t, _ = timed(lambda eng=eng: eng.generate(ps, spec), 3)
         out[mode] = r = {"tok_s": BATCH * R_TOKENS / t, "linear_path": getattr(eng, "linear_path", None),
-                         "pinned": {str(k): str(v) for k, v in eng._fast_state.extras.get("int8_pinned", {}).items()},
+                         "pinned": {str(k): str(v) for k, v in eng.cuda_decoder.state.extras.get("int8_pinned", {}).items()},
                          **replay_profile(eng)}
         print(mode, {k: v for k, v in r.items() if k != "kernels_us_count"}, flush=True)
         for k, v in list(r["kernels_us_count"].items())[:25]:

@@ -1,4 +1,4 @@
-"""Loss aggregation over tokens, invariant to the micro-batch split.
+"""Loss aggregation over tokens (registry `algorithm.loss_agg_mode`), invariant to the micro-batch split.
 
 The denominators are taken once from the response mask of the whole mini-batch (`loss_denominators`),
 so each micro-batch's aggregate is its share of the mini-batch aggregate: summing the micro-batch
@@ -7,11 +7,12 @@ Counts are Python ints (exact); they never pass through bf16 (exact only to 256)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+from parity.algorithms.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -41,25 +42,43 @@ def loss_denominators(response_mask: torch.Tensor, max_response_len: int | None 
                             max_response_len=int(max_response_len))
 
 
-def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, mode: str, denom: LossDenominators) -> torch.Tensor:
-    """Scalar loss of a micro-batch: its contribution to the mini-batch aggregate `mode`.
+AggregateFn = Callable[[torch.Tensor, torch.Tensor, "LossDenominators"], torch.Tensor]
+AGGREGATIONS: Registry[AggregateFn] = Registry("mode", "algorithm.loss_agg_mode")
 
-    token-mean: sum of token losses / tokens of the mini-batch.
-    seq-mean-token-mean: sum over sequences of (mean token loss of the sequence) / sequences.
-    seq-mean-token-sum-norm: sum of token losses / (sequences * max_response_len) (Dr. GRPO)."""
+
+@AGGREGATIONS.register("token-mean")
+def token_mean(masked: torch.Tensor, mask: torch.Tensor, denom: LossDenominators) -> torch.Tensor:
+    """Sum of token losses / tokens of the mini-batch."""
+    return masked.sum() / max(denom.num_tokens, 1)
+
+
+@AGGREGATIONS.register("seq-mean-token-mean")
+def seq_mean_token_mean(masked: torch.Tensor, mask: torch.Tensor, denom: LossDenominators) -> torch.Tensor:
+    """Sum over sequences of (mean token loss of the sequence) / sequences of the mini-batch."""
+    lengths = mask.sum(dim=-1, dtype=torch.int64).clamp_min(1).to(masked.dtype)
+    return (masked.sum(dim=-1) / lengths).sum() / max(denom.num_seqs, 1)
+
+
+@AGGREGATIONS.register("seq-mean-token-sum-norm")
+def seq_mean_token_sum_norm(masked: torch.Tensor, mask: torch.Tensor, denom: LossDenominators) -> torch.Tensor:
+    """Sum of token losses / (sequences * max_response_len) (Dr. GRPO)."""
+    return masked.sum() / (max(denom.num_seqs, 1) * denom.max_response_len)
+
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # the built-in modes
+
+
+def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, mode: str | AggregateFn,
+                   denom: LossDenominators) -> torch.Tensor:
+    """Scalar loss of a micro-batch: its contribution to the mini-batch aggregate `mode` (a registered name, or
+    the function AGGREGATIONS.get(name) returned)."""
     if per_token.shape != mask.shape:
         raise ValueError(f"per_token has shape {tuple(per_token.shape)}, mask has {tuple(mask.shape)}")
     if mask.dtype != torch.bool:
         raise TypeError(f"mask must be bool, got {mask.dtype}")
+    fn = AGGREGATIONS.get(mode) if isinstance(mode, str) else mode
     if per_token.dtype in (torch.bfloat16, torch.float16):
         per_token = per_token.float()
     # where(), not a product: padding may hold inf/nan and 0 * inf is nan
     masked = torch.where(mask, per_token, torch.zeros((), dtype=per_token.dtype, device=per_token.device))
-    if mode == "token-mean":
-        return masked.sum() / max(denom.num_tokens, 1)
-    if mode == "seq-mean-token-mean":
-        lengths = mask.sum(dim=-1, dtype=torch.int64).clamp_min(1).to(per_token.dtype)
-        return (masked.sum(dim=-1) / lengths).sum() / max(denom.num_seqs, 1)
-    if mode == "seq-mean-token-sum-norm":
-        return masked.sum() / (max(denom.num_seqs, 1) * denom.max_response_len)
-    raise ValueError(f"algorithm.loss_agg_mode: unknown mode {mode!r}; known: {', '.join(AGG_MODES)}")
+    return fn(masked, mask, denom)

@@ -1,7 +1,10 @@
 """The RL objective of one micro-batch: the single entry point the trainer calls.
 
-    loss = rl_objective(hidden, lm_head.weight, mb, adv, old_lp, T, corrections, cfg.algorithm, denom, metrics)
+    objective = Objective(cfg.algorithm, corrections)   # once: the policy loss and aggregation looked up, checked
+    loss = objective(hidden, lm_head.weight, mb, adv, old_lp, T, denom, metrics)
     loss.backward()          # once per micro-batch; the sum over micro-batches is the mini-batch loss
+
+`rl_objective(...)` is the same as one call of a fresh Objective (tests, benchmarks).
 
 Order: trainer log-probs (sampled token, plus the rollout's top-K when a correction needs them, in one
 chunked full-vocabulary pass) -> per-token advantages and their shifts -> IS weights and masks -> the
@@ -14,7 +17,7 @@ from typing import Any
 
 import torch
 
-from parity.algorithms.aggregation import LossDenominators, aggregate_loss
+from parity.algorithms.aggregation import AGGREGATIONS, LossDenominators, aggregate_loss
 from parity.algorithms.corrections import CorrectionContext, CorrectionStack
 from parity.algorithms.corrections.base import gather_rows, scatter_rows, token_rows
 from parity.algorithms.logprobs import chunked_token_logprobs
@@ -53,65 +56,85 @@ def _check_inputs(hidden: torch.Tensor, batch: RolloutBatch, advantages: torch.T
         raise ValueError(f"old_logprobs must be [b, R] = {(b, r)}, got {tuple(old_logprobs.shape)}")
 
 
+class Objective:
+    """The objective of one configuration: `algorithm.policy_loss` and `algorithm.loss_agg_mode` looked up, the
+    corrections checked against the policy loss and `algorithm.logprob_chunk_size` checked, once; each call is
+    one micro-batch's scalar loss."""
+
+    def __init__(self, alg_cfg: Any, corrections: CorrectionStack) -> None:
+        self.alg_cfg, self.corrections = alg_cfg, corrections
+        self.policy_loss = get_policy_loss(str(alg_cfg.policy_loss))
+        corrections.check(policy_loss=str(alg_cfg.policy_loss))
+        self.aggregate = AGGREGATIONS.get(str(alg_cfg.loss_agg_mode))
+        self.chunk = int(getattr(alg_cfg, "logprob_chunk_size", 1024))
+        if self.chunk < 1:
+            raise ValueError(f"algorithm.logprob_chunk_size must be >= 1, got {self.chunk}")
+
+    def __call__(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, batch: RolloutBatch,
+                 advantages: torch.Tensor, old_logprobs: torch.Tensor | None, temperature: float,
+                 denom: LossDenominators, metrics: StepMetrics, rows: torch.Tensor | None = None,
+                 ids_checked: bool = False) -> torch.Tensor:
+        """Scalar loss of one micro-batch; hidden[:, t] is the final-norm hidden state predicting responses[:, t].
+        rows: token_rows(response_mask) when the caller has them (computed on the host they cost the device no
+        sync); ids_checked: the caller has checked every token id against the vocabulary (skips a device sync)."""
+        _check_inputs(hidden, batch, advantages, old_logprobs)
+        corrections, chunk = self.corrections, self.chunk
+        with_head = corrections.needs_topk
+        if with_head:
+            corrections.check_batch(batch)
+        mask = batch.response_mask.bool()
+
+        if rows is None:  # integer indices of the response tokens, once: every x[mask] would sync the device
+            rows = token_rows(mask)
+        ids, head_lq, head_valid = _gather_ids(batch, rows, corrections.top_k, with_head)
+        flat = chunked_token_logprobs(gather_rows(hidden, rows), lm_head_weight, ids, temperature, chunk,
+                                      check_ids=not ids_checked)
+        logprobs = scatter_rows(flat[:, 0], rows, mask)
+        # padding of old log-probs may hold garbage: keep it out of ratios (a NaN there would poison backward)
+        train_lp = logprobs.detach() if old_logprobs is None else torch.where(mask, old_logprobs.float(), 0.0)
+        ctx = CorrectionContext(mask=mask, logprobs=logprobs, train_logprobs=train_lp,
+                                rollout_logprobs=batch.rollout_logprobs.float(),
+                                head_logprobs=flat[:, 1:] if with_head else None,
+                                head_rollout_logprobs=head_lq, head_valid=head_valid, rows=rows)
+
+        adv = torch.where(mask, advantages.float()[:, None], 0.0)
+        weights = mask.float()
+        keep = mask.clone()
+        for c in corrections:
+            shift = c.advantage_shift(ctx)
+            if shift is not None:
+                adv = adv - torch.where(mask, shift.detach(), 0.0)
+            w = c.weights(ctx)
+            if w is not None:
+                weights = weights * w.detach()
+            k = c.keep_mask(ctx)
+            if k is not None:
+                keep = keep & k
+
+        per_token, pg_metrics = self.policy_loss(logprobs, train_lp, adv, weights, self.alg_cfg)
+        for c in corrections:
+            extra = c.extra_loss(ctx, adv, corrections.is_weight)
+            if extra is not None:
+                per_token = per_token + extra
+        per_token = torch.where(keep, per_token, 0.0)
+        loss = aggregate_loss(per_token, mask, self.aggregate, denom)
+
+        record_mismatch(metrics, train_lp, batch.rollout_logprobs, mask, corrections.tolerance)
+        metrics.add_masked_mean("correction/masked_frac", (~keep | (weights == 0)).float(), mask)
+        metrics.add_masked_mean("correction/is_weight_mean", weights, mask)
+        metrics.add_masked_mean("actor/advantage_mean", adv, mask)
+        for name, values in pg_metrics.items():
+            metrics.add_masked_mean(name, values, mask)
+        for c in corrections:
+            c.record(ctx, metrics)
+        return loss
+
+
 def rl_objective(hidden: torch.Tensor, lm_head_weight: torch.Tensor, batch: RolloutBatch, advantages: torch.Tensor,
                  old_logprobs: torch.Tensor | None, temperature: float, corrections: CorrectionStack, alg_cfg: Any,
                  denom: LossDenominators, metrics: StepMetrics, rows: torch.Tensor | None = None,
                  ids_checked: bool = False) -> torch.Tensor:
-    """Scalar loss of one micro-batch; hidden[:, t] is the final-norm hidden state predicting responses[:, t].
-    rows: token_rows(response_mask) when the caller has them (computed on the host they cost the device no
-    sync); ids_checked: the caller has checked every token id against the vocabulary (skips a device sync)."""
-    _check_inputs(hidden, batch, advantages, old_logprobs)
-    policy_loss = get_policy_loss(str(alg_cfg.policy_loss))
-    corrections.check(policy_loss=str(alg_cfg.policy_loss))
-    with_head = corrections.needs_topk
-    if with_head:
-        corrections.check_batch(batch)
-    mask = batch.response_mask.bool()
-    chunk = int(getattr(alg_cfg, "logprob_chunk_size", 1024))
-    if chunk < 1:
-        raise ValueError(f"algorithm.logprob_chunk_size must be >= 1, got {chunk}")
-
-    if rows is None:  # integer indices of the response tokens, once: every x[mask] would sync the device
-        rows = token_rows(mask)
-    ids, head_lq, head_valid = _gather_ids(batch, rows, corrections.top_k, with_head)
-    flat = chunked_token_logprobs(gather_rows(hidden, rows), lm_head_weight, ids, temperature, chunk,
-                                  check_ids=not ids_checked)
-    logprobs = scatter_rows(flat[:, 0], rows, mask)
-    # padding of old log-probs may hold garbage: keep it out of ratios (a NaN there would poison backward)
-    train_lp = logprobs.detach() if old_logprobs is None else torch.where(mask, old_logprobs.float(), 0.0)
-    ctx = CorrectionContext(mask=mask, logprobs=logprobs, train_logprobs=train_lp,
-                            rollout_logprobs=batch.rollout_logprobs.float(),
-                            head_logprobs=flat[:, 1:] if with_head else None,
-                            head_rollout_logprobs=head_lq, head_valid=head_valid, rows=rows)
-
-    adv = torch.where(mask, advantages.float()[:, None], 0.0)
-    weights = mask.float()
-    keep = mask.clone()
-    for c in corrections:
-        shift = c.advantage_shift(ctx)
-        if shift is not None:
-            adv = adv - torch.where(mask, shift.detach(), 0.0)
-        w = c.weights(ctx)
-        if w is not None:
-            weights = weights * w.detach()
-        k = c.keep_mask(ctx)
-        if k is not None:
-            keep = keep & k
-
-    per_token, pg_metrics = policy_loss(logprobs, train_lp, adv, weights, alg_cfg)
-    for c in corrections:
-        extra = c.extra_loss(ctx, adv, corrections.is_weight)
-        if extra is not None:
-            per_token = per_token + extra
-    per_token = torch.where(keep, per_token, 0.0)
-    loss = aggregate_loss(per_token, mask, str(alg_cfg.loss_agg_mode), denom)
-
-    record_mismatch(metrics, train_lp, batch.rollout_logprobs, mask, corrections.tolerance)
-    metrics.add_masked_mean("correction/masked_frac", (~keep | (weights == 0)).float(), mask)
-    metrics.add_masked_mean("correction/is_weight_mean", weights, mask)
-    metrics.add_masked_mean("actor/advantage_mean", adv, mask)
-    for name, values in pg_metrics.items():
-        metrics.add_masked_mean(name, values, mask)
-    for c in corrections:
-        c.record(ctx, metrics)
-    return loss
+    """One micro-batch's loss under a configuration resolved for this call alone: Objective(alg_cfg,
+    corrections)(...); a trainer builds its Objective once."""
+    return Objective(alg_cfg, corrections)(hidden, lm_head_weight, batch, advantages, old_logprobs, temperature,
+                                           denom, metrics, rows=rows, ids_checked=ids_checked)

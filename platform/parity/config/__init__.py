@@ -9,19 +9,45 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from parity.config.keys import check_config, check_overrides, open_groups
-from parity.config.schema import ParityConfig
+from parity.config.schema import CorrectionConfig, ParityConfig
 from parity.config.validate import ConfigError, validate_config
 
-_REGISTERED = False
+_STORED: tuple[str, ...] | None = None  # the correction sections of the schema stored with Hydra
 
 
-def register_schema() -> None:
-    global _REGISTERED
-    if not _REGISTERED:
+def load_registries(overrides: list[str] | None = None, modules: list[str] | None = None) -> None:
+    """Import the registries whose entries extend the schema: every registered correction adds its section to
+    `algorithm.correction` (importing parity.algorithms.corrections registers the built-in ones), and `modules`
+    and the modules an `algorithm.correction.modules=[...]` override names register theirs (so the same overrides
+    can set their sections)."""
+    from parity.algorithms.corrections import import_modules
+
+    try:
+        import_modules([*(modules or []), *_override_modules(overrides or [])])
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
+def _override_modules(overrides: list[str]) -> list[str]:
+    keyed = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] == "algorithm.correction.modules" and "=" in o]
+    if not keyed:
+        return []
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    value = OverridesParser.create().parse_overrides(keyed[-1:])[0].value()
+    return [str(v) for v in value] if isinstance(value, list) else [str(value)]
+
+
+def register_schema(overrides: list[str] | None = None) -> None:
+    """Store ParityConfig with Hydra as `parity_schema`, again whenever a registration added a section since."""
+    global _STORED
+    load_registries(overrides)
+    sections = tuple(CorrectionConfig.__dataclass_fields__)
+    if sections != _STORED:
         from hydra.core.config_store import ConfigStore  # lazy: the numerical core runs without hydra
 
         ConfigStore.instance().store(name="parity_schema", node=ParityConfig)
-        _REGISTERED = True
+        _STORED = sections
 
 
 def repo_root() -> Path:
@@ -79,8 +105,8 @@ def load_config(overrides: list[str] | None = None, extra_config_dir: str | None
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    register_schema()
     overrides = normalize_overrides(list(overrides or []))
+    register_schema(overrides)  # first: the corrections' sections (and modules an override names) are keys
     check_keys(overrides, [extra_config_dir] if extra_config_dir else [])
     if extra_config_dir:
         overrides = [f"hydra.searchpath=[file://{Path(extra_config_dir).resolve()}]", *overrides]
@@ -113,5 +139,5 @@ def flatten(cfg: DictConfig) -> dict[str, object]:
     return out
 
 
-__all__ = ["ConfigError", "load_config", "validate_config", "register_schema", "config_dir", "flatten", "to_yaml",
-           "check_keys", "check_config", "open_groups", "normalize_overrides", "default_groups"]
+__all__ = ["ConfigError", "load_config", "validate_config", "register_schema", "load_registries", "config_dir",
+           "flatten", "to_yaml", "check_keys", "check_config", "open_groups", "normalize_overrides", "default_groups"]

@@ -71,9 +71,26 @@ def _root() -> type:
     return ParityConfig
 
 
-@functools.cache
+def _sections() -> tuple[str, ...]:
+    """The fields of algorithm.correction: they grow as corrections register (their sections), so the key lists
+    below are cached per set of sections."""
+    from parity.config.schema import CorrectionConfig
+
+    return tuple(CorrectionConfig.__dataclass_fields__)
+
+
 def schema_keys() -> tuple[str, ...]:
     """Every dotted key of the schema, groups and values alike (trainer, trainer.lr, ...)."""
+    return _schema_keys(_sections())
+
+
+def open_groups() -> tuple[str, ...]:
+    """Schema keys that take keys of the user's choosing (mapping-typed fields), e.g. `eval.benchmarks`."""
+    return _open_groups(_sections())
+
+
+@functools.cache
+def _schema_keys(_sections: tuple[str, ...]) -> tuple[str, ...]:
     keys: list[str] = []
 
     def walk(cls: type, prefix: str) -> None:
@@ -88,8 +105,7 @@ def schema_keys() -> tuple[str, ...]:
 
 
 @functools.cache
-def open_groups() -> tuple[str, ...]:
-    """Schema keys that take keys of the user's choosing (mapping-typed fields), e.g. `eval.benchmarks`."""
+def _open_groups(_sections: tuple[str, ...]) -> tuple[str, ...]:
     out: list[str] = []
 
     def walk(cls: type, prefix: str) -> None:

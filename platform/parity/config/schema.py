@@ -4,6 +4,7 @@ Range checks that types cannot express live in `validate()` (parity.config.valid
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,7 +98,6 @@ class DataConfig:
     problem_field: str = "problem"
     answer_field: str = "answer"
     min_difficulty: float | None = None
-    max_prompt_chars: int = 512
     prompt_template: str = "{problem} Answer in \\boxed{{}}.\n"
     arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
     countdown: CountdownConfig = field(default_factory=CountdownConfig)
@@ -195,45 +195,12 @@ class ActorRolloutRefConfig:
 
 
 @dataclass
-class TISConfig:
-    C: float = 2.0  # truncation threshold of the IS ratio, > 0
-    level: str = "token"  # token | sequence
-
-
-@dataclass
-class IcePopConfig:
-    lo: float = 0.5  # tokens whose ratio pi_train/pi_inf lies outside [lo, hi] get weight 0
-    hi: float = 5.0
-
-
-@dataclass
-class MISConfig:
-    statistic: str = "k3"  # k1 | k3 | geo_mean (per-response statistic of the log-ratios, see corrections/mis.py)
-    threshold: float = 0.01  # k1: drop when |mean(-log r)| > threshold; k3: drop when mean k3 > threshold
-    lo: float = 0.5  # geo_mean: drop when exp(mean log r) < lo ...
-    hi: float = 2.0  # ... or > hi
-
-
-@dataclass
-class ScoreCenteringConfig:
-    top_k: int = 0  # leading columns of the rollout's top-K used as the head H; 0 = all (rollout.topk_logprobs)
-    tail_floor: float = 1e-6  # floor of both tail masses in rho = (1 - Q_H) / (1 - P_H)
-
-
-@dataclass
-class DualConfig:
-    # tolerance on the discrepancy; null = algorithm.correction.tolerance (a number, or auto); 0.0037 = the paper's
-    c: float | None = None
-    lambda0: float = 0.1
-    eta: float = 1.0
-    lambda_max: float = 10.0
-    # the constrained discrepancy: seq_mean = (1/|tau|) sum_t |p_train - p_inf| per trajectory, averaged over the
-    # step's trajectories (the paper's) | token_mean = averaged over all the step's response tokens
-    discrepancy: str = "seq_mean"
-
-
-@dataclass
 class CorrectionConfig:
+    """`algorithm.correction`. Its sections (`tis`, `dual`, ...) are not listed here: each registered correction
+    adds the config dataclass declared beside it as the field `<config key>` (parity.algorithms.corrections;
+    `add_correction_section`), so the structured schema carries exactly the registered sections and refuses an
+    unknown key or a wrong type inside any of them, naming the key."""
+
     name: str = "none"  # registered names joined by '+', e.g. score_centering+tis
     # c of the mismatch telemetry's over-tolerance fraction and of the dual: a number (0.0037 = DC-GRPO's for
     # Qwen3-8B) or auto = tolerance_multiple x the mean |p_train - p_inf| the validate stage measured for this
@@ -241,18 +208,39 @@ class CorrectionConfig:
     tolerance: Any = 0.0037
     tolerance_multiple: float = 1.0
     tolerance_steps: int = 3
-    tis: TISConfig = field(default_factory=TISConfig)
-    icepop: IcePopConfig = field(default_factory=IcePopConfig)
-    mis: MISConfig = field(default_factory=MISConfig)
-    score_centering: ScoreCenteringConfig = field(default_factory=ScoreCenteringConfig)
-    dual: DualConfig = field(default_factory=DualConfig)
+    # modules that register corrections defined outside parity, imported by every process that builds the
+    # corrections (the trainer, each Ray actor) before the names are looked up
+    modules: list[str] = field(default_factory=list)
+
+
+# CorrectionConfig's own keys (before any section is added): no section may take them
+CORRECTION_KEYS = tuple(f.name for f in dataclasses.fields(CorrectionConfig))
+
+
+def add_correction_section(key: str, section: type) -> None:
+    """Add `key: section = section()` to CorrectionConfig in place: the class object stays the one AlgorithmConfig
+    and ParityConfig hold, so every schema built from them from now on has the section. Registering the same
+    dataclass under a key twice is a no-op (corrections may share a section, e.g. tis and seq_tis)."""
+    if not dataclasses.is_dataclass(section):
+        raise TypeError(f"the config of correction section {key!r} must be a dataclass, got {section!r}")
+    if key in CORRECTION_KEYS:
+        raise ValueError(f"algorithm.correction.{key} is CorrectionConfig's own key, not a correction's section")
+    have = CorrectionConfig.__dataclass_fields__.get(key)
+    if have is not None:
+        if have.default_factory is not section:
+            raise ValueError(f"algorithm.correction.{key} is already the section of {have.default_factory!r}")
+        return
+    grown = dataclasses.make_dataclass("CorrectionConfig", [(key, section, field(default_factory=section))],
+                                       bases=(CorrectionConfig,))
+    for attr in ("__init__", "__repr__", "__eq__", "__dataclass_fields__", "__dataclass_params__", "__match_args__"):
+        setattr(CorrectionConfig, attr, grown.__dict__[attr])
+    CorrectionConfig.__annotations__ = {**CorrectionConfig.__annotations__, key: section}
 
 
 @dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     norm_adv_by_std: bool = True
-    adv_eps: float = 1e-6  # added to the group std
     policy_loss: str = "ppo_clip"  # ppo_clip | reinforce
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2

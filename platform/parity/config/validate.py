@@ -44,9 +44,7 @@ def validate_config(cfg: DictConfig) -> None:
     vocab = cfg.model.tiny.vocab_size
     if cfg.model.source == "tiny" and vocab > 0:
         _check(r.topk_logprobs <= vocab, "rollout.topk_logprobs", f"{r.topk_logprobs} exceeds the vocabulary ({vocab})")
-    _check(a.loss_agg_mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-           "algorithm.loss_agg_mode", f"unknown mode {a.loss_agg_mode!r}")
-    _check(a.policy_loss in ("ppo_clip", "reinforce"), "algorithm.policy_loss", f"unknown loss {a.policy_loss!r}")
+    _check_registered(a)
     _check(cfg.model.source in ("tiny", "hf"), "model.source", f"must be tiny or hf, got {cfg.model.source!r}")
     _check(cfg.model.arch in ("qwen3", "qwen3_moe"), "model.arch", f"must be qwen3 or qwen3_moe, got {cfg.model.arch!r}")
     ws = cfg.model.warm_start
@@ -83,3 +81,13 @@ def validate_config(cfg: DictConfig) -> None:
         build_corrections(a.correction, policy_loss=a.policy_loss, topk_logprobs=r.topk_logprobs)
     except ValueError as e:
         raise ConfigError(str(e)) from e
+
+
+def _check_registered(a: DictConfig) -> None:
+    """Names that select a registered component: the registry is the list of what exists."""
+    from parity.algorithms import ADV_ESTIMATORS, AGGREGATIONS, POLICY_LOSSES
+
+    for registry, value in ((ADV_ESTIMATORS, a.adv_estimator), (POLICY_LOSSES, a.policy_loss),
+                            (AGGREGATIONS, a.loss_agg_mode)):
+        _check(value in registry, registry.config_key,
+               f"unknown {registry.kind} {value!r}; known: {', '.join(registry.names())}")

@@ -30,6 +30,7 @@ import os
 import torch
 
 from parity.precision.formats import INT8_QMAX, quantize_int8_rowwise
+from parity.precision.int8_gemm import int8_gemm
 
 try:  # Triton kernels resolve names from module globals: import here
     import triton
@@ -244,8 +245,7 @@ def _reference(xq: torch.Tensor, wq: torch.Tensor, xs: torch.Tensor, ws: torch.T
                out_dtype: torch.dtype) -> torch.Tensor:
     """The torch path the kernel must equal bit for bit: QuantLinear's exact int32 accumulator (cuBLASLt on CUDA),
     then the eager rescale."""
-    from parity.precision.linear import _int8_gemm  # linear imports this module lazily: no cycle at import
-    acc = _int8_gemm(xq, wq, "int8_mm_cuda" if xq.is_cuda else "int8_simulated")
+    acc = int8_gemm(xq, wq, "int8_mm_cuda" if xq.is_cuda else "int8_simulated")
     return (acc.float() * xs * ws.t()).to(out_dtype)
 
 

@@ -41,10 +41,11 @@ from parity.precision.formats import (
     fake_quantize,
     quantize_rowwise,
 )
+from parity.precision.int8_gemm import int8_gemm
+
+_int8_gemm = int8_gemm  # the name the tests and benchmarks know
 
 _STORAGE_DTYPE = {"int8": torch.int8, "fp8": FP8_DTYPE, "int4": torch.int8, "int3": torch.int8}
-# K * 127 * 127 below 2**24 keeps every int32 accumulator exact in float32
-_FP32_EXACT_K = (1 << 24) // (127 * 127)
 
 
 def check_formats(weights: str, activations: str) -> None:
@@ -115,25 +116,6 @@ def select_path(weights: str, activations: str, device: torch.device, in_feature
     return "fp8_simulated"
 
 
-def _int8_gemm(xq: torch.Tensor, wq: torch.Tensor, path: str) -> torch.Tensor:
-    """int32 accumulator xq @ wq^T for int8 xq [M, K], wq [N, K]; the same integers on every path."""
-    if path == "int8_mm_cuda":
-        m = xq.shape[0]
-        if m <= 16 or m % 8:  # cuBLASLt's int8 GEMM wants M > 16 and M % 8 == 0: pad with zero rows
-            pad = max(24, (m + 7) // 8 * 8) - m
-            xq = F.pad(xq, (0, 0, 0, pad))
-        return torch._int_mm(xq, wq.t())[:m]
-    if path == "int8_mm_cpu":
-        return torch._int_mm(xq, wq.t())
-    # every partial sum over <= _FP32_EXACT_K products of int8 codes is an integer below 2**24: exact in fp32
-    xf, wf = xq.float(), wq.float()
-    acc = None
-    for s in range(0, xq.shape[1], _FP32_EXACT_K):
-        part = (xf[:, s:s + _FP32_EXACT_K] @ wf[:, s:s + _FP32_EXACT_K].t()).to(torch.int32)
-        acc = part if acc is None else acc.add_(part)
-    return acc
-
-
 def quant_linear_forward(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
                          weights: str, activations: str, path: str) -> torch.Tensor:
     """y = x W^T (+ b) with W given as codes `wq` [N, K] and scales `w_scale` [N, 1]; see module doc."""
@@ -151,7 +133,7 @@ def quant_linear_forward(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tenso
         y = torch.ops.parity.w8a8_mm(xq, wq, xs, w_scale, x.dtype)
     elif path in ("int8_mm_cuda", "int8_mm_cpu", "int8_simulated"):
         xq, xs = quantize_rowwise(x2, "int8")
-        acc = _int8_gemm(xq, wq, path)
+        acc = int8_gemm(xq, wq, path)
         y = (acc.float() * xs * w_scale.t()).to(x.dtype)
     elif path == "fp8_scaled_mm":
         xq, xs = quantize_rowwise(x2, "fp8")

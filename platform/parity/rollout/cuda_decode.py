@@ -1,6 +1,9 @@
 """The torch engine's fast decode path: a static KV cache and one CUDA graph per decode step.
 
-TorchEngine.generate dispatches here on CUDA (see `supports`). What differs from the plain loop, and why:
+TorchEngine.generate dispatches here on CUDA (see `supports`) through the CudaDecoder it owns
+(`engine.cuda_decoder`), which holds the compiled functions, the static cache and the captured graphs; the batch
+layout (rows, left padding, seeds, masks, positions) is the plain loop's, from parity.rollout.layout. What differs
+from the plain loop, and why:
 
 - The KV cache is one preallocated [B, n_kv, S, D] pair per layer (S = prompt + new tokens rounded up to
   `_S_ALIGN`). A decode step attends with a mask over the cache's first L slots, L = the filled prefix rounded
@@ -14,10 +17,10 @@ TorchEngine.generate dispatches here on CUDA (see `supports`). What differs from
   QuantLinear's forward for quantized projections), compiled once by Inductor on CUDA and shared by all
   layers: the graph alone still replays ~45 tiny kernels a layer; fused element-wise work nearly halves the
   step (docs/PERFORMANCE.md). A compile failure falls back to the same functions uncompiled
-  (`engine.fast_compile_error`); `engine.fast_compile = False` turns compilation off. With a bf16 cache the
-  pre-attention function also writes k and v into the cache (`_pre_attention_write`: one kernel with the
-  rotary instead of two index_copy_ after it); a low-precision cache's codec roundtrip stays eager inside the
-  graph, with the writes after it.
+  (`engine.cuda_decoder.compile_error`); `engine.cuda_decoder.compile = False` turns compilation off. With a
+  bf16 cache the pre-attention function also writes k and v into the cache (`_pre_attention_write`: one kernel
+  with the rotary instead of two index_copy_ after it); a low-precision cache's codec roundtrip stays eager
+  inside the graph, with the writes after it.
 - q/k/v and gate/up, which read the same input, run as one product each from stacked weight copies (refreshed
   from the modules at every call): at batch 64 every product is latency-bound, so five products a layer cost
   less than seven, and the INT8 path quantizes each input once. Projections of different formats stay apart.
@@ -29,18 +32,17 @@ TorchEngine.generate dispatches here on CUDA (see `supports`). What differs from
   decode at batch 64").
 - Sampling with top_p = 1 draws by inverse CDF over the vocabulary in index order instead of sorted order:
   the same distribution, the same per-row uniforms, without a [B, V] sort per step. Greedy and top_p < 1
-  use TorchEngine._sample unchanged (bit-identical rules).
-
+  use TorchEngine.sample unchanged (bit-identical rules).
 - A low-precision KV cache is stored packed (precision/kv_packed.py: 68 bytes a token-head for int4 against 256)
   and read by a Triton decode-attention kernel that dequantizes in registers to exactly the simulated cache's
   values (rollout/decode_attention.py); `_PACKED_KV = False` keeps the simulated cache, the reference.
   `engine.kv_budget_bytes` caps the cache; a call with more rows runs in chunks that fit (rollout/kv_budget.py).
 
-The prefill (`_prefill`) is TorchEngine._forward's arithmetic writing into the static cache, with the stacked
-projections and, on CUDA with compilation on, the two halves of a layer compiled by Inductor (shapes become
-dynamic after the first change of prompt length), faster than the modules' eager forward (figures:
-docs/PERFORMANCE.md, "Compiled prefill"). The last captured graph is kept on the engine and replayed by later
-calls of the same shape; weights are updated in place by `update_weights`, which a replay sees.
+The prefill (`CudaDecoder.prefill`) is TorchEngine.forward's arithmetic writing into the static cache, with the
+stacked projections and, on CUDA with compilation on, the two halves of a layer compiled by Inductor (shapes
+become dynamic after the first change of prompt length), faster than the modules' eager forward (figures:
+docs/PERFORMANCE.md, "Compiled prefill"). The last call's state and graphs are kept by the decoder and replayed
+by later calls of the same shape; weights are updated in place by `update_weights`, which a replay sees.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ import torch.nn.functional as F
 
 from parity.precision.linear import quant_linear_forward
 from parity.rollout.base import SamplingSpec
+from parity.rollout.layout import key_slots, layout_batch, positions, prefill_mask
+from parity.rollout.sampling import _cdf_block, sample_inverse_cdf  # noqa: F401  (tests and benchmarks import them here)
 from parity.types import RolloutBatch
 
 _S_ALIGN = 64  # cache length granularity: prompts of nearby lengths reuse one captured graph
@@ -62,8 +66,8 @@ _S_ALIGN = 64  # cache length granularity: prompts of nearby lengths reuse one c
 _L_BUCKET = 64
 _DONE_CHECK = 16  # host looks at the done flags every this many steps (each look is a sync)
 _STACK = True  # q/k/v and gate/up as one product each (_Fused); False: one per module (benchmark A/B)
-# The prompt forward: "compiled" = _prefill's layer functions compiled by Inductor (with the decode layers'
-# switch; shapes dynamic after the first change), "stacked" = the same functions eager, "modules" = the
+# The prompt forward: "compiled" = CudaDecoder.prefill's layer functions compiled by Inductor (with the decode
+# layers' switch; shapes dynamic after the first change), "stacked" = the same functions eager, "modules" = the
 # engine's own forward over its modules (the plain loop's; benchmark A/B)
 _PREFILL = "compiled"
 # A decode step writes k and v into the cache inside the compiled pre-attention function (one fused kernel with
@@ -95,44 +99,6 @@ def supports(engine: Any) -> bool:
     return True
 
 
-def _cdf_block(V: int) -> int:
-    """Block length of the two-level draw: the largest power of two <= 1024 dividing V (128 for Qwen's
-    151,936), so the probabilities reshape to [B, V / block, block] without a padding copy; 0 = one level."""
-    b = 1024
-    while b >= 64:
-        if V % b == 0 and V // b >= 2:
-            return b
-        b //= 2
-    return 0
-
-
-def sample_inverse_cdf(logp: torch.Tensor, u: torch.Tensor, block: int | None = None) -> torch.Tensor:
-    """Token index i with cdf[i-1] < u * total <= cdf[i] over probs = exp(logp) in vocabulary order.
-    P(i) = p_i / sum(p) exactly as the sorted inverse-CDF draw; only which uniform maps to which token differs.
-
-    Two levels when the vocabulary splits into blocks: the block whose cumulative mass first reaches the target
-    (a scan over V / block block sums), then the token inside that block (a scan over `block` values). A full
-    scan over a [64, 151,936] row block was a sizeable share of a decode step (docs/PERFORMANCE.md, "Two-level
-    inverse-CDF draw"); the two-level one reads the probabilities once. Sums are grouped differently, so a target within float rounding of a boundary may map
-    to the neighbouring token; the distribution is the same."""
-    p = logp.exp()
-    B, V = p.shape
-    block = _cdf_block(V) if block is None else block
-    target = u.to(p.dtype)
-    if not block or V % block or V // block < 2:
-        cdf = p.cumsum(-1)
-        target = (target * cdf[:, -1]).unsqueeze(-1)
-        return torch.searchsorted(cdf, target).clamp_max(V - 1).squeeze(-1)
-    blocks = p.view(B, V // block, block)
-    bcdf = blocks.sum(-1).cumsum(-1)  # [B, nb]
-    target = (target * bcdf[:, -1]).unsqueeze(-1)  # [B, 1]
-    bi = torch.searchsorted(bcdf, target).clamp_max(bcdf.shape[1] - 1)  # [B, 1]
-    before = torch.where(bi > 0, bcdf.gather(1, (bi - 1).clamp_min(0)), torch.zeros_like(target))
-    inner = blocks.gather(1, bi.unsqueeze(-1).expand(B, 1, block)).squeeze(1).cumsum(-1) + before  # [B, block]
-    j = torch.searchsorted(inner, target).clamp_max(block - 1)
-    return (bi * block + j).squeeze(-1)
-
-
 def rope_tables(engine: Any, max_pos: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [max_pos, D] from the model's own rotary module (so scaling variants match the prefill)."""
     inner = engine.model.model
@@ -143,7 +109,7 @@ def rope_tables(engine: Any, max_pos: int, dtype: torch.dtype) -> tuple[torch.Te
 
 
 @dataclass
-class _State:
+class DecodeState:
     """Every tensor a decode step reads or writes; fixed addresses so a graph can replay over them."""
 
     key: tuple
@@ -249,7 +215,7 @@ def _o_proj_mlp(h: torch.Tensor, attn: torch.Tensor, lo: tuple, ln: torch.Tensor
 
 def _prefill_pre(h: torch.Tensor, ln: torch.Tensor, eps: float, lqkv: tuple, sizes: tuple[int, ...],
                  qn: torch.Tensor, kn: torch.Tensor, eps_qk: float, cos: torch.Tensor, sin: torch.Tensor, D: int):
-    """The prefill's half of a layer before the cache write, TorchEngine._layer's arithmetic with q/k/v as one
+    """The prefill's half of a layer before the cache write, TorchEngine's layer arithmetic with q/k/v as one
     product: h [B, T, hidden] -> q [B, H, T, D], k and v [B, n_kv, T, D] (cos/sin [B, 1, T, D])."""
     B, T, _ = h.shape
     q, k, v = _project(_rms(h, ln, eps), lqkv, sizes)
@@ -265,32 +231,6 @@ def _prefill_post(h: torch.Tensor, q: torch.Tensor, ck: torch.Tensor, cv: torch.
     B, T, _ = h.shape
     out = F.scaled_dot_product_attention(q, ck, cv, attn_mask=mask, scale=scale, enable_gqa=True)
     return _o_proj_mlp(h, out.transpose(1, 2).reshape(B, T, -1), lo, ln, eps, lgu, sizes, ld)
-
-
-def _prefill(engine: Any, st: _State, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The prompt forward into the static cache with the decode's stacked projections (the INT8 path quantizes
-    each input once, not three and two times), TorchEngine._forward's arithmetic: logits [B, V] float32 of
-    the last prompt position."""
-    inner, D = engine.model.model, engine.head_dim
-    pre_fn, post_fn = st.extras["prefill_fns"]
-    T = ids.shape[1]
-    h = inner.embed_tokens(ids)
-    cos, sin = inner.rotary_emb(h, pos)
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    packed = st.extras.get("packed")
-    for (pre, post), cache in zip(st.extras["layers"], st.caches):
-        q, k, v = pre_fn(h, *pre, cos, sin, D)
-        if packed is not None:  # packed cache: write the codes, attend over their dequantized values
-            packed.write(cache, k, v, st.extras["slot0"])
-            ck, cv = packed.values(cache, T)
-        else:
-            ck, cv = cache
-            if engine.kv_codec is not None:
-                k, v = engine.kv_codec.roundtrip(k), engine.kv_codec.roundtrip(v)
-            ck[:, :, :T], cv[:, :, :T] = k, v
-            ck, cv = ck[:, :, :T], cv[:, :, :T]
-        h = post_fn(h, q, ck, cv, mask, *post)
-    return engine.model.lm_head(inner.norm(h[:, -1])).float()
 
 
 def _lin_of(mod: torch.nn.Module) -> tuple:
@@ -358,257 +298,300 @@ def _int8_triton_shapes(layers: list) -> list[tuple[int, int]]:
     return out
 
 
-def _compiled(engine: Any, want: bool) -> tuple[Any, ...]:
-    """The per-layer functions (pre-attention, post-attention, pre-attention with the cache write, o_proj + MLP for
-    the packed cache), compiled with Inductor when `want` (every layer has the same shapes, so each compiles once
-    and serves all 28); plain functions otherwise."""
-    if not want:
-        return _pre_attention, _post_attention, _pre_attention_write, _o_proj_mlp
-    fns = engine.__dict__.get("_fast_compiled")
-    if fns is None:
-        from parity.training.fast_compile import raise_recompile_limit
-        raise_recompile_limit(64)  # one specialisation per attended length L and per engine's weight formats
-        fns = tuple(torch.compile(f, dynamic=False, fullgraph=True)
-                    for f in (_pre_attention, _post_attention, _pre_attention_write, _o_proj_mlp))
-        engine._fast_compiled = fns
-    return fns
-
-
-def _run_prefill(engine: Any, st: _State, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
-                 compile_layers: bool) -> torch.Tensor:
-    """Prefill logits [B, V] by `_PREFILL`'s route; a failing compilation falls back to the same functions
-    eager (recorded in engine.fast_compile_error)."""
-    if _PREFILL == "modules":
-        return engine._forward(ids, pos, st.caches, 0, mask)
-    eager = (_prefill_pre, _prefill_post)
-    fns = st.extras.get("prefill_fns")
-    if fns is None:
-        fns = eager
-        if _PREFILL == "compiled" and compile_layers and (engine.kv_codec is None or "packed" in st.extras):
-            fns = engine.__dict__.get("_prefill_compiled") or (
-                torch.compile(_prefill_pre, fullgraph=True), torch.compile(_prefill_post, fullgraph=True))
-            engine._prefill_compiled = fns
-        st.extras["prefill_fns"] = fns
-    try:
-        return _prefill(engine, st, ids, pos, mask)
-    except Exception as e:  # noqa: BLE001 - Inductor missing or failing: the eager functions are the same math
-        if fns is eager:
-            raise
-        engine.fast_compile_error = f"prefill: {type(e).__name__}: {e}"[:500]
-        st.extras["prefill_fns"] = eager
-        return _prefill(engine, st, ids, pos, mask)
-
-
 def attended_length(start: int, t: int, S: int) -> int:
     """Cache slots a decode step of response token t reads: slot start + t and all before it, rounded up to
     _L_BUCKET (so a few captured graphs serve a whole call), at most S."""
     return min(S, -(-(start + t + 1) // _L_BUCKET) * _L_BUCKET)
 
 
-def _decode_forward(engine: Any, st: _State, tok: torch.Tensor, L: int) -> torch.Tensor:
-    """One token per row at slot start + t, rope position plen + t, attending over cache slots [0, L) (L covers
-    the slot): logits [B, V] float32."""
-    inner, D = engine.model.model, engine.head_dim
-    pre_fn, post_fn, pre_write_fn, o_mlp_fn = st.extras["fns"]
-    pos = st.plen + st.t
-    slot = st.start + st.t
-    cos, sin = st.cos[pos][:, None, :], st.sin[pos][:, None, :]  # [B, 1, D], broadcast over heads
-    kmask = (torch.arange(L, device=tok.device)[None, :] <= slot) & st.key_ok[:, :L]
-    h = inner.embed_tokens(tok[:, None])  # [B, 1, hidden]
-    fused_write = _FUSED_CACHE_WRITE and engine.kv_codec is None
-    packed = st.extras.get("packed")
-    if packed is not None:
-        from parity.rollout.decode_attention import packed_decode_attention
-    for (pre, post), cache in zip(st.extras["layers"], st.caches):
-        if packed is not None:  # packed cache: the write kernel, then the decode-attention kernel reading it
-            q, k, v = pre_fn(h, *pre, cos, sin, D)
-            packed.write(cache, k, v, slot)
-            out = packed_decode_attention(q, packed, cache, st.key_ok, slot, L, post[0])
-            h = o_mlp_fn(h, out[:, None], *post[1:])
-            continue
-        ck, cv = cache
-        if fused_write:
-            q = pre_write_fn(h, *pre, cos, sin, D, ck, cv, slot)
+class CudaDecoder:
+    """The fast decode path of one TorchEngine, owned by it (`engine.cuda_decoder`). It reads the engine's public
+    surface (model, device, pad_id, eos_id, n_kv, head_dim, vocab_size, kv_codec, recorder, name, describe,
+    forward, sample) and keeps its own state: the compiled layer functions, and the buffers and captured graphs
+    of the last call's shape (`state`), which a later call of that shape reuses and replays."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.compile = True  # Inductor for the layer functions on CUDA; False: uncompiled (benchmark A/B)
+        self.compile_error: str | None = None  # why compilation was given up (then `compile` is False)
+        self.state: DecodeState | None = None
+        self._decode_fns: tuple | None = None  # compiled layer_functions(True)
+        self._prefill_fns: tuple | None = None  # compiled (_prefill_pre, _prefill_post)
+
+    def supports(self) -> bool:
+        return supports(self.engine)
+
+    def reset(self) -> None:
+        """Drop the static cache, buffers and graphs (the next call allocates and captures anew)."""
+        self.state = None
+
+    # ---- one call ----
+
+    def generate(self, prompt_token_ids: list[list[int]], spec: SamplingSpec, prompt_ids: list[int] | None = None,
+                 use_graphs: bool | None = None) -> RolloutBatch:
+        """TorchEngine.generate on the static-cache path; same inputs, same RolloutBatch layout and meta."""
+        eng = self.engine
+        dev, R = eng.device, spec.max_new_tokens
+        use_graphs = dev.type == "cuda" if use_graphs is None else use_graphs
+        max_pos = eng.model.config.max_position_embeddings
+        lay = layout_batch(prompt_token_ids, spec, prompt_ids, eng.pad_id, max_pos)
+        B, P = lay.prompts.shape
+        S = min(-(-(P + R) // _S_ALIGN) * _S_ALIGN, max_pos)
+        K = spec.topk_logprobs
+        w = eng.model.lm_head.weight
+        dtype = w.dtype if w.is_floating_point() else torch.bfloat16
+        compile_layers = use_graphs and self.compile
+        if getattr(eng, "kv_budget_bytes", None):  # a capped KV cache: as many rows a call as fit, in chunks
+            from parity.rollout.kv_budget import generate_in_chunks, rows_that_fit
+            fit = rows_that_fit(eng, S, dtype, _PACKED_KV)
+            if B > fit:
+                return generate_in_chunks(eng, prompt_token_ids, spec, prompt_ids, fit, P,
+                                          lambda _e, *a: self.generate(*a, use_graphs=use_graphs))
+        key = (B, S, R, K, spec.temperature, spec.top_p, dtype, use_graphs, compile_layers, _PACKED_KV,
+               getattr(eng, "kv_packed", None))
+        st = self._state_for(key, B, S, R, K, dtype, use_graphs, compile_layers)
+
+        prompts, pmask = lay.prompts.to(dev), lay.prompt_mask.to(dev)
+        st.uniforms.copy_(lay.uniforms())
+        st.key_ok.copy_(key_slots(pmask, R, S))
+        st.plen.copy_(pmask.sum(-1))
+        st.start.fill_(P)
+        st.t.zero_()
+        st.done.zero_()
+        st.responses.fill_(eng.pad_id)  # what the plain loop leaves in steps after every row finished
+        for x in (st.rmask, st.logps, st.topk_ids, st.topk_lp):
+            if x is not None:
+                x.zero_()
+        st.logits.copy_(self.prefill(st, prompts, positions(pmask), prefill_mask(pmask)[:, None], compile_layers))
+
+        steps = 0
+        while steps < R:
+            L = attended_length(P, steps, S)
+            if not use_graphs:
+                self.step(st, spec, L)
+            elif L in st.graphs:
+                st.graphs[L].replay()
+            else:  # first step over this many slots: it runs for real while its graph is captured
+                try:
+                    st.graphs[L] = self.capture(st, spec, L)
+                except Exception as e:  # noqa: BLE001 - Inductor missing or failing: the uncompiled step is the same math
+                    if not compile_layers:
+                        raise
+                    self.compile, self.compile_error, self.state = False, f"{type(e).__name__}: {e}"[:500], None
+                    return self.generate(prompt_token_ids, spec, prompt_ids, use_graphs)
+            steps += 1
+            if steps % _DONE_CHECK == 0 and steps < R and bool(st.done.all()):
+                break  # later steps would only write pad tokens, which the buffers already hold
+        return lay.rollout_batch(
+            st.responses, st.rmask, st.logps, ~st.done, st.topk_ids, st.topk_lp,
+            meta={"engine": eng.name, **eng.describe(),
+                  "decode_path": ("cuda_graph" if use_graphs else "static_cache_eager")
+                  + ("+inductor_layers" if compile_layers else ""),
+                  "kv_cache_layout": ("packed" if "packed" in st.extras else
+                                      "plain" if eng.kv_codec is None else "simulated")})
+
+    def _state_for(self, key: tuple, B: int, S: int, R: int, K: int, dtype: torch.dtype, use_graphs: bool,
+                   compile_layers: bool) -> DecodeState:
+        """The last call's state when `key` (shapes, sampling, route) matches, its stacked weights refreshed;
+        else a new one (the old cache freed first)."""
+        st = self.state
+        if st is not None and st.key == key:
+            for f in st.extras["fused"]:  # weights may have been updated in place since the last call
+                f.refresh()
+            return st
+        self.state = None
+        st = self.new_state(key, B, S, R, K, dtype)
+        st.extras["fns"] = self.layer_functions(compile_layers)
+        st.extras["fused"] = []
+        st.extras["layers"] = [_layer_args(layer, st.extras["fused"]) for layer in self.engine.model.model.layers]
+        if _PIN_INT8 and use_graphs:
+            from parity.precision import int8_triton
+            st.extras["int8_pinned"] = int8_triton.tune_decode(B, _int8_triton_shapes(st.extras["layers"]),
+                                                               self.engine.device)
+        self.state = st
+        return st
+
+    def new_state(self, key: tuple, B: int, S: int, R: int, K: int, dtype: torch.dtype) -> DecodeState:
+        eng = self.engine
+        dev = eng.device
+        cos, sin = rope_tables(eng, eng.model.config.max_position_embeddings, dtype)
+        from parity.rollout.decode_attention import packed_cache_for
+        packed = packed_cache_for(eng, B, S, dtype) if _PACKED_KV else None
+        if packed is not None:  # the packed low-precision cache (one PackedLayer a layer)
+            caches = packed.layers
         else:
+            caches = [(torch.zeros(B, eng.n_kv, S, eng.head_dim, dtype=dtype, device=dev),
+                       torch.zeros(B, eng.n_kv, S, eng.head_dim, dtype=dtype, device=dev))
+                      for _ in eng.model.model.layers]
+        st = DecodeState(
+            key=key, caches=caches, cos=cos, sin=sin,
+            t=torch.zeros(1, dtype=torch.long, device=dev), start=torch.zeros(1, dtype=torch.long, device=dev),
+            plen=torch.zeros(B, dtype=torch.long, device=dev), key_ok=torch.zeros(B, S, dtype=torch.bool, device=dev),
+            uniforms=torch.zeros(B, R, dtype=torch.float64, device=dev),
+            logits=torch.zeros(B, eng.vocab_size, dtype=torch.float32, device=dev),
+            tok=torch.zeros(B, dtype=torch.long, device=dev), done=torch.zeros(B, dtype=torch.bool, device=dev),
+            responses=torch.zeros(B, R, dtype=torch.long, device=dev),
+            rmask=torch.zeros(B, R, dtype=torch.bool, device=dev), logps=torch.zeros(B, R, dtype=torch.float32, device=dev),
+            topk_ids=torch.zeros(B, R, K, dtype=torch.int32, device=dev) if K else None,
+            topk_lp=torch.zeros(B, R, K, dtype=torch.float32, device=dev) if K else None,
+        )
+        if packed is not None:
+            st.extras["packed"] = packed
+            st.extras["slot0"] = torch.zeros(1, dtype=torch.long, device=dev)
+        return st
+
+    def layer_functions(self, want: bool) -> tuple:
+        """The per-layer decode functions (pre-attention, post-attention, pre-attention with the cache write, o_proj +
+        MLP for the packed cache), compiled with Inductor when `want` (every layer has the same shapes, so each
+        compiles once and serves all 28); plain functions otherwise."""
+        if not want:
+            return _pre_attention, _post_attention, _pre_attention_write, _o_proj_mlp
+        if self._decode_fns is None:
+            from parity.training.fast_compile import raise_recompile_limit
+            raise_recompile_limit(64)  # one specialisation per attended length L and per engine's weight formats
+            self._decode_fns = tuple(torch.compile(f, dynamic=False, fullgraph=True)
+                                     for f in (_pre_attention, _post_attention, _pre_attention_write, _o_proj_mlp))
+        return self._decode_fns
+
+    # ---- the prompt forward ----
+
+    def prefill(self, st: DecodeState, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
+                compile_layers: bool) -> torch.Tensor:
+        """Prefill logits [B, V] by `_PREFILL`'s route; a failing compilation falls back to the same functions
+        eager (recorded in `compile_error`)."""
+        if _PREFILL == "modules":
+            return self.engine.forward(ids, pos, st.caches, 0, mask)
+        eager = (_prefill_pre, _prefill_post)
+        fns = st.extras.get("prefill_fns")
+        if fns is None:
+            fns = eager
+            if _PREFILL == "compiled" and compile_layers and (self.engine.kv_codec is None or "packed" in st.extras):
+                if self._prefill_fns is None:
+                    self._prefill_fns = (torch.compile(_prefill_pre, fullgraph=True),
+                                         torch.compile(_prefill_post, fullgraph=True))
+                fns = self._prefill_fns
+            st.extras["prefill_fns"] = fns
+        try:
+            return self._prefill(st, ids, pos, mask)
+        except Exception as e:  # noqa: BLE001 - Inductor missing or failing: the eager functions are the same math
+            if fns is eager:
+                raise
+            self.compile_error = f"prefill: {type(e).__name__}: {e}"[:500]
+            st.extras["prefill_fns"] = eager
+            return self._prefill(st, ids, pos, mask)
+
+    def _prefill(self, st: DecodeState, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The prompt forward into the static cache with the decode's stacked projections (the INT8 path quantizes
+        each input once, not three and two times), TorchEngine.forward's arithmetic: logits [B, V] float32 of
+        the last prompt position."""
+        eng = self.engine
+        inner, D = eng.model.model, eng.head_dim
+        pre_fn, post_fn = st.extras["prefill_fns"]
+        T = ids.shape[1]
+        h = inner.embed_tokens(ids)
+        cos, sin = inner.rotary_emb(h, pos)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        packed = st.extras.get("packed")
+        for (pre, post), cache in zip(st.extras["layers"], st.caches):
             q, k, v = pre_fn(h, *pre, cos, sin, D)
-            if engine.kv_codec is not None:
-                # eager inside the graph: Dynamo cannot trace the codec's functools.cache'd Hadamard matrix
-                k, v = engine.kv_codec.roundtrip(k), engine.kv_codec.roundtrip(v)
-            ck.index_copy_(2, slot, k[:, :, None].to(ck.dtype))
-            cv.index_copy_(2, slot, v[:, :, None].to(cv.dtype))
-        h = post_fn(h, q, ck[:, :, :L], cv[:, :, :L], kmask, *post)
-    return engine.model.lm_head(inner.norm(h[:, -1])).float()
+            if packed is not None:  # packed cache: write the codes, attend over their dequantized values
+                packed.write(cache, k, v, st.extras["slot0"])
+                ck, cv = packed.values(cache, T)
+            else:
+                ck, cv = cache
+                if eng.kv_codec is not None:
+                    k, v = eng.kv_codec.roundtrip(k), eng.kv_codec.roundtrip(v)
+                ck[:, :, :T], cv[:, :, :T] = k, v
+                ck, cv = ck[:, :, :T], cv[:, :, :T]
+            h = post_fn(h, q, ck, cv, mask, *post)
+        return eng.model.lm_head(inner.norm(h[:, -1])).float()
 
+    # ---- one decode step ----
 
-def _sample_and_record(engine: Any, st: _State, spec: SamplingSpec) -> None:
-    """Draw token t from st.logits and write it, its log-prob and the done flags (all in place)."""
-    greedy = spec.temperature == 0.0
-    temp = 1.0 if greedy else spec.temperature
-    logp = torch.log_softmax(st.logits / temp, dim=-1)
-    u = st.uniforms.index_select(1, st.t).squeeze(1)
-    if greedy or spec.top_p < 1.0:
-        tok = engine._sample(logp, spec.top_p, u, greedy)
-    else:
-        tok = sample_inverse_cdf(logp, u)
-    live = ~st.done
-    tok_out = torch.where(live, tok, engine.pad_id)
-    st.responses.index_copy_(1, st.t, tok_out[:, None])
-    st.rmask.index_copy_(1, st.t, live[:, None])
-    lp = torch.where(live, logp.gather(-1, tok[:, None]).squeeze(-1), 0.0)
-    st.logps.index_copy_(1, st.t, lp[:, None])
-    if st.topk_ids is not None:
-        v, ix = logp.topk(spec.topk_logprobs, dim=-1)
-        st.topk_lp.index_copy_(1, st.t, (v * live[:, None])[:, None])
-        st.topk_ids.index_copy_(1, st.t, (ix.int() * live[:, None])[:, None])
-    st.done.logical_or_(live & (tok == engine.eos_id))
-    st.tok.copy_(tok_out)
+    def decode_forward(self, st: DecodeState, tok: torch.Tensor, L: int) -> torch.Tensor:
+        """One token per row at slot start + t, rope position plen + t, attending over cache slots [0, L) (L covers
+        the slot): logits [B, V] float32."""
+        eng = self.engine
+        inner, D = eng.model.model, eng.head_dim
+        pre_fn, post_fn, pre_write_fn, o_mlp_fn = st.extras["fns"]
+        pos = st.plen + st.t
+        slot = st.start + st.t
+        cos, sin = st.cos[pos][:, None, :], st.sin[pos][:, None, :]  # [B, 1, D], broadcast over heads
+        kmask = (torch.arange(L, device=tok.device)[None, :] <= slot) & st.key_ok[:, :L]
+        h = inner.embed_tokens(tok[:, None])  # [B, 1, hidden]
+        fused_write = _FUSED_CACHE_WRITE and eng.kv_codec is None
+        packed = st.extras.get("packed")
+        if packed is not None:
+            from parity.rollout.decode_attention import packed_decode_attention
+        for (pre, post), cache in zip(st.extras["layers"], st.caches):
+            if packed is not None:  # packed cache: the write kernel, then the decode-attention kernel reading it
+                q, k, v = pre_fn(h, *pre, cos, sin, D)
+                packed.write(cache, k, v, slot)
+                out = packed_decode_attention(q, packed, cache, st.key_ok, slot, L, post[0])
+                h = o_mlp_fn(h, out[:, None], *post[1:])
+                continue
+            ck, cv = cache
+            if fused_write:
+                q = pre_write_fn(h, *pre, cos, sin, D, ck, cv, slot)
+            else:
+                q, k, v = pre_fn(h, *pre, cos, sin, D)
+                if eng.kv_codec is not None:
+                    # eager inside the graph: Dynamo cannot trace the codec's functools.cache'd Hadamard matrix
+                    k, v = eng.kv_codec.roundtrip(k), eng.kv_codec.roundtrip(v)
+                ck.index_copy_(2, slot, k[:, :, None].to(ck.dtype))
+                cv.index_copy_(2, slot, v[:, :, None].to(cv.dtype))
+            h = post_fn(h, q, ck[:, :, :L], cv[:, :, :L], kmask, *post)
+        return eng.model.lm_head(inner.norm(h[:, -1])).float()
 
+    def sample_and_record(self, st: DecodeState, spec: SamplingSpec) -> None:
+        """Draw token t from st.logits and write it, its log-prob and the done flags (all in place)."""
+        eng = self.engine
+        greedy = spec.temperature == 0.0
+        temp = 1.0 if greedy else spec.temperature
+        logp = torch.log_softmax(st.logits / temp, dim=-1)
+        u = st.uniforms.index_select(1, st.t).squeeze(1)
+        if greedy or spec.top_p < 1.0:
+            tok = eng.sample(logp, spec.top_p, u, greedy)
+        else:
+            tok = sample_inverse_cdf(logp, u)
+        live = ~st.done
+        tok_out = torch.where(live, tok, eng.pad_id)
+        st.responses.index_copy_(1, st.t, tok_out[:, None])
+        st.rmask.index_copy_(1, st.t, live[:, None])
+        lp = torch.where(live, logp.gather(-1, tok[:, None]).squeeze(-1), 0.0)
+        st.logps.index_copy_(1, st.t, lp[:, None])
+        if st.topk_ids is not None:
+            v, ix = logp.topk(spec.topk_logprobs, dim=-1)
+            st.topk_lp.index_copy_(1, st.t, (v * live[:, None])[:, None])
+            st.topk_ids.index_copy_(1, st.t, (ix.int() * live[:, None])[:, None])
+        st.done.logical_or_(live & (tok == eng.eos_id))
+        st.tok.copy_(tok_out)
 
-def _step(engine: Any, st: _State, spec: SamplingSpec, L: int) -> None:
-    """Sample token t, then run the forward that gives the logits of token t + 1, then t += 1."""
-    _sample_and_record(engine, st, spec)
-    st.logits.copy_(_decode_forward(engine, st, st.tok, L))
-    st.t.add_(1)
+    def step(self, st: DecodeState, spec: SamplingSpec, L: int) -> None:
+        """Sample token t, then run the forward that gives the logits of token t + 1, then t += 1."""
+        self.sample_and_record(st, spec)
+        st.logits.copy_(self.decode_forward(st, st.tok, L))
+        st.t.add_(1)
 
-
-def _new_state(engine: Any, key: tuple, B: int, S: int, R: int, K: int, dtype: torch.dtype) -> _State:
-    dev = engine.device
-    max_pos = engine.model.config.max_position_embeddings
-    cos, sin = rope_tables(engine, max_pos, dtype)
-    from parity.rollout.decode_attention import packed_cache_for
-    packed = packed_cache_for(engine, B, S, dtype) if _PACKED_KV else None
-    if packed is not None:  # the packed low-precision cache (one PackedLayer a layer)
-        caches = packed.layers
-    else:
-        caches = [(torch.zeros(B, engine.n_kv, S, engine.head_dim, dtype=dtype, device=dev),
-                   torch.zeros(B, engine.n_kv, S, engine.head_dim, dtype=dtype, device=dev))
-                  for _ in engine.model.model.layers]
-    st = _State(
-        key=key, caches=caches, cos=cos, sin=sin,
-        t=torch.zeros(1, dtype=torch.long, device=dev), start=torch.zeros(1, dtype=torch.long, device=dev),
-        plen=torch.zeros(B, dtype=torch.long, device=dev), key_ok=torch.zeros(B, S, dtype=torch.bool, device=dev),
-        uniforms=torch.zeros(B, R, dtype=torch.float64, device=dev),
-        logits=torch.zeros(B, engine.vocab_size, dtype=torch.float32, device=dev),
-        tok=torch.zeros(B, dtype=torch.long, device=dev), done=torch.zeros(B, dtype=torch.bool, device=dev),
-        responses=torch.zeros(B, R, dtype=torch.long, device=dev), rmask=torch.zeros(B, R, dtype=torch.bool, device=dev),
-        logps=torch.zeros(B, R, dtype=torch.float32, device=dev),
-        topk_ids=torch.zeros(B, R, K, dtype=torch.int32, device=dev) if K else None,
-        topk_lp=torch.zeros(B, R, K, dtype=torch.float32, device=dev) if K else None,
-    )
-    if packed is not None:
-        st.extras["packed"] = packed
-        st.extras["slot0"] = torch.zeros(1, dtype=torch.long, device=dev)
-    return st
-
-
-def _capture(engine: Any, st: _State, spec: SamplingSpec, L: int) -> Any:
-    """Record one decode step over L cache slots as a CUDA graph. The warm-up runs on a side stream as CUDA
-    graphs require; it is the current step for real (lazy caches such as the Hadamard matrix, and the compiled
-    functions for this L, get built there, outside capture), so after it t has advanced by one."""
-    side = torch.cuda.Stream(device=engine.device)
-    side.wait_stream(torch.cuda.current_stream(engine.device))
-    with torch.cuda.stream(side):
-        _step(engine, st, spec, L)
-    torch.cuda.current_stream(engine.device).wait_stream(side)
-    if st.pool is None:
-        st.pool = torch.cuda.graph_pool_handle()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=st.pool):
-        _step(engine, st, spec, L)  # recorded, not executed: t does not move
-    return graph
+    def capture(self, st: DecodeState, spec: SamplingSpec, L: int) -> Any:
+        """Record one decode step over L cache slots as a CUDA graph. The warm-up runs on a side stream as CUDA
+        graphs require; it is the current step for real (lazy caches such as the Hadamard matrix, and the compiled
+        functions for this L, get built there, outside capture), so after it t has advanced by one."""
+        dev = self.engine.device
+        side = torch.cuda.Stream(device=dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            self.step(st, spec, L)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        if st.pool is None:
+            st.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=st.pool):
+            self.step(st, spec, L)  # recorded, not executed: t does not move
+        return graph
 
 
 def fast_generate(engine: Any, prompt_token_ids: list[list[int]], spec: SamplingSpec,
                   prompt_ids: list[int] | None = None, use_graphs: bool | None = None) -> RolloutBatch:
-    """TorchEngine.generate on the static-cache path; same inputs, same RolloutBatch layout and meta."""
-    from parity.rollout.torch_engine import layout_batch
-
-    dev, R = engine.device, spec.max_new_tokens
-    use_graphs = dev.type == "cuda" if use_graphs is None else use_graphs
-    max_pos = engine.model.config.max_position_embeddings
-    rows, prompt_ids, prompts, pmask, uniforms = layout_batch(prompt_token_ids, spec, prompt_ids, engine.pad_id,
-                                                              max_pos)
-    B, P = prompts.shape
-    S = min(-(-(P + R) // _S_ALIGN) * _S_ALIGN, max_pos)
-    K = spec.topk_logprobs
-    w = engine.model.lm_head.weight
-    dtype = w.dtype if w.is_floating_point() else torch.bfloat16
-    compile_layers = use_graphs and getattr(engine, "fast_compile", True)
-    if getattr(engine, "kv_budget_bytes", None):  # a capped KV cache: as many rows a call as fit, in chunks
-        from parity.rollout.kv_budget import generate_in_chunks, rows_that_fit
-        fit = rows_that_fit(engine, S, dtype, _PACKED_KV)
-        if B > fit:
-            return generate_in_chunks(engine, prompt_token_ids, spec, prompt_ids, fit, P,
-                                      lambda *a: fast_generate(*a, use_graphs=use_graphs))
-    key = (B, S, R, K, spec.temperature, spec.top_p, dtype, use_graphs, compile_layers, _PACKED_KV,
-           getattr(engine, "kv_packed", None))
-    st = engine.__dict__.get("_fast_state")
-    if st is None or st.key != key:
-        engine._fast_state = None  # free the old cache before allocating the new one
-        st = _new_state(engine, key, B, S, R, K, dtype)
-        st.extras["fns"] = _compiled(engine, compile_layers)
-        st.extras["fused"] = []
-        st.extras["layers"] = [_layer_args(layer, st.extras["fused"]) for layer in engine.model.model.layers]
-        if _PIN_INT8 and use_graphs:
-            from parity.precision import int8_triton
-            st.extras["int8_pinned"] = int8_triton.tune_decode(B, _int8_triton_shapes(st.extras["layers"]), dev)
-        engine._fast_state = st
-    else:
-        for f in st.extras["fused"]:  # weights may have been updated in place since the last call
-            f.refresh()
-
-    prompts, pmask = prompts.to(dev), pmask.to(dev)
-    st.uniforms.copy_(uniforms)
-    st.key_ok.zero_()
-    st.key_ok[:, :P] = pmask
-    st.key_ok[:, P:P + R] = True
-    st.plen.copy_(pmask.sum(-1))
-    st.start.fill_(P)
-    st.t.zero_()
-    st.done.zero_()
-    st.responses.fill_(engine.pad_id)  # what the plain loop leaves in steps after every row finished
-    for x in (st.rmask, st.logps, st.topk_ids, st.topk_lp):
-        if x is not None:
-            x.zero_()
-
-    q_idx = torch.arange(P, device=dev)
-    causal = q_idx[:, None] >= q_idx[None, :]
-    mask = (causal[None] & pmask[:, None, :]) | torch.eye(P, dtype=torch.bool, device=dev)[None]
-    pos = (pmask.long().cumsum(-1) - 1).clamp_min(0)
-    st.logits.copy_(_run_prefill(engine, st, prompts, pos, mask[:, None], compile_layers))
-
-    steps = 0
-    while steps < R:
-        L = attended_length(P, steps, S)
-        if not use_graphs:
-            _step(engine, st, spec, L)
-        elif L in st.graphs:
-            st.graphs[L].replay()
-        else:  # first step over this many slots: it runs for real while its graph is captured
-            try:
-                st.graphs[L] = _capture(engine, st, spec, L)
-            except Exception as e:  # noqa: BLE001 - Inductor missing or failing: the uncompiled step is the same math
-                if not compile_layers:
-                    raise
-                engine.fast_compile = False
-                engine.fast_compile_error = f"{type(e).__name__}: {e}"[:500]
-                engine._fast_state = None
-                return fast_generate(engine, prompt_token_ids, spec, prompt_ids, use_graphs)
-        steps += 1
-        if steps % _DONE_CHECK == 0 and steps < R and bool(st.done.all()):
-            break  # later steps would only write pad tokens, which the buffers already hold
-    truncated = ~st.done
-    batch = RolloutBatch(
-        prompts=prompts.cpu(), prompt_mask=pmask.cpu(), responses=st.responses.cpu(), response_mask=st.rmask.cpu(),
-        rollout_logprobs=st.logps.cpu(), rewards=torch.zeros(B, dtype=torch.float32), truncated=truncated.cpu(),
-        group_ids=torch.tensor([i for i, _ in rows], dtype=torch.long),
-        prompt_ids=torch.tensor([prompt_ids[i] for i, _ in rows], dtype=torch.long),
-        topk_ids=None if st.topk_ids is None else st.topk_ids.cpu(),
-        topk_logprobs=None if st.topk_lp is None else st.topk_lp.cpu(),
-        meta={"engine": engine.name, **engine.describe(),
-              "decode_path": ("cuda_graph" if use_graphs else "static_cache_eager")
-              + ("+inductor_layers" if compile_layers else ""),
-              "kv_cache_layout": ("packed" if "packed" in st.extras else
-                                  "plain" if engine.kv_codec is None else "simulated")},
-    )
-    return batch
+    """`engine.cuda_decoder.generate(...)`: TorchEngine.generate on the static-cache path."""
+    return engine.cuda_decoder.generate(prompt_token_ids, spec, prompt_ids, use_graphs)

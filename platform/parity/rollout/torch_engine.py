@@ -8,12 +8,13 @@ of our own (so the KV cache, its low-precision format and the sampling are ours 
     sample:   logits / T -> log_softmax (the log-prob we return, pi_inf) -> top-p -> inverse-CDF draw
 
 Randomness is per row: row r of prompt p draws from a generator seeded by (spec.seed, prompt id, sample
-index), so a batch is identical however prompts are sharded over workers.
+index), so a batch is identical however prompts are sharded over workers (the rows, left padding, seeds, masks
+and positions are parity.rollout.layout's, shared with the CUDA decode path and the validation sampler).
+On CUDA, `generate` hands dense models to the fast path the engine owns (`cuda_decoder`, rollout/cuda_decode.py).
 """
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -24,37 +25,9 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from parity.rollout.base import SamplingSpec
+from parity.rollout.cuda_decode import CudaDecoder
+from parity.rollout.layout import Responses, key_slots, layout_batch, positions, prefill_mask
 from parity.types import RolloutBatch
-
-
-def _row_seed(seed: int, prompt_id: int, sample: int) -> int:
-    h = hashlib.blake2b(f"{seed}:{prompt_id}:{sample}".encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") & ((1 << 63) - 1)
-
-
-def layout_batch(prompt_token_ids: list[list[int]], spec: SamplingSpec, prompt_ids: list[int] | None,
-                 pad_id: int, max_pos: int) -> tuple[list[tuple[int, int]], list[int], torch.Tensor, torch.Tensor,
-                                                     torch.Tensor]:
-    """The batch layout both decode paths share: rows (prompt index, sample), the prompt ids, left-padded
-    prompts [B, P] and their mask (CPU), and each row's uniforms [B, R] (float64, CPU) drawn from a
-    generator seeded by (spec.seed, prompt id, sample), so a row's samples do not depend on the batch."""
-    prompt_ids = list(range(len(prompt_token_ids))) if prompt_ids is None else list(prompt_ids)
-    if not prompt_token_ids or min(len(p) for p in prompt_token_ids) == 0:
-        raise ValueError("every prompt needs at least one token")
-    rows = [(i, j) for i in range(len(prompt_token_ids)) for j in range(spec.n)]
-    B, P, R = len(rows), max(spec.pad_prompts_to, max(len(p) for p in prompt_token_ids)), spec.max_new_tokens
-    if P + R > max_pos:
-        raise ValueError(f"prompt ({P}) + max_new_tokens ({R}) exceeds the model's max_position_embeddings ({max_pos})")
-    prompts = torch.full((B, P), pad_id, dtype=torch.long)
-    pmask = torch.zeros((B, P), dtype=torch.bool)
-    for r, (i, _) in enumerate(rows):
-        toks = prompt_token_ids[i]
-        prompts[r, P - len(toks):] = torch.tensor(toks)
-        pmask[r, P - len(toks):] = True
-    seed = 0 if spec.seed is None else spec.seed
-    uniforms = torch.stack([torch.rand(R, generator=torch.Generator().manual_seed(_row_seed(seed, prompt_ids[i], j)),
-                                       dtype=torch.float64) for i, j in rows])
-    return rows, prompt_ids, prompts, pmask, uniforms
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -64,7 +37,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class TorchEngine:
     name = "torch"
-    fast_decode = True  # CUDA only: parity.rollout.cuda_decode (static KV cache, CUDA graphs); False = plain loop
+    fast_decode = True  # CUDA only: self.cuda_decoder (static KV cache, CUDA graphs); False = plain loop
 
     def __init__(self, model_dir: str | Path, precision: Any = None, device: str = "cpu",
                  dtype: torch.dtype = torch.bfloat16, pad_token_id: int | None = None,
@@ -87,6 +60,7 @@ class TorchEngine:
         if capture_routing:
             from parity.moe.capture import RoutingRecorder  # MoE only: hooks on the routers
             self.recorder = RoutingRecorder(self.model)
+        self.cuda_decoder = CudaDecoder(self)  # allocates nothing until a CUDA call takes the fast path
 
     def _apply_precision(self, precision: Any) -> None:
         if precision.weights != "bf16" or precision.activations != "bf16":
@@ -126,8 +100,10 @@ class TorchEngine:
             mlp_out = mlp_out[0]
         return h + mlp_out
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, caches: list, start: int,
-                 mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, caches: list, start: int,
+                mask: torch.Tensor) -> torch.Tensor:
+        """Logits [B, V] float32 of the last position of `ids` [B, T] at rope positions `pos`, writing its K/V
+        into `caches` (one (k, v) [B, n_kv, S, D] pair per layer) at slots start..start + T - 1."""
         inner = self.model.model
         h = inner.embed_tokens(ids)
         cos, sin = inner.rotary_emb(h, pos)
@@ -139,7 +115,9 @@ class TorchEngine:
     # ---- sampling ----
 
     @staticmethod
-    def _sample(logp: torch.Tensor, top_p: float, u: torch.Tensor, greedy: bool) -> torch.Tensor:
+    def sample(logp: torch.Tensor, top_p: float, u: torch.Tensor, greedy: bool) -> torch.Tensor:
+        """Token per row: argmax if greedy, else the inverse-CDF draw of uniform `u` over the probabilities in
+        descending order, cut to the top-p nucleus."""
         if greedy:
             return logp.argmax(-1)
         probs = logp.exp()
@@ -156,16 +134,13 @@ class TorchEngine:
     def generate(self, prompt_token_ids: list[list[int]], spec: SamplingSpec,
                  prompt_ids: list[int] | None = None) -> RolloutBatch:
         # ---- dispatch to the CUDA fast path (same inputs and RolloutBatch; see cuda_decode's docstring) ----
-        if self.fast_decode and self.device.type == "cuda":
-            from parity.rollout.cuda_decode import fast_generate, supports
-            if supports(self):
-                return fast_generate(self, prompt_token_ids, spec, prompt_ids)
+        if self.fast_decode and self.device.type == "cuda" and self.cuda_decoder.supports():
+            return self.cuda_decoder.generate(prompt_token_ids, spec, prompt_ids)
         # ---- the plain loop ----
         dev, R = self.device, spec.max_new_tokens
-        rows, prompt_ids, prompts, pmask, uniforms = layout_batch(
-            prompt_token_ids, spec, prompt_ids, self.pad_id, self.model.config.max_position_embeddings)
-        B, P = prompts.shape
-        prompts, pmask, uniforms = prompts.to(dev), pmask.to(dev), uniforms.to(dev)
+        lay = layout_batch(prompt_token_ids, spec, prompt_ids, self.pad_id, self.model.config.max_position_embeddings)
+        B, P = lay.prompts.shape
+        prompts, pmask, uniforms = lay.prompts.to(dev), lay.prompt_mask.to(dev), lay.uniforms().to(dev)
         greedy = spec.temperature == 0.0
         temp = 1.0 if greedy else spec.temperature
 
@@ -173,58 +148,31 @@ class TorchEngine:
         caches = [(torch.zeros(B, self.n_kv, P + R, self.head_dim, dtype=dtype, device=dev),
                    torch.zeros(B, self.n_kv, P + R, self.head_dim, dtype=dtype, device=dev))
                   for _ in self.model.model.layers]
-        key_ok = torch.cat([pmask, torch.ones(B, R, dtype=torch.bool, device=dev)], 1)
-        q_idx = torch.arange(P, device=dev)
-        causal = q_idx[:, None] >= torch.arange(P + R, device=dev)[None, :]
-        # a left-pad query attends to itself so its (unused) output stays finite
-        mask = (causal[None] & key_ok[:, None, :]) | torch.eye(P, P + R, dtype=torch.bool, device=dev)[None]
-        pos = (pmask.long().cumsum(-1) - 1).clamp_min(0)
+        key_ok = key_slots(pmask, R)  # [B, P + R]
         plen = pmask.sum(-1)
 
-        responses = torch.full((B, R), self.pad_id, dtype=torch.long, device=dev)
-        rmask = torch.zeros((B, R), dtype=torch.bool, device=dev)
-        logps = torch.zeros((B, R), dtype=torch.float32, device=dev)
-        K = spec.topk_logprobs
-        topk_ids = torch.zeros((B, R, K), dtype=torch.int32, device=dev) if K else None
-        topk_lp = torch.zeros((B, R, K), dtype=torch.float32, device=dev) if K else None
-        done = torch.zeros(B, dtype=torch.bool, device=dev)
+        out = Responses.empty(B, R, spec.topk_logprobs, self.pad_id, dev)
         routing = [] if self.recorder is not None else None
         if self.recorder is not None:
             self.recorder.start()
 
-        logits = self._forward(prompts, pos, caches, 0, mask[:, None, :, :P])
+        logits = self.forward(prompts, positions(pmask), caches, 0, prefill_mask(pmask)[:, None])
         if self.recorder is not None:  # token t is generated by the forward at input position P-1+t
             routing.append(self.recorder.pop()[:, -1])  # [B, n_layers, top_k]
         for t in range(R):
             logp = torch.log_softmax(logits / temp, dim=-1)
-            tok = self._sample(logp, spec.top_p, uniforms[:, t], greedy)
-            live = ~done
-            responses[:, t] = torch.where(live, tok, self.pad_id)
-            rmask[:, t] = live
-            logps[:, t] = torch.where(live, logp.gather(-1, tok[:, None]).squeeze(-1), 0.0)
-            if K:
-                v, ix = logp.topk(K, dim=-1)
-                topk_lp[:, t], topk_ids[:, t] = v * live[:, None], ix.int() * live[:, None]
-            done = done | (live & (tok == self.eos_id))
-            if bool(done.all()) or t == R - 1:
+            tok = self.sample(logp, spec.top_p, uniforms[:, t], greedy)
+            out.record(t, tok, logp, self.pad_id, self.eos_id)
+            if bool(out.done.all()) or t == R - 1:
                 break
             step_mask = (torch.arange(P + R, device=dev)[None, :] <= P + t) & key_ok
-            logits = self._forward(responses[:, t:t + 1], (plen + t)[:, None], caches, P + t,
-                                   step_mask[:, None, None, :P + t + 1])
+            logits = self.forward(out.tokens[:, t:t + 1], (plen + t)[:, None], caches, P + t,
+                                  step_mask[:, None, None, :P + t + 1])
             if self.recorder is not None:
                 routing.append(self.recorder.pop()[:, 0])
         if self.recorder is not None:
             self.recorder.stop()
-        truncated = ~done
-        batch = RolloutBatch(
-            prompts=prompts.cpu(), prompt_mask=pmask.cpu(), responses=responses.cpu(), response_mask=rmask.cpu(),
-            rollout_logprobs=logps.cpu(), rewards=torch.zeros(B, dtype=torch.float32), truncated=truncated.cpu(),
-            group_ids=torch.tensor([i for i, _ in rows], dtype=torch.long),
-            prompt_ids=torch.tensor([prompt_ids[i] for i, _ in rows], dtype=torch.long),
-            topk_ids=None if topk_ids is None else topk_ids.cpu(),
-            topk_logprobs=None if topk_lp is None else topk_lp.cpu(),
-            meta={"engine": self.name, **self.describe()},
-        )
+        batch = lay.batch_of(out, meta={"engine": self.name, **self.describe()})
         if routing is not None:
             from parity.moe.codec import RoutingBatch
             batch.routed_experts = RoutingBatch.from_steps([r.cpu() for r in routing], batch.response_lengths().tolist(),
@@ -245,4 +193,5 @@ class TorchEngine:
         return time.perf_counter() - t0
 
     def close(self) -> None:
+        self.cuda_decoder.reset()
         self.model = None  # type: ignore[assignment]

@@ -34,7 +34,7 @@ import torch
 from parity.errors import ParityError
 from parity.rollout import compute_dtype, resolve_device
 from parity.rollout.base import SamplingSpec
-from parity.rollout.torch_engine import _row_seed
+from parity.rollout.layout import BatchLayout, layout_batch
 from parity.rollout.vllm_options import VllmOptions, resolve_vllm_options
 from parity.types import RolloutBatch
 
@@ -190,42 +190,35 @@ class VllmEngine:
 
     def generate(self, prompt_token_ids: list[list[int]], spec: SamplingSpec,
                  prompt_ids: list[int] | None = None) -> RolloutBatch:
-        if not prompt_token_ids or min(len(p) for p in prompt_token_ids) == 0:
-            raise ValueError("every prompt needs at least one token")
-        prompt_ids = list(range(len(prompt_token_ids))) if prompt_ids is None else list(prompt_ids)
-        rows = [(i, j) for i in range(len(prompt_token_ids)) for j in range(spec.n)]
-        P = max(spec.pad_prompts_to, max(len(p) for p in prompt_token_ids))
-        R, K, seed = spec.max_new_tokens, spec.topk_logprobs, 0 if spec.seed is None else spec.seed
+        lay = layout_batch(prompt_token_ids, spec, prompt_ids, self.pad_id)
+        P, R = lay.width, spec.max_new_tokens
         if P + R > int(self.llm_kwargs["max_model_len"]):
             raise ValueError(f"prompt ({P}) + max_new_tokens ({R}) exceeds rollout.max_model_len "
                              f"({self.llm_kwargs['max_model_len']})")
-        requests = [{"prompt_token_ids": [int(t) for t in prompt_token_ids[i]]} for i, _ in rows]
-        params = [self._params(spec, _row_seed(seed, prompt_ids[i], j) % (1 << 62)) for i, j in rows]
+        requests = [{"prompt_token_ids": [int(t) for t in prompt_token_ids[i]]} for i, _ in lay.rows]
+        params = [self._params(spec, s % (1 << 62)) for s in lay.row_seeds()]
         t0 = time.perf_counter()
         outs = self.llm.generate(requests, params, use_tqdm=False)
         gen_s = time.perf_counter() - t0
-        return self._to_batch(outs, prompt_token_ids, prompt_ids, rows, P, R, K, gen_s, spec)
+        return self._to_batch(outs, prompt_token_ids, lay, gen_s, spec)
 
-    def _to_batch(self, outs: list, prompts_in: list[list[int]], prompt_ids: list[int], rows: list[tuple[int, int]],
-                  P: int, R: int, K: int, gen_s: float, spec: SamplingSpec) -> RolloutBatch:
-        B = len(rows)
-        prompts = torch.full((B, P), self.pad_id, dtype=torch.long)
-        pmask = torch.zeros((B, P), dtype=torch.bool)
+    def _to_batch(self, outs: list, prompts_in: list[list[int]], lay: BatchLayout, gen_s: float,
+                  spec: SamplingSpec) -> RolloutBatch:
+        B, R, K = lay.size, spec.max_new_tokens, spec.topk_logprobs
         responses = torch.full((B, R), self.pad_id, dtype=torch.long)
         rmask = torch.zeros((B, R), dtype=torch.bool)
         logps = torch.zeros((B, R), dtype=torch.float32)
-        truncated = torch.zeros(B, dtype=torch.bool)
+        done = torch.zeros(B, dtype=torch.bool)
         topk_ids = torch.zeros((B, R, K), dtype=torch.int32) if K else None
         topk_lp = torch.zeros((B, R, K), dtype=torch.float32) if K else None
         routing = []
-        for r, ((i, _), out) in enumerate(zip(rows, outs, strict=True)):
+        for r, ((i, _), out) in enumerate(zip(lay.rows, outs, strict=True)):
             toks = prompts_in[i]
-            prompts[r, P - len(toks):], pmask[r, P - len(toks):] = torch.tensor(toks), True
             c = out.outputs[0]
             ids = list(c.token_ids)[:R]
             n = len(ids)
             responses[r, :n], rmask[r, :n] = torch.tensor(ids, dtype=torch.long), True
-            truncated[r] = not (n and ids[-1] == self.eos_id)
+            done[r] = bool(n and ids[-1] == self.eos_id)
             for t, (tok, lp) in enumerate(zip(ids, c.logprobs or [], strict=False)):
                 logps[r, t] = lp[tok].logprob
                 if K:
@@ -238,12 +231,8 @@ class VllmEngine:
                                    f"{n} tokens of row {r}")
             if self.capture_routing:
                 routing.append(self._response_routing(c, len(toks), n))
-        batch = RolloutBatch(
-            prompts=prompts, prompt_mask=pmask, responses=responses, response_mask=rmask, rollout_logprobs=logps,
-            rewards=torch.zeros(B, dtype=torch.float32), truncated=truncated,
-            group_ids=torch.tensor([i for i, _ in rows], dtype=torch.long),
-            prompt_ids=torch.tensor([prompt_ids[i] for i, _ in rows], dtype=torch.long),
-            topk_ids=topk_ids, topk_logprobs=topk_lp,
+        batch = lay.rollout_batch(
+            responses, rmask, logps, ~done, topk_ids, topk_lp,
             meta={**self.describe(), "generate_s": gen_s,
                   "logprobs_renormalised_over_top_p": spec.top_p < 1.0 and spec.temperature > 0})
         if self.capture_routing:

@@ -20,7 +20,7 @@ from parity.algorithms.corrections import build_corrections
 from parity.algorithms.corrections.base import token_rows
 from parity.algorithms.drift import drift_metrics
 from parity.algorithms.mismatch import StepMetrics
-from parity.algorithms.objective import rl_objective
+from parity.algorithms.objective import Objective
 from parity.errors import ParityError
 from parity.rollout import compute_dtype
 from parity.types import RolloutBatch
@@ -70,6 +70,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(params, lr=self.tcfg.lr, betas=tuple(self.tcfg.betas),
                                            weight_decay=self.tcfg.weight_decay, **({"fused": True} if fused else {}))
         self.corrections = build_corrections(self.alg.correction, measured_discrepancy=self._validated_discrepancy())
+        self.objective = Objective(self.alg, self.corrections)  # policy loss and aggregation resolved once
         self.bad_steps = 0  # consecutive non-finite steps
         self.skipped_steps = 0
         if self.tcfg.gradient_checkpointing:
@@ -198,9 +199,9 @@ class Trainer:
                     old_mb = None if old is None else old[micro].to(self.device)
                     with self._routing(mb, metrics):
                         loss = self.policy_forward(mb, lambda h, w, mb=mb, denom=denom, rows=rows, adv_mb=adv_mb,
-                                                   old_mb=old_mb: rl_objective(
-                                                       h, w, mb, adv_mb, old_mb, self.temperature, self.corrections,
-                                                       self.alg, denom, metrics, rows=rows, ids_checked=ids_checked))
+                                                   old_mb=old_mb: self.objective(
+                                                       h, w, mb, adv_mb, old_mb, self.temperature, denom, metrics,
+                                                       rows=rows, ids_checked=ids_checked))
                         loss.backward()  # inside the replay block: checkpointed recomputation replays too
                     total += float(loss.detach())
                 total, gn = self._reduce_and_clip(total)

@@ -3,7 +3,9 @@
 A correction is a named component with its own config section (`algorithm.correction.<config_key>`)
 and state. Per micro-batch it may shift advantages, weight tokens (detached IS weights), mask tokens,
 or add a per-token loss term; it records its metrics; once per step `end_step()` updates its state.
-Adding one is one file with one `@CORRECTIONS.register(name)` class."""
+Adding one is one file with one registration, `@CORRECTIONS.register(name, config=MyConfig)`: the name,
+the section's key (the name unless `config_key` says otherwise) and its dataclass, which the registration adds to
+the config schema (docs/ADD_A_CORRECTION.md)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 
 from parity.algorithms.mismatch import StepMetrics
 from parity.algorithms.registry import Registry
+from parity.config.schema import add_correction_section
 from parity.types import RolloutBatch
 
 KEY = "algorithm.correction"
@@ -72,14 +75,24 @@ class CorrectionContext:
 
 
 class Correction:
+    # set by CORRECTIONS.register: the registered name, the key of its section under algorithm.correction (None:
+    # no section) and the section's dataclass
     name: ClassVar[str] = ""
-    config_key: ClassVar[str | None] = None  # sub-section of algorithm.correction holding its config
+    config_key: ClassVar[str | None] = None
     config_cls: ClassVar[type | None] = None
     needs_topk: ClassVar[bool] = False
 
     def __init__(self, cfg: Any = None, tolerance: float = 0.0) -> None:
+        """`cfg`: the section (a DictConfig, a mapping, a `config_cls` instance or None for the defaults), read
+        into `self.cfg` as a `config_cls`; an unknown key raises ValueError naming it."""
+        if self.config_cls is not None:
+            cfg = read_section(cfg, self.config_cls, self.section)
         self.cfg = cfg
         self.tolerance = tolerance
+
+    @property
+    def section(self) -> str:
+        return f"{KEY}.{self.config_key}" if self.config_key else KEY
 
     @property
     def provides_token_is_weight(self) -> bool:
@@ -142,7 +155,34 @@ class Correction:
             raise ValueError(f"correction {self.name!r} is stateless but its checkpoint state is {state!r}")
 
 
-CORRECTIONS: Registry[type[Correction]] = Registry("correction", f"{KEY}.name")
+class CorrectionRegistry(Registry[type[Correction]]):
+    """Registry of correction classes; a registration also declares the correction's config section."""
+
+    def register(self, name: str, config: type | None = None,  # type: ignore[override]
+                 config_key: str | None = None) -> Callable[[type[Correction]], type[Correction]]:
+        """`@CORRECTIONS.register("mine", config=MineConfig)`: the class becomes correction `mine` with the section
+        `algorithm.correction.mine` (or `.<config_key>`, which corrections may share) of dataclass MineConfig."""
+        key = (config_key or name) if config is not None else None
+
+        def decorator(cls: type[Correction]) -> type[Correction]:
+            if not (isinstance(cls, type) and issubclass(cls, Correction)):
+                raise TypeError(f"correction {name!r}: {cls!r} is not a Correction subclass")
+            if name in self:
+                raise ValueError(f"correction {name!r} is registered twice")
+            if key is not None:  # the config schema grows by this section
+                add_correction_section(key, config)  # type: ignore[arg-type]
+            cls.name, cls.config_key, cls.config_cls = name, key, config
+            return Registry.register(self, name)(cls)
+
+        return decorator
+
+    def sections(self) -> dict[str, type]:
+        """Config key -> dataclass of every registered section."""
+        return {c.config_key: c.config_cls for c in self._items.values()
+                if c.config_key is not None and c.config_cls is not None}
+
+
+CORRECTIONS = CorrectionRegistry("correction", f"{KEY}.name")
 
 
 def read_section(section: Any, cls: type, key: str) -> Any:

@@ -11,6 +11,7 @@ auto has measured it, lambda stays where it is). lambda is state and is checkpoi
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,13 +20,23 @@ from parity.algorithms.corrections.base import (
     CORRECTIONS,
     Correction,
     CorrectionContext,
-    read_section,
     require,
 )
 from parity.algorithms.mismatch import StepMetrics
-from parity.config.schema import DualConfig
 
 DISCREPANCIES = ("seq_mean", "token_mean")
+
+
+@dataclass
+class DualConfig:
+    # tolerance on the discrepancy; null = algorithm.correction.tolerance (a number, or auto); 0.0037 = the paper's
+    c: float | None = None
+    lambda0: float = 0.1
+    eta: float = 1.0
+    lambda_max: float = 10.0
+    # the constrained discrepancy: seq_mean = (1/|tau|) sum_t |p_train - p_inf| per trajectory, averaged over the
+    # step's trajectories (the paper's) | token_mean = averaged over all the step's response tokens
+    discrepancy: str = "seq_mean"
 
 
 def prob_gap(ctx: CorrectionContext) -> torch.Tensor:
@@ -38,15 +49,11 @@ def dual_update(lam: float, mean_delta: float, c: float, eta: float, lambda_max:
     return min(max(lam + eta * (mean_delta - c), 0.0), lambda_max)
 
 
-@CORRECTIONS.register("dual")
+@CORRECTIONS.register("dual", config=DualConfig)
 class Dual(Correction):
-    name = "dual"
-    config_key = "dual"
-    config_cls = DualConfig
-
     def __init__(self, cfg: Any = None, tolerance: float | None = 0.0) -> None:
-        cfg = read_section(cfg, DualConfig, "algorithm.correction.dual")
         super().__init__(cfg, tolerance)
+        cfg = self.cfg
         require(cfg.c is None or cfg.c >= 0, self.key("c"), f"the tolerance must be >= 0, got {cfg.c}")
         require(cfg.discrepancy in DISCREPANCIES, self.key("discrepancy"),
                 f"must be one of {', '.join(DISCREPANCIES)}, got {cfg.discrepancy!r}")

@@ -4,6 +4,7 @@ r = pi_train(y) / pi_inf(y) of the sampled token."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -12,26 +13,26 @@ from parity.algorithms.corrections.base import (
     CORRECTIONS,
     Correction,
     CorrectionContext,
-    read_section,
     require,
 )
 from parity.algorithms.mismatch import StepMetrics
-from parity.config.schema import IcePopConfig
 
 
-@CORRECTIONS.register("icepop")
+@dataclass
+class IcePopConfig:
+    lo: float = 0.5  # tokens whose ratio pi_train/pi_inf lies outside [lo, hi] get weight 0
+    hi: float = 5.0
+
+
+@CORRECTIONS.register("icepop", config=IcePopConfig)
 class IcePop(Correction):
-    name = "icepop"
-    config_key = "icepop"
-    config_cls = IcePopConfig
-
     @property
     def provides_token_is_weight(self) -> bool:
         return True
 
     def __init__(self, cfg: Any = None, tolerance: float = 0.0) -> None:
-        cfg = read_section(cfg, IcePopConfig, "algorithm.correction.icepop")
         super().__init__(cfg, tolerance)
+        cfg = self.cfg
         require(cfg.lo >= 0, self.key("lo"), f"must be >= 0, got {cfg.lo}")
         require(cfg.hi > cfg.lo, self.key("hi"), f"must be > lo ({cfg.lo}), got {cfg.hi}")
         self.log_lo = math.log(cfg.lo) if cfg.lo > 0 else float("-inf")

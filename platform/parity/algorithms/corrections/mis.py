@@ -7,6 +7,7 @@ With lr_t = log pi_train(y_t) - log pi_inf(y_t) over the response's tokens:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,11 +16,9 @@ from parity.algorithms.corrections.base import (
     CORRECTIONS,
     Correction,
     CorrectionContext,
-    read_section,
     require,
 )
 from parity.algorithms.mismatch import StepMetrics
-from parity.config.schema import MISConfig
 
 STATISTICS = ("k1", "k3", "geo_mean")
 
@@ -38,15 +37,19 @@ def sequence_statistic(log_ratio: torch.Tensor, mask: torch.Tensor, statistic: s
     raise ValueError(f"algorithm.correction.mis.statistic: unknown {statistic!r}; known: {', '.join(STATISTICS)}")
 
 
-@CORRECTIONS.register("mis")
-class MIS(Correction):
-    name = "mis"
-    config_key = "mis"
-    config_cls = MISConfig
+@dataclass
+class MISConfig:
+    statistic: str = "k3"  # k1 | k3 | geo_mean (per-response statistic of the log-ratios, above)
+    threshold: float = 0.01  # k1: drop when |mean(-log r)| > threshold; k3: drop when mean k3 > threshold
+    lo: float = 0.5  # geo_mean: drop when exp(mean log r) < lo ...
+    hi: float = 2.0  # ... or > hi
 
+
+@CORRECTIONS.register("mis", config=MISConfig)
+class MIS(Correction):
     def __init__(self, cfg: Any = None, tolerance: float = 0.0) -> None:
-        cfg = read_section(cfg, MISConfig, "algorithm.correction.mis")
         super().__init__(cfg, tolerance)
+        cfg = self.cfg
         require(cfg.statistic in STATISTICS, self.key("statistic"),
                 f"unknown statistic {cfg.statistic!r}; known: {', '.join(STATISTICS)}")
         require(cfg.threshold >= 0, self.key("threshold"), f"must be >= 0, got {cfg.threshold}")

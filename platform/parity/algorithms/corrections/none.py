@@ -7,4 +7,4 @@ from parity.algorithms.corrections.base import CORRECTIONS, Correction
 
 @CORRECTIONS.register("none")
 class NoCorrection(Correction):
-    name = "none"
+    """No section, no state, no effect."""

@@ -21,6 +21,7 @@ twice. q must be the distribution sampled from (top_p = 1)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,11 +30,9 @@ from parity.algorithms.corrections.base import (
     CORRECTIONS,
     Correction,
     CorrectionContext,
-    read_section,
     require,
 )
 from parity.algorithms.mismatch import StepMetrics
-from parity.config.schema import ScoreCenteringConfig
 from parity.types import RolloutBatch
 
 IsWeight = Callable[[torch.Tensor], torch.Tensor]
@@ -69,16 +68,19 @@ def centering_term(head_logprobs: torch.Tensor, coef: torch.Tensor) -> torch.Ten
     return (coef.to(head_logprobs.dtype) * head_logprobs).sum(-1)
 
 
-@CORRECTIONS.register("score_centering")
+@dataclass
+class ScoreCenteringConfig:
+    top_k: int = 0  # leading columns of the rollout's top-K used as the head H; 0 = all (rollout.topk_logprobs)
+    tail_floor: float = 1e-6  # floor of both tail masses in rho = (1 - Q_H) / (1 - P_H)
+
+
+@CORRECTIONS.register("score_centering", config=ScoreCenteringConfig)
 class ScoreCentering(Correction):
-    name = "score_centering"
-    config_key = "score_centering"
-    config_cls = ScoreCenteringConfig
     needs_topk = True
 
     def __init__(self, cfg: Any = None, tolerance: float = 0.0) -> None:
-        cfg = read_section(cfg, ScoreCenteringConfig, "algorithm.correction.score_centering")
         super().__init__(cfg, tolerance)
+        cfg = self.cfg
         require(cfg.top_k >= 0, self.key("top_k"), f"must be >= 0 (0 = every column the rollout returns), got {cfg.top_k}")
         require(0 < cfg.tail_floor < 1, self.key("tail_floor"), f"must be in (0, 1), got {cfg.tail_floor}")
         self._last: dict[str, torch.Tensor] | None = None

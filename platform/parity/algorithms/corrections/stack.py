@@ -1,10 +1,12 @@
-"""`build_corrections(cfg) -> CorrectionStack`: parse `algorithm.correction.name` ('a+b'), build each
-correction from its config section, check that they compose, and run them as one."""
+"""`build_corrections(cfg) -> CorrectionStack`: import the modules of corrections defined outside parity, parse
+`algorithm.correction.name` ('a+b'), build each correction from its config section, check that they compose,
+and run them as one."""
 
 from __future__ import annotations
 
+import importlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -132,6 +134,16 @@ class CorrectionStack:
             self.set_tolerance(float(state["tolerance"]))
 
 
+def import_modules(modules: Iterable[str] | None) -> None:
+    """Import the modules of `algorithm.correction.modules`; each registers its corrections when first imported
+    (a module imported before is not run again)."""
+    for m in modules or ():
+        try:
+            importlib.import_module(str(m))
+        except ImportError as e:
+            raise ValueError(f"{KEY}.modules: cannot import {str(m)!r}: {e}") from e
+
+
 def parse_names(name: str) -> list[str]:
     parts = [p.strip() for p in str(name).split("+")]
     require(all(parts), f"{KEY}.name", f"empty part in {name!r}; join registered names with '+'")
@@ -173,6 +185,7 @@ def build_corrections(cfg: Any, policy_loss: str | None = None, topk_logprobs: i
     `policy_loss` (algorithm.policy_loss) and `topk_logprobs` (rollout.topk_logprobs), when given, are
     checked against the corrections' needs; `measured_discrepancy` is what a validate report measured, for
     tolerance=auto. Every error is a ValueError naming the offending key."""
+    import_modules(_section(cfg, "modules"))
     name = _section(cfg, "name") if cfg is not None else None
     name = "none" if name is None else name
     raw = _section(cfg, "tolerance")

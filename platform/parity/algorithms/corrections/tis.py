@@ -5,7 +5,9 @@ sequence level: w_t = min(prod_s pi_train(y_s) / pi_inf(y_s), C) for every token
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,21 +20,22 @@ from parity.algorithms.corrections.base import (
     require,
 )
 from parity.algorithms.mismatch import StepMetrics
-from parity.config.schema import TISConfig
 
 
-@CORRECTIONS.register("tis")
+@dataclass
+class TISConfig:
+    C: float = 2.0  # truncation threshold of the IS ratio, > 0
+    level: str = "token"  # token | sequence
+
+
+@CORRECTIONS.register("tis", config=TISConfig)
 class TIS(Correction):
-    name = "tis"
-    config_key = "tis"
-    config_cls = TISConfig
-
     def __init__(self, cfg: Any = None, tolerance: float = 0.0) -> None:
-        cfg = read_section(cfg, TISConfig, f"algorithm.correction.{self.config_key}")
         super().__init__(cfg, tolerance)
-        require(cfg.C > 0, self.key("C"), f"the truncation threshold must be > 0, got {cfg.C}")
-        require(cfg.level in ("token", "sequence"), self.key("level"), f"must be token or sequence, got {cfg.level!r}")
-        self.log_c = math.log(cfg.C)
+        C, level = self.cfg.C, self.cfg.level
+        require(C > 0, self.key("C"), f"the truncation threshold must be > 0, got {C}")
+        require(level in ("token", "sequence"), self.key("level"), f"must be token or sequence, got {level!r}")
+        self.log_c = math.log(C)
 
     @property
     def level(self) -> str:
@@ -58,12 +61,10 @@ class TIS(Correction):
         metrics.add_masked_mean("correction/clipped_frac", (self._log_ratio(ctx) > self.log_c).float(), ctx.mask)
 
 
-@CORRECTIONS.register("seq_tis")
+@CORRECTIONS.register("seq_tis", config=TISConfig, config_key="tis")
 class SeqTIS(TIS):
-    """`tis` at sequence level whatever `tis.level` says."""
-
-    name = "seq_tis"
+    """`tis` at sequence level whatever `tis.level` says (it reads the `tis` section)."""
 
     def __init__(self, cfg: Any = None, tolerance: float = 0.0) -> None:
-        cfg = read_section(cfg, TISConfig, "algorithm.correction.tis")
-        super().__init__(TISConfig(C=cfg.C, level="sequence"), tolerance)
+        cfg = read_section(cfg, TISConfig, self.section)
+        super().__init__(dataclasses.replace(cfg, level="sequence"), tolerance)

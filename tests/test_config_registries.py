@@ -1,0 +1,115 @@
+"""The config asks the registries: the correction sections in the schema are the registered ones (a typo or a
+wrong type in any fails at composition naming the key), validation knows the policy losses, aggregation modes
+and advantage estimators from their registries, and the keys that did nothing are gone."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from hydra.errors import ConfigCompositionException
+
+from parity.algorithms import (
+    ADV_ESTIMATORS,
+    AGGREGATIONS,
+    CORRECTIONS,
+    POLICY_LOSSES,
+    build_corrections,
+    get_policy_loss,
+)
+from parity.config import ConfigError, load_config
+from parity.config.schema import CorrectionConfig, add_correction_section
+
+
+def _compose_error(*overrides: str) -> str:
+    with pytest.raises((ConfigCompositionException, ConfigError)) as e:  # an unknown key, or a wrong type
+        load_config(list(overrides))
+    return f"{e.value} {e.value.__cause__}"
+
+
+def test_the_schema_carries_every_registered_section() -> None:
+    cfg = load_config([])
+    sections = CORRECTIONS.sections()
+    assert {"tis", "icepop", "mis", "score_centering", "dual"} <= set(sections)
+    for key, cls in sections.items():
+        assert set(cfg.algorithm.correction[key]) == set(cls.__dataclass_fields__), key
+    assert CORRECTIONS.get("seq_tis").config_key == "tis"  # seq_tis reads the tis section
+    assert load_config(["algorithm.correction.tis.C=3"]).algorithm.correction.tis.C == 3.0
+
+
+@pytest.mark.parametrize(("override", "named"), [
+    ("algorithm.correction.tis.Cc=3", "Cc"),
+    ("algorithm.correction.tis.C=lots", "C"),
+    ("algorithm.correction.dual.lambda_0=0.2", "lambda_0"),
+    ("algorithm.correction.tiss.C=3", "tiss"),
+    ("algorithm.adv_eps=1e-3", "adv_eps"),  # removed: it did nothing
+    ("data.max_prompt_chars=100", "max_prompt_chars"),  # removed: prompts are cut by tokens
+])
+def test_bad_keys_fail_at_composition_naming_the_key(override: str, named: str) -> None:
+    assert named in _compose_error(override)
+
+
+def test_sections_are_declared_once() -> None:
+    @dataclass
+    class Other:
+        x: int = 0
+
+    with pytest.raises(ValueError, match=r"algorithm\.correction\.tis is already the section of"):
+        add_correction_section("tis", Other)
+    with pytest.raises(ValueError, match=r"algorithm\.correction\.name is CorrectionConfig's own key"):
+        add_correction_section("name", Other)
+    with pytest.raises(TypeError, match="must be a dataclass"):
+        add_correction_section("other", dict)
+    add_correction_section("tis", CORRECTIONS.sections()["tis"])  # the same dataclass again: nothing changes
+    assert "other" not in CorrectionConfig.__dataclass_fields__
+    with pytest.raises(ValueError, match="correction 'tis' is registered twice"):
+        CORRECTIONS.register("tis")(CORRECTIONS.get("none"))
+
+
+def test_a_correction_registered_after_composing_is_composable(monkeypatch) -> None:
+    """A registration after the schema was stored with Hydra (a notebook importing its own module late) is seen by
+    the next composition. The registry and CorrectionConfig are restored after the test."""
+    from parity.algorithms.corrections import Correction
+
+    load_config([])
+    monkeypatch.setattr(CORRECTIONS, "_items", dict(CORRECTIONS._items))
+    for attr in ("__init__", "__repr__", "__eq__", "__dataclass_fields__", "__dataclass_params__", "__match_args__",
+                 "__annotations__"):
+        monkeypatch.setattr(CorrectionConfig, attr, CorrectionConfig.__dict__[attr])
+
+    @dataclass
+    class LateConfig:
+        x: int = 1
+
+    @CORRECTIONS.register("late", config=LateConfig)
+    class Late(Correction):
+        pass
+
+    cfg = load_config(["algorithm.correction.name=late", "algorithm.correction.late.x=3"])
+    assert cfg.algorithm.correction.late.x == 3
+    assert build_corrections(cfg.algorithm.correction).corrections[0].cfg == LateConfig(x=3)
+
+
+@pytest.mark.parametrize(("key", "registry"), [("algorithm.policy_loss", POLICY_LOSSES),
+                                               ("algorithm.loss_agg_mode", AGGREGATIONS),
+                                               ("algorithm.adv_estimator", ADV_ESTIMATORS)])
+def test_validation_asks_the_registries(key: str, registry, monkeypatch) -> None:
+    known = ", ".join(registry.names())
+    with pytest.raises(ConfigError, match=rf"config key `{key}`: unknown .* 'nope'; known: {known}$"):
+        load_config([f"{key}=nope"])
+    # what a registry holds is valid, whatever it is called
+    monkeypatch.setitem(registry._items, "nope", registry.get(registry.names()[0]))
+    assert load_config([f"{key}=nope"]) is not None
+
+
+def test_the_objective_resolves_its_configuration_once() -> None:
+    from parity.algorithms import Objective
+    from parity.config.schema import AlgorithmConfig
+
+    obj = Objective(AlgorithmConfig(policy_loss="reinforce", loss_agg_mode="seq-mean-token-mean"),
+                    build_corrections(None))
+    assert obj.policy_loss is get_policy_loss("reinforce") and obj.aggregate is AGGREGATIONS.get("seq-mean-token-mean")
+    with pytest.raises(ValueError, match="algorithm.policy_loss: score_centering is derived for the REINFORCE"):
+        Objective(AlgorithmConfig(policy_loss="ppo_clip"), build_corrections(CorrectionConfig(name="score_centering")))
+    with pytest.raises(ValueError, match="algorithm.loss_agg_mode: unknown mode 'sum'"):
+        Objective(AlgorithmConfig(loss_agg_mode="sum"), build_corrections(None))

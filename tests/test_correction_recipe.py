@@ -1,0 +1,109 @@
+"""docs/ADD_A_CORRECTION.md, followed from this file alone: a correction registered here (its config dataclass
+beside it, one registration) is selectable by name, its section is part of the config schema (a typo or a wrong
+type in it fails at composition naming the key), and it trains two steps in-process and over Ray, where the
+trainer actor imports this module through `algorithm.correction.modules`; both runs log the same metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from parity.algorithms.corrections import CORRECTIONS, Correction, CorrectionContext
+from parity.algorithms.corrections.base import require
+from parity.algorithms.mismatch import StepMetrics
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class DropRareConfig:
+    min_prob: float = 0.0  # tokens the rollout sampled with p_inf below this are dropped from the loss
+
+
+@CORRECTIONS.register("drop_rare", config=DropRareConfig)
+class DropRare(Correction):
+    """Drop tokens that the rollout engine sampled with a probability below `min_prob`."""
+
+    def __init__(self, cfg: Any = None, tolerance: float = 0.0) -> None:
+        super().__init__(cfg, tolerance)
+        require(0.0 <= self.cfg.min_prob < 1.0, self.key("min_prob"), f"must be in [0, 1), got {self.cfg.min_prob}")
+
+    def _kept(self, ctx: CorrectionContext) -> torch.Tensor:
+        return ctx.rollout_logprobs.exp() >= self.cfg.min_prob
+
+    def keep_mask(self, ctx: CorrectionContext) -> torch.Tensor:
+        return self._kept(ctx) & ctx.mask
+
+    def record(self, ctx: CorrectionContext, metrics: StepMetrics) -> None:
+        metrics.add_masked_mean("correction/drop_rare_frac", (~self._kept(ctx)).float(), ctx.mask)
+
+
+MIN_PROB = 0.2
+RECIPE = ["algorithm.correction.name=drop_rare", f"algorithm.correction.drop_rare.min_prob={MIN_PROB}",
+          f"algorithm.correction.modules=[{__name__}]", "trainer.checkpoint_every=0"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The Ray actors run one OpenMP thread each; the in-process run it is compared with must too."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _rows(run_dir: str) -> list[dict]:
+    from parity.training.loop import MetricsLog
+    return MetricsLog(Path(run_dir) / "metrics.jsonl").read()
+
+
+def _non_perf(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(("perf/", "faults/", "data/"))} for r in rows]
+
+
+def test_the_section_is_in_the_schema_and_checked(quick_cfg) -> None:
+    from hydra.errors import ConfigCompositionException
+
+    from parity.config import ConfigError
+    from parity.config.schema import CorrectionConfig
+
+    assert CORRECTIONS.get("drop_rare") is DropRare and DropRare.config_key == "drop_rare"
+    assert CorrectionConfig().drop_rare == DropRareConfig()
+    cfg = quick_cfg(*RECIPE)
+    assert cfg.algorithm.correction.drop_rare.min_prob == MIN_PROB
+    for bad, key in [("algorithm.correction.drop_rare.min_probb=0.1", "min_probb"),
+                     ("algorithm.correction.drop_rare.min_prob=often", "min_prob")]:
+        with pytest.raises((ConfigCompositionException, ConfigError)) as e:  # an unknown key, or a wrong type
+            quick_cfg(*RECIPE, bad)
+        assert key in f"{e.value} {e.value.__cause__}"
+    with pytest.raises(ConfigError, match=r"algorithm\.correction\.drop_rare\.min_prob: must be in \[0, 1\)"):
+        quick_cfg(*RECIPE, "algorithm.correction.drop_rare.min_prob=1.5")
+    with pytest.raises(ConfigError, match=r"algorithm\.correction\.modules: cannot import 'no_such_module'"):
+        quick_cfg("algorithm.correction.modules=[no_such_module]")
+
+
+def test_it_trains_in_process_and_over_ray(quick_cfg, prepared_model, monkeypatch) -> None:
+    pytest.importorskip("ray")
+    from parity.distributed.driver import train_distributed
+    from parity.training.loop import train
+
+    local = train(quick_cfg(*RECIPE, "trainer.run_name=recipe-local"))
+    rows = _rows(local["run_dir"])
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    dropped = [r["correction/drop_rare_frac"] for r in rows[1:]]
+    assert all(0.0 < d < 1.0 for d in dropped)  # it ran, and min_prob reached it: some tokens dropped, not all
+    # the objective counts the tokens the correction drops among those masked out of the loss
+    assert all(r["correction/masked_frac"] >= r["correction/drop_rare_frac"] for r in rows[1:])
+
+    monkeypatch.setenv("PYTHONPATH", f"{REPO}:{__import__('os').environ.get('PYTHONPATH', '')}".rstrip(":"))
+    dist = train_distributed(quick_cfg(*RECIPE, "trainer.run_name=recipe-ray", "distributed.enabled=true",
+                                       "distributed.num_rollout_workers=1", "distributed.rollout_cpus=1",
+                                       "distributed.trainer_cpus=1", "distributed.num_cpus=2"))
+    got, want = _non_perf(_rows(dist["run_dir"])), _non_perf(rows)
+    assert [sorted(r) for r in got] == [sorted(r) for r in want]
+    # mismatch statistics of ~1e-8 are float noise of two processes' reductions; everything else is exact
+    assert got == [pytest.approx(r, rel=1e-6, abs=1e-6) for r in want]
