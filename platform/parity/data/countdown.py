@@ -198,7 +198,9 @@ def countdown_problems(split: str, n: int, cfg: Any, seed_offset: int = 0) -> li
             continue
         seen.add(key)
         out.append(_problem(split, len(out), numbers, target))
-    raise DataError(f"could not draw {n} distinct {split} countdown problems; widen data.countdown's ranges")
+    raise DataError(f"could not draw {n} distinct {split} countdown problems (found {len(out)}): ask for fewer "
+                    "(model.warm_start.eval_problems, trainer.eval_problems, data.countdown.n_test) or widen "
+                    "data.countdown's ranges (max_numbers, max_number, max_target)")
 
 
 def problem_numbers(p: Problem) -> tuple[list[int], int]:

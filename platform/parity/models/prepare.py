@@ -145,9 +145,9 @@ def _build_tiny(cfg: Any, target: Path) -> dict:
     tok.save_pretrained(str(tmp))
     dtype = compute_dtype(cfg, device)
     task = _task(cfg)
+    problems = task.test_problems(int(ws.eval_problems))  # a task that cannot give them fails before the warm start
     losses = warm_start(model, tok, task, cfg.data.prompt_template, ws, dtype, device)
     model.save_pretrained(str(tmp), safe_serialization=True)
-    problems = task.test_problems(int(ws.eval_problems))
     engine = TorchEngine(tmp, device=str(device), dtype=dtype)
     with GraderPool(workers=cfg.eval.grade_workers, timeout_s=cfg.eval.grade_timeout_s) as grader:
         acc = heldout_accuracy(engine, tok, problems, cfg.data.prompt_template, grader, cfg.rollout.max_new_tokens)

@@ -108,7 +108,8 @@ def _dose(sigmas: tuple[float, ...], redraw: float, objective: str = "grpo") -> 
 LAPTOP = Preset(
     name="laptop", experiment="countdown_tiny",
     base=("trainer.checkpoint_every=0", "trainer.prompts_per_step=8", "rollout.max_new_tokens=96",
-          "data.countdown.max_numbers=3", "model.warm_start.steps=400", "trainer.eval_problems=64",
+          "data.countdown.max_numbers=3", "model.warm_start.steps=400", "model.warm_start.eval_problems=64",
+          "trainer.eval_problems=64",
           "eval.grade_workers=1", "trainer.lr=2e-4"),
     steps=40, eval_every=20, seeds=(0, 1, 2), concurrency=2, threads_per_run=1,
     search=(arm("bf16"), *_dose((0.1, 0.2, 0.4), 0.2), arm("int8+int4kv"),
