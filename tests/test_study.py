@@ -71,3 +71,19 @@ def test_laptop_quick_study_end_to_end(tmp_path) -> None:
     again = main(["--preset", "laptop", "--quick", "--arms", "bf16 / none", "--outputs-dir",
                   str(tmp_path / "outputs"), "--out", str(tmp_path / "again")])
     assert again["failed"] == 0
+
+
+def test_cluster_preset_resolves_every_arm_and_its_quick_variant_runs(tmp_path) -> None:
+    """The cluster study (a real checkpoint with vLLM) is not run here: each arm's config must compose and
+    validate, and its quick variant (the seed's quick preset, tiny model substituted) must run."""
+    from parity.commands.study import main
+    from parity.config import load_config
+    from parity.study.presets import PRESETS
+
+    p = PRESETS["cluster"]
+    for a in (*p.search, *p.arms):
+        cfg = load_config([f"experiment={p.experiment}", *p.base, *a.overrides(p.topk), "trainer.seed=0"])
+        assert cfg.rollout.name == "vllm" and cfg.model.source == "hf"
+    res = main(["--preset", "cluster", "--quick", "--arms", "int8+int4kv / score_centering+tis", "--outputs-dir",
+                str(tmp_path / "outputs"), "--out", str(tmp_path / "study")])
+    assert res["failed"] == 0 and res["runs"] == 1

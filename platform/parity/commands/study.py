@@ -135,10 +135,15 @@ def main(argv: list[str]) -> dict:
     base = [f"experiment={preset.experiment}", *preset.base, f"trainer.total_steps={steps}",
             f"trainer.eval_every={eval_every}"]
     if a.quick:
-        base += list(preset.quick or QUICK)
+        quick = list(preset.quick or QUICK)
+        swap = [q for q in quick if q.startswith("experiment=")]  # a quick variant of its own (cluster: the seed's)
+        if swap:
+            base[0], quick = swap[-1], [q for q in quick if not q.startswith("experiment=")] + list(QUICK)
+        base += quick
     base += a.extra.split()
+    topk = min(preset.topk, 64) if a.quick else preset.topk  # quick variants run tiny vocabularies (99 characters)
     specs = [RunSpec(_run_name(a.preset, a.tag, x.name, s, a.quick), x.name, s,
-                     (*base, *x.overrides(), f"trainer.seed={s}"), x.labels())
+                     (*base, *x.overrides(topk), f"trainer.seed={s}"), x.labels())
              for x in arms for s in seeds]
     out.mkdir(parents=True, exist_ok=True)
     if a.collect:

@@ -26,7 +26,7 @@ def sigma_source(sigma: float, mode: str = "fixed") -> tuple[str, list[str]]:
     return name, [f"rollout.precision.perturbation.sigma={sigma:g}", f"rollout.precision.perturbation.mode={mode}"]
 
 
-TOPK = ["rollout.topk_logprobs=64"]
+TOPK = ["rollout.topk_logprobs={topk}", "algorithm.correction.score_centering.top_k=0"]  # K: the preset's
 CORRECTIONS: dict[str, list[str]] = {
     "none": ["algorithm.correction.name=none"],
     "tis": ["algorithm.correction.name=tis"],
@@ -58,8 +58,10 @@ class Arm:
         tail = "" if not self.extra else " " + " ".join(x.split("=")[-1] for x in self.extra)
         return f"{self.source} / {self.correction} / {self.objective}{tail}"
 
-    def overrides(self) -> list[str]:
-        return [*self.source_overrides, *CORRECTIONS[self.correction], *OBJECTIVES[self.objective], *self.extra]
+    def overrides(self, topk: int = 64) -> list[str]:
+        """Hydra overrides of the arm; `topk` = the K of score centering's head (the preset's)."""
+        return [*self.source_overrides, *(o.format(topk=topk) for o in CORRECTIONS[self.correction]),
+                *OBJECTIVES[self.objective], *self.extra]
 
     def labels(self) -> dict:
         return {"source": self.source, "correction": self.correction, "objective": self.objective,
@@ -86,6 +88,7 @@ class Preset:
     arms: tuple[Arm, ...]
     quick: tuple[str, ...] = ()
     note: str = ""
+    topk: int = 64  # rollout.topk_logprobs of the score-centering arms
     env: dict = field(default_factory=dict)
 
 
@@ -139,7 +142,7 @@ CLUSTER = Preset(
     search=(arm("bf16"), arm("int8+int4kv"), arm(sigma_source(0.01)), arm(sigma_source(0.02))),
     arms=(arm("bf16"), *_full("int8+int4kv")),
     # the quick variant runs the same preset with the tiny model substituted, as the seed's quick preset does
-    quick=("experiment=seed_qwen35_9b_int8_sc_quick",),
+    quick=("experiment=seed_qwen35_9b_int8_sc_quick",), topk=128,
     note="a real checkpoint with vLLM on a GPU cluster (Qwen3.5-9B, the seed's INT8 W8A8 + INT4 KV rollout)",
 )
 
