@@ -277,6 +277,10 @@ class TrainerConfig:
     run_name: str = "${experiment_name}"
     eval_every: int = 10
     eval_problems: int = 256
+    # held-out evaluation: greedy (0), or sampled at this temperature, eval_samples responses a problem (a search
+    # task such as Countdown loops under greedy decoding: its presets sample)
+    eval_temperature: float = 0.0
+    eval_samples: int = 1
     # with a quantized rollout, evaluations also measure the trainer's weights without the quantization
     # (`eval/accuracy_unquantized`, torch engine in the compute dtype; in-process loop): what training did to the
     # policy apart from what deploying it quantized costs

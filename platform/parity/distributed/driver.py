@@ -27,7 +27,7 @@ from parity.models.prepare import prepare_model
 from parity.rollout import sampling_spec
 from parity.training.checkpoint import CheckpointManager
 from parity.training.collapse import CollapseAlarm
-from parity.training.heldout import heldout_accuracy
+from parity.training.heldout import eval_settings, heldout_accuracy
 from parity.training.loop import Callback, MetricsLog, run_dir_of
 
 log = logging.getLogger(__name__)
@@ -174,7 +174,7 @@ class _Loop:
     def evaluate(self) -> float:
         c = self.cfg
         return heldout_accuracy(self.pool, self.tok, self.test_problems, c.data.prompt_template, self.grader,
-                                c.rollout.max_new_tokens)
+                                c.rollout.max_new_tokens, **eval_settings(c))
 
     def launch(self, step: int) -> PendingRollout:
         """Take the step's prompts and submit their rollout; the data position after the take is what a

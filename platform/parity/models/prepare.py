@@ -131,7 +131,7 @@ def _build_tiny(cfg: Any, target: Path) -> dict:
     from parity.rewards.grader import GraderPool
     from parity.rollout import compute_dtype, resolve_device
     from parity.rollout.torch_engine import TorchEngine
-    from parity.training.heldout import heldout_accuracy
+    from parity.training.heldout import eval_settings, heldout_accuracy
     from parity.training.sft import warm_start
 
     t0 = time.time()
@@ -150,11 +150,13 @@ def _build_tiny(cfg: Any, target: Path) -> dict:
     model.save_pretrained(str(tmp), safe_serialization=True)
     engine = TorchEngine(tmp, device=str(device), dtype=dtype)
     with GraderPool(workers=cfg.eval.grade_workers, timeout_s=cfg.eval.grade_timeout_s) as grader:
-        acc = heldout_accuracy(engine, tok, problems, cfg.data.prompt_template, grader, cfg.rollout.max_new_tokens)
+        acc = heldout_accuracy(engine, tok, problems, cfg.data.prompt_template, grader, cfg.rollout.max_new_tokens,
+                               **eval_settings(cfg))
     engine.close()
     info = {"params": count_params(model), "vocab": len(tok), "task": task.name,
             "warm_start_steps": ws.steps, "final_sft_loss": losses[-1] if losses else None,
-            "heldout_accuracy": acc, "heldout_problems": len(problems), "seconds": round(time.time() - t0, 1)}
+            "heldout_accuracy": acc, "heldout_problems": len(problems),
+            "heldout_temperature": float(cfg.trainer.eval_temperature), "heldout_samples": int(cfg.trainer.eval_samples), "seconds": round(time.time() - t0, 1)}
     (tmp / "prepare.json").write_text(json.dumps(info, indent=1))
     if target.exists():
         shutil.rmtree(target)

@@ -33,7 +33,7 @@ from parity.rollout import (
 )
 from parity.training.checkpoint import CheckpointManager
 from parity.training.collapse import CollapseAlarm
-from parity.training.heldout import heldout_accuracy
+from parity.training.heldout import eval_settings, heldout_accuracy
 from parity.training.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -143,12 +143,12 @@ def train(cfg: Any, callbacks: list[Callback] | None = None) -> dict:
     with GraderPool(workers=cfg.eval.grade_workers, timeout_s=cfg.eval.grade_timeout_s) as grader:
         def evaluate() -> dict[str, float]:
             out = {"eval/accuracy": heldout_accuracy(engine, tok, test_problems, cfg.data.prompt_template, grader,
-                                                     cfg.rollout.max_new_tokens)}
+                                                     cfg.rollout.max_new_tokens, **eval_settings(cfg))}
             if plain is not None:
                 plain.update_weights(trainer.sync_weights())
                 out["eval/accuracy_unquantized"] = heldout_accuracy(plain, tok, test_problems,
                                                                     cfg.data.prompt_template, grader,
-                                                                    cfg.rollout.max_new_tokens)
+                                                                    cfg.rollout.max_new_tokens, **eval_settings(cfg))
             return out
 
         if start_step == 0:
