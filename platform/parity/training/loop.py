@@ -53,21 +53,25 @@ def train(cfg: Any, callbacks: list[Callback] | None = None, runner: Callable | 
         stream.load_state_dict(run.data_state)
     # long prompts (MATH with the tiny model's 256 positions) keep their end, where the question is
     max_prompt = AutoConfig.from_pretrained(base).max_position_embeddings - cfg.rollout.max_new_tokens
-    if runner is None:
-        from parity.training.local import local_runner
-        runner = local_runner
-        if cfg.distributed.enabled:
-            from parity.distributed.driver import ray_runner  # lazy: Ray only when asked for
-            runner = ray_runner
-    with runner(cfg, base, run) as sides, GraderPool(workers=cfg.eval.grade_workers,
-                                                     timeout_s=cfg.eval.grade_timeout_s) as grader:
+    with (runner or default_runner(cfg))(cfg, base, run) as sides, \
+            GraderPool(workers=cfg.eval.grade_workers, timeout_s=cfg.eval.grade_timeout_s) as grader:
+        data = Data(tok, stream, cfg.data.prompt_template, max_prompt, grader)
         heldout = HeldOut(cfg, tok, grader, str(run.resume_from or base))
         try:
-            alarm = rl_loop(cfg, Data(tok, stream, cfg.data.prompt_template, max_prompt, grader), sides.rollout, sides.learner, heldout, run)
+            alarm = rl_loop(cfg, data, sides.rollout, sides.learner, heldout, run)
         finally:
             heldout.close()
         outcome = {"collapse_step": alarm.fired_at, "tolerance": sides.learner.tolerance()}
     return run.finish(int(cfg.trainer.total_steps), sides.summary, outcome)
+
+
+def default_runner(cfg: Any) -> Callable:
+    """The in-process runner, or the Ray runner with distributed.enabled=true."""
+    if cfg.distributed.enabled:
+        from parity.distributed.driver import ray_runner  # lazy: Ray only when asked for
+        return ray_runner
+    from parity.training.local import local_runner
+    return local_runner
 
 
 def rl_loop(cfg: Any, data: Data, rollout: RolloutSide, learner: LearnerSide, heldout: HeldOut,
@@ -88,8 +92,7 @@ def rl_loop(cfg: Any, data: Data, rollout: RolloutSide, learner: LearnerSide, he
     for step in tqdm(range(run.start_step, tc.total_steps), desc=f"train {run.dir.name}", unit="step",
                      initial=run.start_step, total=tc.total_steps, mininterval=2.0):
         t0 = time.perf_counter()
-        assert pending is not None
-        result = rollout.collect(pending.handle)
+        result = rollout.collect(pending.handle)  # type: ignore[union-attr]  (launched before every step)
         t_roll = time.perf_counter()
         this, pending = pending, (launch(step + 1) if overlap and step + 1 < tc.total_steps else None)
         batch = data.grade(result.batch, this.problems)
@@ -100,8 +103,9 @@ def rl_loop(cfg: Any, data: Data, rollout: RolloutSide, learner: LearnerSide, he
         metrics["train/collapsed"] = alarm.update(step + 1, metrics["reward/mean"])
         n_tok = int(batch.response_mask.sum())
         roll_s = t_roll - this.t_submit  # from submission: with overlap most of it hid behind the previous step
-        metrics.update({"perf/rollout_s": roll_s, "perf/rollout_wait_s": t_roll - t0, "perf/grade_s": t_grade - t_roll,
-                        "perf/step_s": time.perf_counter() - t0, "perf/staleness": float(step - result.min_version),
+        metrics.update({"perf/rollout_s": roll_s, "perf/rollout_wait_s": t_roll - t0,
+                        "perf/grade_s": t_grade - t_roll, "perf/step_s": time.perf_counter() - t0,
+                        "perf/staleness": float(step - result.min_version),
                         "perf/rollout_tokens_per_s": n_tok / max(1e-9, roll_s),
                         "perf/train_tokens_per_s": n_tok / max(1e-9, metrics["perf/train_s"]),
                         **rollout.step_metrics()})
