@@ -47,6 +47,19 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"parity: numerical tests check model.dtype={TEST_DTYPE} (PARITY_TEST_DTYPE)"
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread in this process for a module (`pytestmark = pytest.mark.usefixtures(...)`): Ray gives each
+    1-CPU actor one OpenMP thread, and in-process results compared bit for bit with the actors' must use as many
+    (the reduction order depends on it)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def outputs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("outputs")

@@ -18,6 +18,8 @@ from parity.algorithms.mismatch import StepMetrics
 
 REPO = Path(__file__).resolve().parents[1]
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the Ray actors run one OpenMP thread each
+
 
 @dataclass
 class DropRareConfig:
@@ -45,15 +47,6 @@ class DropRare(Correction):
 MIN_PROB = 0.2
 RECIPE = ["algorithm.correction.name=drop_rare", f"algorithm.correction.drop_rare.min_prob={MIN_PROB}",
           f"algorithm.correction.modules=[{__name__}]", "trainer.checkpoint_every=0"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The Ray actors run one OpenMP thread each; the in-process run it is compared with must too."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _rows(run_dir: str) -> list[dict]:

@@ -22,21 +22,13 @@ from parity.distributed.weights import pack_weights  # noqa: E402
 from parity.rollout import build_engine  # noqa: E402
 from parity.rollout.base import SamplingSpec  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the Ray actors run one OpenMP thread each
+
 # dual correction: its advantage shift makes every step move the weights even when all rewards are 0 (the quick
 # model rarely answers right), and its lambda is correction state that checkpoints must carry
 DIST = ["algorithm.correction.name=dual", "distributed.enabled=true", "distributed.num_rollout_workers=2",
         "distributed.rollout_cpus=1", "distributed.trainer_cpus=1", "distributed.num_cpus=6",
         "distributed.max_worker_restarts=2"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Ray gives each 1-CPU actor one OpenMP thread; the in-process references compared bit for bit with
-    the actors' results must use the same thread count (reduction order depends on it)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -32,11 +32,7 @@ EXAMPLES = [
 
 
 def _train(cfg: DictConfig, callbacks: list[Any]) -> dict:
-    if cfg.distributed.enabled:
-        from parity.distributed.driver import train_distributed  # lazy: Ray only when asked for
-
-        return train_distributed(cfg, callbacks=callbacks)
-    from parity.training.loop import train
+    from parity.training.loop import train  # the runner follows distributed.enabled (Ray only when asked for)
 
     return train(cfg, callbacks=callbacks)
 

@@ -281,9 +281,9 @@ class TrainerConfig:
     # task such as Countdown loops under greedy decoding: its presets sample)
     eval_temperature: float = 0.0
     eval_samples: int = 1
-    # with a quantized rollout, evaluations also measure the trainer's weights without the quantization
-    # (`eval/accuracy_unquantized`, torch engine in the compute dtype; in-process loop): what training did to the
-    # policy apart from what deploying it quantized costs
+    # with a quantized (or perturbed) rollout, evaluations also measure the trainer's weights without it
+    # (`eval/accuracy_unquantized`, torch engine in the compute dtype in the loop's process, either runner): what
+    # training did to the policy apart from what deploying it quantized costs
     eval_unquantized: bool = True
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
@@ -355,7 +355,7 @@ class DistributedConfig:
     max_worker_restarts: int = 3  # Ray restarts of a dead rollout worker (its shard is then retried)
     max_shard_retries: int = 2  # attempts after the first of one shard of one rollout call
     restart_timeout_s: float = 120.0  # how long to wait for a restarted worker to come back
-    off_policy_overlap: bool = False  # roll out step t+1 while the trainer does step t (staleness 1)
+    off_policy_overlap: bool = False  # roll out step t+1 before the trainer's step t (staleness 1; either runner)
     placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
     # local Ray only: logical CPUs (None = what the placement group asks for), object store size
     num_cpus: int | None = None

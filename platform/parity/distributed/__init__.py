@@ -1,4 +1,5 @@
-"""The RL loop over Ray: rollout worker actors and a trainer actor, placed with a placement group.
+"""The Ray runner of the RL loop: rollout worker actors and trainer actor(s), placed with a placement group.
 
-Entry point: parity.distributed.driver.train_distributed(cfg, callbacks=None) -> summary, selected by
-`python -m parity train distributed.enabled=true`. Only this package (and tracking) imports Ray."""
+`python -m parity train distributed.enabled=true` (parity.training.loop.train) runs the loop with
+parity.distributed.driver.ray_runner; train_distributed(cfg, callbacks=None) does so whatever the flag says.
+Only this package (and tracking) imports Ray."""

@@ -1,10 +1,12 @@
 """The two Ray actors of the loop. Plain classes here; parity.distributed.driver wraps them with ray.remote and
 the resources of the config.
 
-RolloutWorker holds one engine (build_engine: torch or vLLM) and samples a shard of a step's prompts.
-TrainerWorker holds the policy, its optimizer and the correction state; after each step it publishes the new
-weights to the object store once (one ray.put) and the driver hands that reference to every worker. It also
-writes checkpoints, in the layout and with the state of parity.training.loop, so a run can resume either way.
+RolloutWorker holds one engine (build_engine: torch or vLLM; capturing MoE routing where rollout.capture_routing
+says so) and samples a shard of a step's prompts. TrainerWorker holds the policy (parity.training.trainer.Trainer:
+routing replay, corrections and their state, drift telemetry as in one process); after each step it publishes
+the new weights to the object store once (one ray.put) and the driver hands that reference to every worker. It
+also writes checkpoints, in the layout and with the state the in-process runner writes, so a run can resume
+either way.
 
 With distributed.trainer_workers = W > 1 there are W TrainerWorkers, ranks 0..W-1 of one torch.distributed
 group (rank 0 picks the rendezvous address, the driver passes it to all: `rendezvous`, then `join`), each holding
@@ -28,6 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from parity.training.checkpoint import read_state, set_rng_state, training_state
+from parity.training.local import sync_engine
+
 
 def _threads(cpus: float) -> None:
     torch.set_num_threads(max(1, int(cpus)))
@@ -36,17 +41,6 @@ def _threads(cpus: float) -> None:
 def _cfg(cfg: Any) -> Any:
     from omegaconf import OmegaConf
     return OmegaConf.create(cfg) if isinstance(cfg, dict) else cfg
-
-
-def rng_state() -> dict:
-    """Same layout as the in-process loop's checkpoints."""
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-
-
-def set_rng_state(s: dict) -> None:
-    random.setstate(s["python"])
-    np.random.set_state(s["numpy"])
-    torch.set_rng_state(s["torch"])
 
 
 class RolloutWorker:
@@ -70,16 +64,9 @@ class RolloutWorker:
         """`packed` arrives resolved from the object store (parity.distributed.weights)."""
         from parity.distributed.weights import unpack_weights
 
-        seconds = self._load(unpack_weights(packed), version)
+        seconds = sync_engine(self.engine, unpack_weights(packed), version)
         self.version = version
         return seconds
-
-    def _load(self, named: Any, version: int) -> float:
-        from parity.rollout.perturbed import PerturbedEngine
-
-        if isinstance(self.engine, PerturbedEngine):  # the draw follows the trainer's step, also after a restart
-            return self.engine.update_weights(named, syncs=version)
-        return self.engine.update_weights(named)
 
     def join_weight_group(self, address: str, port: int, rank: int, world: int, backend: str, meta: list,
                           timeout_s: float) -> dict:
@@ -100,7 +87,7 @@ class RolloutWorker:
         """The trainer's broadcast, loaded as it arrives (one tensor at a time)."""
         t0 = time.perf_counter()
         named = self.weight_group.receive(self.weight_meta, self.weight_device)
-        self._load(named, version)
+        sync_engine(self.engine, named, version)
         for _ in named:  # every tensor is a collective: take the rest even if the engine stopped early
             pass
         self.version = version
@@ -144,16 +131,13 @@ class TrainerWorker:
     def _build(self, model: Any) -> None:
         from parity.training.trainer import Trainer
 
-        if self.world == 1:
+        if self.world == 1:  # routing replay (R3) happens inside the Trainer's step when the batch carries routing
             self.trainer = Trainer(model, self.cfg, self.device, reference_dir=self.base_dir)
-            if self.cfg.rollout.capture_routing:
-                from parity.moe.replay import TrainerReplay
-                self.trainer.replay = TrainerReplay(self.trainer.model)
         else:
             from parity.training.sharded import ShardedTrainer
             self.trainer = ShardedTrainer(model, self.cfg, self.device)
         if self.resume_from is not None:  # every rank reads the single-process layout and keeps its shard
-            state = torch.load(Path(self.resume_from) / "state.pt", weights_only=False)
+            state = read_state(Path(self.resume_from))
             self.trainer.load_state_dict(state["trainer"])
             set_rng_state(state["rng"])
             self.step_count = int(state["step"])
@@ -233,11 +217,28 @@ class TrainerWorker:
                 pass
         return time.perf_counter() - t0
 
+    def publish(self) -> list:
+        """The current weights into the object store outside a step (collective when sharded): [ObjectRef] from
+        rank 0, [None] from the others."""
+        import ray
+
+        from parity.distributed.weights import pack_weights
+
+        named = self.trainer.sync_weights()
+        if self.rank == 0:
+            return [ray.put(pack_weights(named))]
+        for _ in named:
+            pass
+        return [None]
+
+    def tolerance(self) -> dict:
+        return {"value": self.trainer.corrections.tolerance, "source": self.trainer.tolerance_source}
+
     def save_checkpoint(self, run_dir: str, step: int, data_state: dict, keep: int) -> str:
         """Sharded: every rank gathers (collectives), rank 0 writes the single-process layout; others return ""."""
         from parity.training.checkpoint import CheckpointManager
 
-        state = {"step": step, "trainer": self.trainer.state_dict(), "data": data_state, "rng": rng_state()}
+        state = training_state(step, self.trainer, data_state)
         model: Any = self.trainer.model
         if self.world > 1:
             from parity.training.sharded import GatheredModel

@@ -1,56 +1,70 @@
-"""The RL loop as a driver over Ray actors; same run folder, metrics.jsonl and summary as parity.training.loop.
+"""The Ray runner of the RL loop (parity.training.loop): rollout worker actors as the rollout side
+(parity.distributed.rollout_pool), trainer actor(s) as the learner side, placed with one placement group.
 
-    per step:  rollout (sharded over N workers) -> grade (here) -> trainer step (actor) -> publish weights
-               (one ray.put) -> every worker loads them -> (eval, checkpoint, log)
+    per step:  rollout (sharded over N workers) -> grade (in the driver) -> trainer step (actor) -> publish weights
+               (one ray.put, or a collective broadcast) -> every worker loads them -> (eval, checkpoint, log)
 
-With `distributed.off_policy_overlap` the rollout of step t+1 is submitted before the trainer's step t, so it is
-sampled with weights one update old (perf/staleness = 1) while grading and training proceed. Resume: rerun the
-same command with trainer.resume=true; the trainer actor restores weights, optimizer, correction state and RNG
-from the latest valid checkpoint, the driver the data position, and metrics.jsonl is cut back to that step."""
+Resume: rerun the same command with trainer.resume=true; the trainer actors restore weights, optimizer, correction
+state and RNG from the latest valid checkpoint, the loop the data position, and metrics.jsonl is cut back."""
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from omegaconf import OmegaConf
 
-from parity.data.prompts import build_train_stream, render_prompt
-from parity.data.tasks import heldout_problems
 from parity.distributed.actors import RolloutWorker, TrainerWorker
 from parity.distributed.cluster import in_bundle, placement, ray_session, trainer_workers, weight_sync
-from parity.distributed.rollout_pool import PendingRollout, RolloutPool
-from parity.errors import ParityError
-from parity.models.prepare import prepare_model
-from parity.rollout import sampling_spec
+from parity.distributed.rollout_pool import Broadcast, RolloutPool
 from parity.training.checkpoint import CheckpointManager
-from parity.training.collapse import CollapseAlarm
-from parity.training.heldout import eval_settings, heldout_accuracy
-from parity.training.loop import Callback, MetricsLog, run_dir_of
+from parity.training.runner import Sides
 
 log = logging.getLogger(__name__)
 
 
 class TrainerGroup:
-    """The trainer actor(s) as one: every call goes to every rank (the sharded trainer's steps, gathers and
-    checkpoints are collectives); rank 0's answer is the group's."""
+    """The trainer actor(s) as the learner side: every call goes to every rank (the sharded trainer's steps,
+    gathers and checkpoints are collectives); rank 0's answer is the group's."""
 
-    def __init__(self, actors: list[Any]) -> None:
-        self.actors = actors
+    def __init__(self, actors: list[Any], sync: str) -> None:
+        self.actors, self.sync = actors, sync
+        self.latest: list[Any] = [None]  # [ObjectRef] of the weights rank 0 put after the last step (object_store)
 
-    def step(self, batch: Any) -> tuple[dict[str, float], list]:
+    def _all(self, method: str, *args: Any) -> Any:
         import ray
+        return ray.get([getattr(a, method).remote(*args) for a in self.actors])[0]
+
+    def step(self, batch: Any) -> dict[str, float]:
+        import ray
+        t0 = time.perf_counter()
         ref = ray.put(batch) if len(self.actors) > 1 else batch  # one copy in the object store for all ranks
-        return ray.get([a.step.remote(ref) for a in self.actors])[0]
+        metrics, self.latest = self._all("step", ref)
+        metrics["perf/trainer_call_s"] = time.perf_counter() - t0
+        return metrics
 
-    def send_weights(self) -> list[Any]:
-        return [a.send_weights.remote() for a in self.actors]
+    def publish(self) -> list[Any] | Broadcast:
+        if self.sync == "broadcast":
+            return Broadcast([a.send_weights.remote() for a in self.actors])
+        return self.latest
 
-    def save_checkpoint(self, run_dir: str, step: int, data_state: dict, keep: int) -> str:
+    def weights(self) -> Any:
         import ray
-        return ray.get([a.save_checkpoint.remote(run_dir, step, data_state, keep) for a in self.actors])[0]
+
+        from parity.distributed.weights import unpack_weights
+        if self.latest[0] is None:  # before the first step, or with weights broadcast: rank 0 puts them now
+            self.latest = self._all("publish")
+        return unpack_weights(ray.get(self.latest[0]))
+
+    def save(self, ckpts: CheckpointManager, step: int, data_state: dict) -> None:
+        self._all("save_checkpoint", str(ckpts.root.parent), step, data_state, ckpts.keep)
+
+    def tolerance(self) -> dict:
+        import ray
+        return ray.get(self.actors[0].tolerance.remote())
 
     def kill(self) -> None:
         import ray
@@ -92,151 +106,37 @@ def start_actors(cfg: Any, pg: Any, base_dir: str, start_dir: str, resume_from: 
         ray.get([trainers[0].join_weight_group.remote(address, port, n, timeout),
                  *[w.join_weight_group.remote(address, port, i + 1, n, backend, meta, timeout)
                    for i, w in enumerate(workers)]])
-    return TrainerGroup(trainers), workers
+    return TrainerGroup(trainers, sync), workers
 
 
-def train_distributed(cfg: Any, callbacks: list[Callback] | None = None) -> dict:
+@contextlib.contextmanager
+def ray_runner(cfg: Any, base_dir: str, run: Any) -> Iterator[Sides]:
+    """A Ray session (joined or started), the placement group and the actors for the duration of the run."""
     import ray
     from transformers import AutoTokenizer
 
-    from parity.rewards.grader import GraderPool
-
-    callbacks = list(callbacks or [])
-    t_start, seed, tc = time.time(), int(cfg.trainer.seed), cfg.trainer
-    run_dir = run_dir_of(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    from parity.tracking.secrets import masked_config_yaml
-    (run_dir / "config.yaml").write_text(masked_config_yaml(cfg))  # no registry/MLflow passwords on disk
-    ckpts = CheckpointManager(run_dir, keep=tc.keep_checkpoints)
-    if not tc.resume and ckpts.list():
-        raise ParityError(f"run {run_dir} already has checkpoints; set trainer.resume=true to continue it or "
-                          "choose another trainer.run_name")
-    resume_from = ckpts.latest_valid() if tc.resume else None
-    base = str(prepare_model(cfg)["model_dir"])
-    start_dir = str(resume_from or base)
-    tok = AutoTokenizer.from_pretrained(base)
-    stream = build_train_stream(cfg.data, seed=seed)
-    start_step = 0
-    if resume_from is not None:
-        import torch
-        state = torch.load(resume_from / "state.pt", weights_only=False)
-        stream.load_state_dict(state["data"])
-        start_step = int(state["step"])
-        log.info("resumed %s from %s (step %d)", run_dir.name, resume_from, start_step)
-    metrics_log = MetricsLog(run_dir / "metrics.jsonl")
-    metrics_log.truncate_after(start_step)
-    test_problems = heldout_problems(cfg, tc.eval_problems)
-
+    resume_from = str(run.resume_from) if run.resume_from is not None else None
+    pad_id = AutoTokenizer.from_pretrained(base_dir).pad_token_id
     with ray_session(cfg.distributed) as cluster:
         pg = placement(cfg.distributed)
-        trainer, workers = start_actors(cfg, pg, base, start_dir, str(resume_from) if resume_from else None,
-                                        start_step)
-        pool = RolloutPool(workers, tok.pad_token_id, cfg.distributed, version=start_step)
-        summary: dict[str, Any] = {"run_dir": str(run_dir), "start_step": start_step, "engine": pool.describe(),
-                                   "distributed": {**cluster, "rollout_workers": len(workers),
-                                                   "trainer_workers": len(trainer.actors),
-                                                   "weight_sync": weight_sync(cfg.distributed),
-                                                   "off_policy_overlap": bool(cfg.distributed.off_policy_overlap)}}
+        learner, workers = start_actors(cfg, pg, base_dir, resume_from or base_dir, resume_from, run.start_step)
+        pool = RolloutPool(workers, pad_id, cfg.distributed, version=run.start_step)
+        summary: dict[str, Any] = {"engine": pool.describe(), "distributed": {
+            **cluster, "rollout_workers": len(workers), "trainer_workers": len(learner.actors),
+            "weight_sync": learner.sync, "off_policy_overlap": bool(cfg.distributed.off_policy_overlap)}}
         try:
-            with GraderPool(workers=cfg.eval.grade_workers, timeout_s=cfg.eval.grade_timeout_s) as grader:
-                loop = _Loop(cfg, tok, stream, pool, trainer, grader, ckpts, metrics_log, callbacks, test_problems)
-                summary.update(loop.run(start_step))
-                summary["collapse_step"] = loop.alarm.fired_at
+            yield Sides(pool, learner, summary)
         finally:
             pool.close()
-            trainer.kill()
+            learner.kill()
             ray.util.remove_placement_group(pg)
         summary["distributed"]["worker_restarts"] = pool.restarts_total
 
-    rows = metrics_log.read()
-    accs = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
-    summary.update({"steps": tc.total_steps, "final_accuracy": accs[-1] if accs else None,
-                    "initial_accuracy": summary.get("initial_accuracy", rows[0].get("eval/accuracy") if rows else None),
-                    "final_reward": next((r["reward/mean"] for r in reversed(rows) if "reward/mean" in r), None),
-                    "latest_checkpoint": str(ckpts.list()[-1]) if ckpts.list() else None,
-                    "seconds": round(time.time() - t_start, 1)})
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
-    return summary
+
+def train_distributed(cfg: Any, callbacks: list | None = None) -> dict:
+    """The RL loop with the Ray runner (what `python -m parity train distributed.enabled=true` runs)."""
+    from parity.training.loop import train
+    return train(cfg, callbacks, runner=ray_runner)
 
 
-class _Loop:
-    """The per-step sequence; a class only so the pieces it shares stay named instead of passed around."""
-
-    def __init__(self, cfg: Any, tok: Any, stream: Any, pool: RolloutPool, trainer: TrainerGroup, grader: Any,
-                 ckpts: CheckpointManager, metrics_log: MetricsLog, callbacks: list, test_problems: list) -> None:
-        self.cfg, self.tok, self.stream, self.pool, self.trainer, self.grader = cfg, tok, stream, pool, trainer, grader
-        self.ckpts, self.metrics_log, self.callbacks, self.test_problems = ckpts, metrics_log, callbacks, test_problems
-        self.overlap = bool(cfg.distributed.off_policy_overlap)
-        self.broadcast = weight_sync(cfg.distributed) == "broadcast"
-        self.alarm = CollapseAlarm.from_config(cfg)
-        self.alarm.replay(metrics_log.read())
-
-    def evaluate(self) -> float:
-        c = self.cfg
-        return heldout_accuracy(self.pool, self.tok, self.test_problems, c.data.prompt_template, self.grader,
-                                c.rollout.max_new_tokens, **eval_settings(c))
-
-    def launch(self, step: int) -> PendingRollout:
-        """Take the step's prompts and submit their rollout; the data position after the take is what a
-        checkpoint at the end of this step must record (overlap takes the next step's prompts earlier)."""
-        c = self.cfg
-        problems = self.stream.take(c.trainer.prompts_per_step)
-        ids = [self.tok(render_prompt(c.data.prompt_template, p.problem))["input_ids"] for p in problems]
-        pending = self.pool.submit(ids, sampling_spec(c, seed=int(c.trainer.seed) * 1_000_003 + step),
-                                   prompt_ids=list(range(len(problems))))
-        pending.extra = {"problems": problems, "data": dict(self.stream.state_dict()), "t_submit": time.perf_counter()}
-        return pending
-
-    def run(self, start_step: int) -> dict:
-        tc, out = self.cfg.trainer, {}
-        if start_step == 0:
-            out["initial_accuracy"] = acc = self.evaluate()
-            self.emit(0, {"eval/accuracy": acc})
-        pending = self.launch(start_step) if start_step < tc.total_steps else None
-        for step in range(start_step, tc.total_steps):
-            t0 = time.perf_counter()
-            result = self.pool.collect(pending)
-            t_roll = time.perf_counter()
-            batch, extra = result.batch, pending.extra
-            nxt = self.launch(step + 1) if self.overlap and step + 1 < tc.total_steps else None
-            problems = extra["problems"]
-            batch.texts = self.tok.batch_decode(batch.responses, skip_special_tokens=True)
-            batch.answers = [problems[int(g)].answer for g in batch.group_ids]
-            batch.rewards = self.grader.grade(batch.texts, batch.answers, batch.truncated.tolist())
-            t_grade = time.perf_counter()
-            metrics, weights = self.trainer.step(batch)
-            t_train = time.perf_counter()
-            if self.broadcast:
-                metrics["perf/sync_s"] = self.pool.receive_broadcast(self.trainer.send_weights(), step + 1,
-                                                                     wait=not self.overlap)
-            else:
-                metrics["perf/sync_s"] = self.pool.broadcast(weights, step + 1, wait=not self.overlap)
-            n_tok = int(batch.response_mask.sum())
-            # rollout time counts from submission: with overlap most of it hid behind the previous step
-            roll_s = t_roll - extra["t_submit"]
-            metrics.update({"perf/rollout_s": roll_s, "perf/rollout_wait_s": t_roll - t0,
-                            "perf/grade_s": t_grade - t_roll, "perf/trainer_call_s": t_train - t_grade,
-                            "perf/step_s": time.perf_counter() - t0,
-                            "perf/rollout_tokens_per_s": n_tok / max(1e-9, roll_s),
-                            "perf/train_tokens_per_s": n_tok / max(1e-9, metrics["perf/train_s"]),
-                            "perf/staleness": float(step - result.min_version),
-                            "faults/worker_restarts": float(self.pool.pop_restarts()),
-                            "train/collapsed": self.alarm.update(step + 1, metrics["reward/mean"])})
-            done = step + 1
-            if tc.eval_every and (done % tc.eval_every == 0 or done == tc.total_steps):
-                metrics["eval/accuracy"] = self.evaluate()
-            if tc.checkpoint_every and (done % tc.checkpoint_every == 0 or done == tc.total_steps):
-                self.trainer.save_checkpoint(str(self.ckpts.root.parent), done, extra["data"],
-                                             int(tc.keep_checkpoints))
-            self.emit(done, metrics)
-            pending = nxt if self.overlap else (self.launch(done) if done < tc.total_steps else None)
-            log.info("step %d/%d reward %.3f", done, tc.total_steps, metrics["reward/mean"])
-        return out
-
-    def emit(self, step: int, metrics: dict[str, float]) -> None:
-        self.metrics_log.append(step, metrics)
-        for cb in self.callbacks:
-            cb.on_step(step, metrics)
-
-
-__all__ = ["train_distributed", "start_actors", "TrainerGroup"]
+__all__ = ["train_distributed", "ray_runner", "start_actors", "TrainerGroup"]

@@ -1,20 +1,25 @@
-"""N rollout worker actors behind the Engine interface: a call is sharded over the workers, and the shards'
-batches are merged into the batch one engine would have produced (parity.distributed.sharding).
+"""N rollout worker actors as the loop's rollout side (parity.training.runner.RolloutSide) and behind the Engine
+interface: a call is sharded over the workers, and the shards' batches are merged into the batch one engine would
+have produced (parity.distributed.sharding).
+
+Weights arrive either as one object-store reference that every worker reads (weight_sync=object_store) or by the
+trainer's collective broadcast (`Broadcast`: the trainer ranks' send calls, which the workers' receives pair).
 
 Faults: a worker that dies is restarted by Ray (`max_restarts`); the pool waits for it, pushes it the latest
 weights (a restarted actor starts again from the run's starting weights) and retries the shard, at most
-`distributed.max_shard_retries` times. Restarts are counted for the run's metrics."""
+`distributed.max_shard_retries` times. Restarts are counted for the run's metrics (faults/worker_restarts)."""
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from parity.distributed.sharding import Shard, global_spec, merge_batches, shard_prompts
 from parity.errors import ParityError
 from parity.rollout.base import SamplingSpec
+from parity.training.runner import RolloutResult
 from parity.types import RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -29,13 +34,13 @@ class PendingRollout:
     spec: SamplingSpec
     shards: list[Shard]
     refs: list[Any]
-    extra: dict = field(default_factory=dict)  # the caller's bookkeeping (problems, data position)
 
 
 @dataclass
-class RolloutResult:
-    batch: RolloutBatch
-    min_version: int  # oldest weights any shard was sampled with (number of trainer steps behind them)
+class Broadcast:
+    """weight_sync=broadcast: the trainer ranks' send_weights calls, already submitted."""
+
+    sends: list[Any]
 
 
 class RolloutPool:
@@ -67,6 +72,15 @@ class RolloutPool:
         t0 = time.perf_counter()
         self.broadcast([ray.put(pack_weights(named_tensors))], self.latest_version + 1, wait=True)
         return time.perf_counter() - t0
+
+    def load(self, weights: list[Any] | Broadcast, version: int, wait: bool) -> float:
+        """The loop's weight sync: the trainer's object-store reference ([ObjectRef]) or its broadcast."""
+        if isinstance(weights, Broadcast):
+            return self.receive_broadcast(weights.sends, version, wait)
+        return self.broadcast(weights, version, wait)
+
+    def step_metrics(self) -> dict[str, float]:
+        return {"faults/worker_restarts": float(self.pop_restarts())}
 
     def describe(self) -> dict:
         import ray

@@ -10,10 +10,12 @@ import hashlib
 import json
 import logging
 import os
+import random
 import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from parity.errors import ParityError
@@ -124,3 +126,26 @@ class CheckpointManager:
     @staticmethod
     def step_of(path: Path) -> int:
         return int(path.name.split("_")[1])
+
+
+def rng_state() -> dict:
+    """This process's Python, NumPy and torch RNG states, as a checkpoint's state.pt holds them."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(s: dict) -> None:
+    random.setstate(s["python"])
+    np.random.set_state(s["numpy"])
+    torch.set_rng_state(s["torch"])
+
+
+def training_state(step: int, trainer: Any, data_state: dict) -> dict:
+    """state.pt of a checkpoint, whichever runner writes it: the step, the trainer's state (optimizer,
+    corrections, counters), the training stream's position and the trainer process's RNG."""
+    return {"step": step, "trainer": trainer.state_dict(), "data": data_state, "rng": rng_state()}
+
+
+def read_state(path: Path, mmap: bool = False) -> dict:
+    """A checkpoint's state.pt. `mmap`: memory-mapped, for a reader that wants the step and the data position
+    without pulling the optimizer's moments into memory."""
+    return torch.load(Path(path) / "state.pt", weights_only=False, mmap=mmap)

@@ -1,4 +1,6 @@
-"""Held-out accuracy of the current policy on the task's test split, graded like the rewards.
+"""Held-out accuracy of the current policy on the configured task's test problems, graded like the rewards,
+through the rollout engine and, for a quantized or perturbed rollout, also through the same weights on a plain
+engine.
 
 Greedy by default (`trainer.eval_temperature=0`). A task whose responses are searches (Countdown) is better
 measured sampled: greedy decoding of a search trace repeats its likeliest attempt until the length limit, so
@@ -35,3 +37,47 @@ def eval_settings(cfg: Any) -> dict:
     """heldout_accuracy's sampling keywords from trainer.eval_temperature / eval_samples."""
     return {"temperature": float(cfg.trainer.eval_temperature), "samples": int(cfg.trainer.eval_samples),
             "seed": int(cfg.trainer.seed) + 7}
+
+
+def changes_numerics(precision: Any) -> bool:
+    """Whether a rollout precision changes any number the engine computes (weights, activations or KV cache,
+    or a perturbation of the weights)."""
+    from parity.rollout import is_perturbed
+
+    return (any(str(getattr(precision, k, "bf16")) != "bf16" for k in ("weights", "activations", "kv_cache"))
+            or is_perturbed(precision))
+
+
+class HeldOut:
+    """`eval/accuracy` through the rollout side; with trainer.eval_unquantized and a rollout precision that
+    changes the numerics, also `eval/accuracy_unquantized`: the learner's weights on a torch engine in the compute
+    dtype, in this process (what training did to the policy apart from what deploying it quantized costs)."""
+
+    def __init__(self, cfg: Any, tok: Any, grader: Any, start_dir: str) -> None:
+        from parity.data.tasks import heldout_problems
+        from parity.rollout import compute_dtype, resolve_device, rollout_precision
+
+        self.tok, self.grader, self.template = tok, grader, cfg.data.prompt_template
+        self.max_new_tokens = int(cfg.rollout.max_new_tokens)
+        self.problems = heldout_problems(cfg, cfg.trainer.eval_problems)
+        self.settings = eval_settings(cfg)
+        self.plain: Any = None
+        if cfg.trainer.eval_unquantized and cfg.trainer.eval_every and changes_numerics(rollout_precision(cfg)):
+            from parity.rollout.torch_engine import TorchEngine
+            device = resolve_device(cfg.trainer.device)
+            self.plain = TorchEngine(start_dir, device=str(device), dtype=compute_dtype(cfg, device))
+
+    def accuracy(self, engine: Engine) -> float:
+        return heldout_accuracy(engine, self.tok, self.problems, self.template, self.grader, self.max_new_tokens,
+                                **self.settings)
+
+    def evaluate(self, rollout: Engine, learner: Any) -> dict[str, float]:
+        out = {"eval/accuracy": self.accuracy(rollout)}
+        if self.plain is not None:
+            self.plain.update_weights(learner.weights())
+            out["eval/accuracy_unquantized"] = self.accuracy(self.plain)
+        return out
+
+    def close(self) -> None:
+        if self.plain is not None:
+            self.plain.close()

@@ -1,40 +1,32 @@
-"""The RL loop, top to bottom: rollout -> grade -> update -> weight sync -> (eval, checkpoint, log).
+"""The RL loop, top to bottom, for every runner: rollout -> grade -> learner step -> weight sync -> (eval,
+checkpoint, log).
 
-Everything a run writes goes to <outputs>/runs/<run_name>/: metrics.jsonl (one line per step, written once
-per step even across resumes), checkpoints/, summary.json. Callbacks (e.g. MLflow logging) receive the
-same per-step metrics."""
+A runner supplies the two sides (parity.training.runner): in this process (parity.training.local), or over Ray
+actors when distributed.enabled=true (parity.distributed.driver). Everything else is here once: the run folder
+(parity.training.run_folder), the data stream and prompt truncation, grading, held-out evaluation, the collapse
+alarm, the step's metrics. With distributed.off_policy_overlap the rollout of step t+1 is submitted before the
+learner's step t, so it is sampled with weights one update old (perf/staleness = 1)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import time
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from parity.data.prompts import build_train_stream, render_prompt
-from parity.data.tasks import heldout_problems
-from parity.errors import ParityError
-from parity.models.prepare import prepare_model
-from parity.paths import plain_name
-from parity.rollout import (
-    build_engine,
-    compute_dtype,
-    is_perturbed,
-    resolve_device,
-    rollout_precision,
-    sampling_spec,
-)
-from parity.training.checkpoint import CheckpointManager
+from parity.data.prompts import render_prompt
+from parity.rollout import sampling_spec
 from parity.training.collapse import CollapseAlarm
-from parity.training.heldout import eval_settings, heldout_accuracy
-from parity.training.trainer import Trainer
+from parity.training.heldout import HeldOut
+from parity.training.run_folder import MetricsLog, RunFolder, run_dir_of, safe_run_name
+from parity.training.runner import LearnerSide, RolloutSide
 
 log = logging.getLogger(__name__)
 
@@ -43,169 +35,125 @@ class Callback(Protocol):
     def on_step(self, step: int, metrics: dict[str, float]) -> None: ...
 
 
-def safe_run_name(name: str) -> str:
-    """Run names become folder names under outputs/runs: no separators, no traversal."""
-    return plain_name(name, "trainer.run_name")
+def train(cfg: Any, callbacks: list[Callback] | None = None, runner: Callable | None = None) -> dict:
+    """One RL run; returns its summary. `runner` (default: by distributed.enabled) builds the two sides."""
+    from transformers import AutoConfig, AutoTokenizer
 
-
-def run_dir_of(cfg: Any) -> Path:
-    return Path(cfg.outputs_dir) / "runs" / safe_run_name(str(cfg.trainer.run_name))
-
-
-class MetricsLog:
-    """metrics.jsonl with exactly one line per step: on resume, lines past the checkpoint are dropped."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def truncate_after(self, step: int) -> None:
-        if not self.path.is_file():
-            return
-        keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
-        self.path.write_text("".join(ln + "\n" for ln in keep))
-
-    def append(self, step: int, metrics: dict[str, float]) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
-
-    def read(self) -> list[dict]:
-        if not self.path.is_file():
-            return []
-        return [json.loads(ln) for ln in self.path.read_text().splitlines() if ln.strip()]
-
-
-def _rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-
-
-def _set_rng_state(s: dict) -> None:
-    random.setstate(s["python"])
-    np.random.set_state(s["numpy"])
-    torch.set_rng_state(s["torch"])
-
-
-def _quantized(precision: Any) -> bool:
-    """Whether a rollout precision changes any number the engine computes (weights, activations or KV cache,
-    or a perturbation of the weights)."""
-    return (any(str(getattr(precision, k, "bf16")) != "bf16" for k in ("weights", "activations", "kv_cache"))
-            or is_perturbed(precision))
-
-
-def train(cfg: Any, callbacks: list[Callback] | None = None) -> dict:
+    from parity.data.prompts import build_train_stream
+    from parity.models.prepare import prepare_model
     from parity.rewards.grader import GraderPool
 
-    callbacks = list(callbacks or [])
-    t_start = time.time()
     seed = int(cfg.trainer.seed)
     random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
-    device = resolve_device(cfg.trainer.device)
-    run_dir = run_dir_of(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    from parity.tracking.secrets import masked_config_yaml
-    (run_dir / "config.yaml").write_text(masked_config_yaml(cfg))  # no registry/MLflow passwords on disk
-
-    # 1. starting weights: the latest valid checkpoint of this run when resuming, else the prepared model
-    ckpts = CheckpointManager(run_dir, keep=cfg.trainer.keep_checkpoints)
-    resume_from = ckpts.latest_valid() if cfg.trainer.resume else None
-    if not cfg.trainer.resume and ckpts.list():
-        raise ParityError(f"run {run_dir} already has checkpoints; set trainer.resume=true to continue it or "
-                          "choose another trainer.run_name")
-    base = prepare_model(cfg)["model_dir"]
-    start_dir = resume_from or base
-    tok = AutoTokenizer.from_pretrained(str(base))
-    model = AutoModelForCausalLM.from_pretrained(str(start_dir), dtype=torch.float32)
+    run = RunFolder(cfg)
+    run.callbacks = list(callbacks or [])
+    base = str(prepare_model(cfg)["model_dir"])
+    tok = AutoTokenizer.from_pretrained(base)
     stream = build_train_stream(cfg.data, seed=seed)
-    trainer = Trainer(model, cfg, device, reference_dir=str(base))
-    start_step = 0
-    metrics_log = MetricsLog(run_dir / "metrics.jsonl")
-    if resume_from is not None:
-        state = torch.load(resume_from / "state.pt", weights_only=False)
-        trainer.load_state_dict(state["trainer"])
-        stream.load_state_dict(state["data"])
-        _set_rng_state(state["rng"])
-        start_step = int(state["step"])
-        log.info("resumed %s from %s (step %d)", run_dir.name, resume_from, start_step)
-    metrics_log.truncate_after(start_step)
-    alarm = CollapseAlarm.from_config(cfg)
-    alarm.replay(metrics_log.read())  # a resumed run's alarm state is that of its logged rewards
-
-    # 2. the rollout engine starts from the trainer's weights (re-quantized where its precision says so)
-    engine = build_engine(cfg, start_dir, reference_dir=base, syncs=start_step)
+    if run.data_state is not None:
+        stream.load_state_dict(run.data_state)
     # long prompts (MATH with the tiny model's 256 positions) keep their end, where the question is
-    max_prompt = model.config.max_position_embeddings - cfg.rollout.max_new_tokens
-    test_problems = heldout_problems(cfg, cfg.trainer.eval_problems)
-    summary: dict[str, Any] = {"run_dir": str(run_dir), "start_step": start_step, "engine": engine.describe()}
-    # the same weights without the rollout's quantization, evaluated beside it (trainer.eval_unquantized)
-    plain = None
-    if cfg.trainer.eval_unquantized and cfg.trainer.eval_every and _quantized(rollout_precision(cfg)):
-        from parity.rollout.torch_engine import TorchEngine
-        plain = TorchEngine(start_dir, device=str(device), dtype=compute_dtype(cfg, device))
-    with GraderPool(workers=cfg.eval.grade_workers, timeout_s=cfg.eval.grade_timeout_s) as grader:
-        def evaluate() -> dict[str, float]:
-            out = {"eval/accuracy": heldout_accuracy(engine, tok, test_problems, cfg.data.prompt_template, grader,
-                                                     cfg.rollout.max_new_tokens, **eval_settings(cfg))}
-            if plain is not None:
-                plain.update_weights(trainer.sync_weights())
-                out["eval/accuracy_unquantized"] = heldout_accuracy(plain, tok, test_problems,
-                                                                    cfg.data.prompt_template, grader,
-                                                                    cfg.rollout.max_new_tokens, **eval_settings(cfg))
-            return out
+    max_prompt = AutoConfig.from_pretrained(base).max_position_embeddings - cfg.rollout.max_new_tokens
+    with (runner or default_runner(cfg))(cfg, base, run) as sides, \
+            GraderPool(workers=cfg.eval.grade_workers, timeout_s=cfg.eval.grade_timeout_s) as grader:
+        data = Data(tok, stream, cfg.data.prompt_template, max_prompt, grader)
+        heldout = HeldOut(cfg, tok, grader, str(run.resume_from or base))
+        try:
+            alarm = rl_loop(cfg, data, sides.rollout, sides.learner, heldout, run)
+        finally:
+            heldout.close()
+        outcome = {"collapse_step": alarm.fired_at, "tolerance": sides.learner.tolerance()}
+    return run.finish(int(cfg.trainer.total_steps), sides.summary, outcome)
 
-        if start_step == 0:
-            first = evaluate()
-            summary["initial_accuracy"] = first["eval/accuracy"]
-            if plain is not None:
-                summary["initial_accuracy_unquantized"] = first["eval/accuracy_unquantized"]
-            _emit(metrics_log, callbacks, 0, first)
-        bar = tqdm(range(start_step, cfg.trainer.total_steps), desc=f"train {run_dir.name}", unit="step",
-                   initial=start_step, total=cfg.trainer.total_steps, mininterval=2.0)
-        for step in bar:
-            t0 = time.perf_counter()
-            problems = stream.take(cfg.trainer.prompts_per_step)
-            prompt_ids, n_cut = encode_prompts(tok, cfg.data.prompt_template, problems, max_prompt)
-            batch = engine.generate(prompt_ids, sampling_spec(cfg, seed=seed * 1_000_003 + step),
-                                    prompt_ids=list(range(len(problems))))
-            t_roll = time.perf_counter()
-            batch.texts = tok.batch_decode(batch.responses, skip_special_tokens=True)
-            batch.answers = [problems[int(g)].answer for g in batch.group_ids]
-            batch.rewards = grader.grade(batch.texts, batch.answers, batch.truncated.tolist())
-            t_grade = time.perf_counter()
-            metrics = trainer.step(batch)
-            t_train = time.perf_counter()
-            metrics["perf/sync_s"] = engine.update_weights(trainer.sync_weights())
-            metrics["data/prompt_truncated_frac"] = n_cut / max(1, len(problems))
-            metrics["train/collapsed"] = alarm.update(step + 1, metrics["reward/mean"])
-            n_tok = int(batch.response_mask.sum())
-            metrics.update({"perf/rollout_s": t_roll - t0, "perf/grade_s": t_grade - t_roll,
-                            "perf/train_s": t_train - t_grade, "perf/step_s": time.perf_counter() - t0,
-                            "perf/rollout_tokens_per_s": n_tok / max(1e-9, t_roll - t0),
-                            "perf/train_tokens_per_s": n_tok / max(1e-9, t_train - t_grade)})
-            done = step + 1
-            if cfg.trainer.eval_every and (done % cfg.trainer.eval_every == 0 or done == cfg.trainer.total_steps):
-                metrics.update(evaluate())
-            if cfg.trainer.checkpoint_every and (done % cfg.trainer.checkpoint_every == 0
-                                                 or done == cfg.trainer.total_steps):
-                ckpts.save(done, trainer.model, tok, {"step": done, "trainer": trainer.state_dict(),
-                                                      "data": stream.state_dict(), "rng": _rng_state()})
-            _emit(metrics_log, callbacks, done, metrics)
-            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=metrics.get("eval/accuracy", ""))
-    engine.close()
-    if plain is not None:
-        plain.close()
-    rows = metrics_log.read()
-    accs = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
-    summary.update({"steps": cfg.trainer.total_steps, "final_accuracy": accs[-1] if accs else None,
-                    "initial_accuracy": summary.get("initial_accuracy", rows[0].get("eval/accuracy") if rows else None),
-                    "final_reward": next((r["reward/mean"] for r in reversed(rows) if "reward/mean" in r), None),
-                    "latest_checkpoint": str(ckpts.list()[-1]) if ckpts.list() else None,
-                    "seconds": round(time.time() - t_start, 1)})
-    summary["collapse_step"] = alarm.fired_at
-    summary["tolerance"] = {"value": trainer.corrections.tolerance, "source": trainer.tolerance_source}
-    plain_accs = [r["eval/accuracy_unquantized"] for r in rows if "eval/accuracy_unquantized" in r]
-    if plain_accs:
-        summary["final_accuracy_unquantized"] = plain_accs[-1]
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
-    return summary
+
+def default_runner(cfg: Any) -> Callable:
+    """The in-process runner, or the Ray runner with distributed.enabled=true."""
+    if cfg.distributed.enabled:
+        from parity.distributed.driver import ray_runner  # lazy: Ray only when asked for
+        return ray_runner
+    from parity.training.local import local_runner
+    return local_runner
+
+
+def rl_loop(cfg: Any, data: Data, rollout: RolloutSide, learner: LearnerSide, heldout: HeldOut,
+            run: RunFolder) -> CollapseAlarm:
+    tc, overlap = cfg.trainer, bool(cfg.distributed.off_policy_overlap)
+    alarm = CollapseAlarm.from_config(cfg)
+    alarm.replay(run.metrics.read())  # a resumed run's alarm state is that of its logged rewards
+
+    def launch(step: int) -> Launched:
+        problems, ids, n_cut = data.prompts(tc.prompts_per_step)
+        spec = sampling_spec(cfg, seed=int(tc.seed) * 1_000_003 + step)
+        return Launched(rollout.submit(ids, spec), problems, n_cut, dict(data.stream.state_dict()),
+                        time.perf_counter())
+
+    if run.start_step == 0:
+        run.emit(0, heldout.evaluate(rollout, learner))
+    pending = launch(run.start_step) if run.start_step < tc.total_steps else None
+    for step in tqdm(range(run.start_step, tc.total_steps), desc=f"train {run.dir.name}", unit="step",
+                     initial=run.start_step, total=tc.total_steps, mininterval=2.0):
+        t0 = time.perf_counter()
+        result = rollout.collect(pending.handle)  # type: ignore[union-attr]  (launched before every step)
+        t_roll = time.perf_counter()
+        this, pending = pending, (launch(step + 1) if overlap and step + 1 < tc.total_steps else None)
+        batch = data.grade(result.batch, this.problems)
+        t_grade = time.perf_counter()
+        metrics = learner.step(batch)
+        metrics["perf/sync_s"] = rollout.load(learner.publish(), step + 1, wait=not overlap)
+        metrics["data/prompt_truncated_frac"] = this.n_cut / max(1, len(this.problems))
+        metrics["train/collapsed"] = alarm.update(step + 1, metrics["reward/mean"])
+        n_tok = int(batch.response_mask.sum())
+        roll_s = t_roll - this.t_submit  # from submission: with overlap most of it hid behind the previous step
+        metrics.update({"perf/rollout_s": roll_s, "perf/rollout_wait_s": t_roll - t0,
+                        "perf/grade_s": t_grade - t_roll, "perf/step_s": time.perf_counter() - t0,
+                        "perf/staleness": float(step - result.min_version),
+                        "perf/rollout_tokens_per_s": n_tok / max(1e-9, roll_s),
+                        "perf/train_tokens_per_s": n_tok / max(1e-9, metrics["perf/train_s"]),
+                        **rollout.step_metrics()})
+        done = step + 1
+        if tc.eval_every and (done % tc.eval_every == 0 or done == tc.total_steps):
+            metrics.update(heldout.evaluate(rollout, learner))
+        due = tc.checkpoint_every and (done % tc.checkpoint_every == 0 or done == tc.total_steps)
+        run.emit(done, metrics, partial(learner.save, run.ckpts, done, this.data_state) if due else None)
+        if pending is None and done < tc.total_steps:
+            pending = launch(done)
+        log.debug("step %d/%d reward %.3f", done, tc.total_steps, metrics["reward/mean"])
+    return alarm
+
+
+@dataclass
+class Launched:
+    """A submitted rollout and what the loop keeps beside it: the problems (to grade), prompts cut, the stream's
+    position after taking them (what a checkpoint at the end of this step records; overlap takes the next step's
+    prompts earlier), when it was submitted."""
+
+    handle: Any
+    problems: list
+    n_cut: int
+    data_state: dict
+    t_submit: float
+
+
+@dataclass
+class Data:
+    """The training prompts and their grading."""
+
+    tok: Any
+    stream: Any
+    template: str
+    max_prompt: int
+    grader: Any
+
+    def prompts(self, n: int) -> tuple[list, list[list[int]], int]:
+        problems = self.stream.take(n)
+        ids, n_cut = encode_prompts(self.tok, self.template, problems, self.max_prompt)
+        return problems, ids, n_cut
+
+    def grade(self, batch: Any, problems: list) -> Any:
+        batch.texts = self.tok.batch_decode(batch.responses, skip_special_tokens=True)
+        batch.answers = [problems[int(g)].answer for g in batch.group_ids]
+        batch.rewards = self.grader.grade(batch.texts, batch.answers, batch.truncated.tolist())
+        return batch
 
 
 def encode_prompts(tok: Any, template: str, problems: list, max_prompt: int) -> tuple[list[list[int]], int]:
@@ -219,7 +167,4 @@ def encode_prompts(tok: Any, template: str, problems: list, max_prompt: int) -> 
     return out, cut
 
 
-def _emit(metrics_log: MetricsLog, callbacks: list, step: int, metrics: dict[str, float]) -> None:
-    metrics_log.append(step, metrics)
-    for cb in callbacks:
-        cb.on_step(step, metrics)
+__all__ = ["train", "rl_loop", "Callback", "MetricsLog", "RunFolder", "run_dir_of", "safe_run_name", "encode_prompts"]

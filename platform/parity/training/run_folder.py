@@ -1,0 +1,112 @@
+"""The run folder, for every runner: <outputs>/runs/<run_name>/ with config.yaml (secrets masked), checkpoints/,
+metrics.jsonl (one line a step, cut back to the checkpoint on resume) and summary.json.
+
+A run whose folder already holds checkpoints is resumed (trainer.resume=true: from its latest valid checkpoint)
+or refused; nothing already written is touched by a refusal."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from parity.errors import ParityError
+from parity.paths import plain_name
+from parity.training.checkpoint import CheckpointManager, read_state
+
+log = logging.getLogger(__name__)
+
+
+def safe_run_name(name: str) -> str:
+    """Run names become folder names under outputs/runs: no separators, no traversal."""
+    return plain_name(name, "trainer.run_name")
+
+
+def run_dir_of(cfg: Any) -> Path:
+    return Path(cfg.outputs_dir) / "runs" / safe_run_name(str(cfg.trainer.run_name))
+
+
+class MetricsLog:
+    """metrics.jsonl with exactly one line per step: on resume, lines past the checkpoint are dropped."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def truncate_after(self, step: int) -> None:
+        if not self.path.is_file():
+            return
+        keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
+        self.path.write_text("".join(ln + "\n" for ln in keep))
+
+    def append(self, step: int, metrics: dict[str, float]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+    def read(self) -> list[dict]:
+        if not self.path.is_file():
+            return []
+        return [json.loads(ln) for ln in self.path.read_text().splitlines() if ln.strip()]
+
+
+class RunFolder:
+    """Opened once a run: writes config.yaml, refuses or resumes, cuts the metrics log back to the resumed step.
+
+    `resume_from` is the checkpoint folder to continue from (None: a fresh run), `start_step` its step and
+    `data_state` the training stream's position saved with it."""
+
+    def __init__(self, cfg: Any) -> None:
+        from parity.tracking.secrets import masked_config_yaml
+
+        self.t_start = time.time()
+        self.dir = run_dir_of(cfg)
+        self.ckpts = CheckpointManager(self.dir, keep=cfg.trainer.keep_checkpoints)
+        if not cfg.trainer.resume and self.ckpts.list():  # refused before anything of the run is overwritten
+            raise ParityError(f"run {self.dir} already has checkpoints; set trainer.resume=true to continue it or "
+                              "choose another trainer.run_name")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / "config.yaml").write_text(masked_config_yaml(cfg))  # no registry/MLflow passwords on disk
+        self.resume_from: Path | None = self.ckpts.latest_valid() if cfg.trainer.resume else None
+        self.start_step, self.data_state = 0, None
+        if self.resume_from is not None:
+            state = read_state(self.resume_from, mmap=True)
+            self.start_step, self.data_state = int(state["step"]), state["data"]
+            log.info("resuming %s from %s (step %d)", self.dir.name, self.resume_from, self.start_step)
+        self.metrics = MetricsLog(self.dir / "metrics.jsonl")
+        self.metrics.truncate_after(self.start_step)
+        self.callbacks: list[Any] = []
+
+    def emit(self, step: int, metrics: dict[str, float], checkpoint: Any = None) -> None:
+        """Step `step`'s row: the metrics log first, then `checkpoint()` if given, then every callback (e.g.
+        MLflow). A checkpoint of step N is written only once the log holds rows up to N, so a run killed right
+        after it resumes with none of its rows missing."""
+        self.metrics.append(step, metrics)
+        if checkpoint is not None:
+            checkpoint()
+        for cb in self.callbacks:
+            cb.on_step(step, metrics)
+
+    def finish(self, total_steps: int, summary: dict, outcome: dict) -> dict:
+        """summary.json: what the runner described, what the metrics log and the checkpoints say, and `outcome`
+        (what the loop found: collapse step, tolerance)."""
+        rows = self.metrics.read()
+        first = rows[0] if rows and rows[0]["step"] == 0 else {}
+
+        def last(key: str) -> Any:
+            return next((r[key] for r in reversed(rows) if key in r), None)
+
+        out = {"run_dir": str(self.dir), "start_step": self.start_step, **summary,
+               "initial_accuracy": first.get("eval/accuracy"), "steps": total_steps,
+               "final_accuracy": last("eval/accuracy"), "final_reward": last("reward/mean"),
+               "latest_checkpoint": str(self.ckpts.list()[-1]) if self.ckpts.list() else None,
+               "seconds": round(time.time() - self.t_start, 1), **outcome}
+        if "eval/accuracy_unquantized" in first:
+            out["initial_accuracy_unquantized"] = first["eval/accuracy_unquantized"]
+        if last("eval/accuracy_unquantized") is not None:
+            out["final_accuracy_unquantized"] = last("eval/accuracy_unquantized")
+        (self.dir / "summary.json").write_text(json.dumps(out, indent=1, default=str))
+        return out
+
+
+__all__ = ["RunFolder", "MetricsLog", "run_dir_of", "safe_run_name"]
