@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -190,7 +191,7 @@ def _run(cmd: list[str], out: Path, steps: int, label: str) -> dict:
     return res
 
 
-def _guarded(cmd_of: "callable", out: Path, a: argparse.Namespace, label: str, log: list) -> dict:  # type: ignore[valid-type]
+def _guarded(cmd_of: Callable[[int], list[str]], out: Path, a: argparse.Namespace, label: str, log: list) -> dict:
     best = None
     for attempt in range(1, a.attempts + 1):
         res = _run(cmd_of(attempt), out, a.steps, label)
