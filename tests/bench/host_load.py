@@ -44,9 +44,10 @@ def _proc_table() -> dict[int, tuple[int, int]]:
 
 
 class LoadMonitor:
-    """Samples the host and this process tree's CPU time every `interval_s` until `stop()`."""
+    """Samples the host and this process tree's CPU time every `interval_s` until `stop()` (None: only on entry
+    and exit, for a short call, so the sampling thread takes no CPU from what is measured)."""
 
-    def __init__(self, interval_s: float = 0.2, root: int | None = None) -> None:
+    def __init__(self, interval_s: float | None = 0.5, root: int | None = None) -> None:
         self.interval_s, self.root = interval_s, os.getpid() if root is None else root
         self.samples: list[tuple[float, int, int, int]] = []  # (time, host busy, host steal, tree ticks)
         self._seen: dict[int, int] = {}  # pid -> latest utime + stime of every tree process ever seen
@@ -55,7 +56,8 @@ class LoadMonitor:
 
     def __enter__(self) -> LoadMonitor:
         self.sample()
-        self._thread.start()
+        if self.interval_s:
+            self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -68,7 +70,7 @@ class LoadMonitor:
         self.sample()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while not self._stop.wait(self.interval_s or 1.0):
             self.sample()
 
     def sample(self) -> None:
