@@ -3,6 +3,7 @@
     make bench                                     # among the other benchmarks
     .venv/bin/python tests/bench/bench_vs_trl.py   # alone; --tokens 16,64 --steps 30 --attempts 3 --max-foreign 0.25
     .venv/bin/python tests/bench/bench_vs_trl.py -- model.warm_start.steps=50   # Hydra overrides after `--`
+    .venv/bin/python tests/bench/bench_vs_trl.py --variant "trainer.shared_prefix=off"  # an A/B run of parity too
 
 What runs, per token budget (16 new tokens, parity's default, and 64, as in TRL's examples), each in a process
 of its own: the floor (a plain forward + backward + AdamW step of the same model on batches of the same shapes,
@@ -222,9 +223,10 @@ def _side_by_side(a: argparse.Namespace, tokens: int, model_overrides: list[str]
                                 "--out", str(work / "floor.json"), *ov], work / "floor.json", a, "floor", log)
     parity_runs = []
 
-    def parity(tag: str) -> dict:
+    def parity(tag: str, extra: list[str] = ()) -> dict:  # type: ignore[assignment]
         return _guarded(lambda i: [*me, "--worker", "parity", *base, "--run-name", f"bench_vs_trl_{tokens}_{tag}_{i}",
-                                   "--out", str(work / "parity.json"), *ov], work / "parity.json", a, f"parity_{tag}", log)
+                                   "--out", str(work / "parity.json"), *ov, *extra], work / "parity.json", a,
+                        f"parity_{tag}", log)
 
     parity_runs.append(parity("a"))
     trl = _guarded(lambda i: [str(trl_py), str(HERE / "trl_grpo_worker.py"), "--model", floor["model_dir"],
@@ -232,6 +234,11 @@ def _side_by_side(a: argparse.Namespace, tokens: int, model_overrides: list[str]
                               "--dtype", floor["dtype"], "--workdir", str(work / f"trl_{tokens}"),
                               "--out", str(work / "trl.json")], work / "trl.json", a, "trl", log)
     parity_runs.append(parity("b"))
+    variants = {}
+    for j, v in enumerate(a.variant):  # parity with other settings, e.g. an optimisation turned off (A/B)
+        r = parity(f"variant{j}", v.split())
+        variants[v] = {k: round(_med(r["timed"], k), 4) for k in ("step_s", "rollout_s", "grade_s", "train_s")}
+        variants[v]["foreign_cores"] = r["load"]["foreign_cores"]
 
     p_steps = [s for r in parity_runs for s in r["timed"]]
     p_step, t_step, f_step = _med(p_steps, "step_s"), _med(trl["timed"], "step_s"), _med(floor["timed"], "step_s")
@@ -249,6 +256,7 @@ def _side_by_side(a: argparse.Namespace, tokens: int, model_overrides: list[str]
         "trl_train_over_floor": round(trl_out["train_s"] / f_step, 2),
         "threads": {"parity": parity_runs[0]["threads"], "trl": trl["threads"], "floor": floor["threads"]},
         "startup_s": {"parity": parity_runs[0]["startup_s"], "trl": trl["startup_s"]},
+        "parity_variants": variants,
         "contended": any(r["contended"] for r in (floor, trl, *parity_runs)),
         "runs": log,
     }
@@ -260,6 +268,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--attempts", type=int, default=3, help="runs of one kind at most, while the host is busy")
     ap.add_argument("--max-foreign", type=float, default=0.25, help="cores of foreign load a clean run may see")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="also time parity with these overrides (space-separated), e.g. 'trainer.shared_prefix=off'")
     ap.add_argument("--worker", choices=["floor", "parity"], help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--prompts", help=argparse.SUPPRESS)
