@@ -86,3 +86,23 @@ def test_prompt_too_long_is_a_clear_error(random_model):
     eng = TorchEngine(d)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         eng.generate([[5] * 250], SamplingSpec(max_new_tokens=16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_prefill_gives_the_per_row_prefill_batch(random_model, dtype, monkeypatch):
+    """One prompt forward per distinct prompt, its cache copied to the prompt's rollout.n rows: the batch of a
+    prompt forward per row up to rounding (the matrix products of 3 rows and of 12 may take different kernels;
+    prompts of different lengths, top-K on, EOS inside the budget)."""
+    d, tok, _ = random_model
+    eng = TorchEngine(d, dtype=dtype)
+    spec = SamplingSpec(temperature=1.0, max_new_tokens=12, n=4, topk_logprobs=8, seed=11)
+    shared = eng.generate(_prompts(tok), spec)
+    monkeypatch.setattr(TorchEngine, "share_prefill", False)
+    per_row = eng.generate(_prompts(tok), spec)
+    for f in ("responses", "response_mask", "truncated"):
+        assert torch.equal(getattr(shared, f), getattr(per_row, f)), f
+    tol = 1e-5 if dtype == torch.float32 else 5e-2  # a bf16 rounding flip of an activation
+    for f in ("rollout_logprobs", "topk_logprobs"):
+        err = float((getattr(shared, f) - getattr(per_row, f)).abs().max())
+        print(f"{dtype} {f}: max |shared - per row| = {err:.2e}")
+        assert err <= tol, (f, err)

@@ -23,6 +23,7 @@ from parity.algorithms.mismatch import StepMetrics
 from parity.algorithms.objective import Objective
 from parity.errors import ParityError
 from parity.rollout import compute_dtype
+from parity.training.shared_prefix import shared_prefix_hidden
 from parity.types import RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class Trainer:
         self.objective = Objective(self.alg, self.corrections)  # policy loss and aggregation resolved once
         self.bad_steps = 0  # consecutive non-finite steps
         self.skipped_steps = 0
+        self.shared_prefix = self._shared_prefix_mode()
         if self.tcfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         if self.tcfg.compile_layers:
@@ -100,13 +102,29 @@ class Trainer:
         self.tolerance_source = found[1] if found else f"first {n} steps"
         return found[0] if found else None
 
+    def _shared_prefix_mode(self) -> bool:
+        """trainer.shared_prefix: auto = on CPU; off wherever the decoder layers' own forward must run (gradient
+        checkpointing and compiled layers live there)."""
+        mode = str(getattr(self.tcfg, "shared_prefix", "auto")).strip().lower()
+        if mode not in ("auto", "on", "off", "true", "false"):
+            raise ParityError(f"config key `trainer.shared_prefix`: auto, on or off, got {mode!r}")
+        if mode in ("off", "false") or self.tcfg.gradient_checkpointing or self.tcfg.compile_layers:
+            return False
+        return mode in ("on", "true") or self.device.type == "cpu"
+
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.compute_dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
     def response_hidden(self, mb: RolloutBatch) -> torch.Tensor:
-        """Final-norm hidden states at the positions that predict each response token: [b, R, H]."""
+        """Final-norm hidden states at the positions that predict each response token: [b, R, H] (each prompt computed
+        once for its responses where trainer.shared_prefix is on, parity.training.shared_prefix)."""
+        if self.shared_prefix and mb.routed_experts is None:
+            with self._autocast():
+                h = shared_prefix_hidden(self.model, mb.prompts, mb.prompt_mask, mb.responses, mb.response_mask)
+            if h is not None:
+                return h
         ids, am = mb.input_ids.to(self.device), mb.attention_mask.to(self.device)
         P = mb.prompts.shape[1]
         with self._autocast():
