@@ -128,7 +128,8 @@ def main(argv: list[str]) -> dict:
         if not arms:
             raise ValueError(f"--arms {a.arms!r}: no arm of preset {a.preset} ({a.stage}) matches")
     seeds = [int(s) for s in a.seeds.split(",")] if a.seeds else list(preset.seeds)
-    steps = a.steps or (2 if a.quick else preset.steps)
+    stage_steps = preset.arms_steps if a.stage == "arms" and preset.arms_steps else preset.steps
+    steps = a.steps or (2 if a.quick else stage_steps)
     eval_every = a.eval_every or (1 if a.quick else preset.eval_every)
     if a.quick and not a.seeds:
         seeds = seeds[:1]

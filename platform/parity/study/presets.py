@@ -89,6 +89,7 @@ class Preset:
     quick: tuple[str, ...] = ()
     note: str = ""
     topk: int = 64  # rollout.topk_logprobs of the score-centering arms
+    arms_steps: int | None = None  # steps of the arms stage when it differs from the search's
     env: dict = field(default_factory=dict)
 
 
@@ -117,9 +118,12 @@ LAPTOP = Preset(
     steps=40, eval_every=20, seeds=(0, 1, 2), concurrency=2, threads_per_run=1,
     search=(arm("bf16"), *_dose((0.1, 0.2, 0.4), 0.2), arm("int8+int4kv"),
             arm("bf16", objective="reinforce_raw"), *_dose((0.2, 0.4), 0.4, "reinforce_raw")),
-    arms=(arm("bf16", objective="reinforce_raw"), arm(sigma_source(0.2), objective="reinforce_raw"),
-          arm(sigma_source(0.2), "score_centering", "reinforce_raw"), arm(sigma_source(0.2), "tis", "reinforce_raw")),
-    note="2 CPU cores, <= 15 minutes: the arms that carry the result",
+    # the arms stage: 20 steps (the search's held-out gap between bf16 and sigma 0.2 under GRPO was open by step
+    # 20; raw-reward REINFORCE did not learn on this model even unperturbed), the reference, the uncorrected
+    # mismatch and score centering, 3 seeds
+    arms=(arm("bf16"), arm(sigma_source(0.2)), arm(sigma_source(0.2), "score_centering")),
+    arms_steps=20,
+    note="2 CPU cores, <= 15 minutes for the arms stage: the reference, the failure and the rescue",
 )
 
 GPU = Preset(
