@@ -39,7 +39,10 @@ CASES = {  # name -> config overrides
     "token_mean_grad_ckpt": ["algorithm.loss_agg_mode=token-mean", "trainer.micro_batch_size=4",
                              "trainer.gradient_checkpointing=true"],
 }
-BASE = ["model.dtype=float32", "trainer.device=cpu", f"trainer.lr={LR}", "trainer.grad_clip=0.5"]
+# the sharded trainer runs the model's own forward inside the FSDP root; the single-process reference runs the same
+# one (not the shared-prefix forward it takes on CPU by default, equal only up to rounding)
+BASE = ["model.dtype=float32", "trainer.device=cpu", f"trainer.lr={LR}", "trainer.grad_clip=0.5",
+        "trainer.shared_prefix=off"]
 
 
 def _make_batch(cfg, model_dir: Path):
@@ -200,7 +203,7 @@ def test_two_gloo_ranks_match_the_single_process_trainer(quick_cfg, prepared_mod
 # 2. over Ray: one rollout worker, two sharded trainer actors (gloo), one CPU each; one local Ray for both runs
 RAY = ["distributed.enabled=true", "distributed.num_rollout_workers=1", "distributed.trainer_workers=2",
        "distributed.rollout_cpus=1", "distributed.trainer_cpus=1", "distributed.num_cpus=3"]
-RUN = ["model.dtype=float32", "algorithm.correction.name=dual", "trainer.lr=1e-4"]
+RUN = ["model.dtype=float32", "algorithm.correction.name=dual", "trainer.lr=1e-4", "trainer.shared_prefix=off"]
 
 
 def _rows(run_dir: str) -> list[dict]:
@@ -234,7 +237,7 @@ def reference_run(one_thread_ray, quick_cfg, prepared_model) -> dict:
 def test_sharded_trainer_over_ray_matches_the_single_process_run(sync, one_thread_ray, reference_run, quick_cfg,
                                                                  prepared_model) -> None:
     """object_store: rank 0 gathers, one ray.put; broadcast: the gloo weight group (the NCCL path on GPUs)."""
-    from parity.distributed.driver import train_distributed
+    from parity.training.loop import train_distributed
 
     ref = reference_run
     dist = train_distributed(quick_cfg(*RUN, *RAY, f"distributed.weight_sync={sync}", f"trainer.run_name=fsdp_{sync}"))

@@ -96,6 +96,7 @@ def test_shared_prefill_gives_the_per_row_prefill_batch(random_model, dtype, mon
     d, tok, _ = random_model
     eng = TorchEngine(d, dtype=dtype)
     spec = SamplingSpec(temperature=1.0, max_new_tokens=12, n=4, topk_logprobs=8, seed=11)
+    monkeypatch.setattr(TorchEngine, "share_prefill", True)
     shared = eng.generate(_prompts(tok), spec)
     monkeypatch.setattr(TorchEngine, "share_prefill", False)
     per_row = eng.generate(_prompts(tok), spec)

@@ -22,22 +22,23 @@ from parity.training.trainer import NonFiniteError
 
 
 class PoisonHidden:
-    """Multiplies the trainer's hidden states by NaN or inf on chosen loop steps (a real forward hook on the
-    model: the logits, the loss and every gradient become non-finite). The torch rollout engine runs its own
-    forward, so only the update sees the poison. As a callback it learns which step comes next."""
+    """Multiplies the trainer's normed hidden states by NaN or inf on chosen loop steps (a real forward hook on
+    every RMSNorm of the model, so the plain forward and the shared-prefix forward alike: the logits, the loss and
+    every gradient become non-finite). The torch rollout engine runs its own forward without gradients, so only
+    the update sees the poison. As a callback it learns which step comes next."""
 
     def __init__(self, steps: dict[int, float]) -> None:
-        from transformers.models.qwen3.modeling_qwen3 import Qwen3Model
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
         self.steps, self.next_step, self.poisoned = steps, 0, []
-        self._cls = Qwen3Model
+        self._cls = Qwen3RMSNorm
         self._handle = torch.nn.modules.module.register_module_forward_hook(self._hook)
 
     def _hook(self, module, args, output):
         if isinstance(module, self._cls) and torch.is_grad_enabled() and self.next_step in self.steps:
             if self.next_step not in self.poisoned:
                 self.poisoned.append(self.next_step)
-            output.last_hidden_state = output.last_hidden_state * self.steps[self.next_step]
+            return output * self.steps[self.next_step]
         return output
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:

@@ -88,3 +88,20 @@ def test_cluster_preset_resolves_every_arm_and_its_quick_variant_runs(tmp_path) 
     res = main(["--preset", "cluster", "--quick", "--arms", "int8+int4kv / score_centering+tis", "--outputs-dir",
                 str(tmp_path / "outputs"), "--out", str(tmp_path / "study")])
     assert res["failed"] == 0 and res["runs"] == 1
+
+
+def test_a_finished_run_of_other_steps_is_refused_not_read_back(tmp_path) -> None:
+    """Another stage (or --steps) writes the same run names: a finished run is read back only if it ran the
+    steps asked for; otherwise the error names the run and --tag, and the run is left as it is."""
+    from parity.errors import ParityError
+    from parity.study.runs import RunSpec, check_finished_matches
+
+    run = tmp_path / "runs" / "study-laptop-bf16-none-grpo-s0"
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps({"steps": 40}))
+    spec = RunSpec(run.name, "bf16 / none / grpo", 0, ("trainer.total_steps=20", "trainer.seed=0"))
+    with pytest.raises(ParityError, match=r"finished with 40 steps, this study asks for 20 .*--tag"):
+        check_finished_matches(spec, run)
+    assert json.loads((run / "summary.json").read_text()) == {"steps": 40}
+    check_finished_matches(RunSpec(run.name, spec.arm, 0, ("trainer.total_steps=40",)), run)  # the same: read back
+    check_finished_matches(spec, tmp_path / "runs" / "not-run-yet")

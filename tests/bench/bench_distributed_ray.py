@@ -62,7 +62,7 @@ def main() -> None:
     import ray
 
     from parity.distributed.cluster import ray_session
-    from parity.distributed.driver import train_distributed
+    from parity.training.loop import train_distributed
 
     outputs = args.outputs or tempfile.mkdtemp(prefix="bench_distributed_")
     prepare_model(_cfg(outputs, args, "prep"))

@@ -6,8 +6,8 @@ BENCH_ROUNDS=5, BENCH_ATTEMPTS=3, BENCH_MAX_FOREIGN=0.25, BENCH_OVERRIDES="model
 Hydra overrides). The default batch is one step of the default experiment: the first 16 prompts of its training
 stream x 8 responses, at most 16 new tokens, temperature 1, on the default prepared model in the compute dtype
 `model.dtype=auto` picks. Engines take turns within every round (the order reversed every other round, so a
-drift of the host does not favour one); the torch engine also runs with one prompt forward per row instead of
-per distinct prompt (`share_prefill=False`), the A/B of that change. The busy-host guard (tests/bench/host_load.py):
+drift of the host does not favour one); the torch engine also runs with one prompt forward per distinct prompt instead of
+per row (`TorchEngine.share_prefill=True`, off by default), the A/B of that option. The busy-host guard (tests/bench/host_load.py):
 a call that saw more than BENCH_MAX_FOREIGN cores of CPU load outside this process is repeated, up to
 BENCH_ATTEMPTS times, the least contended attempt kept; each engine's median round and the load are reported.
 Prints one JSON line."""
@@ -113,16 +113,16 @@ def main() -> dict:
     vllm_init = time.perf_counter() - t0
     torch_engine = build_engine(load_config([*base, "rollout.name=torch"]), model_dir)
 
-    def per_row_prefill() -> int:
-        TorchEngine.share_prefill = False
+    def shared_prefill() -> int:  # the engine's option (off by default: batches bit-identical across shardings)
+        TorchEngine.share_prefill = True
         try:
             return _engine_call(torch_engine, prompts, tokens, n)()
         finally:
-            TorchEngine.share_prefill = True
+            TorchEngine.share_prefill = False
 
     calls = {"vllm": _engine_call(vllm, prompts, tokens, n),
              "torch_engine": _engine_call(torch_engine, prompts, tokens, n),
-             "torch_engine_per_row_prefill": per_row_prefill,
+             "torch_engine_shared_prefill": shared_prefill,
              "hf_generate": _hf_call(hf, prompts, tokens, n, pad_id, eos_id)}
     for call in calls.values():  # warm-up
         call()
@@ -159,7 +159,7 @@ def main() -> dict:
         "torch_engine_vs_hf_generate": round(med["torch_engine"] / med["hf_generate"], 3),
         "torch_engine_vs_vllm": round(med["torch_engine"] / med["vllm"], 3),
         "vllm_vs_hf_generate": round(med["vllm"] / med["hf_generate"], 3),
-        "shared_prefill_vs_per_row": round(med["torch_engine"] / med["torch_engine_per_row_prefill"], 3),
+        "shared_prefill_vs_per_row": round(med["torch_engine_shared_prefill"] / med["torch_engine"], 3),
         "vllm_int8_vs_vllm": round(int8_rate / med["vllm"], 3),
         "sync_s": {k: round(v, 4) for k, v in sync.items()},
         "int8_rebuild_vs_requantize": round(sync["vllm_int8_rebuild_s"] / sync["vllm_int8_requantize_s"], 1),

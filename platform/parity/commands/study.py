@@ -162,6 +162,9 @@ def main(argv: list[str]) -> dict:
                  "host": prev.get("host", _host()), "command": prev.get("command", "python -m parity study " +
                                                                          " ".join(shlex.quote(x) for x in argv))}
         return {"command": "study", "out": str(out), "runs": len(runs), "figures": write_outputs(study, out)}
+    from parity.study.runs import check_finished_matches
+    for s in specs:  # before anything runs: a finished run of other steps is an error, not a silent read-back
+        check_finished_matches(s, Path(a.outputs_dir) / "runs" / s.name)
     concurrency = a.concurrency or (1 if a.quick else preset.concurrency)
     threads = a.threads or preset.threads_per_run
     t0 = time.time()

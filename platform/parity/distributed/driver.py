@@ -133,10 +133,4 @@ def ray_runner(cfg: Any, base_dir: str, run: Any) -> Iterator[Sides]:
         summary["distributed"]["worker_restarts"] = pool.restarts_total
 
 
-def train_distributed(cfg: Any, callbacks: list | None = None) -> dict:
-    """The RL loop with the Ray runner (what `python -m parity train distributed.enabled=true` runs)."""
-    from parity.training.loop import train
-    return train(cfg, callbacks, runner=ray_runner)
-
-
-__all__ = ["train_distributed", "ray_runner", "start_actors", "TrainerGroup"]
+__all__ = ["ray_runner", "start_actors", "TrainerGroup"]

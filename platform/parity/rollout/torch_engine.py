@@ -38,7 +38,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class TorchEngine:
     name = "torch"
     fast_decode = True  # CUDA only: self.cuda_decoder (static KV cache, CUDA graphs); False = plain loop
-    share_prefill = True  # plain loop: one prompt forward per distinct prompt, not per row (False: per row)
+    # plain loop, True: one prompt forward per distinct prompt, copied to its rows. Off: equal only up to rounding (the
+    # products of g rows and of g x n rows take different kernels), so a batch would no longer be bit-identical
+    # across shardings of its prompts over rollout workers, which the Ray runner's tests and resume rely on
+    share_prefill = False
 
     def __init__(self, model_dir: str | Path, precision: Any = None, device: str = "cpu",
                  dtype: torch.dtype = torch.bfloat16, pad_token_id: int | None = None,

@@ -97,11 +97,26 @@ def _failed(spec: RunSpec, error: str, log: Path | None = None) -> dict:
             "overrides": list(spec.overrides), "error": error, "log": str(log) if log else None}
 
 
+def check_finished_matches(spec: RunSpec, run_dir: Path) -> None:
+    """A finished run is read back only if it ran the steps this study asks for (another stage or --steps
+    writes the same run names): otherwise an error, and the finished run is left as it is."""
+    summary = run_dir / "summary.json"
+    want = [o.split("=", 1)[1] for o in spec.overrides if o.startswith("trainer.total_steps=")]
+    if not summary.is_file() or not want:
+        return
+    ran = json.loads(summary.read_text()).get("steps")
+    if ran is not None and int(ran) != int(want[-1]):
+        from parity.errors import ParityError
+        raise ParityError(f"run {run_dir} finished with {ran} steps, this study asks for {want[-1]} "
+                          "(trainer.total_steps): pass --tag NAME to keep both, or --outputs-dir elsewhere")
+
+
 def run_one(spec: RunSpec, outputs_dir: str, env: dict, log_dir: Path, in_process: bool = False) -> dict:
     """Train one run (unless its folder already holds a finished one) and read it back. `in_process`: in this
     process (one import of torch for all runs: the form for runs one at a time), else as a subprocess."""
     run_dir = Path(outputs_dir) / "runs" / spec.name
     t0 = time.time()
+    check_finished_matches(spec, run_dir)
     if not (run_dir / "summary.json").is_file():
         if run_dir.exists():  # a run that died half-way: start it again from scratch
             import shutil

@@ -75,6 +75,13 @@ def default_runner(cfg: Any) -> Callable:
     return local_runner
 
 
+def train_distributed(cfg: Any, callbacks: list[Callback] | None = None) -> dict:
+    """The RL loop with the Ray runner whatever distributed.enabled says (what `python -m parity train
+    distributed.enabled=true` runs)."""
+    from parity.distributed.driver import ray_runner
+    return train(cfg, callbacks, runner=ray_runner)
+
+
 def rl_loop(cfg: Any, data: Data, rollout: RolloutSide, learner: LearnerSide, heldout: HeldOut,
             run: RunFolder) -> CollapseAlarm:
     tc, overlap = cfg.trainer, bool(cfg.distributed.off_policy_overlap)
@@ -167,4 +174,4 @@ def encode_prompts(tok: Any, template: str, problems: list, max_prompt: int) -> 
     return out, cut
 
 
-__all__ = ["train", "rl_loop", "Callback", "MetricsLog", "RunFolder", "run_dir_of", "safe_run_name", "encode_prompts"]
+__all__ = ["train", "train_distributed", "rl_loop", "Callback", "MetricsLog", "RunFolder", "run_dir_of", "safe_run_name", "encode_prompts"]
