@@ -120,8 +120,9 @@ LAPTOP = Preset(
             arm("bf16", objective="reinforce_raw"), *_dose((0.2, 0.4), 0.4, "reinforce_raw")),
     # the arms stage: 20 steps (the search's held-out gap between bf16 and sigma 0.2 under GRPO was open by step
     # 20; raw-reward REINFORCE did not learn on this model even unperturbed), the reference, the uncorrected
-    # mismatch and score centering, 3 seeds
-    arms=(arm("bf16"), arm(sigma_source(0.2)), arm(sigma_source(0.2), "score_centering")),
+    # mismatch, score centering and TIS, 3 seeds
+    arms=(arm("bf16"), arm(sigma_source(0.2)), arm(sigma_source(0.2), "score_centering"),
+          arm(sigma_source(0.2), "tis")),
     arms_steps=20,
     note="2 CPU cores, <= 15 minutes for the arms stage: the reference, the failure and the rescue",
 )
