@@ -89,16 +89,16 @@ def test_prompt_too_long_is_a_clear_error(random_model):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_shared_prefill_gives_the_per_row_prefill_batch(random_model, dtype, monkeypatch):
+def test_shared_prefill_gives_the_per_row_prefill_batch(random_model, dtype):
     """One prompt forward per distinct prompt, its cache copied to the prompt's rollout.n rows: the batch of a
     prompt forward per row up to rounding (the matrix products of 3 rows and of 12 may take different kernels;
     prompts of different lengths, top-K on, EOS inside the budget)."""
     d, tok, _ = random_model
     eng = TorchEngine(d, dtype=dtype)
     spec = SamplingSpec(temperature=1.0, max_new_tokens=12, n=4, topk_logprobs=8, seed=11)
-    monkeypatch.setattr(TorchEngine, "share_prefill", True)
+    eng.share_prefill = True  # rollout.shared_prefill
     shared = eng.generate(_prompts(tok), spec)
-    monkeypatch.setattr(TorchEngine, "share_prefill", False)
+    eng.share_prefill = False  # the default
     per_row = eng.generate(_prompts(tok), spec)
     for f in ("responses", "response_mask", "truncated"):
         assert torch.equal(getattr(shared, f), getattr(per_row, f)), f
@@ -107,3 +107,12 @@ def test_shared_prefill_gives_the_per_row_prefill_batch(random_model, dtype, mon
         err = float((getattr(shared, f) - getattr(per_row, f)).abs().max())
         print(f"{dtype} {f}: max |shared - per row| = {err:.2e}")
         assert err <= tol, (f, err)
+
+
+def test_rollout_shared_prefill_key_reaches_the_torch_engine(random_model, quick_cfg):
+    """`rollout.shared_prefill` (off by default) is the engine's option, set by build_engine."""
+    from parity.rollout import build_engine
+
+    d, _, _ = random_model
+    assert build_engine(quick_cfg(), d).share_prefill is False
+    assert build_engine(quick_cfg("rollout.shared_prefill=true"), d).share_prefill is True

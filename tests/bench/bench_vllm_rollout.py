@@ -7,7 +7,7 @@ Hydra overrides). The default batch is one step of the default experiment: the f
 stream x 8 responses, at most 16 new tokens, temperature 1, on the default prepared model in the compute dtype
 `model.dtype=auto` picks. Engines take turns within every round (the order reversed every other round, so a
 drift of the host does not favour one); the torch engine also runs with one prompt forward per distinct prompt instead of
-per row (`TorchEngine.share_prefill=True`, off by default), the A/B of that option. The busy-host guard (tests/bench/host_load.py):
+per row (`rollout.shared_prefill=true`, off by default), the A/B of that option. The busy-host guard (tests/bench/host_load.py):
 a call that saw more than BENCH_MAX_FOREIGN cores of CPU load outside this process is repeated, up to
 BENCH_ATTEMPTS times, the least contended attempt kept; each engine's median round and the load are reported.
 Prints one JSON line."""
@@ -89,7 +89,6 @@ def main() -> dict:
     from parity.data.prompts import build_train_stream
     from parity.models.prepare import prepare_model
     from parity.rollout import build_engine, compute_dtype
-    from parity.rollout.torch_engine import TorchEngine
     from parity.training.loop import encode_prompts
 
     env = os.environ.get
@@ -114,11 +113,11 @@ def main() -> dict:
     torch_engine = build_engine(load_config([*base, "rollout.name=torch"]), model_dir)
 
     def shared_prefill() -> int:  # the engine's option (off by default: batches bit-identical across shardings)
-        TorchEngine.share_prefill = True
+        torch_engine.share_prefill = True
         try:
             return _engine_call(torch_engine, prompts, tokens, n)()
         finally:
-            TorchEngine.share_prefill = False
+            torch_engine.share_prefill = False
 
     calls = {"vllm": _engine_call(vllm, prompts, tokens, n),
              "torch_engine": _engine_call(torch_engine, prompts, tokens, n),

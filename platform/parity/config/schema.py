@@ -155,6 +155,11 @@ class RolloutConfig:
     dtype: str = "bfloat16"
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     capture_routing: bool = False  # MoE: record routed experts for R3
+    # torch engine, plain (CPU) loop: one prompt forward per distinct prompt, copied to its rollout.n rows
+    # (1.46x the rollout's tokens/s at the default step on 2 CPU cores, docs/CPU_PERFORMANCE.md). Equal to a
+    # forward per row only up to rounding, so a batch then depends on how its prompts are sharded over Ray
+    # rollout workers: off by default, where every runner and sharding gives the same batch bit for bit
+    shared_prefill: bool = False
     max_model_len: int = 256
     gpu_memory_utilization: float = 0.3
     seed: int = 0

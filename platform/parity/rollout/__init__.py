@@ -57,7 +57,8 @@ def build_engine(cfg: Any, model_dir: str | Path, precision: Any = None, referen
     if cfg.rollout.name == "torch":
         from parity.rollout.torch_engine import TorchEngine
         engine: Engine = TorchEngine(model_dir, precision=precision, device=str(device),
-                                     dtype=compute_dtype(cfg, device), capture_routing=bool(cfg.rollout.capture_routing))
+                                     dtype=compute_dtype(cfg, device), capture_routing=bool(cfg.rollout.capture_routing),
+                                     share_prefill=bool(cfg.rollout.shared_prefill))
     elif cfg.rollout.name == "vllm":
         from parity.rollout.vllm_engine import VllmEngine  # lazy: vLLM is optional for the numerical core
         engine = VllmEngine(cfg, model_dir, precision=precision)

@@ -38,15 +38,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class TorchEngine:
     name = "torch"
     fast_decode = True  # CUDA only: self.cuda_decoder (static KV cache, CUDA graphs); False = plain loop
-    # plain loop, True: one prompt forward per distinct prompt, copied to its rows. Off: equal only up to rounding (the
-    # products of g rows and of g x n rows take different kernels), so a batch would no longer be bit-identical
-    # across shardings of its prompts over rollout workers, which the Ray runner's tests and resume rely on
-    share_prefill = False
-
     def __init__(self, model_dir: str | Path, precision: Any = None, device: str = "cpu",
                  dtype: torch.dtype = torch.bfloat16, pad_token_id: int | None = None,
-                 eos_token_id: int | None = None, capture_routing: bool = False) -> None:
+                 eos_token_id: int | None = None, capture_routing: bool = False, share_prefill: bool = False) -> None:
         self.device = torch.device(device)
+        # plain loop: one prompt forward per distinct prompt, copied to its rows (rollout.shared_prefill). Equal to a
+        # forward per row only up to rounding (the products of g rows and of g x n rows may take different kernels)
+        self.share_prefill = share_prefill
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(self.device).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
