@@ -14,6 +14,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,9 +65,26 @@ def run_deployment(api_url: str, name: str, overrides: list[str], timeout_s: flo
 
 
 def flow_run_logs(api_url: str, flow_run_id: str) -> list[str]:
-    logs = api(f"{api_url}/logs/filter", "POST",
-               {"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "sort": "TIMESTAMP_ASC", "limit": 200})
-    return [row["message"] for row in logs]
+    """Every log line of a flow run, oldest first (the API answers 200 at most a call: paged)."""
+    out: list[str] = []
+    while True:
+        page = api(f"{api_url}/logs/filter", "POST", {"logs": {"flow_run_id": {"any_": [flow_run_id]}},
+                                                       "sort": "TIMESTAMP_ASC", "limit": 200, "offset": len(out)})
+        out += [row["message"] for row in page]
+        if len(page) < 200:
+            return out
+
+
+def flow_run_line(api_url: str, flow_run_id: str, pattern: str, timeout_s: float = 60.0) -> tuple[list[str], Any]:
+    """(the flow run's log lines, the first match of `pattern` in them), polling until the line has arrived: the
+    workers ship logs to the server in batches, so the last lines of a finished run may land a little later."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        logs = flow_run_logs(api_url, flow_run_id)
+        match = next((m for line in logs if (m := re.search(pattern, line))), None)
+        if match is not None or time.monotonic() > deadline:
+            return logs, match
+        time.sleep(1.0)
 
 
 @pytest.fixture(scope="session")
@@ -104,8 +122,7 @@ def sweep_store(prefect_services, prepared_model: Path) -> dict:
     seconds = time.monotonic() - t0
     children = api(f"{api_url}/flow_runs/filter", "POST",
                    {"flow_runs": {"parent_flow_run_id": {"any_": [fr["id"]]}}, "sort": "START_TIME_ASC"})
-    logs = flow_run_logs(api_url, fr["id"])
-    link = next((m for line in logs if (m := re.search(r"Compare them side by side: (\S+)", line))), None)
+    logs, link = flow_run_line(api_url, fr["id"], r"Compare them side by side: (\S+)")
     return {"flow_run": fr, "children": children, "logs": logs, "compare_url": link[1] if link else None,
             "sweep": re.search(r"[?&]sweep=([^&]+)", link[1])[1] if link else None, "seconds": seconds,
             "outputs_dir": str(out), "tracking_uri": f"sqlite:///{out}/mlflow.db",
