@@ -129,13 +129,13 @@ def test_sweep_pages_render_in_chromium(sweep_store, tmp_path):
     env = {**os.environ, "PARITY_TRACKING_URI": sweep_store["tracking_uri"],
            "PARITY_REGISTRY_URL": sweep_store["registry_url"], "PARITY_OUTPUTS": sweep_store["outputs_dir"],
            "OMP_NUM_THREADS": "1"}
+    # the link the sweep flow printed, on this test's port (read before the server starts: nothing to leave behind)
+    link = urlsplit(sweep_store["compare_url"])
+    compare_url = urlunsplit(link._replace(netloc=f"127.0.0.1:{port}"))
     app = subprocess.Popen([str(REPO / ".venv" / "bin" / "streamlit"), "run", str(REPO / "dashboards" / "app.py"),
                             "--server.address", "127.0.0.1", "--server.port", str(port), "--server.headless", "true",
                             "--browser.gatherUsageStats", "false"], env=env, cwd=REPO,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    # the link the sweep flow printed, on this test's port
-    link = urlsplit(sweep_store["compare_url"])
-    compare_url = urlunsplit(link._replace(netloc=f"127.0.0.1:{port}"))
     profile = tmp_path / "chromium-profile"
     chrome = None
     shots, seen = {}, {}
