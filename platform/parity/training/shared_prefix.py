@@ -22,15 +22,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from transformers.models.qwen3.modeling_qwen3 import rotate_half  # the model's own rope helper
 
 from parity.rollout.layout import positions, prefill_mask
 
 SUPPORTED = ("qwen3", "qwen3_moe")
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 def _qkv(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
@@ -40,7 +36,7 @@ def _qkv(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.
     q = attn.q_norm(attn.q_proj(x).view(B, T, -1, head_dim)).transpose(1, 2)
     k = attn.k_norm(attn.k_proj(x).view(B, T, -1, head_dim)).transpose(1, 2)
     v = attn.v_proj(x).view(B, T, -1, head_dim).transpose(1, 2)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
 
 
 def _finish(layer: torch.nn.Module, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
