@@ -116,7 +116,6 @@ def run_one(spec: RunSpec, outputs_dir: str, env: dict, log_dir: Path, in_proces
     process (one import of torch for all runs: the form for runs one at a time), else as a subprocess."""
     run_dir = Path(outputs_dir) / "runs" / spec.name
     t0 = time.time()
-    check_finished_matches(spec, run_dir)
     if not (run_dir / "summary.json").is_file():
         if run_dir.exists():  # a run that died half-way: start it again from scratch
             import shutil
