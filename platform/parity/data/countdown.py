@@ -145,30 +145,51 @@ def _is_test(numbers: list[int], target: int) -> bool:
     return int(hashlib.sha1(key.encode()).hexdigest()[:8], 16) % TEST_BUCKETS == 0
 
 
-def _check_cfg(cfg: Any) -> tuple[int, int, list[str]]:
+@dataclass(frozen=True)
+class Rules:
+    """data.countdown as plain values, checked once: the generator reads them thousands of times a batch, and a
+    config object's attribute access costs more than the arithmetic."""
+    seed: int
+    min_numbers: int
+    max_numbers: int
+    ops: tuple[str, ...]
+    min_target: int
+    max_target: int
+    max_number: int
+    max_value: int
+    max_attempts: int
+
+
+def rules(cfg: Any) -> Rules:
+    """`cfg` (data.countdown, a config or any object with its keys) checked and as plain values."""
+    if isinstance(cfg, Rules):
+        return cfg
     lo, hi = int(cfg.min_numbers), int(cfg.max_numbers)
     if not 2 <= lo <= hi <= 6:
         raise DataError(f"config keys `data.countdown.min_numbers/max_numbers`: need 2 <= min <= max <= 6, got {lo}, {hi}")
-    ops = [str(o) for o in cfg.ops]
+    ops = tuple(str(o) for o in cfg.ops)
     bad = [o for o in ops if o not in OPS]
     if bad or not ops:
-        raise DataError(f"config key `data.countdown.ops`: unknown operation(s) {bad or ops}; known: {' '.join(OPS)}")
+        raise DataError(f"config key `data.countdown.ops`: unknown operation(s) {bad or list(ops)}; known: {' '.join(OPS)}")
     if not 1 <= int(cfg.min_target) <= int(cfg.max_target):
         raise DataError("config keys `data.countdown.min_target/max_target`: need 1 <= min_target <= max_target, got "
                         f"{cfg.min_target}, {cfg.max_target}")
     if int(cfg.max_number) < 1:
         raise DataError(f"config key `data.countdown.max_number`: must be >= 1, got {cfg.max_number}")
-    return lo, hi, ops
+    return Rules(seed=int(cfg.seed), min_numbers=lo, max_numbers=hi, ops=ops, min_target=int(cfg.min_target),
+                 max_target=int(cfg.max_target), max_number=int(cfg.max_number), max_value=int(cfg.max_value),
+                 max_attempts=int(cfg.max_attempts))
 
 
 def draw_problem(rng: random.Random, cfg: Any) -> tuple[list[int], int]:
     """Numbers of a random level and the value of a random combination of them as the target (so a solution
     exists), redrawn until the target lies in [min_target, max_target]."""
-    lo, hi, ops = _check_cfg(cfg)
+    r = rules(cfg)
+    ops = list(r.ops)
     for _ in range(10_000):
-        numbers = [rng.randint(1, int(cfg.max_number)) for _ in range(rng.randint(lo, hi))]
-        _, final = random_path(rng, numbers, ops, int(cfg.max_value))
-        if int(cfg.min_target) <= final.value <= int(cfg.max_target):
+        numbers = [rng.randint(1, r.max_number) for _ in range(rng.randint(r.min_numbers, r.max_numbers))]
+        _, final = random_path(rng, numbers, ops, r.max_value)
+        if r.min_target <= final.value <= r.max_target:
             return numbers, final.value
     raise DataError("data.countdown: no target in [min_target, max_target] after 10,000 draws; widen the range")
 
@@ -186,6 +207,7 @@ def countdown_problems(split: str, n: int, cfg: Any, seed_offset: int = 0) -> li
     """`n` distinct problems of `split` ('train' or 'test'), deterministic in (cfg.seed, seed_offset)."""
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    cfg = rules(cfg)
     rng = random.Random(f"countdown:{cfg.seed}:{split}:{seed_offset}")
     out: list[Problem] = []
     seen: set[str] = set()
@@ -211,8 +233,7 @@ class CountdownStream:
     """Endless deterministic stream of train problems; its position is part of the checkpoint."""
 
     def __init__(self, cfg: Any, seed: int = 0) -> None:
-        _check_cfg(cfg)
-        self.cfg, self.seed, self.position = cfg, seed, 0
+        self.cfg, self.seed, self.position = rules(cfg), seed, 0
 
     def take(self, n: int) -> list[Problem]:
         out = []
@@ -233,4 +254,5 @@ class CountdownStream:
 
 def countdown_demonstration(p: Problem, cfg: Any, rng: random.Random) -> Trace:
     numbers, target = decode_answer(p.answer)
-    return teacher_trace(rng, numbers, target, [str(o) for o in cfg.ops], int(cfg.max_value), int(cfg.max_attempts))
+    r = rules(cfg)
+    return teacher_trace(rng, numbers, target, list(r.ops), r.max_value, r.max_attempts)

@@ -11,12 +11,13 @@ A synthetic task owns its generator's config section (`data.<name>`) and is dete
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass
 from typing import Any
 
 from parity.data.arithmetic import ArithmeticStream, Problem, arithmetic_problems, teacher_answer
-from parity.data.countdown import CountdownStream, countdown_demonstration, countdown_problems
+from parity.data.countdown import CountdownStream, Rules, countdown_demonstration, countdown_problems, rules
 from parity.errors import DataError
 
 SYNTHETIC = ("arithmetic", "countdown")
@@ -31,6 +32,10 @@ class SyntheticTask:
     cfg: Any  # data.<name>
     teacher: Any = None  # model.warm_start (teacher_error / teacher_error_rate of arithmetic)
 
+    @functools.cached_property
+    def _rules(self) -> Rules:  # data.countdown as plain values (read for every demonstration)
+        return rules(self.cfg)
+
     def stream(self, seed: int = 0) -> ArithmeticStream | CountdownStream:
         return (CountdownStream if self.name == "countdown" else ArithmeticStream)(self.cfg, seed=seed)
 
@@ -41,7 +46,7 @@ class SyntheticTask:
     def demonstration(self, p: Problem, rng: random.Random) -> str:
         """The teacher's response to `p` (without EOS): what the warm start imitates."""
         if self.name == "countdown":
-            return countdown_demonstration(p, self.cfg, rng).text
+            return countdown_demonstration(p, self._rules, rng).text
         kind = "none" if self.teacher is None else str(self.teacher.teacher_error)
         rate = 0.0 if self.teacher is None else float(self.teacher.teacher_error_rate)
         return f"\\boxed{{{teacher_answer(p.answer, kind, rate, rng)}}}"
