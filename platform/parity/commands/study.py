@@ -130,11 +130,12 @@ def main(argv: list[str]) -> dict:
     seeds = [int(s) for s in a.seeds.split(",")] if a.seeds else list(preset.seeds)
     stage_steps = preset.arms_steps if a.stage == "arms" and preset.arms_steps else preset.steps
     steps = a.steps or (2 if a.quick else stage_steps)
-    eval_every = a.eval_every or (1 if a.quick else preset.eval_every)
+    stage_eval = preset.arms_eval_every if a.stage == "arms" and preset.arms_eval_every else preset.eval_every
+    eval_every = a.eval_every or (1 if a.quick else stage_eval)
     if a.quick and not a.seeds:
         seeds = seeds[:1]
-    base = [f"experiment={preset.experiment}", *preset.base, f"trainer.total_steps={steps}",
-            f"trainer.eval_every={eval_every}"]
+    base = [f"experiment={preset.experiment}", *preset.base, *(preset.arms_extra if a.stage == "arms" else ()),
+            f"trainer.total_steps={steps}", f"trainer.eval_every={eval_every}"]
     if a.quick:
         quick = list(preset.quick or QUICK)
         swap = [q for q in quick if q.startswith("experiment=")]  # a quick variant of its own (cluster: the seed's)
