@@ -105,3 +105,18 @@ def test_a_finished_run_of_other_steps_is_refused_not_read_back(tmp_path) -> Non
     assert json.loads((run / "summary.json").read_text()) == {"steps": 40}
     check_finished_matches(RunSpec(run.name, spec.arm, 0, ("trainer.total_steps=40",)), run)  # the same: read back
     check_finished_matches(spec, tmp_path / "runs" / "not-run-yet")
+
+
+def test_objective_swaps_every_arm_and_keeps_the_selection() -> None:
+    from parity.commands.study import _parser, select_arms
+    from parity.study.presets import LAPTOP
+
+    a = _parser().parse_args(["--preset", "laptop", "--objective", "reinforce_raw"])
+    arms = select_arms(a, LAPTOP)
+    assert [x.name for x in arms] == [x.name.replace("/ grpo", "/ reinforce_raw") for x in LAPTOP.arms]
+    assert all("algorithm.adv_estimator=raw" in x.overrides() for x in arms)
+    assert select_arms(_parser().parse_args(["--preset", "laptop"]), LAPTOP) == list(LAPTOP.arms)
+    # search: the grpo and reinforce_raw forms of one source become one arm
+    a = _parser().parse_args(["--preset", "laptop", "--stage", "search", "--objective", "reinforce_raw",
+                              "--arms", "bf16 /"])
+    assert [x.name for x in select_arms(a, LAPTOP)] == ["bf16 / none / reinforce_raw"]

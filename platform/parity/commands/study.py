@@ -22,16 +22,18 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 EXAMPLES = [
     "python -m parity study --preset laptop --quick",
     "python -m parity study --preset laptop --stage search",
+    "python -m parity study --preset laptop --objective reinforce_raw",
     "python -m parity study --preset gpu --outputs-dir /tmp/po",
 ]
 
 
 def _parser() -> argparse.ArgumentParser:
-    from parity.study.presets import PRESETS
+    from parity.study.presets import OBJECTIVES, PRESETS
 
     p = argparse.ArgumentParser(prog="python -m parity study", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -41,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
                         "headline setting (default)")
     p.add_argument("--quick", action="store_true", help="2 steps, 1 seed, tiny batches (the smoke form)")
     p.add_argument("--out", default=None, help="folder of study.json, study.md and the figures "
-                                               "(default <outputs>/study/<preset>-<stage>[-quick])")
+                                               "(default <outputs>/study/<preset>-<stage>[-<objective>][-quick])")
     p.add_argument("--outputs-dir", default=os.environ.get("PARITY_OUTPUTS", "outputs"))
     p.add_argument("--seeds", default=None, help="comma-separated seeds (default: the preset's)")
     p.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the preset's)")
@@ -49,6 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=None, help="runs at a time (default: the preset's)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per run (default: the preset's)")
     p.add_argument("--arms", default="", help="only arms whose name contains one of these comma-separated words")
+    p.add_argument("--objective", default=None, choices=sorted(OBJECTIVES),
+                   help="every arm with this objective instead of its own (reinforce_raw: REINFORCE on the raw "
+                        "0/1 reward, no baseline)")
     p.add_argument("--extra", default="", help="more Hydra overrides for every run, space-separated")
     p.add_argument("--tag", default="", help="a word in every run name (studies that differ only in --extra)")
     p.add_argument("--figures-only", action="store_true", help="rewrite study.md and the figures from study.json")
@@ -111,22 +116,35 @@ def write_outputs(study: dict, out: Path) -> list[str]:
         return []
 
 
+def select_arms(a: argparse.Namespace, preset: Any) -> list:
+    """The stage's arms, with --objective swapped in (arms that become the same are kept once), then those whose
+    name contains one of the --arms words."""
+    import dataclasses
+
+    arms = list(preset.search if a.stage == "search" else preset.arms)
+    if a.objective:
+        swapped = [dataclasses.replace(x, objective=a.objective) for x in arms]
+        arms = list({x.name: x for x in swapped}.values())
+    if a.arms:
+        words = [w.strip() for w in a.arms.split(",") if w.strip()]
+        arms = [x for x in arms if any(w in x.name for w in words)]
+        if not arms:
+            raise ValueError(f"--arms {a.arms!r}: no arm of preset {a.preset} ({a.stage}) matches")
+    return arms
+
+
 def main(argv: list[str]) -> dict:
     from parity.study.presets import PRESETS, QUICK
     from parity.study.runs import RunSpec, prepare_model, run_all
 
     a = _parser().parse_args(argv)
     preset = PRESETS[a.preset]
-    out = Path(a.out or Path(a.outputs_dir) / "study" / f"{a.preset}-{a.stage}{'-quick' if a.quick else ''}")
+    tail = f"{'-' + a.objective if a.objective else ''}{'-quick' if a.quick else ''}"
+    out = Path(a.out or Path(a.outputs_dir) / "study" / f"{a.preset}-{a.stage}{tail}")
     if a.figures_only:
         study = json.loads((out / "study.json").read_text())
         return {"command": "study", "out": str(out), "figures": write_outputs(study, out)}
-    arms = list(preset.search if a.stage == "search" else preset.arms)
-    if a.arms:
-        words = [w.strip() for w in a.arms.split(",") if w.strip()]
-        arms = [x for x in arms if any(w in x.name for w in words)]
-        if not arms:
-            raise ValueError(f"--arms {a.arms!r}: no arm of preset {a.preset} ({a.stage}) matches")
+    arms = select_arms(a, preset)
     seeds = [int(s) for s in a.seeds.split(",")] if a.seeds else list(preset.seeds)
     stage_steps = preset.arms_steps if a.stage == "arms" and preset.arms_steps else preset.steps
     steps = a.steps or (2 if a.quick else stage_steps)
