@@ -55,17 +55,17 @@ def test_laptop_quick_study_end_to_end(tmp_path) -> None:
     study = json.loads((out / "study.json").read_text())
     assert study["preset"] == "laptop" and study["quick"] and study["steps"] == 2 and study["seeds"] == [0]
     runs = {r["arm"]: r for r in study["runs"]}
-    assert set(runs) == {"bf16 / none / grpo", "sigma=0.2 / none / grpo"}
+    assert set(runs) == {"bf16 / none / reinforce_raw", "sigma=0.2 / none / reinforce_raw"}
     for r in runs.values():
         assert r["steps"] == 2 and len(r["curves"]["reward/mean"]) == 2
         assert r["collapse_step"] is None and r["heldout_final"] is not None
         assert "rollout.precision.perturbation.sigma=0.2" in r["overrides"] or r["arm"].startswith("bf16")
     # the dial makes the sampler differ (the barely warm-started quick model is near-uniform: small |p - q|)
-    dialled, exact = runs["sigma=0.2 / none / grpo"], runs["bf16 / none / grpo"]
+    dialled, exact = runs["sigma=0.2 / none / reinforce_raw"], runs["bf16 / none / reinforce_raw"]
     assert dialled["mismatch_mean"] > 100 * exact["mismatch_mean"]
-    assert len(runs["sigma=0.2 / none / grpo"]["curves"]["drift/delta_cosine"]) == 2
+    assert len(runs["sigma=0.2 / none / reinforce_raw"]["curves"]["drift/delta_cosine"]) == 2
     assert {a["arm"] for a in study["arms"]} == set(runs)
-    assert "| sigma=0.2 / none / grpo | 1 | 2 |" in (out / "study.md").read_text()
+    assert "| sigma=0.2 / none / reinforce_raw | 1 | 2 |" in (out / "study.md").read_text()
     for name in ("reward_curves.png", "drift_curves.png", "final_accuracy.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # a second call reads the finished runs back instead of training them again
@@ -111,10 +111,11 @@ def test_objective_swaps_every_arm_and_keeps_the_selection() -> None:
     from parity.commands.study import _parser, select_arms
     from parity.study.presets import LAPTOP
 
-    a = _parser().parse_args(["--preset", "laptop", "--objective", "reinforce_raw"])
+    assert all(x.objective == "reinforce_raw" for x in LAPTOP.arms)
+    a = _parser().parse_args(["--preset", "laptop", "--objective", "grpo"])
     arms = select_arms(a, LAPTOP)
-    assert [x.name for x in arms] == [x.name.replace("/ grpo", "/ reinforce_raw") for x in LAPTOP.arms]
-    assert all("algorithm.adv_estimator=raw" in x.overrides() for x in arms)
+    assert [x.name for x in arms] == [x.name.replace("/ reinforce_raw", "/ grpo") for x in LAPTOP.arms]
+    assert all("algorithm.adv_estimator=grpo" in x.overrides() for x in arms)
     assert select_arms(_parser().parse_args(["--preset", "laptop"]), LAPTOP) == list(LAPTOP.arms)
     # search: the grpo and reinforce_raw forms of one source become one arm
     a = _parser().parse_args(["--preset", "laptop", "--stage", "search", "--objective", "reinforce_raw",

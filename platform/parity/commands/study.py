@@ -27,7 +27,7 @@ from typing import Any
 EXAMPLES = [
     "python -m parity study --preset laptop --quick",
     "python -m parity study --preset laptop --stage search",
-    "python -m parity study --preset laptop --objective reinforce_raw",
+    "python -m parity study --preset laptop --objective grpo",
     "python -m parity study --preset gpu --outputs-dir /tmp/po",
 ]
 
