@@ -23,16 +23,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
+from transformers.models.qwen3.modeling_qwen3 import rotate_half  # the model's own rope helper
 
 from parity.rollout.base import SamplingSpec
 from parity.rollout.cuda_decode import CudaDecoder
 from parity.rollout.layout import Responses, key_slots, layout_batch, positions, prefill_mask
 from parity.types import RolloutBatch
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 class TorchEngine:
@@ -88,8 +84,8 @@ class TorchEngine:
         q = attn.q_norm(attn.q_proj(x).view(B, T, -1, self.head_dim)).transpose(1, 2)
         k = attn.k_norm(attn.k_proj(x).view(B, T, -1, self.head_dim)).transpose(1, 2)
         v = attn.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
         if self.kv_codec is not None:  # the cache holds what the low-precision format can represent
             k, v = self.kv_codec.roundtrip(k), self.kv_codec.roundtrip(v)
         ck, cv = cache

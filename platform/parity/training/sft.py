@@ -41,6 +41,15 @@ def _batches(tok: Any, task: SyntheticTask, template: str, ws: Any, stop: thread
              out: queue.Queue) -> None:
     """The warm start's batches in order (the task's stream and the teacher's draws), encoded: run in a thread
     ahead of the training steps, so the teacher's Python overlaps the device's work."""
+    def put(item: Any) -> bool:  # False once the training loop has stopped
+        while not stop.is_set():
+            try:
+                out.put(item, timeout=0.5)
+                return True
+            except queue.Full:
+                continue
+        return False
+
     try:
         stream = task.stream(seed=10_000 + ws.seed)
         teacher_rng = random.Random(f"teacher:{ws.seed}")
@@ -50,18 +59,10 @@ def _batches(tok: Any, task: SyntheticTask, template: str, ws: Any, stop: thread
             ids, am, lm = _encode_batch(tok, problems, template, targets)
             # the loss rows (next-token positions of target tokens) as flat indices, found here on the host:
             # the same rows in the same order as indexing by the mask, without the device sync that costs
-            rows = lm[:, 1:].reshape(-1).nonzero().squeeze(1)
-            batch = (ids, am, rows)
-            while not stop.is_set():
-                try:
-                    out.put(batch, timeout=0.5)
-                    break
-                except queue.Full:
-                    continue
-            if stop.is_set():
+            if not put((ids, am, lm[:, 1:].reshape(-1).nonzero().squeeze(1))):
                 return
     except BaseException as e:  # handed to the training loop, which raises it
-        out.put(e)
+        put(e)
 
 
 def warm_start(model: torch.nn.Module, tok: Any, task: SyntheticTask, template: str, ws: Any, dtype: torch.dtype,
