@@ -98,7 +98,7 @@ def test_shared_prefill_gives_the_per_row_prefill_batch(random_model, dtype):
     spec = SamplingSpec(temperature=1.0, max_new_tokens=12, n=4, topk_logprobs=8, seed=11)
     eng.share_prefill = True  # rollout.shared_prefill
     shared = eng.generate(_prompts(tok), spec)
-    eng.share_prefill = False  # the default
+    eng.share_prefill = False
     per_row = eng.generate(_prompts(tok), spec)
     for f in ("responses", "response_mask", "truncated"):
         assert torch.equal(getattr(shared, f), getattr(per_row, f)), f
@@ -110,9 +110,11 @@ def test_shared_prefill_gives_the_per_row_prefill_batch(random_model, dtype):
 
 
 def test_rollout_shared_prefill_key_reaches_the_torch_engine(random_model, quick_cfg):
-    """`rollout.shared_prefill` (off by default) is the engine's option, set by build_engine."""
+    """`rollout.shared_prefill` (on by default) and `rollout.cpu_lanes` are the engine's options, set by build_engine."""
     from parity.rollout import build_engine
 
     d, _, _ = random_model
-    assert build_engine(quick_cfg(), d).share_prefill is False
-    assert build_engine(quick_cfg("rollout.shared_prefill=true"), d).share_prefill is True
+    assert build_engine(quick_cfg(), d).share_prefill is True
+    assert build_engine(quick_cfg("rollout.shared_prefill=false"), d).share_prefill is False
+    assert build_engine(quick_cfg(), d).cpu_lanes == 2
+    assert build_engine(quick_cfg("rollout.cpu_lanes=1"), d).cpu_lanes == 1

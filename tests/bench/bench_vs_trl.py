@@ -7,8 +7,11 @@
 
 What runs, per token budget (16 new tokens, parity's default, and 64, as in TRL's examples), each in a process
 of its own: the floor (a plain forward + backward + AdamW step of the same model on batches of the same shapes,
-[128, prompt width + tokens], the whole batch in one forward, in the compute dtype), then parity, TRL, parity
-(interleaved, so a drift of the host shows as a difference between the two parity runs). Settings: 16 prompts x 8
+[128, prompt width + tokens], the whole batch in one forward, in the compute dtype), then parity, TRL, parity, TRL again, parity
+(interleaved, so a drift of the host shows as a difference between the parity runs). The first TRL run has the
+environment parity's CLI sets (OMP_WAIT_POLICY=PASSIVE), the second the one a TRL script gets by default (no
+OMP_WAIT_POLICY: libgomp's threads spin a while before they sleep, faster on an idle host, slower on a busy one);
+`trl_fastest_over_parity` takes the faster of the two. Settings: 16 prompts x 8
 responses a step, lr 5e-5, temperature 1, 30 steps, the median of steps 4-30 (a step is the wall time from one
 step's end to the next's, as a user waits for it); the compute dtype is what parity's `model.dtype=auto` picks on
 this CPU (bfloat16 where the CPU has native bf16, float32 where bf16 would be emulated), on both sides.
@@ -21,8 +24,8 @@ kept and every attempt's load is reported. TRL lives in its own virtual environm
 datasets, math-verify), built with uv on first use; nothing of TRL enters the project's environment.
 
 Prints one JSON line: per budget the per-phase medians (rollout, grading, train, weight sync for parity; generate,
-reward, other preparation, train for TRL), the step medians, the floor, the ratios TRL / parity and parity's
-train phase / floor, and the load each run saw."""
+reward, other preparation, train for TRL), the step medians, the floor, the ratios TRL / parity (each TRL
+environment, and the faster) and parity's train phase / floor, and the load each run saw."""
 
 from __future__ import annotations
 
@@ -49,9 +52,14 @@ PROMPTS, N_RESP, LR = 16, 8, 5e-5
 FIRST_TIMED = 4  # steps 1-3 warm up (allocator, thread pools, first-call paths)
 
 
-def _env() -> dict[str, str]:
+def _env(omp_defaults: bool = False) -> dict[str, str]:
+    """The workers' environment: OMP_WAIT_POLICY=PASSIVE, as `python -m parity` sets it, or (omp_defaults) without
+    it, as a TRL script runs by default (libgomp's threads then spin a while before they sleep)."""
     env = dict(os.environ)
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if omp_defaults:
+        env.pop("OMP_WAIT_POLICY", None)
+    else:
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "platform"), env.get("PYTHONPATH", "")) if p)
     return env
@@ -172,11 +180,11 @@ def worker_parity(a: argparse.Namespace) -> dict:
 
 # ---------------------------------------------------------------------------------------------- orchestration
 
-def _run(cmd: list[str], out: Path, steps: int, label: str) -> dict:
+def _run(cmd: list[str], out: Path, steps: int, label: str, omp_defaults: bool = False) -> dict:
     out.unlink(missing_ok=True)
     with LoadMonitor() as mon:
         t0 = time.time()
-        proc = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True)
+        proc = subprocess.run(cmd, env=_env(omp_defaults), cwd=ROOT, capture_output=True, text=True)
         wall = time.time() - t0
     if proc.returncode != 0 or not out.is_file():
         raise RuntimeError(f"{label} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
@@ -192,10 +200,11 @@ def _run(cmd: list[str], out: Path, steps: int, label: str) -> dict:
     return res
 
 
-def _guarded(cmd_of: Callable[[int], list[str]], out: Path, a: argparse.Namespace, label: str, log: list) -> dict:
+def _guarded(cmd_of: Callable[[int], list[str]], out: Path, a: argparse.Namespace, label: str, log: list,
+             omp_defaults: bool = False) -> dict:
     best = None
     for attempt in range(1, a.attempts + 1):
-        res = _run(cmd_of(attempt), out, a.steps, label)
+        res = _run(cmd_of(attempt), out, a.steps, label, omp_defaults)
         res["attempt"] = attempt
         log.append({"run": label, "attempt": attempt, **res["load"], "median_step_s": _med(res["timed"], "step_s")})
         print(f"[bench_vs_trl] {label} attempt {attempt}: median step {log[-1]['median_step_s']:.3f} s, "
@@ -228,12 +237,17 @@ def _side_by_side(a: argparse.Namespace, tokens: int, model_overrides: list[str]
                                    "--out", str(work / "parity.json"), *ov, *extra], work / "parity.json", a,
                         f"parity_{tag}", log)
 
+    def trl_run(label: str, omp_defaults: bool) -> dict:
+        return _guarded(lambda i: [str(trl_py), str(HERE / "trl_grpo_worker.py"), "--model", floor["model_dir"],
+                                   "--prompts", str(prompts), "--tokens", str(tokens), "--steps", str(a.steps),
+                                   "--dtype", floor["dtype"], "--workdir", str(work / f"trl_{tokens}"),
+                                   "--out", str(work / "trl.json")], work / "trl.json", a, label, log, omp_defaults)
+
     parity_runs.append(parity("a"))
-    trl = _guarded(lambda i: [str(trl_py), str(HERE / "trl_grpo_worker.py"), "--model", floor["model_dir"],
-                              "--prompts", str(prompts), "--tokens", str(tokens), "--steps", str(a.steps),
-                              "--dtype", floor["dtype"], "--workdir", str(work / f"trl_{tokens}"),
-                              "--out", str(work / "trl.json")], work / "trl.json", a, "trl", log)
+    trl = trl_run("trl", omp_defaults=False)  # the environment parity's CLI runs in
     parity_runs.append(parity("b"))
+    trl_gomp = trl_run("trl_omp_defaults", omp_defaults=True)  # as a TRL script runs by default
+    parity_runs.append(parity("c"))
     variants = {}
     for j, v in enumerate(a.variant):  # parity with other settings, e.g. an optimisation turned off (A/B)
         r = parity(f"variant{j}", v.split())
@@ -246,18 +260,22 @@ def _side_by_side(a: argparse.Namespace, tokens: int, model_overrides: list[str]
     parity_out = {k: round(_med(p_steps, k), 4) for k in ("step_s", "rollout_s", "grade_s", "train_s", "sync_s",
                                                           "other_s")}
     parity_out["per_run_step_s"] = [round(_med(r["timed"], "step_s"), 4) for r in parity_runs]
-    trl_out = {k: round(_med(trl["timed"], k), 4) for k in ("step_s", "rollout_s", "grade_s", "prepare_other_s",
-                                                            "train_s")}
+    trl_keys = ("step_s", "rollout_s", "grade_s", "prepare_other_s", "train_s")
+    trl_out = {k: round(_med(trl["timed"], k), 4) for k in trl_keys}
+    trl_gomp_out = {k: round(_med(trl_gomp["timed"], k), 4) for k in trl_keys}
+    t_best = min(t_step, trl_gomp_out["step_s"])
     return {
         "tokens": tokens, "dtype": floor["dtype"],
-        "parity": parity_out, "trl": trl_out, "floor_step_s": round(f_step, 4),
+        "parity": parity_out, "trl": trl_out, "trl_omp_defaults": trl_gomp_out, "floor_step_s": round(f_step, 4),
         "trl_over_parity": round(t_step / p_step, 2),
+        "trl_omp_defaults_over_parity": round(trl_gomp_out["step_s"] / p_step, 2),
+        "trl_fastest_over_parity": round(t_best / p_step, 2),
         "parity_train_over_floor": round(p_train / f_step, 2),
         "trl_train_over_floor": round(trl_out["train_s"] / f_step, 2),
         "threads": {"parity": parity_runs[0]["threads"], "trl": trl["threads"], "floor": floor["threads"]},
         "startup_s": {"parity": parity_runs[0]["startup_s"], "trl": trl["startup_s"]},
         "parity_variants": variants,
-        "contended": any(r["contended"] for r in (floor, trl, *parity_runs)),
+        "contended": any(r["contended"] for r in (floor, trl, trl_gomp, *parity_runs)),
         "runs": log,
     }
 

@@ -156,10 +156,14 @@ class RolloutConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     capture_routing: bool = False  # MoE: record routed experts for R3
     # torch engine, plain (CPU) loop: one prompt forward per distinct prompt, copied to its rollout.n rows
-    # (1.46x the rollout's tokens/s at the default step on 2 CPU cores, docs/CPU_PERFORMANCE.md). Equal to a
-    # forward per row only up to rounding, so a batch then depends on how its prompts are sharded over Ray
-    # rollout workers: off by default, where every runner and sharding gives the same batch bit for bit
-    shared_prefill: bool = False
+    # (docs/CPU_PERFORMANCE.md). The same batch bit for bit as a prompt forward per row, on one thread and however the
+    # prompts are sharded (lanes, Ray rollout workers), in fp32 and bf16 on an AVX2 AMD EPYC and an AVX512/AMX Xeon
+    # (tests/test_foundation_engine.py); on several OpenMP threads per call the products may round differently
+    shared_prefill: bool = True
+    # torch engine, plain (CPU) loop: the prompts sharded over this many threads of cores / lanes OpenMP threads each
+    # (parity.cpu_lanes; no more lanes than the process has threads); the batch is one call's on one thread, bit for
+    # bit. 1 = one call on all the process's threads
+    cpu_lanes: int = 2
     max_model_len: int = 256
     gpu_memory_utilization: float = 0.3
     seed: int = 0
@@ -307,6 +311,11 @@ class TrainerConfig:
     # matters where the step is host-bound (figures: docs/PERFORMANCE.md, "Settings for long GPU runs").
     # Recorded for the first batch shape; shapes that change from step to step run without graphs (dynamic shapes)
     compile_mode: str = "default"
+    # CPU trainer: each micro-batch's rows split at prompt-group boundaries over this many threads (parity.cpu_lanes),
+    # each lane's forward and backward on its own, the gradients summed in lane order. Part of the arithmetic (the
+    # sums' rounding), so a fixed number, not the machine's cores; 1 = off. Not with gradient_checkpointing,
+    # compile_layers, MoE routing replay or the data-parallel trainer
+    cpu_lanes: int = 2
 
 
 @dataclass

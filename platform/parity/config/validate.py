@@ -23,6 +23,7 @@ def validate_config(cfg: DictConfig) -> None:
     _check(t.prompts_per_step >= 1, "trainer.prompts_per_step", f"must be >= 1, got {t.prompts_per_step}")
     _check(t.micro_batch_size >= 1, "trainer.micro_batch_size", f"must be >= 1, got {t.micro_batch_size}")
     _check(t.mini_batches >= 1, "trainer.mini_batches", f"must be >= 1, got {t.mini_batches}")
+    _check(t.cpu_lanes >= 1, "trainer.cpu_lanes", f"must be >= 1 (1 = off), got {t.cpu_lanes}")
     _check(t.grad_clip > 0, "trainer.grad_clip", f"must be > 0, got {t.grad_clip}")
     _check(t.max_bad_steps >= 1, "trainer.max_bad_steps", f"must be >= 1, got {t.max_bad_steps}")
     _check(t.compile_mode in ("default", "reduce-overhead"), "trainer.compile_mode",
@@ -41,6 +42,7 @@ def validate_config(cfg: DictConfig) -> None:
     _check(r.temperature > 0, "rollout.temperature", f"must be > 0, got {r.temperature}")
     _check(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
     _check(r.n >= 1, "rollout.n", f"must be >= 1, got {r.n}")
+    _check(r.cpu_lanes >= 1, "rollout.cpu_lanes", f"must be >= 1 (1 = off), got {r.cpu_lanes}")
     _check(r.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {r.max_new_tokens}")
     _check(r.topk_logprobs >= 0, "rollout.topk_logprobs", f"must be >= 0, got {r.topk_logprobs}")
     vocab = cfg.model.tiny.vocab_size

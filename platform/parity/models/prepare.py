@@ -129,7 +129,7 @@ def prepare_tokenizer(cfg: Any) -> Any:
 def _build_tiny(cfg: Any, target: Path) -> dict:
     from parity.models.tiny import build_tiny_model, count_params
     from parity.rewards.grader import GraderPool
-    from parity.rollout import compute_dtype, resolve_device
+    from parity.rollout import compute_dtype, engine_lanes, resolve_device
     from parity.rollout.torch_engine import TorchEngine
     from parity.training.heldout import eval_settings, heldout_accuracy
     from parity.training.sft import warm_start
@@ -148,7 +148,7 @@ def _build_tiny(cfg: Any, target: Path) -> dict:
     problems = task.test_problems(int(ws.eval_problems))  # a task that cannot give them fails before the warm start
     losses = warm_start(model, tok, task, cfg.data.prompt_template, ws, dtype, device)
     model.save_pretrained(str(tmp), safe_serialization=True)
-    engine = TorchEngine(tmp, device=str(device), dtype=dtype)
+    engine = TorchEngine(tmp, device=str(device), dtype=dtype, cpu_lanes=engine_lanes(cfg))
     with GraderPool(workers=cfg.eval.grade_workers, timeout_s=cfg.eval.grade_timeout_s) as grader:
         acc = heldout_accuracy(engine, tok, problems, cfg.data.prompt_template, grader, cfg.rollout.max_new_tokens,
                                **eval_settings(cfg))

@@ -47,6 +47,12 @@ def rollout_precision(cfg: Any) -> Any:
     return resolve_precision(cfg)
 
 
+def engine_lanes(cfg: Any) -> int:
+    """rollout.cpu_lanes, checked (parity.cpu_lanes)."""
+    from parity.cpu_lanes import check_lanes
+    return check_lanes(cfg.rollout.cpu_lanes, "rollout.cpu_lanes")
+
+
 def build_engine(cfg: Any, model_dir: str | Path, precision: Any = None, reference_dir: str | Path | None = None,
                  syncs: int = 0) -> Engine:
     """The configured rollout engine on the weights in `model_dir`. With `rollout.precision.perturbation.sigma`
@@ -58,7 +64,8 @@ def build_engine(cfg: Any, model_dir: str | Path, precision: Any = None, referen
         from parity.rollout.torch_engine import TorchEngine
         engine: Engine = TorchEngine(model_dir, precision=precision, device=str(device),
                                      dtype=compute_dtype(cfg, device), capture_routing=bool(cfg.rollout.capture_routing),
-                                     share_prefill=bool(cfg.rollout.shared_prefill))
+                                     share_prefill=bool(cfg.rollout.shared_prefill),
+                                     cpu_lanes=engine_lanes(cfg))
     elif cfg.rollout.name == "vllm":
         from parity.rollout.vllm_engine import VllmEngine  # lazy: vLLM is optional for the numerical core
         engine = VllmEngine(cfg, model_dir, precision=precision)

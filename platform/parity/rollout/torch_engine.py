@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 from transformers.models.qwen3.modeling_qwen3 import rotate_half  # the model's own rope helper
 
+from parity.cpu_lanes import in_lane, run_in_lanes
 from parity.rollout.base import SamplingSpec
 from parity.rollout.cuda_decode import CudaDecoder
 from parity.rollout.layout import Responses, key_slots, layout_batch, positions, prefill_mask
@@ -33,13 +34,18 @@ from parity.types import RolloutBatch
 
 class TorchEngine:
     name = "torch"
+    PREFILL_CHUNK = 4  # shared prefill: distinct prompts per prompt forward (a fixed shape; see _prefill)
     fast_decode = True  # CUDA only: self.cuda_decoder (static KV cache, CUDA graphs); False = plain loop
     def __init__(self, model_dir: str | Path, precision: Any = None, device: str = "cpu",
                  dtype: torch.dtype = torch.bfloat16, pad_token_id: int | None = None,
-                 eos_token_id: int | None = None, capture_routing: bool = False, share_prefill: bool = False) -> None:
+                 eos_token_id: int | None = None, capture_routing: bool = False, share_prefill: bool = True,
+                 cpu_lanes: int = 1) -> None:
         self.device = torch.device(device)
-        # plain loop: one prompt forward per distinct prompt, copied to its rows (rollout.shared_prefill). Equal to a
-        # forward per row only up to rounding (the products of g rows and of g x n rows may take different kernels)
+        # plain loop on the CPU: the prompts sharded over this many threads (parity.cpu_lanes), as over Ray rollout
+        # workers; the batch equals one call's on one thread bit for bit
+        self.cpu_lanes = int(cpu_lanes)
+        # plain loop: one prompt forward per distinct prompt, copied to its rows (rollout.shared_prefill, on by
+        # default; see _prefill)
         self.share_prefill = share_prefill
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(self.device).eval()
         for p in self.model.parameters():
@@ -130,10 +136,13 @@ class TorchEngine:
 
     def _prefill(self, lay: Any, prompts: torch.Tensor, pmask: torch.Tensor, caches: list) -> torch.Tensor:
         """The prompt forward, writing slots 0..P-1 of every row's cache; logits [B, V] of the last prompt token.
-        The rollout.n rows of a prompt share it: with `share_prefill` each distinct prompt runs once and its
-        cache slots and logits are copied to its rows. The same numbers as a forward per row up to rounding: the
-        matrix products of g and of g x n rows may take different kernels (bit-identical in the default step, 16
-        and 128 rows, on an AVX2 CPU, fp32 and bf16; tests/test_foundation_engine.py)."""
+        The rollout.n rows of a prompt share it: with `share_prefill` each distinct prompt runs once, in forwards of
+        PREFILL_CHUNK prompts (a fixed shape, so a prompt's numbers do not depend on how many others share the call: a
+        batch is the same however its prompts are sharded over lanes or rollout workers; with one forward of all the
+        distinct prompts a long prompt's log-probs moved by 1e-7 between a call of 2 prompts and of 1), and its
+        cache slots and logits are copied to its rows. Up to rounding the numbers of a forward per row (a product of P rows and one of n x P may take
+        different kernels): bit for bit on the default step's short prompts, within 1e-5 elsewhere
+        (tests/test_foundation_engine.py, tests/test_cpu_lanes.py)."""
         src = torch.tensor([i for i, _ in lay.rows], device=prompts.device)
         n_distinct = len(lay.prompt_ids)
         if not self.share_prefill or n_distinct == lay.size or self.recorder is not None:
@@ -143,8 +152,22 @@ class TorchEngine:
         P, (_, n_kv, _, D) = prompts.shape[1], caches[0][0].shape
         small = [(torch.empty(n_distinct, n_kv, P, D, dtype=k.dtype, device=k.device),
                   torch.empty(n_distinct, n_kv, P, D, dtype=v.dtype, device=v.device)) for k, v in caches]
-        pm = pmask[first]
-        logits = self.forward(prompts[first], positions(pm), small, 0, prefill_mask(pm)[:, None])
+        # the distinct prompts in forwards of PREFILL_CHUNK prompts each (the last one filled up with copies of its
+        # last prompt): every forward has the same shape whichever prompts share the call
+        C = self.PREFILL_CHUNK
+        order = first.tolist()
+        logits_parts = []
+        for c in range(0, n_distinct, C):
+            idx = order[c:c + C]
+            n_real = len(idx)
+            idx = idx + [idx[-1]] * (C - n_real)
+            pm = pmask[idx]
+            part = [(torch.empty(C, n_kv, P, D, dtype=sk.dtype, device=sk.device),
+                     torch.empty(C, n_kv, P, D, dtype=sv.dtype, device=sv.device)) for sk, sv in small]
+            logits_parts.append(self.forward(prompts[idx], positions(pm), part, 0, prefill_mask(pm)[:, None])[:n_real])
+            for (sk, sv), (pk, pv) in zip(small, part):
+                sk[c:c + n_real], sv[c:c + n_real] = pk[:n_real], pv[:n_real]
+        logits = torch.cat(logits_parts)
         for (ck, cv), (sk, sv) in zip(caches, small):
             ck[:, :, :P] = sk.index_select(0, src)
             cv[:, :, :P] = sv.index_select(0, src)
@@ -156,7 +179,27 @@ class TorchEngine:
         # ---- dispatch to the CUDA fast path (same inputs and RolloutBatch; see cuda_decode's docstring) ----
         if self.fast_decode and self.device.type == "cuda" and self.cuda_decoder.supports():
             return self.cuda_decoder.generate(prompt_token_ids, spec, prompt_ids)
-        # ---- the plain loop ----
+        lanes = min(self.cpu_lanes, torch.get_num_threads(), len(prompt_token_ids))
+        if self.device.type == "cpu" and lanes > 1 and self.recorder is None and not in_lane():
+            return self._generate_in_lanes(prompt_token_ids, spec, prompt_ids, lanes)
+        return self._generate_plain(prompt_token_ids, spec, prompt_ids)
+
+    def _generate_in_lanes(self, prompt_token_ids: list[list[int]], spec: SamplingSpec, prompt_ids: list[int] | None,
+                           lanes: int) -> RolloutBatch:
+        """The prompts in contiguous shards, one lane each, every shard left-padded to the call's longest prompt, the
+        shards' batches concatenated (each row's randomness is its own: the rows are those of one call)."""
+        from parity.distributed.sharding import global_spec, merge_batches, shard_prompts  # pure: no Ray
+
+        ids = list(range(len(prompt_token_ids))) if prompt_ids is None else list(prompt_ids)
+        shared = global_spec(spec, prompt_token_ids)
+        shards = shard_prompts(len(prompt_token_ids), lanes)
+        parts = run_in_lanes(lambda sh: (sh.start, self._generate_plain(prompt_token_ids[sh.start:sh.stop], shared,
+                                                                        ids[sh.start:sh.stop])), shards)
+        return merge_batches(parts, self.pad_id)
+
+    @torch.no_grad()  # also in a lane's thread (grad mode is per thread)
+    def _generate_plain(self, prompt_token_ids: list[list[int]], spec: SamplingSpec,
+                        prompt_ids: list[int] | None) -> RolloutBatch:
         dev, R = self.device, spec.max_new_tokens
         lay = layout_batch(prompt_token_ids, spec, prompt_ids, self.pad_id, self.model.config.max_position_embeddings)
         B, P = lay.prompts.shape

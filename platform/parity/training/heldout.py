@@ -55,7 +55,7 @@ class HeldOut:
 
     def __init__(self, cfg: Any, tok: Any, grader: Any, start_dir: str) -> None:
         from parity.data.tasks import heldout_problems
-        from parity.rollout import compute_dtype, resolve_device, rollout_precision
+        from parity.rollout import compute_dtype, engine_lanes, resolve_device, rollout_precision
 
         self.tok, self.grader, self.template = tok, grader, cfg.data.prompt_template
         self.max_new_tokens = int(cfg.rollout.max_new_tokens)
@@ -65,7 +65,8 @@ class HeldOut:
         if cfg.trainer.eval_unquantized and cfg.trainer.eval_every and changes_numerics(rollout_precision(cfg)):
             from parity.rollout.torch_engine import TorchEngine
             device = resolve_device(cfg.trainer.device)
-            self.plain = TorchEngine(start_dir, device=str(device), dtype=compute_dtype(cfg, device))
+            self.plain = TorchEngine(start_dir, device=str(device), dtype=compute_dtype(cfg, device),
+                                     cpu_lanes=engine_lanes(cfg))
 
     def accuracy(self, engine: Engine) -> float:
         return heldout_accuracy(engine, self.tok, self.problems, self.template, self.grader, self.max_new_tokens,

@@ -111,6 +111,9 @@ class ShardedTrainer(Trainer):
         super().__init__(model, cfg, device)  # AdamW over the sharded parameters
         self._batch: RolloutBatch | None = None
 
+    def _lanes_mode(self) -> int:
+        return 1  # the policy runs inside the FSDP root's forward, whose hooks gather and reduce the weights
+
     # ---- the policy runs inside the FSDP root's forward ----
 
     def policy_forward(self, mb: RolloutBatch, head: Callable[[torch.Tensor, torch.Tensor], Any]) -> Any:

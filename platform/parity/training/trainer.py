@@ -75,6 +75,8 @@ class Trainer:
         self.bad_steps = 0  # consecutive non-finite steps
         self.skipped_steps = 0
         self.shared_prefix = self._shared_prefix_mode()
+        self.lanes = self._lanes_mode()
+        self._lane_graphs: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # forwards whose backward is pending
         if self.tcfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         if self.tcfg.compile_layers:
@@ -112,6 +114,14 @@ class Trainer:
             return False
         return mode in ("on", "true") or self.device.type == "cpu"
 
+    def _lanes_mode(self) -> int:
+        """trainer.cpu_lanes on a CPU trainer whose forward is the trainer's own (parity.cpu_lanes); 1 elsewhere."""
+        from parity.cpu_lanes import check_lanes
+        n = check_lanes(getattr(self.tcfg, "cpu_lanes", 1), "trainer.cpu_lanes")
+        if self.device.type != "cpu" or self.tcfg.gradient_checkpointing or self.tcfg.compile_layers:
+            return 1
+        return n
+
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.compute_dtype == torch.float32:
             return contextlib.nullcontext()
@@ -119,7 +129,47 @@ class Trainer:
 
     def response_hidden(self, mb: RolloutBatch) -> torch.Tensor:
         """Final-norm hidden states at the positions that predict each response token: [b, R, H] (each prompt computed
-        once for its responses where trainer.shared_prefix is on, parity.training.shared_prefix)."""
+        once for its responses where trainer.shared_prefix is on, parity.training.shared_prefix). With CPU lanes the
+        rows run in lanes: under autograd the result is a leaf per lane, and `_lane_backward` (after the loss's
+        backward) carries each lane's gradient through its own forward."""
+        from parity.cpu_lanes import in_lane, run_in_lanes, split_rows
+        parts = split_rows(mb.group_ids, self.lanes) if self.lanes > 1 and mb.routed_experts is None else []
+        if len(parts) < 2 or in_lane():
+            return self._hidden(mb)
+        grad = torch.is_grad_enabled()  # grad mode and autocast are per thread: the lanes take the caller's
+
+        def lane(rows: slice) -> torch.Tensor:
+            with torch.set_grad_enabled(grad):
+                return self._hidden(mb.select(torch.arange(rows.start, rows.stop)))
+        hs = run_in_lanes(lane, parts)
+        if not grad:
+            return torch.cat(hs)
+        leaves = [h.detach().requires_grad_() for h in hs]
+        self._lane_graphs.append(list(zip(hs, leaves)))
+        return torch.cat(leaves)
+
+    def _lane_backward(self) -> None:
+        """The parameters' gradients of the lanes' forwards (from their leaves' gradients, which the loss's backward
+        filled), computed in the lanes and added to .grad in lane order (deterministic whatever lane ends first)."""
+        from parity.cpu_lanes import run_in_lanes
+        graphs, self._lane_graphs = self._lane_graphs, []
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for pairs in graphs:
+            def back(pair: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
+                h, leaf = pair
+                if leaf.grad is None:
+                    return (None,) * len(params)
+                return torch.autograd.grad(h, params, leaf.grad, allow_unused=True)
+            grads = run_in_lanes(back, pairs)
+            for i, p in enumerate(params):
+                total = None
+                for g in grads:
+                    if g[i] is not None:
+                        total = g[i] if total is None else total + g[i]
+                if total is not None:
+                    p.grad = total if p.grad is None else p.grad.add_(total)
+
+    def _hidden(self, mb: RolloutBatch) -> torch.Tensor:
         if self.shared_prefix and mb.routed_experts is None:
             with self._autocast():
                 h = shared_prefix_hidden(self.model, mb.prompts, mb.prompt_mask, mb.responses, mb.response_mask)
@@ -188,6 +238,7 @@ class Trainer:
 
     def step(self, batch: RolloutBatch) -> dict[str, float]:
         self.model.train()
+        self._lane_graphs = []  # (a step that raised may have left forwards behind)
         adv = compute_advantages(self.alg.adv_estimator, batch.rewards.float(), batch.group_ids,
                                  norm_by_std=self.alg.norm_adv_by_std)
         metrics = StepMetrics()
@@ -221,6 +272,7 @@ class Trainer:
                                                        h, w, mb, adv_mb, old_mb, self.temperature, denom, metrics,
                                                        rows=rows, ids_checked=ids_checked))
                         loss.backward()  # inside the replay block: checkpointed recomputation replays too
+                        self._lane_backward()
                     total += float(loss.detach())
                 total, gn = self._reduce_and_clip(total)
                 if not (torch.isfinite(gn) and torch.isfinite(torch.tensor(total))):
