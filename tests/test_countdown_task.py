@@ -136,3 +136,49 @@ def test_hostile_responses_are_graded_within_the_timeout_by_the_pool() -> None:
     # every item finished inside its 2 s budget (a timeout or a killed worker would be counted here)
     assert pool.stats.timeouts == 0 and pool.stats.restarts == 0 and pool.stats.crashes == 0
     assert len("\\boxed{" + "1+" * 200 + "1}") > MAX_CHARS
+
+
+def test_teacher_budget_drawn_between_min_and_max_attempts() -> None:
+    """data.countdown.min_attempts: the teacher's attempt budget is drawn per demonstration from [min, max], so it
+    gives up after as few as `min` misses (a model imitating it gives up early at a rate RL can lower); unset, the
+    budget is max_attempts and the traces are those the fixed teacher always wrote."""
+    from parity.data.countdown import rules
+    from parity.errors import DataError
+
+    problems = CountdownStream(cfg(max_attempts=16), seed=3).take(300)
+    def traces(c):  # one teacher generator over all problems, as the warm start draws them
+        rng = random.Random(7)
+        return [countdown_demonstration(p, c, rng) for p in problems]
+
+    fixed, unset = traces(cfg(max_attempts=16)), traces(cfg(max_attempts=16, min_attempts=None))
+    assert [t.text for t in fixed] == [t.text for t in unset]
+    drawn = traces(cfg(max_attempts=16, min_attempts=1))
+    given_up = [t.attempts for t in drawn if not t.solved]
+    assert min(given_up) < 4 and max(t.attempts for t in drawn) <= 16
+    assert all(t.attempts == 16 for t in fixed if not t.solved)  # the fixed teacher gives up at max_attempts only
+    # early give-ups lower the teacher's own accuracy: the headroom a learner can win back by searching longer
+    assert statistics.fmean(t.solved for t in drawn) < statistics.fmean(t.solved for t in fixed) - 0.1
+    with pytest.raises(DataError, match="data.countdown.min_attempts"):
+        rules(cfg(max_attempts=8, min_attempts=9))
+
+
+def test_warm_start_batches_are_a_function_of_seed_and_index() -> None:
+    """Batch k of the warm start is made from (seed, k) alone: made in a pool of processes (out of order) or in
+    this process, the same tensors."""
+    import multiprocessing
+
+    import torch
+
+    from parity.data.tasks import SyntheticTask
+    from parity.models.tokenizer import build_char_tokenizer
+    from parity.training import sft
+
+    tok, task = build_char_tokenizer(), SyntheticTask("countdown", cfg(max_attempts=4, min_attempts=1))
+    args = (tok, task, "{problem}\n", 3, 8)
+    here = [sft.warm_start_batch(k, *args) for k in (0, 1, 2, 5)]
+    with multiprocessing.get_context("spawn").Pool(2, initializer=sft._init_worker, initargs=args) as pool:
+        there = pool.map(sft._make_batch, [5, 2, 1, 0])[::-1]
+    for a, b in zip(here, there, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert not torch.equal(here[0][0][:, :5], here[1][0][:, :5]) or here[0][0].shape != here[1][0].shape
+    assert torch.equal(sft.warm_start_batch(1, *args)[0], here[1][0])

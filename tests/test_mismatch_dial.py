@@ -130,3 +130,28 @@ def test_a_short_perturbed_run_reports_the_dial_and_its_drift(quick_cfg) -> None
     assert all(r["train/collapsed"] == 0.0 for r in steps) and summary["collapse_step"] is None
     # a perturbed rollout is evaluated beside the same weights unperturbed
     assert "eval/accuracy_unquantized" in rows[0] and "final_accuracy_unquantized" in summary
+
+
+def test_delta_follows_the_run_seed_unless_fixed(tmp_path, quick_cfg) -> None:
+    """perturbation.seed unset: each trainer.seed draws its own Delta (a study's seeds are independent draws of the
+    bias, not one bias with several RL noises); set, every run shares it. The engine built from the config holds
+    theta_0 + that Delta."""
+    from parity.rollout import build_engine, rollout_precision
+
+    d = _model_dir(tmp_path)
+    ref = load_reference(d)
+    name = "model.layers.0.mlp.up_proj.weight"
+
+    def engine_delta(*extra: str) -> torch.Tensor:
+        cfg = _cfg(quick_cfg, 0.05, "fixed", *extra)
+        engine = build_engine(cfg, d, reference_dir=d)
+        return dict(engine.model.named_parameters())[name].detach().float() - ref[name]
+
+    assert rollout_precision(_cfg(quick_cfg, 0.05, "fixed", "trainer.seed=4")).perturbation.seed == 4
+    s1, s2 = engine_delta("trainer.seed=1"), engine_delta("trainer.seed=2")
+    assert torch.allclose(s1, Perturbation(ref, 0.05, "fixed", seed=1).delta(name, 0), atol=1e-6)
+    assert torch.allclose(s2, Perturbation(ref, 0.05, "fixed", seed=2).delta(name, 0), atol=1e-6)
+    assert (s1 - s2).abs().max() > 1e-3
+    pinned = [engine_delta(f"trainer.seed={s}", "rollout.precision.perturbation.seed=9") for s in (1, 2)]
+    assert torch.equal(pinned[0], pinned[1])
+    assert torch.allclose(pinned[0], Perturbation(ref, 0.05, "fixed", seed=9).delta(name, 0), atol=1e-6)

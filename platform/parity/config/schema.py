@@ -86,6 +86,9 @@ class CountdownConfig:
     max_target: int = 100
     max_value: int = 999  # intermediate results must stay in 1..max_value (integers; / only when exact)
     max_attempts: int = 8  # the warm-start teacher gives up after this many missed attempts (a wrong answer)
+    # null: the teacher always searches up to max_attempts; a number: its budget is drawn per demonstration uniformly
+    # from [min_attempts, max_attempts], so the warm-started model gives up early at some rate that RL can lower
+    min_attempts: int | None = None
     n_test: int = 256
     seed: int = 1234
 
@@ -129,7 +132,7 @@ class PerturbationConfig:
 
     sigma: float = 0.0  # 0 = off (bit-identical to no perturbation)
     mode: str = "fixed"  # fixed: one Delta for the whole run (from seed) | redraw: a new Delta at every sync
-    seed: int = 0
+    seed: int | None = None  # the draws' seed; null = the run's trainer.seed (each seed its own Delta)
 
 
 @dataclass

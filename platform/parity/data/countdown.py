@@ -158,6 +158,7 @@ class Rules:
     max_number: int
     max_value: int
     max_attempts: int
+    min_attempts: int  # = max_attempts unless the teacher's budget is drawn (data.countdown.min_attempts)
 
 
 def rules(cfg: Any) -> Rules:
@@ -176,9 +177,17 @@ def rules(cfg: Any) -> Rules:
                         f"{cfg.min_target}, {cfg.max_target}")
     if int(cfg.max_number) < 1:
         raise DataError(f"config key `data.countdown.max_number`: must be >= 1, got {cfg.max_number}")
+    most = int(cfg.max_attempts)
+    if most < 1:
+        raise DataError(f"config key `data.countdown.max_attempts`: must be >= 1, got {most}")
+    least = getattr(cfg, "min_attempts", None)
+    least = most if least is None else int(least)
+    if not 1 <= least <= most:
+        raise DataError(f"config key `data.countdown.min_attempts`: need 1 <= min_attempts <= max_attempts={most}, "
+                        f"got {least}")
     return Rules(seed=int(cfg.seed), min_numbers=lo, max_numbers=hi, ops=ops, min_target=int(cfg.min_target),
                  max_target=int(cfg.max_target), max_number=int(cfg.max_number), max_value=int(cfg.max_value),
-                 max_attempts=int(cfg.max_attempts))
+                 max_attempts=most, min_attempts=least)
 
 
 def draw_problem(rng: random.Random, cfg: Any) -> tuple[list[int], int]:
@@ -253,6 +262,10 @@ class CountdownStream:
 
 
 def countdown_demonstration(p: Problem, cfg: Any, rng: random.Random) -> Trace:
+    """The teacher's trace for `p`; with data.countdown.min_attempts set, its attempt budget is first drawn
+    uniformly from [min_attempts, max_attempts] (one draw of `rng`, only then: a fixed budget keeps the draws of
+    the traces it always wrote)."""
     numbers, target = decode_answer(p.answer)
     r = rules(cfg)
-    return teacher_trace(rng, numbers, target, list(r.ops), r.max_value, r.max_attempts)
+    budget = r.max_attempts if r.min_attempts == r.max_attempts else rng.randint(r.min_attempts, r.max_attempts)
+    return teacher_trace(rng, numbers, target, list(r.ops), r.max_value, budget)

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from parity.errors import ParityError
 
 log = logging.getLogger(__name__)
-PREPARE_VERSION = 1  # bump when the warm-start recipe changes, so caches are rebuilt
+PREPARE_VERSION = 2  # bump when the warm-start recipe changes, so caches are rebuilt
 
 
 def _task(cfg: Any) -> Any:
@@ -126,6 +126,16 @@ def prepare_tokenizer(cfg: Any) -> Any:
     return AutoTokenizer.from_pretrained(str(target))
 
 
+def _file_sha256(path: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def _build_tiny(cfg: Any, target: Path) -> dict:
     from parity.models.tiny import build_tiny_model, count_params
     from parity.rewards.grader import GraderPool
@@ -154,6 +164,8 @@ def _build_tiny(cfg: Any, target: Path) -> dict:
                                **eval_settings(cfg))
     engine.close()
     info = {"params": count_params(model), "vocab": len(tok), "task": task.name,
+            # whether two builds of one recipe (another machine, another job) made the same weights
+            "weights_sha256": _file_sha256(tmp / "model.safetensors"),
             "warm_start_steps": ws.steps, "final_sft_loss": losses[-1] if losses else None,
             "heldout_accuracy": acc, "heldout_problems": len(problems),
             "heldout_temperature": float(cfg.trainer.eval_temperature), "heldout_samples": int(cfg.trainer.eval_samples), "seconds": round(time.time() - t0, 1)}

@@ -135,8 +135,10 @@ def resolve_precision(cfg: Any) -> Any:
     extra: dict[str, Any] = {k: _get(own, k) for k in ("kv_hadamard",) if _get(own, k) is not None}
     p = _get(own, "perturbation")
     if p is not None:  # the mismatch dial (parity.precision.perturbation) travels with the formats it composes with
-        extra["perturbation"] = PerturbationConfig(**{k: _get(p, k, getattr(PerturbationConfig, k))
-                                                      for k in ("sigma", "mode", "seed")})
+        dial = {k: _get(p, k, getattr(PerturbationConfig, k)) for k in ("sigma", "mode", "seed")}
+        if dial["seed"] is None:  # unset: Delta follows the run's seed, so seeds draw independent biases
+            dial["seed"] = int(_get(_get(cfg, "trainer"), "seed", 0) or 0)
+        extra["perturbation"] = PerturbationConfig(**dial)
     return PrecisionConfig(weights=weights, activations=activations, kv_cache=kv, **extra)
 
 

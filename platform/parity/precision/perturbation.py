@@ -2,7 +2,8 @@
 
     Delta = sigma * eps * |theta_0|,   eps ~ N(0, 1) per weight,   theta_0 = the run's starting model
 
-(the score-centering paper's fixed-bias mismatch). `fixed`: one Delta for the whole run (drawn from `seed`),
+(the score-centering paper's fixed-bias mismatch). `fixed`: one Delta for the whole run (drawn from `seed`, by
+default the run's trainer.seed, so the seeds of a study draw independent biases),
 re-applied after every weight sync, so the sampler's bias points the same way step after step, like a
 quantization error does. `redraw`: a new Delta at every sync (draw k at sync k), the control that breaks the
 fixed-bias feedback loop. Every draw is a pure function of (seed, draw, parameter name, theta_0), so the
@@ -35,7 +36,13 @@ def _get(node: Any, key: str, default: Any) -> Any:
 def perturbation_of(precision: Any) -> tuple[float, str, int]:
     """(sigma, mode, seed) of a precision's `perturbation` section; ValueError naming the key if invalid."""
     p = _get(precision, "perturbation", None)
-    sigma, mode, seed = float(_get(p, "sigma", 0.0)), str(_get(p, "mode", "fixed")), int(_get(p, "seed", 0))
+    sigma, mode, seed = float(_get(p, "sigma", 0.0)), str(_get(p, "mode", "fixed")), _get(p, "seed", 0)
+    if seed is None:  # null follows trainer.seed, which parity.precision.config.resolve_precision fills in
+        if sigma > 0.0:
+            raise ValueError("config key `rollout.precision.perturbation.seed` is null (= trainer.seed) here: pass "
+                             "the precision resolved by parity.rollout.rollout_precision(cfg)")
+        seed = 0
+    seed = int(seed)
     if not sigma >= 0.0:
         raise ValueError(f"config key `rollout.precision.perturbation.sigma`: must be >= 0, got {sigma}")
     if mode not in MODES:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import os
 import queue
 import random
 import threading
@@ -37,10 +38,46 @@ def _encode_batch(tok: Any, problems: list, template: str, targets: list[str]
     return ids, am, lm
 
 
+def warm_start_batch(k: int, tok: Any, task: SyntheticTask, template: str, seed: int, batch_size: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Batch `k` of the warm start, a function of (seed, k) alone: its problems from the task's stream at position
+    k x 2 x batch_size (a test-split problem is skipped, so a batch reads up to twice its size of positions), the
+    teacher's draws from their own generator. So the batches can be made in any order, by any number of
+    processes, and the warm start is the same. Returns ids, attention mask and the loss rows (next-token positions
+    of target tokens) as flat indices, found here on the host: the same rows in the same order as indexing by the
+    mask, without the device sync that costs."""
+    stream = task.stream(seed=10_000 + seed)
+    stream.load_state_dict({"position": 2 * batch_size * k})
+    problems = stream.take(batch_size)
+    rng = random.Random(f"teacher:{seed}:{k}")
+    ids, am, lm = _encode_batch(tok, problems, template, [task.demonstration(p, rng) for p in problems])
+    return ids, am, lm[:, 1:].reshape(-1).nonzero().squeeze(1)
+
+
+_WORKER: dict = {}
+
+
+def _init_worker(tok: Any, task: SyntheticTask, template: str, seed: int, batch_size: int) -> None:
+    torch.set_num_threads(1)
+    _WORKER.update(args=(tok, task, template, seed, batch_size))
+
+
+def _make_batch(k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return warm_start_batch(k, *_WORKER["args"])
+
+
+def batch_workers() -> int:
+    """Processes that make the warm start's batches: none on a machine of 2 cores or fewer (the training steps
+    need them; a thread makes the batches), else up to 8, leaving two cores to the training loop."""
+    cpus = os.cpu_count() or 1
+    return 0 if cpus <= 2 else min(8, cpus - 2)
+
+
 def _batches(tok: Any, task: SyntheticTask, template: str, ws: Any, stop: threading.Event,
              out: queue.Queue) -> None:
-    """The warm start's batches in order (the task's stream and the teacher's draws), encoded: run in a thread
-    ahead of the training steps, so the teacher's Python overlaps the device's work."""
+    """The warm start's batches in order, put on `out` ahead of the training steps: made in this thread, or by a
+    pool of processes (batch_workers) when the machine has cores to spare, so the teacher's Python neither holds
+    the training loop's interpreter nor limits the steps' rate."""
     def put(item: Any) -> bool:  # False once the training loop has stopped
         while not stop.is_set():
             try:
@@ -50,23 +87,49 @@ def _batches(tok: Any, task: SyntheticTask, template: str, ws: Any, stop: thread
                 continue
         return False
 
+    args = (tok, task, template, int(ws.seed), int(ws.batch_size))
+    workers = batch_workers()
     try:
-        stream = task.stream(seed=10_000 + ws.seed)
-        teacher_rng = random.Random(f"teacher:{ws.seed}")
-        for _ in range(ws.steps):
-            problems = stream.take(ws.batch_size)
-            targets = [task.demonstration(p, teacher_rng) for p in problems]
-            ids, am, lm = _encode_batch(tok, problems, template, targets)
-            # the loss rows (next-token positions of target tokens) as flat indices, found here on the host:
-            # the same rows in the same order as indexing by the mask, without the device sync that costs
-            if not put((ids, am, lm[:, 1:].reshape(-1).nonzero().squeeze(1))):
-                return
+        if workers == 0:
+            for k in range(ws.steps):
+                if not put(warm_start_batch(k, *args)):
+                    return
+            return
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")  # the parent may hold CUDA and threads: no fork
+        with ctx.Pool(workers, initializer=_init_worker, initargs=args) as pool:
+            ahead = 4 * workers  # batches in flight: enough to keep every worker busy, bounded in memory
+            pending = [pool.apply_async(_make_batch, (k,)) for k in range(min(ahead, ws.steps))]
+            for k in range(ws.steps):
+                batch = pending[k].get()
+                pending[k] = None  # type: ignore[call-overload]
+                if k + ahead < ws.steps:
+                    pending.append(pool.apply_async(_make_batch, (k + ahead,)))
+                if not put(batch):
+                    pool.terminate()
+                    return
     except BaseException as e:  # handed to the training loop, which raises it
         put(e)
 
 
 def warm_start(model: torch.nn.Module, tok: Any, task: SyntheticTask, template: str, ws: Any, dtype: torch.dtype,
                device: torch.device) -> list[float]:
+    """Supervised steps on the teacher's demonstrations; on CUDA with deterministic kernels where torch has them
+    (cuBLAS's fixed workspace is asked for before its first use in the process), so that a recipe rebuilt by
+    another job on the same kind of machine gives the same weights (prepare.json records their hash)."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    if device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        return _warm_start(model, tok, task, template, ws, dtype, device)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+
+
+def _warm_start(model: torch.nn.Module, tok: Any, task: SyntheticTask, template: str, ws: Any, dtype: torch.dtype,
+                device: torch.device) -> list[float]:
     model.train().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=ws.weight_decay, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, ws.warmup_steps))
