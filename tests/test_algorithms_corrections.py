@@ -242,3 +242,86 @@ def test_score_centering_errors_at_run_time() -> None:
     with pytest.raises(ValueError, match="algorithm.policy_loss"):
         rl_objective(hidden, torch.zeros(3, 2), batch, adv, old, 1.0, stack, AlgorithmConfig(policy_loss="ppo_clip"),
                      loss_denominators(batch.response_mask), StepMetrics())
+
+
+def _grouped_batch(p_train: list[list[float]], p_inf: list[list[float]], adv: list[float], groups: list[int]):
+    batch, old, a = _dual_batch(p_train, p_inf, adv)
+    batch.group_ids = torch.tensor(groups, dtype=torch.long)
+    return batch, old, a
+
+
+def test_dual_centered_shift_is_the_group_standardised_gap_by_hand() -> None:
+    """A'_i = A_i - lambda z_i, z_i = (g_i - mean_group g) / (std_group g + 1e-6), g_i = the response's mean
+    |p_train - p_inf|: computed in float64 by hand. The shift sums to zero over each group (no push on the sampled
+    tokens on average), a response alone in its group is not shifted, and the logged ratio mean |shift| / mean |A|
+    is the one of the hand computation."""
+    cfg = CorrectionConfig(name="dual_centered")
+    cfg.dual_centered.c = 0.05
+    cfg.dual_centered.lambda0 = 0.5
+    stack = build_corrections(cfg)
+    pt = [[0.5, 0.9, NAN], [0.2, 0.6, 0.3], [0.8, NAN, NAN], [0.7, 0.7, NAN]]
+    pi = [[0.4, 0.95, NAN], [0.2, 0.3, 0.3], [0.5, NAN, NAN], [0.1, 0.7, NAN]]
+    adv = [1.0, -1.0, 0.5, 2.0]
+    groups = [0, 0, 0, 1]  # group 1 has one response: not centred
+    batch, old, a = _grouped_batch(pt, pi, adv, groups)
+    gaps = [(0.1 + 0.05) / 2, (0.0 + 0.3 + 0.0) / 3, 0.3 / 1, (0.6 + 0.0) / 2]
+    g0 = gaps[:3]
+    mu = sum(g0) / 3
+    sd = math.sqrt(sum((x - mu) ** 2 for x in g0) / 3)
+    z = [(x - mu) / (sd + 1e-6) for x in g0] + [0.0]
+    m = StepMetrics()
+    _objective(stack, batch, old, a, m)
+    got = m.compute()
+    lengths = [2, 3, 1, 2]
+    shifted = sum((adv[i] - 0.5 * z[i]) * lengths[i] for i in range(4)) / sum(lengths)
+    assert got["actor/advantage_mean"] == pytest.approx(shifted, rel=1e-5)
+    assert sum(z[:3]) == pytest.approx(0.0, abs=1e-9)  # over a group's responses the shifts sum to zero
+    shift_abs = sum(abs(0.5 * z[i]) * lengths[i] for i in range(4))
+    adv_abs = sum(abs(adv[i]) * lengths[i] for i in range(4))
+    assert got["correction/shift_over_adv"] == pytest.approx(shift_abs / adv_abs, rel=1e-5)
+    assert got["correction/adv_shift_mean"] == pytest.approx(0.5 * sum(z[i] * lengths[i] for i in range(4)) / 8,
+                                                               rel=1e-5)
+    # lambda <- clip(lambda + eta (D - c) / c, 0, lambda_max), D = mean over responses of g
+    out = stack.end_step()
+    D = sum(gaps) / 4
+    assert out["correction/dual_delta_mean"] == pytest.approx(D, rel=1e-6)
+    assert out["correction/lambda_next"] == pytest.approx(min(max(0.5 + (D - 0.05) / 0.05, 0.0), 2.0), rel=1e-6)
+
+
+def test_dual_centered_tolerance_is_a_quantile_of_the_first_steps_gaps() -> None:
+    """c unset: the `quantile` of the per-response gaps of the first `calibration_steps` steps (from a histogram of
+    log10 gaps: within its 0.02-decade bins of numpy's quantile), lambda held at lambda0 until then; then it moves
+    against that c, and a resumed correction carries c and lambda."""
+    import numpy as np
+
+    cfg = CorrectionConfig(name="dual_centered")
+    cfg.dual_centered.calibration_steps = 2
+    cfg.dual_centered.quantile = 0.5
+    stack = build_corrections(cfg)
+    dual = stack.corrections[0]
+    rng = np.random.default_rng(0)
+    seen = []
+    for _ in range(2):
+        p_inf = rng.uniform(0.2, 0.8, size=(16, 1))
+        p_train = p_inf + rng.choice([-1, 1], size=(16, 1)) * rng.uniform(1e-3, 0.1, size=(16, 1))
+        seen.extend(np.abs(p_train - p_inf).ravel().tolist())
+        batch, old, a = _grouped_batch(p_train.tolist(), p_inf.tolist(), [1.0] * 16, [k // 4 for k in range(16)])
+        _objective(stack, batch, old, a, StepMetrics())
+        stack.end_step()
+        assert dual.lam == pytest.approx(0.1)
+    assert dual.c == pytest.approx(float(np.quantile(seen, 0.5)), rel=0.05)
+    batch, old, a = _grouped_batch([[0.9]], [[0.4]], [1.0], [0])
+    _objective(stack, batch, old, a, StepMetrics())
+    out = stack.end_step()
+    assert out["correction/lambda_next"] == pytest.approx(min(0.1 + (0.5 - dual.c) / dual.c, 2.0), rel=1e-6)
+    again = build_corrections(cfg)
+    again.load_state_dict(stack.state_dict())
+    assert again.corrections[0].c == dual.c and again.corrections[0].lam == dual.lam
+
+
+def test_dual_centered_config_errors_name_the_key() -> None:
+    for key, value in (("quantile", 1.5), ("c", -1.0), ("calibration_steps", 0), ("lambda0", 5.0)):
+        cfg = CorrectionConfig(name="dual_centered")
+        setattr(cfg.dual_centered, key, value)
+        with pytest.raises(ValueError, match=f"algorithm.correction.dual_centered.{key}"):
+            build_corrections(cfg)

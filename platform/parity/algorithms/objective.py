@@ -56,6 +56,11 @@ def _check_inputs(hidden: torch.Tensor, batch: RolloutBatch, advantages: torch.T
         raise ValueError(f"old_logprobs must be [b, R] = {(b, r)}, got {tuple(old_logprobs.shape)}")
 
 
+def _shift_ratio(sums: dict[str, float]) -> float | None:
+    den = sums.get("correction/#adv_abs", 0.0)
+    return sums.get("correction/#shift_abs", 0.0) / den if den > 0 else None
+
+
 class Objective:
     """The objective of one configuration: `algorithm.policy_loss` and `algorithm.loss_agg_mode` looked up, the
     corrections checked against the policy loss and `algorithm.logprob_chunk_size` checked, once; each call is
@@ -95,15 +100,23 @@ class Objective:
         ctx = CorrectionContext(mask=mask, logprobs=logprobs, train_logprobs=train_lp,
                                 rollout_logprobs=batch.rollout_logprobs.float(),
                                 head_logprobs=flat[:, 1:] if with_head else None,
-                                head_rollout_logprobs=head_lq, head_valid=head_valid, rows=rows)
+                                head_rollout_logprobs=head_lq, head_valid=head_valid, rows=rows,
+                                group_ids=batch.group_ids)
 
         adv = torch.where(mask, advantages.float()[:, None], 0.0)
         weights = mask.float()
         keep = mask.clone()
+        shifted = False
         for c in corrections:
             shift = c.advantage_shift(ctx)
             if shift is not None:
-                adv = adv - torch.where(mask, shift.detach(), 0.0)
+                if not shifted:  # the size of the advantages the shifts act on, once
+                    metrics.add_sum("correction/#adv_abs", torch.where(mask, adv.abs(), 0.0).sum())
+                    shifted = True
+                shift = torch.where(mask, shift.detach(), 0.0)
+                metrics.add_masked_mean("correction/adv_shift_mean", shift, mask)
+                metrics.add_sum("correction/#shift_abs", shift.abs().sum())
+                adv = adv - shift
             w = c.weights(ctx)
             if w is not None:
                 weights = weights * w.detach()
@@ -119,6 +132,8 @@ class Objective:
         per_token = torch.where(keep, per_token, 0.0)
         loss = aggregate_loss(per_token, mask, self.aggregate, denom)
 
+        if shifted:  # how much of the advantage the corrections' shifts amount to: mean |shift| / mean |A|
+            metrics.add_derived("correction/shift_over_adv", _shift_ratio)
         record_mismatch(metrics, train_lp, batch.rollout_logprobs, mask, corrections.tolerance)
         metrics.add_masked_mean("correction/masked_frac", (~keep | (weights == 0)).float(), mask)
         metrics.add_masked_mean("correction/is_weight_mean", weights, mask)

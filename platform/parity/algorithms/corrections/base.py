@@ -54,6 +54,7 @@ class CorrectionContext:
     head_rollout_logprobs: torch.Tensor | None = None  # fp32 [n, K] pi_inf of the same ids
     head_valid: torch.Tensor | None = None  # bool [n, K]: False where the rollout returned no entry
     rows: torch.Tensor | None = None  # long [n]: flat indices of mask's True entries (mask.view(-1).nonzero())
+    group_ids: torch.Tensor | None = None  # long [b]: the prompt group of each row (responses of one prompt share it)
 
     def flat_rows(self) -> torch.Tensor:
         if self.rows is None:
