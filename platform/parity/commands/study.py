@@ -28,7 +28,9 @@ EXAMPLES = [
     "python -m parity study --preset laptop --quick",
     "python -m parity study --preset laptop --stage search",
     "python -m parity study --preset laptop --objective grpo",
+    "python -m parity study --preset gpu --stage calibrate --seeds 0 --outputs-dir /tmp/po",
     "python -m parity study --preset gpu --outputs-dir /tmp/po",
+    "python -m parity study --preset gpu-reinforce --outputs-dir /tmp/po",
 ]
 
 
@@ -38,9 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m parity study", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="laptop")
-    p.add_argument("--stage", choices=["search", "arms"], default="arms",
-                   help="search: uncorrected training over the mismatch sources; arms: every correction at the "
-                        "headline setting (default)")
+    p.add_argument("--stage", choices=["search", "calibrate", "arms"], default="arms",
+                   help="search: uncorrected training over the mismatch sources; calibrate: the exact rollout under "
+                        "other learning settings; arms: every correction at the headline setting (default)")
     p.add_argument("--quick", action="store_true", help="2 steps, 1 seed, tiny batches (the smoke form)")
     p.add_argument("--out", default=None, help="folder of study.json, study.md and the figures "
                                                "(default <outputs>/study/<preset>-<stage>[-<objective>][-quick])")
@@ -121,7 +123,9 @@ def select_arms(a: argparse.Namespace, preset: Any) -> list:
     name contains one of the --arms words."""
     import dataclasses
 
-    arms = list(preset.search if a.stage == "search" else preset.arms)
+    arms = list({"search": preset.search, "calibrate": preset.calibrate, "arms": preset.arms}[a.stage])
+    if not arms:
+        raise ValueError(f"preset {a.preset} has no {a.stage} stage")
     if a.objective:
         swapped = [dataclasses.replace(x, objective=a.objective) for x in arms]
         arms = list({x.name: x for x in swapped}.values())

@@ -297,6 +297,9 @@ class TrainerConfig:
     # (`eval/accuracy_unquantized`, torch engine in the compute dtype in the loop's process, either runner): what
     # training did to the policy apart from what deploying it quantized costs
     eval_unquantized: bool = True
+    # false: with eval_unquantized and such a rollout, evaluate only the trainer's weights on the plain engine (a
+    # study that compares trained weights needs no second generation through the rollout engine)
+    eval_through_rollout: bool = True
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     max_bad_steps: int = 3  # consecutive non-finite steps before the run stops

@@ -36,6 +36,11 @@ CORRECTIONS: dict[str, list[str]] = {
     "score_centering+tis": ["algorithm.correction.name=score_centering+tis", *TOPK],
     "dual (c=0.0037)": ["algorithm.correction.name=dual", "algorithm.correction.dual.c=0.0037"],
     "dual (auto)": ["algorithm.correction.name=dual", "algorithm.correction.tolerance=auto"],
+    # the published dual with the paper's settings, and the group-centred variant (c: a quantile of the first step's
+    # gaps)
+    "dual": ["algorithm.correction.name=dual", "algorithm.correction.dual.c=0.0037",
+             "algorithm.correction.dual.lambda0=0.1", "algorithm.correction.dual.eta=1.0"],
+    "dual_centered": ["algorithm.correction.name=dual_centered"],
 }
 OBJECTIVES: dict[str, list[str]] = {
     # the seeds' objective: group-normalised advantages (on-policy, one epoch: the PPO-clip gradient is REINFORCE's)
@@ -51,12 +56,13 @@ class Arm:
     source_overrides: tuple[str, ...]
     correction: str = "none"
     objective: str = "grpo"
-    extra: tuple[str, ...] = ()  # e.g. plain SGD
+    extra: tuple[str, ...] = ()  # e.g. plain SGD, another lr
+    tag: str = ""  # the name's tail for `extra` (default: the extra overrides' values)
 
     @property
     def name(self) -> str:
-        tail = "" if not self.extra else " " + " ".join(x.split("=")[-1] for x in self.extra)
-        return f"{self.source} / {self.correction} / {self.objective}{tail}"
+        tail = self.tag or " ".join(x.split("=")[-1] for x in self.extra)
+        return f"{self.source} / {self.correction} / {self.objective}" + (f" {tail}" if tail else "")
 
     def overrides(self, topk: int = 64) -> list[str]:
         """Hydra overrides of the arm; `topk` = the K of score centering's head (the preset's)."""
@@ -69,9 +75,9 @@ class Arm:
 
 
 def arm(source: str | tuple[str, list[str]], correction: str = "none", objective: str = "grpo",
-        extra: tuple[str, ...] = ()) -> Arm:
+        extra: tuple[str, ...] = (), tag: str = "") -> Arm:
     name, overrides = (source, SOURCES[source]) if isinstance(source, str) else source
-    return Arm(name, tuple(overrides), correction, objective, tuple(extra))
+    return Arm(name, tuple(overrides), correction, objective, tuple(extra), tag)
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,9 @@ class Preset:
     threads_per_run: int
     search: tuple[Arm, ...]
     arms: tuple[Arm, ...]
+    # the reference's calibration: the exact rollout under other learning settings (and mismatch probes), run
+    # with the arms' steps and settings, so that an arm both stages share is one run
+    calibrate: tuple[Arm, ...] = ()
     quick: tuple[str, ...] = ()
     note: str = ""
     topk: int = 64  # rollout.topk_logprobs of the score-centering arms
@@ -99,11 +108,16 @@ QUICK = ("model.warm_start.steps=20", "model.warm_start.batch_size=16", "model.w
          "trainer.eval_problems=8", "trainer.prompts_per_step=2", "rollout.n=4", "rollout.max_new_tokens=24", "trainer.eval_every=1",
          "trainer.checkpoint_every=0", "eval.grade_workers=1", "model.tokenizer_corpus_size=500")
 
-ALL_CORRECTIONS = tuple(CORRECTIONS)
+# the corrections of the raw-REINFORCE experiment (the published dual at c = 0.0037 and with tolerance=auto)
+REINFORCE_CORRECTIONS = ("none", "tis", "icepop", "mis", "score_centering", "score_centering+tis", "dual (c=0.0037)",
+                         "dual (auto)")
+# the corrections of the GRPO headline: the published dual as the paper sets it, and the group-centred variant
+GRPO_CORRECTIONS = ("none", "tis", "icepop", "mis", "score_centering", "score_centering+tis", "dual", "dual_centered")
+ALL_CORRECTIONS = GRPO_CORRECTIONS
 
 
-def _full(source, objective: str = "grpo") -> tuple[Arm, ...]:
-    return tuple(arm(source, c, objective) for c in ALL_CORRECTIONS)
+def _full(source, objective: str = "grpo", corrections: tuple[str, ...] = GRPO_CORRECTIONS) -> tuple[Arm, ...]:
+    return tuple(arm(source, c, objective) for c in corrections)
 
 
 def _dose(sigmas: tuple[float, ...], redraw: float, objective: str = "grpo") -> tuple[Arm, ...]:
@@ -111,8 +125,45 @@ def _dose(sigmas: tuple[float, ...], redraw: float, objective: str = "grpo") -> 
             arm(sigma_source(redraw, "redraw"), objective=objective))
 
 
+# ---- the headline: GRPO (the sources' objective) on a substrate where exact rollouts learn --------------------
+# Countdown's teacher gives up after a budget drawn from [1, max_attempts] (data.countdown.min_attempts=1): the
+# warm-started model gives up early at some rate, and GRPO with exact rollouts learns to search longer (held-out
+# accuracy rises). The calibration stage tries the exact rollout under other settings; docs/study/collapse_study.md
+# reports it.
+
 LAPTOP = Preset(
     name="laptop", experiment="countdown_tiny",
+    base=("trainer.checkpoint_every=0", "trainer.prompts_per_step=8", "rollout.max_new_tokens=96",
+          "data.countdown.max_numbers=3", "data.countdown.min_attempts=1", "model.warm_start.steps=400",
+          "model.warm_start.eval_problems=64", "trainer.eval_problems=64", "trainer.eval_through_rollout=false",
+          "eval.grade_workers=1", "trainer.lr=2e-4"),
+    steps=30, eval_every=6, seeds=(0, 1, 2), concurrency=2, threads_per_run=1,
+    search=(arm("bf16"), arm("int8+int4kv"), arm("w4a4+int4kv"), *_dose((0.1, 0.2), 0.2)),
+    calibrate=(arm("bf16", extra=("trainer.lr=1e-4",)), arm("bf16", extra=("trainer.lr=4e-4",))),
+    arms=(arm("bf16"), arm("int8+int4kv"), arm("w4a4+int4kv"), arm("w4a4+int4kv", "score_centering"),
+          arm("w4a4+int4kv", "tis"), arm("w4a4+int4kv", "dual"), arm("w4a4+int4kv", "dual_centered")),
+    note="2 CPU cores: GRPO, exact rollouts against the real formats and the corrections that matter most",
+)
+
+GPU = Preset(
+    name="gpu", experiment="countdown_gpu",
+    base=("trainer.checkpoint_every=0", "eval.grade_workers=1", "trainer.device=cuda", "trainer.micro_batch_size=32",
+          "trainer.prompts_per_step=16", "trainer.eval_problems=128", "trainer.eval_through_rollout=false",
+          "data.countdown.min_attempts=1", "trainer.lr=1e-4"),
+    steps=50, eval_every=10, seeds=(0, 1, 2), concurrency=16, threads_per_run=1,
+    env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+    search=(arm("bf16"), arm("int8+int4kv"), arm("w4a4+int4kv"), *_dose((0.1, 0.2), 0.2)),
+    calibrate=(arm("bf16", extra=("trainer.lr=5e-5",)), arm("bf16", extra=("trainer.lr=2e-4",)),
+               arm("bf16", extra=("trainer.prompts_per_step=32", "rollout.n=4"), tag="32x4"),
+               arm(sigma_source(0.1)), arm(sigma_source(0.2))),
+    arms=(arm("bf16"), arm("int8+int4kv"), arm("int8+int4kv", "score_centering"), *_full("w4a4+int4kv")),
+    note="one H200, runs packed on the GPU and its 16 cores",
+)
+
+# ---- the second experiment: REINFORCE on the raw 0/1 reward under a fixed sampler bias -------------------------
+
+LAPTOP_REINFORCE = Preset(
+    name="laptop-reinforce", experiment="countdown_tiny",
     base=("trainer.checkpoint_every=0", "trainer.prompts_per_step=8", "rollout.max_new_tokens=96",
           "data.countdown.max_numbers=3", "model.warm_start.steps=400", "model.warm_start.eval_problems=64",
           "trainer.eval_problems=64",
@@ -129,8 +180,8 @@ LAPTOP = Preset(
     note="2 CPU cores, <= 15 minutes for the arms stage: the reference, the failure and the rescue",
 )
 
-GPU = Preset(
-    name="gpu", experiment="countdown_gpu",
+GPU_REINFORCE = Preset(
+    name="gpu-reinforce", experiment="countdown_gpu",
     base=("trainer.checkpoint_every=0", "eval.grade_workers=1", "trainer.device=cuda", "trainer.micro_batch_size=32",
           "trainer.prompts_per_step=8", "trainer.eval_problems=128"),
     steps=40, eval_every=20, seeds=(0, 1, 2), concurrency=14, threads_per_run=1,
@@ -140,8 +191,8 @@ GPU = Preset(
     env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
     search=(arm("bf16"), *_dose((0.05, 0.1, 0.2, 0.4), 0.2), arm("int8+int4kv"), arm("w4a4+int4kv"),
             arm("bf16", objective="reinforce_raw"), *_dose((0.1, 0.2, 0.4), 0.2, "reinforce_raw")),
-    # the headline: raw-reward REINFORCE, whose reward fell under a fixed sigma >= 0.1 in the search, every correction
-    arms=(arm("bf16", objective="reinforce_raw"), *_full(sigma_source(0.2), "reinforce_raw")),
+    # raw-reward REINFORCE, whose reward fell under a fixed sigma >= 0.1 in the search, every correction
+    arms=(arm("bf16", objective="reinforce_raw"), *_full(sigma_source(0.2), "reinforce_raw", REINFORCE_CORRECTIONS)),
     note="one H200, runs packed on the GPU and its 16 cores: the warm start and 4 arms x 3 seeds in 413 s, the other "
          "5 arms in 312 s more",
 )
@@ -157,4 +208,4 @@ CLUSTER = Preset(
     note="a real checkpoint with vLLM on a GPU cluster (Qwen3.5-9B, the seed's INT8 W8A8 + INT4 KV rollout)",
 )
 
-PRESETS = {p.name: p for p in (LAPTOP, GPU, CLUSTER)}
+PRESETS = {p.name: p for p in (LAPTOP, GPU, LAPTOP_REINFORCE, GPU_REINFORCE, CLUSTER)}

@@ -22,7 +22,10 @@ from typing import Any
 CURVE_KEYS = ("reward/mean", "mismatch/abs_prob_diff_mean", "mismatch/k3_kl", "drift/delta_cosine",
               "drift/adv_token_mean", "drift/adv_length_cov", "response/length_mean", "response/length_cv_within_group",
               "response/entropy", "response/repeat_4gram_frac", "response/truncated_frac", "train/collapsed",
-              "correction/lambda", "correction/tolerance", "correction/masked_frac", "train/grad_norm")
+              "correction/lambda", "correction/tolerance", "correction/masked_frac", "train/grad_norm",
+              "correction/dual_delta_mean", "correction/dual_c", "correction/shift_over_adv",
+              "correction/adv_shift_mean", "correction/mis_seq_masked_frac", "correction/is_weight_mean",
+              "mismatch/k3_kl", "adv/abs_mean", "perf/step_s", "perf/rollout_s", "perf/train_s")
 EVAL_KEYS = ("eval/accuracy", "eval/accuracy_unquantized")  # (+ heldout_unquantized: the one of the two that is exact)
 
 

@@ -51,7 +51,8 @@ def changes_numerics(precision: Any) -> bool:
 class HeldOut:
     """`eval/accuracy` through the rollout side; with trainer.eval_unquantized and a rollout precision that
     changes the numerics, also `eval/accuracy_unquantized`: the learner's weights on a torch engine in the compute
-    dtype, in this process (what training did to the policy apart from what deploying it quantized costs)."""
+    dtype, in this process (what training did to the policy apart from what deploying it quantized costs); with
+    trainer.eval_through_rollout=false then only the latter."""
 
     def __init__(self, cfg: Any, tok: Any, grader: Any, start_dir: str) -> None:
         from parity.data.tasks import heldout_problems
@@ -61,6 +62,7 @@ class HeldOut:
         self.max_new_tokens = int(cfg.rollout.max_new_tokens)
         self.problems = heldout_problems(cfg, cfg.trainer.eval_problems)
         self.settings = eval_settings(cfg)
+        self.through_rollout = bool(cfg.trainer.eval_through_rollout)
         self.plain: Any = None
         if cfg.trainer.eval_unquantized and cfg.trainer.eval_every and changes_numerics(rollout_precision(cfg)):
             from parity.rollout.torch_engine import TorchEngine
@@ -73,7 +75,9 @@ class HeldOut:
                                 **self.settings)
 
     def evaluate(self, rollout: Engine, learner: Any) -> dict[str, float]:
-        out = {"eval/accuracy": self.accuracy(rollout)}
+        out = {}
+        if self.plain is None or self.through_rollout:
+            out["eval/accuracy"] = self.accuracy(rollout)
         if self.plain is not None:
             self.plain.update_weights(learner.weights())
             out["eval/accuracy_unquantized"] = self.accuracy(self.plain)
