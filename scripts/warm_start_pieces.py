@@ -1,0 +1,86 @@
+"""Carry a prepared (warm-started) model between jobs of a machine that keeps nothing, in pieces small enough to
+travel (docs/study/collapse_study.md, "GPU jobs").
+
+    python scripts/warm_start_pieces.py export MODEL_DIR OUT_DIR   # round the weights to bfloat16 in place, then
+                                                                   # write OUT_DIR/warm.tar.part00, part01, ...
+    python scripts/warm_start_pieces.py import PIECES_DIR MODELS_DIR
+
+`export` rounds every float32 weight to the nearest bfloat16 value and saves the model so (still float32, and
+prepare.json's weights_sha256 updated): every run of the study, in this job and in later ones, then starts from
+exactly these weights, and the pieces carry them in bfloat16, half the bytes, without loss. `import` writes the
+model folder back with the same float32 file (its hash is checked against prepare.json)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import sys
+import tarfile
+from pathlib import Path
+
+PIECE = 15 * 2**20  # below the 16 MiB a returned file may have
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def export(model_dir: Path, out: Path) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights = model_dir / "model.safetensors"
+    tensors = load_file(str(weights))
+    rounded = {k: (v.to(torch.bfloat16).to(v.dtype) if v.dtype == torch.float32 else v) for k, v in tensors.items()}
+    save_file(rounded, str(weights), metadata={"format": "pt"})
+    info = json.loads((model_dir / "prepare.json").read_text())
+    info.update(weights_sha256=_sha256(weights), weights_rounded_to="bfloat16")
+    (model_dir / "prepare.json").write_text(json.dumps(info, indent=1))
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for f in sorted(model_dir.iterdir()):
+            if f.name == "model.safetensors":
+                save_file({k: v.to(torch.bfloat16) if v.dtype == torch.float32 else v for k, v in rounded.items()},
+                          "/tmp/_bf16.safetensors")
+                data = Path("/tmp/_bf16.safetensors").read_bytes()
+                ti = tarfile.TarInfo(f"{model_dir.name}/model.bf16.safetensors")
+                ti.size = len(data)
+                tar.addfile(ti, io.BytesIO(data))
+            else:
+                tar.add(str(f), arcname=f"{model_dir.name}/{f.name}")
+    blob = buf.getvalue()
+    out.mkdir(parents=True, exist_ok=True)
+    for i in range(0, len(blob), PIECE):
+        (out / f"warm.tar.part{i // PIECE:02d}").write_bytes(blob[i:i + PIECE])
+    print(json.dumps({"model": model_dir.name, "bytes": len(blob), "pieces": -(-len(blob) // PIECE),
+                      "weights_sha256": info["weights_sha256"]}))
+
+
+def restore(pieces: Path, models: Path) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    blob = b"".join(p.read_bytes() for p in sorted(pieces.glob("warm.tar.part*")))
+    models.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+        names = tar.getnames()
+        top = names[0].split("/")[0]
+        if any(not n.startswith(top) or ".." in n for n in names):
+            raise ValueError(f"unexpected member names in {pieces}: {names}")
+        tar.extractall(models, filter="data")
+    d = models / top
+    half = d / "model.bf16.safetensors"
+    save_file({k: v.to(torch.float32) if v.dtype == torch.bfloat16 else v for k, v in load_file(str(half)).items()},
+              str(d / "model.safetensors"), metadata={"format": "pt"})
+    half.unlink()
+    want = json.loads((d / "prepare.json").read_text())["weights_sha256"]
+    got = _sha256(d / "model.safetensors")
+    if got != want:
+        raise ValueError(f"{d}: restored weights hash {got} differs from prepare.json's {want}")
+    print(json.dumps({"model": str(d), "weights_sha256": got}))
+
+
+if __name__ == "__main__":
+    verb, a, b = sys.argv[1:4]
+    (export if verb == "export" else restore)(Path(a), Path(b))
