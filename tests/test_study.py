@@ -49,11 +49,11 @@ def test_laptop_quick_study_end_to_end(tmp_path) -> None:
     from parity.commands.study import main
 
     out = tmp_path / "study"
-    res = main(["--preset", "laptop", "--quick", "--arms", "bf16 / none,sigma=0.2 / none", "--outputs-dir",
+    res = main(["--preset", "laptop-reinforce", "--quick", "--arms", "bf16 / none,sigma=0.2 / none", "--outputs-dir",
                 str(tmp_path / "outputs"), "--out", str(out)])
     assert res["failed"] == 0 and res["runs"] == 2
     study = json.loads((out / "study.json").read_text())
-    assert study["preset"] == "laptop" and study["quick"] and study["steps"] == 2 and study["seeds"] == [0]
+    assert study["preset"] == "laptop-reinforce" and study["quick"] and study["steps"] == 2 and study["seeds"] == [0]
     runs = {r["arm"]: r for r in study["runs"]}
     assert set(runs) == {"bf16 / none / reinforce_raw", "sigma=0.2 / none / reinforce_raw"}
     for r in runs.values():
@@ -69,7 +69,7 @@ def test_laptop_quick_study_end_to_end(tmp_path) -> None:
     for name in ("reward_curves.png", "drift_curves.png", "final_accuracy.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # a second call reads the finished runs back instead of training them again
-    again = main(["--preset", "laptop", "--quick", "--arms", "bf16 / none", "--outputs-dir",
+    again = main(["--preset", "laptop-reinforce", "--quick", "--arms", "bf16 / none", "--outputs-dir",
                   str(tmp_path / "outputs"), "--out", str(tmp_path / "again")])
     assert again["failed"] == 0
 
@@ -109,15 +109,67 @@ def test_a_finished_run_of_other_steps_is_refused_not_read_back(tmp_path) -> Non
 
 def test_objective_swaps_every_arm_and_keeps_the_selection() -> None:
     from parity.commands.study import _parser, select_arms
-    from parity.study.presets import LAPTOP
+    from parity.study.presets import LAPTOP_REINFORCE as LAPTOP
 
     assert all(x.objective == "reinforce_raw" for x in LAPTOP.arms)
-    a = _parser().parse_args(["--preset", "laptop", "--objective", "grpo"])
+    a = _parser().parse_args(["--preset", "laptop-reinforce", "--objective", "grpo"])
     arms = select_arms(a, LAPTOP)
     assert [x.name for x in arms] == [x.name.replace("/ reinforce_raw", "/ grpo") for x in LAPTOP.arms]
     assert all("algorithm.adv_estimator=grpo" in x.overrides() for x in arms)
-    assert select_arms(_parser().parse_args(["--preset", "laptop"]), LAPTOP) == list(LAPTOP.arms)
+    assert select_arms(_parser().parse_args(["--preset", "laptop-reinforce"]), LAPTOP) == list(LAPTOP.arms)
     # search: the grpo and reinforce_raw forms of one source become one arm
-    a = _parser().parse_args(["--preset", "laptop", "--stage", "search", "--objective", "reinforce_raw",
+    a = _parser().parse_args(["--preset", "laptop-reinforce", "--stage", "search", "--objective", "reinforce_raw",
                               "--arms", "bf16 /"])
     assert [x.name for x in select_arms(a, LAPTOP)] == ["bf16 / none / reinforce_raw"]
+
+
+def test_gains_at_the_common_step_by_hand() -> None:
+    """Arms cut at different steps are compared at the last evaluation every run has; gains are per seed (a
+    run's step-k accuracy minus its own start) and against the reference arm seed by seed."""
+    from parity.study.report import common_eval_step, gains_at, gains_table
+
+    def run(arm, seed, evals, source="w4a4", correction="none"):
+        return {"arm": arm, "seed": seed, "labels": {"source": source, "correction": correction, "extra": ""},
+                "evals": {"heldout_unquantized": evals}, "collapse_step": None}
+
+    runs = [run("ref", 0, [[0, 0.30], [10, 0.40], [20, 0.45]], "bf16"), run("ref", 1, [[0, 0.20], [10, 0.26], [20, 0.36]], "bf16"),
+            run("a", 0, [[0, 0.30], [10, 0.35]], correction="tis"), run("a", 1, [[0, 0.20], [10, 0.30]], correction="tis")]
+    assert common_eval_step(runs) == 10
+    rows = {r["arm"]: r for r in gains_at(runs, 10)}
+    assert rows["ref"]["gain"]["mean"] == pytest.approx((0.10 + 0.06) / 2)
+    assert rows["ref"]["gain"]["se"] == pytest.approx(abs(0.10 - 0.06) / 2)  # stdev of 2 values / sqrt(2)
+    assert rows["a"]["vs_reference"]["mean"] == pytest.approx(((0.35 - 0.40) + (0.30 - 0.26)) / 2)
+    assert rows["ref"]["vs_reference"] is None
+    assert rows["a"]["gain_per_seed"] == {0: pytest.approx(0.05), 1: pytest.approx(0.10)}
+    md = gains_table(runs)
+    assert "at step 10" in md and "| a | 32.5 ± 2.5 | +7.5 ± 2.5 | +5.0, +10.0 | -0.5 ± 4.5 |" in md
+
+
+def test_grpo_laptop_quick_study_with_the_duals(tmp_path) -> None:
+    """The headline's quick form: GRPO, W4A4 + INT4 KV under the published dual and the centred one; held-out evaluated at every step, the duals' diagnosis logged and drawn; the runs read back by
+    --merge into one study."""
+    from parity.commands.study import main
+
+    out = tmp_path / "study"
+    res = main(["--preset", "laptop", "--quick", "--arms", "w4a4+int4kv / dual", "--outputs-dir",
+                str(tmp_path / "outputs"), "--out", str(out)])
+    assert res["failed"] == 0 and res["runs"] == 2
+    study = json.loads((out / "study.json").read_text())
+    runs = {r["arm"]: r for r in study["runs"]}
+    assert set(runs) == {"w4a4+int4kv / dual / grpo", "w4a4+int4kv / dual_centered / grpo"}
+    for r in runs.values():
+        assert [s for s, _ in r["evals"]["heldout_unquantized"]] == [0, 1, 2]
+        assert "algorithm.adv_estimator=grpo" in r["overrides"] and "data.countdown.min_attempts=1" in r["overrides"]
+    dual, centred = runs["w4a4+int4kv / dual / grpo"], runs["w4a4+int4kv / dual_centered / grpo"]
+    assert "eval/accuracy" not in dual["evals"]  # trainer.eval_through_rollout=false: the plain engine only
+    assert dual["curves"]["correction/dual_c"][0][1] == pytest.approx(0.0037)
+    assert dual["curves"]["correction/shift_over_adv"][0][1] > 0
+    c = centred["curves"]["correction/dual_c"][0][1]  # a quantile of the first step's gaps
+    assert 0 < c < 1 and c != pytest.approx(0.0037)
+    assert {g["arm"] for g in study["gains"]} == set(runs) and study["gains"][0]["step"] == 2
+    assert (out / "dual_diagnosis.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    merged = main(["--preset", "laptop", "--merge", str(out / "study.json"), "--arms", "dual_centered", "--out",
+                   str(tmp_path / "merged")])
+    assert merged["runs"] == 1
+    assert [r["arm"] for r in json.loads((tmp_path / "merged" / "study.json").read_text())["runs"]] == [
+        "w4a4+int4kv / dual_centered / grpo"]

@@ -61,6 +61,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--figures-only", action="store_true", help="rewrite study.md and the figures from study.json")
     p.add_argument("--collect", action="store_true", help="read the runs' folders as they are (unfinished ones "
                    "marked partial) into study.json, the table and the figures, without training")
+    p.add_argument("--merge", nargs="+", default=None, metavar="STUDY_JSON",
+                   help="one study of the runs of several study.json files (jobs that ran parts of the arms, "
+                        "each with its own overrides): written to --out with its table and figures")
     return p
 
 
@@ -102,20 +105,39 @@ def _error_line(text: str) -> str:
 
 
 def write_outputs(study: dict, out: Path) -> list[str]:
-    from parity.study.report import arm_rows, figures, table
+    from parity.study.report import arm_rows, common_eval_step, figures, gains_at, gains_table, table
 
     study["arms"] = arm_rows(study["runs"])
+    step = common_eval_step(study["runs"])
+    study["gains"] = gains_at(study["runs"], step) if step is not None else []
     (out / "study.json").write_text(json.dumps(study, indent=1, default=str))
     head = (f"# Study `{study['preset']}` ({study['stage']}{', quick' if study.get('quick') else ''})\n\n"
             f"{study.get('note', '')}\n\nCommand: `{study['command']}`  \nDate: {study['date']}; host: "
             f"{json.dumps(study['host'])}; wall time {study.get('wall_s', 0):.0f} s; {len(study['runs'])} runs, "
             f"{study['steps']} steps each, seeds {study['seeds']}.\n\n")
-    (out / "study.md").write_text(head + table(study["runs"]))
+    (out / "study.md").write_text(head + table(study["runs"]) + "\n" + gains_table(study["runs"]))
     try:
         return [str(p) for p in figures(study["runs"], out, f"{study['preset']} / {study['stage']}")]
     except ImportError as e:  # matplotlib is not part of the numerical core (a bare GPU image may lack it)
         print(f"study: figures skipped ({e}); rerun with --figures-only where matplotlib is installed", flush=True)
         return []
+
+
+def merge(a: argparse.Namespace, argv: list[str], out: Path) -> dict:
+    """study.json, table and figures of the runs of several studies' JSON (a run named twice: the later file's)."""
+    parts = [json.loads(Path(f).read_text()) for f in a.merge]
+    words = [w.strip() for w in a.arms.split(",") if w.strip()]
+    seeds = {int(x) for x in a.seeds.split(",")} if a.seeds else None
+    runs = {r["name"]: r for part in parts for r in part["runs"]
+            if (not words or any(w in r["arm"] for w in words)) and (seeds is None or r["seed"] in seeds)}
+    first = parts[0]
+    study = {**{k: v for k, v in first.items() if k not in ("runs", "arms")},
+             "command": "python -m parity study " + " ".join(shlex.quote(x) for x in argv),
+             "parts": [{"file": str(f), "command": p.get("command"), "date": p.get("date"), "host": p.get("host"),
+                        "runs": [r["name"] for r in p["runs"]]} for f, p in zip(a.merge, parts, strict=True)],
+             "seeds": sorted({r["seed"] for r in runs.values()}), "runs": list(runs.values())}
+    out.mkdir(parents=True, exist_ok=True)
+    return {"command": "study", "out": str(out), "runs": len(runs), "figures": write_outputs(study, out)}
 
 
 def select_arms(a: argparse.Namespace, preset: Any) -> list:
@@ -148,6 +170,8 @@ def main(argv: list[str]) -> dict:
     if a.figures_only:
         study = json.loads((out / "study.json").read_text())
         return {"command": "study", "out": str(out), "figures": write_outputs(study, out)}
+    if a.merge:
+        return merge(a, argv, out)
     arms = select_arms(a, preset)
     seeds = [int(s) for s in a.seeds.split(",")] if a.seeds else list(preset.seeds)
     stage_steps = preset.arms_steps if a.stage == "arms" and preset.arms_steps else preset.steps

@@ -47,6 +47,75 @@ def arm_rows(results: list[dict]) -> list[dict]:
     return rows
 
 
+def heldout_at(run: dict, step: int) -> float | None:
+    """Held-out accuracy of the run's trained weights (exact engine) evaluated at `step`, or None."""
+    for s, v in run.get("evals", {}).get("heldout_unquantized", []):
+        if s == step:
+            return v
+    return None
+
+
+def common_eval_step(results: list[dict]) -> int | None:
+    """The last held-out evaluation step that every run has: where runs cut at different steps compare alike."""
+    steps = [{s for s, _ in r.get("evals", {}).get("heldout_unquantized", [])} for r in results if "error" not in r]
+    both = set.intersection(*steps) if steps else set()
+    return max(both) if both else None
+
+
+def reference_arm(results: list[dict]) -> str | None:
+    """The unperturbed, uncorrected arm (source bf16, correction none), against which the gains are read."""
+    for r in results:
+        lab = r.get("labels", {})
+        if "error" not in r and lab.get("source") == "bf16" and lab.get("correction") == "none" and not lab.get("extra"):
+            return r["arm"]
+    return None
+
+
+def gains_at(results: list[dict], step: int) -> list[dict]:
+    """Per arm at `step`: held-out accuracy (mean, s.e.), its gain over the arm's own start (mean, s.e. of the
+    per-seed gains), and the difference from the reference arm's accuracy (seeds paired: runs of one seed start
+    from the same weights)."""
+    groups = group_by_arm(results)
+    ref = reference_arm(results)
+    ref_by_seed = {r["seed"]: heldout_at(r, step) for r in groups.get(ref, [])} if ref else {}
+    rows = []
+    for arm, rs in groups.items():
+        acc = [heldout_at(r, step) for r in rs]
+        gain = [heldout_at(r, step) - heldout_at(r, 0) if heldout_at(r, step) is not None and heldout_at(r, 0)
+                is not None else None for r in rs]
+        diff = [heldout_at(r, step) - ref_by_seed[r["seed"]] if heldout_at(r, step) is not None and
+                ref_by_seed.get(r["seed"]) is not None else None for r in rs]
+        rows.append({"arm": arm, "step": step, "heldout": dict(zip(("mean", "se", "n"), mean_se(acc))),
+                     "gain": dict(zip(("mean", "se", "n"), mean_se(gain))),
+                     "gain_per_seed": {r["seed"]: g for r, g in zip(rs, gain, strict=True)},
+                     "vs_reference": dict(zip(("mean", "se", "n"), mean_se(diff))) if ref and arm != ref else None})
+    return rows
+
+
+def _pts(d: dict | None) -> str:
+    if not d or d.get("mean") is None:
+        return "—"
+    return f"{100 * d['mean']:+.1f}" + (f" ± {100 * d['se']:.1f}" if d.get("se") is not None else "")
+
+
+def gains_table(results: list[dict]) -> str:
+    """Held-out accuracy at the last evaluation step every run has, in points: the arms compared at one step."""
+    step = common_eval_step(results)
+    if step is None:
+        return ""
+    ref = reference_arm(results)
+    lines = [f"Held-out accuracy of the trained weights at step {step}, the last evaluation every run reached "
+             f"(points; mean ± s.e. over seeds; reference arm: {ref or '—'}, compared seed by seed):", "",
+             "| arm | held-out at step " + str(step) + " | gain over its start | per seed | vs reference (paired) |",
+             "|---|---|---|---|---|"]
+    for row in gains_at(results, step):
+        h = row["heldout"]
+        acc = "—" if h["mean"] is None else f"{100 * h['mean']:.1f}" + (f" ± {100 * h['se']:.1f}" if h["se"] else "")
+        per = ", ".join(f"{100 * g:+.1f}" for _, g in sorted(row["gain_per_seed"].items()) if g is not None)
+        lines.append(f"| {row['arm']} | {acc} | {_pts(row['gain'])} | {per} | {_pts(row['vs_reference'])} |")
+    return "\n".join(lines) + "\n"
+
+
 def table(results: list[dict]) -> str:
     """The Markdown table: one row per arm, mean ± s.e. over its seeds."""
     lines = ["| arm | seeds | steps done | reward start → final (peak) | held-out acc, trained weights unquantized: start → final | "
@@ -105,8 +174,14 @@ def _band(runs: list[dict], key: str, source: str = "curves", window: int = 1):
     return steps, mean, [m - e for m, e in zip(mean, se)], [m + e for m, e in zip(mean, se)]
 
 
+def r_is_reference(runs: list[dict]) -> bool:
+    """Whether these runs are an uncorrected arm (drawn beside the duals for comparison)."""
+    return all(r.get("labels", {}).get("correction") == "none" for r in runs)
+
+
 def figures(results: list[dict], out_dir: Path, title: str, smooth: int = 5) -> list[Path]:
-    """reward_curves.png, drift_curves.png and final_accuracy.png in `out_dir`."""
+    """reward_curves.png, drift_curves.png, dual_diagnosis.png (when a dual ran) and final_accuracy.png in
+    `out_dir`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -160,6 +235,42 @@ def figures(results: list[dict], out_dir: Path, title: str, smooth: int = 5) -> 
     paths.append(out_dir / "drift_curves.png")
     fig.savefig(paths[-1], dpi=100)
     plt.close(fig)
+
+    duals = {arm: rs for arm, rs in groups.items()
+             if any(r.get("labels", {}).get("correction", "").startswith("dual") for r in rs)
+             or r_is_reference(rs)}
+    if any(arm for arm, rs in duals.items() if not r_is_reference(rs)):
+        keys = [("correction/lambda", "lambda (the price of the gap)"),
+                ("correction/dual_delta_mean", "D: mean over responses of mean |p − q|"),
+                ("correction/dual_c", "c: the tolerance"),
+                ("correction/shift_over_adv", "mean |lambda-shift| / mean |A| over tokens"),
+                ("response/entropy", "sampler entropy (nats/token)"),
+                ("response/length_mean", "response length (tokens)")]
+        fig, axes = plt.subplots(2, 3, figsize=(14, 7))
+        for ax, (key, label) in zip(axes.flat, keys):
+            for i, (arm, rs) in enumerate(groups.items()):
+                if arm not in duals:
+                    continue
+                b = _band(rs, key, "curves", 1 if key.startswith("correction/") else smooth)
+                if b is None:
+                    continue
+                steps, mean, lo, hi = b
+                ax.plot(steps, mean, color=colors(i), label=arm, lw=1.6)
+                ax.fill_between(steps, lo, hi, color=colors(i), alpha=0.18, lw=0)
+            ax.set_title(label, fontsize=9)
+            ax.set_xlabel("step", fontsize=8)
+            ax.tick_params(labelsize=7)
+            ax.grid(alpha=0.3)
+        handles: dict = {}
+        for ax in axes.flat:
+            for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+                handles.setdefault(lab, h)
+        fig.legend(list(handles.values()), list(handles), fontsize=7, loc="lower center", ncol=min(4, len(handles)))
+        fig.suptitle(title + ": the dual's diagnosis (band ± s.e. over seeds)", fontsize=10)
+        fig.tight_layout(rect=(0, 0.06, 1, 1))
+        paths.append(out_dir / "dual_diagnosis.png")
+        fig.savefig(paths[-1], dpi=100)
+        plt.close(fig)
 
     rows = arm_rows(results)
     fig, ax = plt.subplots(figsize=(max(6.0, 0.75 * len(rows) + 2), 4.2))
