@@ -80,6 +80,10 @@ _PIN_INT8 = True
 # A low-precision KV cache stored packed and read by the Triton decode-attention kernel on CUDA (see the module
 # docstring); False: the simulated cache (bf16 values of the codec's roundtrip, the reference; benchmark A/B)
 _PACKED_KV = True
+# With a packed cache, the step's q/k norms, rotary, cache write and query preparation run as one Triton kernel
+# after a compiled function that ends at the q/k/v product (rollout/pre_attention.py); False: the compiled
+# pre-attention function, the write kernel and the attention's own query launch (benchmark A/B)
+_FUSED_PRE = True
 
 
 def supports(engine: Any) -> bool:
@@ -183,6 +187,12 @@ def _pre_attention(h: torch.Tensor, ln: torch.Tensor, eps: float, lqkv: tuple, s
     q = _rope(_rms(q.reshape(B, -1, D), qn, eps_qk), cos, sin)
     k = _rope(_rms(k.reshape(B, -1, D), kn, eps_qk), cos, sin)
     return q, k, v.reshape(B, -1, D)
+
+
+def _project_qkv(h: torch.Tensor, ln: torch.Tensor, eps: float, lqkv: tuple, sizes: tuple[int, ...]):
+    """The first half of _pre_attention: input norm and the q/k/v product(s), raw q [B, H * D], k, v [B, n_kv * D]
+    (the fused pre-attention kernel does the rest)."""
+    return _project(_rms(h, ln, eps)[:, 0], lqkv, sizes)
 
 
 def _pre_attention_write(h: torch.Tensor, ln: torch.Tensor, eps: float, lqkv: tuple, sizes: tuple[int, ...],
@@ -442,15 +452,15 @@ class CudaDecoder:
 
     def layer_functions(self, want: bool) -> tuple:
         """The per-layer decode functions (pre-attention, post-attention, pre-attention with the cache write, o_proj +
-        MLP for the packed cache), compiled with Inductor when `want` (every layer has the same shapes, so each
+        MLP for the packed cache, the q/k/v product for the fused pre-attention kernel), compiled with Inductor when `want` (every layer has the same shapes, so each
         compiles once and serves all 28); plain functions otherwise."""
+        fns = (_pre_attention, _post_attention, _pre_attention_write, _o_proj_mlp, _project_qkv)
         if not want:
-            return _pre_attention, _post_attention, _pre_attention_write, _o_proj_mlp
+            return fns
         if self._decode_fns is None:
             from parity.training.fast_compile import raise_recompile_limit
             raise_recompile_limit(64)  # one specialisation per attended length L and per engine's weight formats
-            self._decode_fns = tuple(torch.compile(f, dynamic=False, fullgraph=True)
-                                     for f in (_pre_attention, _post_attention, _pre_attention_write, _o_proj_mlp))
+            self._decode_fns = tuple(torch.compile(f, dynamic=False, fullgraph=True) for f in fns)
         return self._decode_fns
 
     # ---- the prompt forward ----
@@ -513,7 +523,7 @@ class CudaDecoder:
         the slot): logits [B, V] float32."""
         eng = self.engine
         inner, D = eng.model.model, eng.head_dim
-        pre_fn, post_fn, pre_write_fn, o_mlp_fn = st.extras["fns"]
+        pre_fn, post_fn, pre_write_fn, o_mlp_fn, proj_fn = st.extras["fns"]
         pos = st.plen + st.t
         slot = st.start + st.t
         cos, sin = st.cos[pos][:, None, :], st.sin[pos][:, None, :]  # [B, 1, D], broadcast over heads
@@ -522,8 +532,19 @@ class CudaDecoder:
         fused_write = _FUSED_CACHE_WRITE and eng.kv_codec is None
         packed = st.extras.get("packed")
         if packed is not None:
-            from parity.rollout.decode_attention import packed_decode_attention
+            from parity.rollout import pre_attention
+            from parity.rollout.decode_attention import int4_rotated, packed_decode_attention
+            fused = _FUSED_PRE and pre_attention.usable(packed)
+            rotated = int4_rotated(packed)
         for (pre, post), cache in zip(st.extras["layers"], st.caches):
+            if packed is not None and fused:  # q/k/v product, one kernel to the attention's inputs, attention
+                qr, kr, vr = proj_fn(h, *pre[:4])
+                qs = pre_attention.fused_pre_attention(qr, kr, vr, pre[4], pre[5], pre[6], st.cos, st.sin, pos,
+                                                       packed, cache, slot, rotated)
+                out = packed_decode_attention(None if rotated else qs, packed, cache, st.key_ok, slot, L, post[0],
+                                              queries=qs if rotated else None)
+                h = o_mlp_fn(h, out[:, None], *post[1:])
+                continue
             if packed is not None:  # packed cache: the write kernel, then the decode-attention kernel reading it
                 q, k, v = pre_fn(h, *pre, cos, sin, D)
                 packed.write(cache, k, v, slot)
