@@ -196,11 +196,13 @@ if triton is not None:
         permute per two codes: [c.b, 0x64, c'.b, 0x64] is the fp16 pair of two neighbouring elements."""
         if ASM:
             if HALF == 0:
-                return tl.inline_asm_elementwise("prmt.b32 $0, $1, 0x64646464, 0x4240;", "=r,r", [c],
-                                                 dtype=tl.float16, is_pure=True, pack=2)
+                return tl.inline_asm_elementwise(
+                    "{ .reg .b32 f; mov.b32 f, 0x64646464; prmt.b32 $0, $1, f, 0x4240; }", "=r,r", [c],
+                    dtype=tl.float16, is_pure=True, pack=2)
             else:
-                return tl.inline_asm_elementwise("prmt.b32 $0, $1, 0x64646464, 0x4341;", "=r,r", [c],
-                                                 dtype=tl.float16, is_pure=True, pack=2)
+                return tl.inline_asm_elementwise(
+                    "{ .reg .b32 f; mov.b32 f, 0x64646464; prmt.b32 $0, $1, f, 0x4341; }", "=r,r", [c],
+                    dtype=tl.float16, is_pure=True, pack=2)
         else:
             return (((c >> (8 * HALF)) & 0xFF) | 0x6400).to(tl.float16, bitcast=True)
 
@@ -210,12 +212,12 @@ if triton is not None:
         if ASM:
             if HALF == 0:
                 return tl.inline_asm_elementwise(
-                    "{ .reg .b32 t; prmt.b32 t, $1, 0x64646464, 0x4240; and.b32 $0, t, 0xff0fff0f; }", "=r,r", [c],
-                    dtype=tl.float16, is_pure=True, pack=2)
+                    "{ .reg .b32 f, t; mov.b32 f, 0x64646464; prmt.b32 t, $1, f, 0x4240; and.b32 $0, t, 0xff0fff0f; }",
+                    "=r,r", [c], dtype=tl.float16, is_pure=True, pack=2)
             else:
                 return tl.inline_asm_elementwise(
-                    "{ .reg .b32 t; prmt.b32 t, $1, 0x64646464, 0x4341; and.b32 $0, t, 0xff0fff0f; }", "=r,r", [c],
-                    dtype=tl.float16, is_pure=True, pack=2)
+                    "{ .reg .b32 f, t; mov.b32 f, 0x64646464; prmt.b32 t, $1, f, 0x4341; and.b32 $0, t, 0xff0fff0f; }",
+                    "=r,r", [c], dtype=tl.float16, is_pure=True, pack=2)
         else:
             return (((c >> (8 * HALF)) & 0x0F) | 0x6400).to(tl.float16, bitcast=True)
 
