@@ -94,8 +94,9 @@ SHAPES = [(2, 2, 3, 150, 150, 149), (3, 1, 4, 96, 70, 51), (1, 4, 1, 300, 256, 2
 
 def check_attention(kind: str | None, hadamard: bool, D: int, dtype: torch.dtype, device: torch.device,
                     shape: tuple, seed: int = 0) -> float:
-    """Relative error (norm) of the kernel against float64 over the codec's values; kind None = the kernel over
-    a plain cache of `dtype` values (raw_decode_attention)."""
+    """Relative error (norm) of the kernel against float64 over the codec's values (the simulated cache's; for the
+    rotated int4 route the values computed from the codes, which that kernel attends over unrounded); kind None =
+    the kernel over a plain cache of `dtype` values (raw_decode_attention)."""
     from parity.rollout import decode_attention as da
     g = torch.Generator().manual_seed(seed)
     B, n_kv, G, S, L, slot = shape
@@ -117,6 +118,8 @@ def check_attention(kind: str | None, hadamard: bool, D: int, dtype: torch.dtype
         cache.write(cache.layers[0], k, v, torch.zeros(1, dtype=torch.long, device=device))
         out = da.packed_decode_attention(q, cache, cache.layers[0], key_ok, st, L, scale)
         kh, vh = cache.values(cache.layers[0], L)
+        if da.int4_rotated(cache):  # attends over the codec's values before their rounding to the cache dtype
+            kh, vh = codec_values_f64(cache, cache.layers[0], "k", L), codec_values_f64(cache, cache.layers[0], "v", L)
     assert out.shape == (B, H * D) and out.dtype == dtype
     assert torch.isfinite(out).all()
     kmask = (torch.arange(L, device=device)[None, :] <= slot) & key_ok[:, :L]
