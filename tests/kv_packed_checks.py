@@ -92,23 +92,29 @@ def attention_f64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kmask: torc
 SHAPES = [(2, 2, 3, 150, 150, 149), (3, 1, 4, 96, 70, 51), (1, 4, 1, 300, 256, 255), (5, 2, 2, 64, 64, 13)]
 
 
+def attention_inputs(shape: tuple, D: int, dtype: torch.dtype, device: torch.device, seed: int) -> tuple:
+    """Fresh random (q, k, v, key_ok, slot) of `shape` = (B, n_kv, G, S, L, slot): keys twice the values' scale,
+    left padding of random length per row."""
+    g = torch.Generator().manual_seed(seed)
+    B, n_kv, G, S, L, slot = shape
+    k = (torch.randn(B, n_kv, S, D, generator=g) * 2).to(dtype).to(device)
+    v = torch.randn(B, n_kv, S, D, generator=g).to(dtype).to(device)
+    q = torch.randn(B, n_kv * G, D, generator=g).to(dtype).to(device)
+    key_ok = torch.ones(B, S, dtype=torch.bool)
+    for b in range(B):
+        key_ok[b, :int(torch.randint(0, slot + 1, (1,), generator=g))] = False
+    return q, k, v, key_ok.to(device), torch.tensor([slot], device=device)
+
+
 def check_attention(kind: str | None, hadamard: bool, D: int, dtype: torch.dtype, device: torch.device,
                     shape: tuple, seed: int = 0) -> float:
     """Relative error (norm) of the kernel against float64 over the codec's values (the simulated cache's; for the
     rotated int4 route the values computed from the codes, which that kernel attends over unrounded); kind None =
     the kernel over a plain cache of `dtype` values (raw_decode_attention)."""
     from parity.rollout import decode_attention as da
-    g = torch.Generator().manual_seed(seed)
     B, n_kv, G, S, L, slot = shape
     H = n_kv * G
-    k = (torch.randn(B, n_kv, S, D, generator=g) * 2).to(dtype).to(device)
-    v = torch.randn(B, n_kv, S, D, generator=g).to(dtype).to(device)
-    q = torch.randn(B, H, D, generator=g).to(dtype).to(device)
-    key_ok = torch.ones(B, S, dtype=torch.bool)
-    for b in range(B):  # left padding of random length
-        key_ok[b, :int(torch.randint(0, slot + 1, (1,), generator=g))] = False
-    key_ok = key_ok.to(device)
-    st = torch.tensor([slot], device=device)
+    q, k, v, key_ok, st = attention_inputs(shape, D, dtype, device, seed)
     scale = D ** -0.5
     if kind is None:
         out = da.raw_decode_attention(q, k, v, key_ok, st, L, scale)
@@ -151,17 +157,9 @@ def check_int4_attention(D: int, dtype: torch.dtype, device: torch.device, shape
     simulated cache's own distance from that attention (its values rounded to `dtype`). Checks that every output
     element was written and that the merge counters are back at zero."""
     from parity.rollout import int4_attention as ia
-    g = torch.Generator().manual_seed(seed)
     B, n_kv, G, S, L, slot = shape
     H = n_kv * G
-    k = (torch.randn(B, n_kv, S, D, generator=g) * 2).to(dtype).to(device)
-    v = torch.randn(B, n_kv, S, D, generator=g).to(dtype).to(device)
-    q = torch.randn(B, H, D, generator=g).to(dtype).to(device)
-    key_ok = torch.ones(B, S, dtype=torch.bool)
-    for b in range(B):  # left padding of random length
-        key_ok[b, :int(torch.randint(0, slot + 1, (1,), generator=g))] = False
-    key_ok = key_ok.to(device)
-    st = torch.tensor([slot], device=device)
+    q, k, v, key_ok, st = attention_inputs(shape, D, dtype, device, seed)
     codec = make_kv_codec("int4_per_token_head", D, hadamard=hadamard)
     cache = PackedKVCache(codec, 1, B, n_kv, S, dtype, device)
     layer = cache.layers[0]
