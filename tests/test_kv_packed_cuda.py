@@ -73,21 +73,30 @@ INT4_CONFIGS = [{}, {"ROWS": 8}, {"num_warps": 8}, {"ROWS": 32, "num_warps": 8},
                 {"asm": False}, {"programs_per_sm": 0}, {"programs_per_sm": 10**6}]
 
 
+@pytest.mark.parametrize("cfg", INT4_CONFIGS, ids=[str(c) for c in INT4_CONFIGS])
+def test_int4_rotated_attention_configurations(cfg):
+    """Every launch configuration at the decode shape (batch 64, 8 KV heads, 2 query heads a KV head), bf16."""
+    for i, shape in enumerate([(64, 8, 2, 384, 384, 383), (64, 8, 2, 384, 256, 200), (5, 3, 2, 300, 190, 150)]):
+        err, sim = check_int4_attention(128, torch.bfloat16, CUDA, shape, True, seed=i, config=cfg)
+        assert err < 4e-3, (shape, cfg, err, sim)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
 @pytest.mark.parametrize("hadamard", [True, False], ids=["rotated", "plain"])
 def test_int4_rotated_attention_against_float64(dtype, hadamard):
+    """Random rows, KV heads, group sizes, lengths, left padding and step slots; one split and many."""
     g = torch.Generator().manual_seed(5 if hadamard else 6)
-    shapes = [(64, 8, 2, 384, 384, 383), (64, 8, 2, 384, 256, 255), (2, 2, 2, 150, 150, 149), (3, 1, 4, 96, 70, 51)]
-    for _ in range(6):  # random rows, KV heads, group sizes, lengths, the step's slot
+    shapes = [(2, 2, 2, 150, 150, 149), (3, 1, 4, 96, 70, 51)]
+    for _ in range(4):
         S = int(torch.randint(16, 600, (1,), generator=g))
         L = int(torch.randint(1, S + 1, (1,), generator=g))
         shapes.append((int(torch.randint(1, 17, (1,), generator=g)), int(torch.randint(1, 9, (1,), generator=g)),
-                       [1, 2, 3, 4, 8, 16][int(torch.randint(0, 6, (1,), generator=g))], S, L,
+                       [1, 2, 4, 8][int(torch.randint(0, 4, (1,), generator=g))], S, L,
                        int(torch.randint(0, L, (1,), generator=g))))
     bound = 4e-3 if dtype == torch.bfloat16 else 1e-5
     for i, shape in enumerate(shapes):
-        for cfg in INT4_CONFIGS if i < 2 else INT4_CONFIGS[:1] + INT4_CONFIGS[-2:]:
-            for D in (128, 64) if i % 3 == 2 else (128,):
+        for cfg in ({}, {"programs_per_sm": 10**6}):
+            for D in (128, 64) if i < 2 else (128,):
                 err, sim = check_int4_attention(D, dtype, CUDA, shape, hadamard, seed=i, config=cfg)
                 assert err < bound, (shape, D, cfg, err, sim)
 
