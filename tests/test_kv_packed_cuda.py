@@ -70,7 +70,7 @@ def test_kernel_against_float64_on_random_lengths_and_heads(kind, hadamard, dtyp
 
 # launch configurations of the rotated int4 kernel (tests/bench/gpu_int4_decode_variants.py times these)
 INT4_CONFIGS = [{}, {"ROWS": 8}, {"num_warps": 8}, {"ROWS": 32, "num_warps": 8}, {"num_stages": 3},
-                {"asm": False}, {"programs_per_sm": 0}, {"programs_per_sm": 10**6}]
+                {"asm": False}, {"maxnreg": 168}, {"programs_per_sm": 0}, {"programs_per_sm": 10**6}]
 
 
 @pytest.mark.parametrize("cfg", INT4_CONFIGS, ids=[str(c) for c in INT4_CONFIGS])
