@@ -1,4 +1,4 @@
-"""Decode attention over the packed int4 per-token-head cache in the rotated basis, bound by the bytes it reads.
+"""Decode attention over the packed int4 per-token-head cache in the rotated basis: no key or value is dequantized.
 
 The cache (parity.precision.kv_packed) holds, per token and KV head, 4-bit codes n' of the rotated vector H (d x)
 (H the D x D Sylvester-Hadamard matrix, d the +-1 diagonal; Hadamard off: of x itself) and one word with the
@@ -9,7 +9,8 @@ scale s and the zero point z. The codec's value of a key is k = d (H (n' - z)) s
 
 and the kernel never rotates a key or a value: it reads the codes and the scale words, folds scale and zero point
 into the two products, and rotates its output once per (row, head). The values it attends over are the codec's
-(the simulated cache's) exactly; only the arithmetic of the sum differs, as any attention kernel's does:
+(those the simulated cache holds, before their rounding to the cache dtype); only the arithmetic of the sum
+differs, as any attention kernel's does:
 
 - q . n': q~ is quantized to 15-bit integers per head (two int8 parts, |error| <= 3e-5 of the head's largest
   element, against bf16's 2e-3 of each element), once per step (`prepare_queries`, or the fused pre-attention
