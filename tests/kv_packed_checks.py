@@ -92,22 +92,29 @@ def attention_f64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kmask: torc
 SHAPES = [(2, 2, 3, 150, 150, 149), (3, 1, 4, 96, 70, 51), (1, 4, 1, 300, 256, 255), (5, 2, 2, 64, 64, 13)]
 
 
-def check_attention(kind: str | None, hadamard: bool, D: int, dtype: torch.dtype, device: torch.device,
-                    shape: tuple, seed: int = 0) -> float:
-    """Relative error (norm) of the kernel against float64 over the codec's values; kind None = the kernel over
-    a plain cache of `dtype` values (raw_decode_attention)."""
-    from parity.rollout import decode_attention as da
+def attention_inputs(shape: tuple, D: int, dtype: torch.dtype, device: torch.device, seed: int) -> tuple:
+    """Fresh random (q, k, v, key_ok, slot) of `shape` = (B, n_kv, G, S, L, slot): keys twice the values' scale,
+    left padding of random length per row."""
     g = torch.Generator().manual_seed(seed)
     B, n_kv, G, S, L, slot = shape
-    H = n_kv * G
     k = (torch.randn(B, n_kv, S, D, generator=g) * 2).to(dtype).to(device)
     v = torch.randn(B, n_kv, S, D, generator=g).to(dtype).to(device)
-    q = torch.randn(B, H, D, generator=g).to(dtype).to(device)
+    q = torch.randn(B, n_kv * G, D, generator=g).to(dtype).to(device)
     key_ok = torch.ones(B, S, dtype=torch.bool)
-    for b in range(B):  # left padding of random length
+    for b in range(B):
         key_ok[b, :int(torch.randint(0, slot + 1, (1,), generator=g))] = False
-    key_ok = key_ok.to(device)
-    st = torch.tensor([slot], device=device)
+    return q, k, v, key_ok.to(device), torch.tensor([slot], device=device)
+
+
+def check_attention(kind: str | None, hadamard: bool, D: int, dtype: torch.dtype, device: torch.device,
+                    shape: tuple, seed: int = 0) -> float:
+    """Relative error (norm) of the kernel against float64 over the codec's values (the simulated cache's; for the
+    rotated int4 route the values computed from the codes, which that kernel attends over unrounded); kind None =
+    the kernel over a plain cache of `dtype` values (raw_decode_attention)."""
+    from parity.rollout import decode_attention as da
+    B, n_kv, G, S, L, slot = shape
+    H = n_kv * G
+    q, k, v, key_ok, st = attention_inputs(shape, D, dtype, device, seed)
     scale = D ** -0.5
     if kind is None:
         out = da.raw_decode_attention(q, k, v, key_ok, st, L, scale)
@@ -117,6 +124,8 @@ def check_attention(kind: str | None, hadamard: bool, D: int, dtype: torch.dtype
         cache.write(cache.layers[0], k, v, torch.zeros(1, dtype=torch.long, device=device))
         out = da.packed_decode_attention(q, cache, cache.layers[0], key_ok, st, L, scale)
         kh, vh = cache.values(cache.layers[0], L)
+        if da.int4_rotated(cache):  # attends over the codec's values before their rounding to the cache dtype
+            kh, vh = codec_values_f64(cache, cache.layers[0], "k", L), codec_values_f64(cache, cache.layers[0], "v", L)
     assert out.shape == (B, H * D) and out.dtype == dtype
     assert torch.isfinite(out).all()
     kmask = (torch.arange(L, device=device)[None, :] <= slot) & key_ok[:, :L]
@@ -128,3 +137,126 @@ def attention_bound(dtype: torch.dtype) -> float:
     """float32 arithmetic far under 1e-3 (2e-7 seen under the interpreter); bf16 operands, a bf16 output and bf16
     probabilities in the P V product: 2e-3 seen (an indexing or masking error gives errors of order 1)."""
     return 1e-5 if dtype == torch.float32 else 5e-3
+
+
+def codec_values_f64(cache: PackedKVCache, layer, which: str, L: int) -> torch.Tensor:
+    """The int4 codec's values of slots [0, L) in float64, computed from the stored codes and scale words (the
+    simulated cache holds them rounded to its dtype): d (H (n' - z)) s / D, or (n' - z) s without the rotation."""
+    from parity.precision.kv import _fwht, _rht_signs, unpack_nibbles
+    st = cache.state(layer, which, 0, L)
+    n = unpack_nibbles(st.codes).double() - st.zero.double()
+    if cache.hadamard:
+        n = _fwht(n) * _rht_signs(n.shape[-1], n.device).double() / n.shape[-1]
+    return n * st.scale.double()
+
+
+def check_int4_attention(D: int, dtype: torch.dtype, device: torch.device, shape: tuple, hadamard: bool,
+                         seed: int = 0, config: dict | None = None) -> tuple[float, float]:
+    """The rotated int4 attention (parity.rollout.int4_attention) on fresh random inputs and a NaN-poisoned output:
+    relative error (norm) against a float64 attention over the codec's values computed from the codes, and the
+    simulated cache's own distance from that attention (its values rounded to `dtype`). Checks that every output
+    element was written and that the merge counters are back at zero."""
+    from parity.rollout import int4_attention as ia
+    B, n_kv, G, S, L, slot = shape
+    H = n_kv * G
+    q, k, v, key_ok, st = attention_inputs(shape, D, dtype, device, seed)
+    codec = make_kv_codec("int4_per_token_head", D, hadamard=hadamard)
+    cache = PackedKVCache(codec, 1, B, n_kv, S, dtype, device)
+    layer = cache.layers[0]
+    cache.write(layer, k, v, torch.zeros(1, dtype=torch.long, device=device))
+    ws = ia.Workspace()
+    out = torch.full((B, H, D), float("nan"), dtype=dtype, device=device)
+    got = ia.int4_attention(ia.prepare_queries(q, hadamard), layer.k, layer.v, layer.k_scale, layer.v_scale, key_ok,
+                            st, L, D ** -0.5, hadamard, dtype, ws, config, out=out)
+    assert got.shape == (B, H * D) and got.dtype == dtype
+    assert torch.isfinite(got).all(), "output elements left unwritten (NaN poison) or not finite"
+    assert int(ws.count.abs().sum()) == 0, "merge counters not reset"
+    kmask = (torch.arange(L, device=device)[None, :] <= slot) & key_ok[:, :L]
+    want = attention_f64(q, codec_values_f64(cache, layer, "k", L), codec_values_f64(cache, layer, "v", L), kmask,
+                         D ** -0.5)
+    kh, vh = cache.values(layer, L)
+    sim = attention_f64(q, kh, vh, kmask, D ** -0.5)
+    return float((got.double() - want).norm() / want.norm()), float((sim - want).norm() / want.norm())
+
+
+def check_pre_attention(kind: str, hadamard: bool, D: int, dtype: torch.dtype, device: torch.device,
+                        rotated: bool, seed: int = 0) -> dict:
+    """The fused pre-attention kernel (parity.rollout.pre_attention) against the decode step's torch functions on
+    random projections: q/k norms and rotary (the kernel rounds the rotary once, from float32, as Inductor does),
+    the codec's codes of k and v in the cache, and the query side (the rotated query of the torch q, or q itself).
+    Returns the figures; asserts what must hold everywhere (v's codes exact, every output finite)."""
+    from parity.precision.kv import _fwht, _rht_signs
+    from parity.rollout.cuda_decode import _rms
+    from parity.rollout.pre_attention import fused_pre_attention
+    g = torch.Generator().manual_seed(seed)
+    B, H, n_kv, S, P = 3, 4, 2, 24, 40
+    codec = make_kv_codec(kind, D, hadamard=hadamard)
+    cache = PackedKVCache(codec, 1, B, n_kv, S, dtype, device)
+    layer = cache.layers[0]
+    qkv = (torch.randn(B, (H + 2 * n_kv) * D, generator=g) * 3).to(dtype).to(device)
+    q, k, v = qkv.split([H * D, n_kv * D, n_kv * D], dim=1)  # strided views, as the stacked product's split
+    qn = (1 + 0.3 * torch.randn(D, generator=g)).to(dtype).to(device)
+    kn = (1 + 0.3 * torch.randn(D, generator=g)).to(dtype).to(device)
+    ang = torch.arange(P)[:, None] * (10000.0 ** (-torch.arange(D // 2) / (D // 2)))[None, :]
+    cos = torch.cat([ang.cos(), ang.cos()], 1).to(dtype).to(device)
+    sin = torch.cat([ang.sin(), ang.sin()], 1).to(dtype).to(device)
+    pos = torch.randint(0, P, (B,), generator=g).to(device)
+    slot = torch.tensor([7], device=device)
+    eps = 1e-6
+    got = fused_pre_attention(q, k, v, qn, kn, eps, cos, sin, pos, cache, layer, slot, rotated)
+
+    def norm_rope(x, w, heads):
+        y = _rms(x.reshape(B, heads, D), w, eps).float()
+        c, s = cos[pos][:, None].float(), sin[pos][:, None].float()
+        rot = torch.cat([-y[..., D // 2:], y[..., :D // 2]], -1)
+        return (y * c + rot * s).to(dtype)
+
+    q_ref, k_ref, v_ref = norm_rope(q, qn, H), norm_rope(k, kn, n_kv), v.reshape(B, n_kv, D)
+    out = {}
+    for name, x_ref in (("k", k_ref), ("v", v_ref)):
+        st_ref, st_got = codec.pack(x_ref), cache.state(layer, name, 7, 8)
+        c_ref = st_ref.codes.view(torch.uint8).reshape(B, n_kv, -1)
+        c_got = st_got.codes.view(torch.uint8).reshape(B, n_kv, -1)
+        out[f"{name}_codes_differing"] = float((c_ref != c_got).float().mean())
+        vals = cache.values(layer, 8, lo=7)[0 if name == "k" else 1][:, :, 0]
+        want = codec.roundtrip(x_ref)
+        out[f"{name}_value_max_rel"] = float((vals.float() - want.float()).abs().max() / want.float().abs().max())
+    assert out["v_codes_differing"] == 0.0, "v's codes differ from the codec's"
+    if rotated:
+        assert torch.isfinite(got.rotated).all() and torch.isfinite(got.factors).all()
+        qr = q_ref.double()
+        if hadamard:
+            qr = _fwht(qr * _rht_signs(D, qr.device).double())
+        out["q_rotated_rel"] = float((got.rotated.double() - qr).norm() / qr.norm())
+    else:
+        assert got.shape == (B, H, D) and torch.isfinite(got).all()
+        out["q_rel"] = float((got.double() - q_ref.double()).norm() / q_ref.double().norm())
+    return out
+
+
+def teacher_forced_logprobs(eng, b, temperature: float, rows_per_forward: int = 4) -> torch.Tensor:
+    """[B, R] log-probs of `b`'s own response tokens under `eng`'s arithmetic with the simulated cache (every K/V
+    through the codec's round trip; no codec: the plain forward), all positions in one full-sequence forward per
+    group of rows: the reference a decode path is scored against on the tokens it sampled itself, so that one
+    early difference does not decide every later token (tests/test_kv_packed_cuda.py, tests/bench/gpu_bench_kv.py)."""
+    from parity.rollout.layout import positions, prefill_mask
+    out = []
+    P = b.prompts.shape[1]
+    inner = eng.model.model
+    dtype = eng.model.lm_head.weight.dtype
+    for rows in torch.arange(b.input_ids.shape[0]).split(rows_per_forward):
+        ids, am = b.input_ids[rows].to(eng.device), b.attention_mask[rows].to(eng.device)
+        B, T = ids.shape
+        with torch.no_grad():
+            h = inner.embed_tokens(ids)
+            cos, sin = inner.rotary_emb(h, positions(am))
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+            mask = prefill_mask(am)[:, None]
+            for layer in inner.layers:
+                cache = tuple(torch.zeros(B, eng.n_kv, T, eng.head_dim, dtype=dtype, device=eng.device) for _ in "kv")
+                h = eng._layer(layer, h, cos, sin, cache, 0, mask)
+            logits = eng.model.lm_head(inner.norm(h[:, P - 1:-1])).float()
+            resp = b.responses[rows].to(eng.device)
+            lp = torch.log_softmax(logits / temperature, -1).gather(-1, resp[..., None])[..., 0]
+        out.append(lp * b.response_mask[rows].to(eng.device))
+    return torch.cat(out)

@@ -3,6 +3,9 @@
 - the packed cache holds the codec's codes and scales and dequantizes to the simulated cache's values, bit for
   bit (every format, bf16 and fp32, head_dim 128 / 64 / 32: the three ways the int4 loader transforms);
 - the kernel on random lengths, head counts, left padding and split counts against a float64 attention;
+- the rotated int4 attention (parity.rollout.int4_attention) against a float64 attention over the codec's values
+  computed from the codes, on random lengths, rows, KV heads and group sizes, every launch configuration the
+  variant bench times, poisoned outputs; the fused pre-attention kernel against the step's torch functions;
 - the decode path's log-probs with the packed cache, scored on its own tokens against the codec's full-sequence
   arithmetic, as close as the simulated cache's decode (CUDA graphs; once with the layers compiled by Inductor).
 
@@ -25,7 +28,10 @@ from tests.kv_packed_checks import (  # noqa: E402
     SHAPES,
     attention_bound,
     check_attention,
+    check_int4_attention,
+    check_pre_attention,
     check_write_and_values,
+    teacher_forced_logprobs,
 )
 
 CUDA = torch.device("cuda")
@@ -62,6 +68,52 @@ def test_kernel_against_float64_on_random_lengths_and_heads(kind, hadamard, dtyp
                 assert err < attention_bound(dtype), (shape, D, programs_per_sm, err)
 
 
+# launch configurations of the rotated int4 kernel (tests/bench/gpu_int4_decode_variants.py times these)
+INT4_CONFIGS = [{}, {"ROWS": 8}, {"num_warps": 8}, {"ROWS": 32, "num_warps": 8}, {"num_stages": 3},
+                {"asm": False}, {"maxnreg": 168}, {"programs_per_sm": 0}, {"programs_per_sm": 10**6}]
+
+
+@pytest.mark.parametrize("cfg", INT4_CONFIGS, ids=[str(c) for c in INT4_CONFIGS])
+def test_int4_rotated_attention_configurations(cfg):
+    """Every launch configuration at the decode shape (batch 64, 8 KV heads, 2 query heads a KV head), bf16."""
+    for i, shape in enumerate([(64, 8, 2, 384, 384, 383), (64, 8, 2, 384, 256, 200), (5, 3, 2, 300, 190, 150)]):
+        err, sim = check_int4_attention(128, torch.bfloat16, CUDA, shape, True, seed=i, config=cfg)
+        assert err < 4e-3, (shape, cfg, err, sim)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+@pytest.mark.parametrize("hadamard", [True, False], ids=["rotated", "plain"])
+def test_int4_rotated_attention_against_float64(dtype, hadamard):
+    """Random rows, KV heads, group sizes, lengths, left padding and step slots; one split and many."""
+    g = torch.Generator().manual_seed(5 if hadamard else 6)
+    shapes = [(2, 2, 2, 150, 150, 149), (3, 1, 4, 96, 70, 51)]
+    for _ in range(4):
+        S = int(torch.randint(16, 600, (1,), generator=g))
+        L = int(torch.randint(1, S + 1, (1,), generator=g))
+        shapes.append((int(torch.randint(1, 17, (1,), generator=g)), int(torch.randint(1, 9, (1,), generator=g)),
+                       [1, 2, 4, 8][int(torch.randint(0, 4, (1,), generator=g))], S, L,
+                       int(torch.randint(0, L, (1,), generator=g))))
+    bound = 4e-3 if dtype == torch.bfloat16 else 1e-5
+    for i, shape in enumerate(shapes):
+        for cfg in ({}, {"programs_per_sm": 10**6}):
+            for D in (128, 64) if i < 2 else (128,):
+                err, sim = check_int4_attention(D, dtype, CUDA, shape, hadamard, seed=i, config=cfg)
+                assert err < bound, (shape, D, cfg, err, sim)
+
+
+@pytest.mark.parametrize("kind,hadamard,rotated", [("int4_per_token_head", True, True),
+                                                   ("int4_per_token_head", False, True),
+                                                   ("fp8_per_token_head", False, False), ("int8", False, False)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+def test_fused_pre_attention(kind, hadamard, rotated, dtype):
+    for D in (128, 64):
+        r = check_pre_attention(kind, hadamard, D, dtype, CUDA, rotated, seed=D)
+        # the GPU's rsqrt is not the CPU's: a k value on a rounding boundary may take the neighbouring code
+        assert r["k_codes_differing"] <= 0.02, r
+        assert r["k_value_max_rel"] < 0.1, r
+        assert r["q_rotated_rel" if rotated else "q_rel"] < (1e-5 if dtype == torch.float32 else 1e-2), r
+
+
 @pytest.mark.parametrize("kind,hadamard", FORMATS)
 def test_self_check_passes(kind, hadamard):
     from parity.rollout import decode_attention as da
@@ -86,29 +138,6 @@ def model_dir(tmp_path_factory):
 
 PROMPTS = [[int(x) for x in torch.randint(2, 512, (n,), generator=torch.Generator().manual_seed(n))]
            for n in (5, 17, 70, 1, 33, 64)]
-
-
-def teacher_forced_logprobs(eng, b, temperature: float) -> torch.Tensor:
-    """[B, R] log-probs of `b`'s own response tokens under `eng`'s arithmetic with the simulated cache (every K/V
-    through the codec's round trip), all positions in one full-sequence forward: the reference a decode path is
-    scored against on the tokens it sampled itself, so one early difference does not decide every later token."""
-    from parity.rollout.layout import positions, prefill_mask
-    ids, am = b.input_ids.to(eng.device), b.attention_mask.to(eng.device)
-    B, T = ids.shape
-    inner = eng.model.model
-    dtype = eng.model.lm_head.weight.dtype
-    with torch.no_grad():
-        h = inner.embed_tokens(ids)
-        cos, sin = inner.rotary_emb(h, positions(am))
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        mask = prefill_mask(am)[:, None]
-        for layer in inner.layers:
-            cache = tuple(torch.zeros(B, eng.n_kv, T, eng.head_dim, dtype=dtype, device=eng.device) for _ in "kv")
-            h = eng._layer(layer, h, cos, sin, cache, 0, mask)
-        P = b.prompts.shape[1]
-        logits = eng.model.lm_head(inner.norm(h[:, P - 1:-1])).float()
-        lp = torch.log_softmax(logits / temperature, -1).gather(-1, b.responses.to(eng.device)[..., None])[..., 0]
-    return lp * b.response_mask.to(eng.device)
 
 
 def _gap(eng, b, temperature: float) -> torch.Tensor:

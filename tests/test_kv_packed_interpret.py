@@ -60,10 +60,13 @@ def test_split_plan():
     assert split_plan(32, 8, 1000, CPU) == (2, 8)  # 256 programs: two splits of 8 tiles
 
 
-@pytest.mark.parametrize("kind", ["int4_per_token_head", "fp8_per_token_head"])
-def test_decode_path_interpreted_equals_simulated(kind, tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind,fused", [("int4_per_token_head", True), ("int4_per_token_head", False),
+                                        ("fp8_per_token_head", True)])
+def test_decode_path_interpreted_equals_simulated(kind, fused, tmp_path, monkeypatch):
     """The whole decode path with the packed cache and the kernels (interpreted) against the simulated cache,
-    float32: the same greedy tokens, log-probs to float32 rounding of the attention sum."""
+    float32: the same greedy tokens, log-probs to float32 rounding of the attention sum. Fused: the step's norms,
+    rotary, cache write and query preparation in one kernel (parity.rollout.pre_attention); else the torch
+    functions, the write kernel and the attention's own query launch."""
     import parity.rollout.cuda_decode as cd
     from parity.config.schema import TinyModelConfig
     from parity.models.tiny import build_tiny_model
@@ -75,6 +78,7 @@ def test_decode_path_interpreted_equals_simulated(kind, tmp_path, monkeypatch):
                       dtype=torch.float32)
     prompts = [[5, 9, 12, 3, 7], [4, 4], [11, 2, 8, 30, 1, 6, 6, 2]]
     spec = SamplingSpec(temperature=0.0, max_new_tokens=6, n=2, seed=1)
+    monkeypatch.setattr(cd, "_FUSED_PRE", fused)
     monkeypatch.setattr(cd, "_PACKED_KV", False)
     sim = fast_generate(eng, prompts, spec, use_graphs=False)
     monkeypatch.setattr(cd, "_PACKED_KV", True)

@@ -10,7 +10,8 @@ against BF16's; the mean |log-prob - BF16 forward's| of the sampled tokens. Then
 bytes at batch 64, the largest batch whose cache fits in it, and tokens/s at that batch.
 
 `attention_us`: the decode attention alone at batch 64 (28 layers' caches cycled so they come from memory), the
-packed kernel per format against the simulated path's two matmuls over a bf16 cache, and the GB/s each reaches.
+packed kernel per format (int4: the rotated-basis kernel with its query launch, and the previous kernel) against the
+simulated path's two matmuls over a bf16 cache, and the GB/s each reaches.
 """
 
 from __future__ import annotations
@@ -69,16 +70,25 @@ def _tok_s(eng, ps: list, spec, reps: int) -> tuple[float, object]:
     return n / t, b
 
 
-def _vs(a, b) -> dict:
-    """Log-probs of two batches of the same prompts and seeds where their tokens (and all before) agree."""
-    same = ((a.responses == b.responses) & a.response_mask & b.response_mask).long().cumprod(1).bool()
-    d = (a.rollout_logprobs - b.rollout_logprobs).abs()[same]
-    return {"agree_frac": float(same.float().mean()), "mean_abs_dlogp": float(d.mean()) if d.numel() else None,
-            "max_abs_dlogp": float(d.max()) if d.numel() else None}
+def _dlogp(eng, b) -> dict:
+    """|rollout log-prob - teacher-forced log-prob| of b's own tokens, the teacher the same engine's full forward with
+    the simulated cache (tests/kv_packed_checks.teacher_forced_logprobs; no codec: the plain forward)."""
+    import sys
+    from pathlib import Path
+    root = str(Path(__file__).resolve().parents[2])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from tests.kv_packed_checks import teacher_forced_logprobs
+    ref = teacher_forced_logprobs(eng, b, 1.0)
+    m = b.response_mask.to(ref.device)
+    d = (b.rollout_logprobs.to(ref.device) - ref).abs()[m].float()
+    return {"mean_abs_dlogp": float(d.mean()), "max_abs_dlogp": float(d.max()),
+            "p99_abs_dlogp": float(d.quantile(0.99)) if d.numel() <= 16_000_000 else None, "tokens": int(d.numel())}
 
 
 @section("kv")
-def kv_rows(d: str, reps: int, rows: list | None = None, budget_batches: bool = True) -> None:
+def kv_rows(d: str, reps: int, rows: list | None = None, budget_batches: bool = True,
+            teacher_forced: bool = True) -> None:
     from bench_gpu import profile_decode_step, teacher_forced_gap, weight_bytes
 
     import parity.rollout.cuda_decode as cd
@@ -94,7 +104,7 @@ def kv_rows(d: str, reps: int, rows: list | None = None, budget_batches: bool = 
     budget = BATCH * bf16_row
     out["kv_budget_bytes"] = budget
     out["slots"] = SLOTS
-    ref, batches = None, {}
+    ref = None
     for label, wa, kv, packed in rows or ROWS:
         row: dict = {}
         out[label] = row
@@ -111,7 +121,6 @@ def kv_rows(d: str, reps: int, rows: list | None = None, budget_batches: bool = 
         keep, cd._PACKED_KV = cd._PACKED_KV, packed
         try:
             tok_s, b = _tok_s(eng, prompts(BATCH), spec, reps)
-            batches[label] = b
             row.update(linear_path=eng.linear_path, kv_cache_layout=b.meta.get("kv_cache_layout"),
                        decode_path=b.meta.get("decode_path"), compile_error=eng.cuda_decoder.compile_error,
                        tok_s_b64=tok_s, weight_bytes=weight_bytes(eng.model))
@@ -128,6 +137,8 @@ def kv_rows(d: str, reps: int, rows: list | None = None, budget_batches: bool = 
             row["kv_cache_bytes_over_bf16"] = row["kv_cache_bytes_b64"] / base["kv_cache_bytes_b64"]
             row["mean_abs_dlogp_vs_bf16_forward"], row["max_abs_dlogp_vs_bf16_forward"] = teacher_forced_gap(
                 ref.model, b)
+            if teacher_forced and (kv != "bf16" or label == "bf16"):
+                row["dlogp_vs_teacher_forced_same_arithmetic"] = _dlogp(eng, b)
             if label == "int8_w8a8_int4kv":
                 row["decode_step_profile"] = profile_decode_step(eng)
             dump()
@@ -154,8 +165,14 @@ def kv_rows(d: str, reps: int, rows: list | None = None, budget_batches: bool = 
         torch.cuda.empty_cache()
         print(f"kv row {label}: {row}", flush=True)
         dump()
-    if "int8_w8a8_int4kv" in batches and "int8_w8a8_int4kv_simulated" in batches:
-        out["int4kv_packed_vs_simulated"] = _vs(batches["int8_w8a8_int4kv"], batches["int8_w8a8_int4kv_simulated"])
+    packed_gap = out.get("int8_w8a8_int4kv", {}).get("dlogp_vs_teacher_forced_same_arithmetic")
+    if packed_gap is not None:  # the packed cache against the simulated one, on the packed row's own tokens
+        out["int4kv_packed_vs_simulated"] = {
+            **packed_gap, "what": "|packed-cache rollout log-prob - simulated-cache full forward log-prob| of the "
+                                  "packed row's sampled tokens (W8A8 + INT4 KV, same engine and weights)",
+            "simulated_decode_same_measure": out.get("int8_w8a8_int4kv_simulated", {}).get(
+                "dlogp_vs_teacher_forced_same_arithmetic"),
+            "bf16_decode_same_measure": out.get("bf16", {}).get("dlogp_vs_teacher_forced_same_arithmetic")}
     out["summary"] = {k: {m: v.get(m) for m in ("tok_s_b64", "over_bf16_b64", "kv_bytes_per_step_over_bf16",
                                                 "of_roof_with_kv_b64", "max_batch_in_budget", "tok_s_max_batch",
                                                 "over_bf16_b64_at_max_batch")}
@@ -206,6 +223,15 @@ def attention_us(slots: tuple[int, ...] = (256, 384)) -> None:
                 [(lambda c=c, p=cache, L=L, s=slot: da.packed_decode_attention(q, p, c, key_ok, s, L, scale))
                  for c in cache.layers])
             row[f"kernel_{kind}_GBps"] = 2 * B * n_kv * L * codec.bytes_per_token_head() / us / 1e3
+            if kind == "int4_per_token_head":  # A/B: the previous kernel (dequantizes every key and value)
+                keep, da.INT4_ROTATED = da.INT4_ROTATED, False
+                try:
+                    row["kernel_int4_previous"] = us = graph_us(
+                        [(lambda c=c, p=cache, L=L, s=slot: da.packed_decode_attention(q, p, c, key_ok, s, L, scale))
+                         for c in cache.layers])
+                finally:
+                    da.INT4_ROTATED = keep
+                row["kernel_int4_previous_GBps"] = 2 * B * n_kv * L * codec.bytes_per_token_head() / us / 1e3
             del cache
         print(f"kv attention L={L}: {row}", flush=True)
     del kv

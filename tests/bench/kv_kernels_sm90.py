@@ -1,15 +1,21 @@
 """Compile the packed KV cache's Triton kernels for the H200 (sm_90a) on a machine without a GPU and report, per
 variant, registers, spills and the matrix instructions in the SASS (Triton's bundled ptxas and cuobjdump): a
-compile error, a spill or a missing tensor-core path shows here at no device time.
+compile error, a spill or a missing tensor-core path shows here at no device time. Pointer arguments and the
+integer arguments that are multiples of 16 on the device are specialised as the JIT does (tt.divisibility 16:
+without it loads are not vectorised and the SASS is not the device's). For the rotated int4 attention and the fused
+pre-attention kernel it also counts the instructions of the main loop (warp instructions per 64 slots), the figure
+the predictions in docs/PERFORMANCE.md start from.
 
-    .venv/bin/python tests/bench/kv_kernels_sm90.py          (needs triton; no GPU)
+    python tests/bench/kv_kernels_sm90.py [--int4-only]       (needs triton; no GPU)
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import re
 import subprocess
+import sys
 import tempfile
 
 import triton
@@ -18,6 +24,8 @@ from triton.compiler import ASTSource
 
 import parity.precision.kv_packed as kp
 import parity.rollout.decode_attention as da
+import parity.rollout.int4_attention as ia
+import parity.rollout.pre_attention as pa
 
 TARGET = GPUTarget("cuda", 90, 32)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -25,9 +33,11 @@ CODE = {kp.KIND_INT8: "*i8", kp.KIND_FP8: "*fp8e4nv", kp.KIND_FP8_PTH: "*fp8e4nv
 SCALE = {kp.KIND_INT8: "*fp32", kp.KIND_FP8_PTH: "*fp32", kp.KIND_INT4: "*i32"}
 
 
-def report(name: str, fn, sig: dict, const: dict, opts: dict) -> str:
+def report(name: str, fn, sig: dict, const: dict, opts: dict, div16: tuple = (), loop_slots: int = 0) -> str:
     sig = {**sig, **{k: "constexpr" for k in const}}
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=TARGET, options=opts)
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items()
+             if t.startswith("*") or a in div16}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs), target=TARGET, options=opts)
     d = tempfile.mkdtemp()
     with open(f"{d}/k.ptx", "w") as f:
         f.write(k.asm["ptx"])
@@ -41,11 +51,62 @@ def report(name: str, fn, sig: dict, const: dict, opts: dict) -> str:
     ops = {op: len(re.findall(rf"\b{op}\b", sass)) for op in ("IGMMA", "HGMMA", "IMMA", "HMMA", "FFMA", "STL")}
     line = (f"{name:58s} regs {regs.group(1) if regs else '?':>4s} spill {spill.group(1) if spill else '?':>3s} "
             f"smem {k.metadata.shared:>6d}  " + " ".join(f"{a}={b}" for a, b in ops.items() if b))
+    if loop_slots:
+        body = main_loop(sass)
+        mix = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", i).split()[0].split(".")[0] for i in body)
+        per64 = len(body) * opts["num_warps"] * 64 / loop_slots
+        line += (f"\n    main loop {len(body)} instructions a warp per {loop_slots} slots = {per64:.0f} warp "
+                 f"instructions per 64 slots: " + " ".join(f"{a}={b}" for a, b in mix.most_common(14)))
     print(line, flush=True)
     return line
 
 
+def main_loop(sass: str) -> list[str]:
+    """The instructions of the longest backward branch's body (the kernel's slot loop)."""
+    lines = [(int(m.group(1), 16), m.group(2)) for m in
+             (re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", x) for x in sass.splitlines()) if m]
+    best: list[str] = []
+    for addr, ins in lines:
+        t = re.search(r"BRA\s.*?0x([0-9a-f]+)", ins)
+        if t and int(t.group(1), 16) < addr:
+            body = [i for a, i in lines if int(t.group(1), 16) <= a <= addr]
+            best = body if len(body) > len(best) else best
+    return best
+
+
+def int4_kernels() -> None:
+    ints = dict.fromkeys(("L", "S", "n_kv", "H", "split_slots", "n_split", "ok_stride", "cap"), "i32")
+    sig = {"qr_ptr": "*fp32", "qi_ptr": "*i8", "qc_ptr": "*fp32", "kc_ptr": "*u8", "vc_ptr": "*u8", "ks_ptr": "*i32",
+           "vs_ptr": "*i32", "ok_ptr": "*u8", "slot_ptr": "*i64", "o_ptr": "*bf16", "pm_ptr": "*fp32",
+           "pl_ptr": "*fp32", "pu_ptr": "*fp32", "cnt_ptr": "*i32", "hp_ptr": "*fp32", "sg_ptr": "*fp32",
+           "qk_scale": "fp32", **ints}
+    for rows, warps, stages, one, reg in [(16, 4, 2, False, 0), (16, 4, 2, True, 0), (8, 4, 2, False, 0),
+                                          (16, 8, 2, False, 0), (32, 8, 2, False, 0), (16, 4, 3, False, 0),
+                                          (16, 4, 2, False, 128)]:
+        opts = {"num_warps": warps, "num_stages": stages, **({"maxnreg": reg} if reg else {})}
+        report(f"int4 rotated rows={rows} warps={warps} stages={stages} one_split={one} maxnreg={reg or '-'}",
+               ia._int4_attn_kernel, sig,
+               {"G": 2, "GP": 2, "BLOCK_G": 16, "ROWS": rows, "D": 128, "HADAMARD": True, "EXACT": False,
+                "ASM": True, "ONE_SPLIT": one}, opts, div16=("L", "S", "H", "split_slots", "ok_stride"),
+               loop_slots=rows * 8)
+    report("int4 query preparation", ia._query_kernel,
+           {"q_ptr": "*bf16", "qf_ptr": "*fp32", "qi_ptr": "*i8", "qc_ptr": "*fp32", "sg_ptr": "*fp32",
+            "hm_ptr": "*bf16", "rows": "i32"}, {"D": 128, "HADAMARD": True}, {"num_warps": 4})
+    floats = dict.fromkeys(("eps", "fp8_inv", "min_scale", "inv127", "inv15", "inv448"), "fp32")
+    report("fused pre-attention (int4, rotated queries)", pa._pre_attention_kernel,
+           {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "q_rs": "i32", "k_rs": "i32", "v_rs": "i32",
+            "qn_ptr": "*bf16", "kn_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "pos_ptr": "*i64",
+            "kc_ptr": "*u8", "vc_ptr": "*u8", "ks_ptr": "*i32", "vs_ptr": "*i32", "slot_ptr": "*i64",
+            "sgn_ptr": "*fp32", "qf_ptr": "*fp32", "qi_ptr": "*i8", "qc_ptr": "*fp32", "qsg_ptr": "*fp32",
+            "hm_ptr": "*bf16", "qo_ptr": "*fp32", "S": "i32", "n_kv": "i32", "H": "i32", **floats},
+           {"D": 128, "HB": 16, "KB": 8, "KIND": kp.KIND_INT4, "HADAMARD": True, "QMODE": 1, "LOG2D": 7},
+           {"num_warps": 4, "enable_fp_fusion": False}, div16=("q_rs", "k_rs", "v_rs", "S", "H"))
+
+
 def main() -> None:
+    int4_kernels()
+    if "--int4-only" in sys.argv:
+        return
     for kind, had, D, dt in [(kp.KIND_INT4, True, 128, "bf16"), (kp.KIND_INT4, False, 128, "bf16"),
                              (kp.KIND_INT8, False, 128, "bf16"), (kp.KIND_FP8, False, 128, "bf16"),
                              (kp.KIND_FP8_PTH, False, 128, "bf16"), (kp.KIND_INT4, True, 64, "bf16"),

@@ -242,8 +242,18 @@ if triton is not None:
         src = (bh // n_kv).to(tl.int64) * sb + (bh % n_kv).to(tl.int64) * sh + t.to(tl.int64) * st
         cols = tl.arange(0, D)
         raw = tl.load(x_ptr + src[:, None] + cols[None, :], mask=ok[:, None], other=0.0)
-        x = raw.to(tl.float32)
         dst = bh.to(tl.int64) * S + slot0 + t
+        _encode_store(raw, ok, dst, c_ptr, s_ptr, sgn_ptr, fp8_inv, min_scale, inv127, inv15, inv448, KIND,
+                      HADAMARD, D, ROWS, LOG2D)
+
+    @triton.jit
+    def _encode_store(raw, ok, dst, c_ptr, s_ptr, sgn_ptr, fp8_inv, min_scale, inv127, inv15, inv448,
+                      KIND: tl.constexpr, HADAMARD: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
+                      LOG2D: tl.constexpr):
+        """ROWS token-heads raw [ROWS, D] (valid where ok) -> codes and scales at cache rows dst: the codec's
+        operations (see _quant_store). Shared with the fused pre-attention kernel (parity.rollout.pre_attention)."""
+        cols = tl.arange(0, D)
+        x = raw.to(tl.float32)
         one = tl.full([ROWS], 1.0, tl.float32)
         if KIND == 4:
             if HADAMARD:  # kv.hadamard_rotate: the sign diagonal, then kv._fwht's butterflies, stage h = 1, 2, 4..

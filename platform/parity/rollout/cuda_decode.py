@@ -13,9 +13,9 @@ from the plain loop, and why:
 - All per-step state lives on the device (step counter, write slot, positions, done flags); a replay reads
   the token the previous replay sampled, so the host only replays and, every `_DONE_CHECK` steps, looks at
   whether every row has finished.
-- A layer's decode is two pure-tensor functions (_pre_attention, _post_attention: HF Qwen3's arithmetic,
-  QuantLinear's forward for quantized projections), compiled once by Inductor on CUDA and shared by all
-  layers: the graph alone still replays ~45 tiny kernels a layer; fused element-wise work nearly halves the
+- A layer's decode is two pure-tensor functions (_pre_attention, _post_attention, in rollout/decode_layers.py: HF
+  Qwen3's arithmetic, QuantLinear's forward for quantized projections), compiled once by Inductor on CUDA and
+  shared by all layers: the graph alone still replays ~45 tiny kernels a layer; fused element-wise work nearly halves the
   step (docs/PERFORMANCE.md). A compile failure falls back to the same functions uncompiled
   (`engine.cuda_decoder.compile_error`); `engine.cuda_decoder.compile = False` turns compilation off. With a
   bf16 cache the pre-attention function also writes k and v into the cache (`_pre_attention_write`: one kernel
@@ -34,8 +34,12 @@ from the plain loop, and why:
   the same distribution, the same per-row uniforms, without a [B, V] sort per step. Greedy and top_p < 1
   use TorchEngine.sample unchanged (bit-identical rules).
 - A low-precision KV cache is stored packed (precision/kv_packed.py: 68 bytes a token-head for int4 against 256)
-  and read by a Triton decode-attention kernel that dequantizes in registers to exactly the simulated cache's
-  values (rollout/decode_attention.py); `_PACKED_KV = False` keeps the simulated cache, the reference.
+  and read by a Triton decode-attention kernel over the simulated cache's values (rollout/decode_attention.py;
+  int4 per token-head in the rotated basis, rollout/int4_attention.py); `_PACKED_KV = False` keeps the simulated
+  cache, the reference. With it a layer is: a compiled function ending at the q/k/v product, one Triton kernel for
+  the q/k norms, rotary, cache write and query preparation (rollout/pre_attention.py, `_FUSED_PRE`), the attention
+  kernel, and a compiled function from o_proj through the MLP and on to the next layer's q/k/v product (the
+  residual add fused into the next input norm).
   `engine.kv_budget_bytes` caps the cache; a call with more rows runs in chunks that fit (rollout/kv_budget.py).
 
 The prefill (`CudaDecoder.prefill`) is TorchEngine.forward's arithmetic writing into the static cache, with the
@@ -51,10 +55,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from parity.precision.linear import quant_linear_forward
 from parity.rollout.base import SamplingSpec
+from parity.rollout.decode_layers import (  # noqa: F401  (tests and benchmarks import some here)
+    _decode_attention,
+    _linear,
+    _o_proj_mlp,
+    _o_proj_mlp_project,
+    _post_attention,
+    _pre_attention,
+    _pre_attention_write,
+    _prefill_post,
+    _prefill_pre,
+    _project,
+    _project_qkv,
+    _rms,
+    _rope,
+)
 from parity.rollout.layout import key_slots, layout_batch, positions, prefill_mask
 from parity.rollout.sampling import _cdf_block, sample_inverse_cdf  # noqa: F401  (tests and benchmarks import them here)
 from parity.types import RolloutBatch
@@ -80,6 +97,10 @@ _PIN_INT8 = True
 # A low-precision KV cache stored packed and read by the Triton decode-attention kernel on CUDA (see the module
 # docstring); False: the simulated cache (bf16 values of the codec's roundtrip, the reference; benchmark A/B)
 _PACKED_KV = True
+# With a packed cache, the step's q/k norms, rotary, cache write and query preparation run as one Triton kernel
+# after a compiled function that ends at the q/k/v product (rollout/pre_attention.py); False: the compiled
+# pre-attention function, the write kernel and the attention's own query launch (benchmark A/B)
+_FUSED_PRE = True
 
 
 def supports(engine: Any) -> bool:
@@ -132,105 +153,6 @@ class DecodeState:
     graphs: dict = field(default_factory=dict)  # attended cache length L -> captured decode step
     pool: Any = None  # one memory pool shared by the graphs (they never replay concurrently)
     extras: dict = field(default_factory=dict)
-
-
-def _decode_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, kmask: torch.Tensor,
-                      scale: float) -> torch.Tensor:
-    """q [B, H, D] against the cache [B, n_kv, S, D]; query head h reads KV head h // (H / n_kv) as in HF."""
-    B, H, D = q.shape
-    n_kv = ck.shape[1]
-    qg = q.view(B, n_kv, H // n_kv, D)
-    scores = torch.matmul(qg, ck.transpose(-1, -2)).float() * scale  # [B, n_kv, g, S]
-    scores = scores.masked_fill(~kmask[:, None, None, :], float("-inf"))
-    p = torch.softmax(scores, dim=-1).to(cv.dtype)
-    return torch.matmul(p, cv).reshape(B, H * D)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF Qwen3RMSNorm's arithmetic: float32 normalisation, cast back, then the weight."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w * xf.to(x.dtype)
-
-
-def _linear(x: torch.Tensor, lin: tuple) -> torch.Tensor:
-    """lin = (weight, scale | None, bias | None, kind): kind None = plain nn.Linear, else QuantLinear's
-    (weights, activations, path), computed by its own forward function."""
-    w, scale, bias, kind = lin
-    if kind is None:
-        return F.linear(x, w, bias)
-    return quant_linear_forward(x, w, scale, bias, *kind)
-
-
-def _project(x: torch.Tensor, lins: tuple, sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
-    """One product per entry of `lins`; a single (fused) entry's output is split into `sizes` columns."""
-    if len(lins) == 1:
-        return _linear(x, lins[0]).split(sizes, dim=-1)
-    return tuple(_linear(x, lin) for lin in lins)
-
-
-def _pre_attention(h: torch.Tensor, ln: torch.Tensor, eps: float, lqkv: tuple, sizes: tuple[int, ...],
-                   qn: torch.Tensor, kn: torch.Tensor, eps_qk: float, cos: torch.Tensor, sin: torch.Tensor, D: int):
-    """h [B, 1, hidden] -> rotated q [B, H, D], rotated k and v [B, n_kv, D] (HF Qwen3Attention's order)."""
-    B = h.shape[0]
-    x = _rms(h, ln, eps)[:, 0]
-    q, k, v = _project(x, lqkv, sizes)
-    q = _rope(_rms(q.reshape(B, -1, D), qn, eps_qk), cos, sin)
-    k = _rope(_rms(k.reshape(B, -1, D), kn, eps_qk), cos, sin)
-    return q, k, v.reshape(B, -1, D)
-
-
-def _pre_attention_write(h: torch.Tensor, ln: torch.Tensor, eps: float, lqkv: tuple, sizes: tuple[int, ...],
-                         qn: torch.Tensor, kn: torch.Tensor, eps_qk: float, cos: torch.Tensor, sin: torch.Tensor,
-                         D: int, ck: torch.Tensor, cv: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
-    """_pre_attention that also writes k and v into the caches at `slot` and returns q: compiled, the rotary
-    and the cache writes are one kernel instead of three (bf16 cache, no codec)."""
-    q, k, v = _pre_attention(h, ln, eps, lqkv, sizes, qn, kn, eps_qk, cos, sin, D)
-    ck.index_copy_(2, slot, k[:, :, None].to(ck.dtype))
-    cv.index_copy_(2, slot, v[:, :, None].to(cv.dtype))
-    return q
-
-
-def _post_attention(h: torch.Tensor, q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, kmask: torch.Tensor,
-                    scale: float, lo: tuple, ln: torch.Tensor, eps: float, lgu: tuple, sizes: tuple[int, ...],
-                    ld: tuple):
-    """Attention over the cache, o_proj, residual, post-norm, SiLU-gated MLP, residual."""
-    out = _decode_attention(q.to(ck.dtype), ck, cv, kmask, scale).to(h.dtype)
-    return _o_proj_mlp(h, out[:, None], lo, ln, eps, lgu, sizes, ld)
-
-
-def _o_proj_mlp(h: torch.Tensor, attn: torch.Tensor, lo: tuple, ln: torch.Tensor, eps: float, lgu: tuple,
-                sizes: tuple[int, ...], ld: tuple) -> torch.Tensor:
-    """The rest of a layer after attention (attn [B, T, H * D], h [B, T, hidden]): o_proj, residual, post-norm,
-    SiLU-gated MLP (gate/up as one product when stacked), residual. Shared by the decode step and the prefill."""
-    h = h + _linear(attn, lo)
-    g, u = _project(_rms(h, ln, eps), lgu, sizes)
-    return h + _linear(F.silu(g) * u, ld)
-
-
-def _prefill_pre(h: torch.Tensor, ln: torch.Tensor, eps: float, lqkv: tuple, sizes: tuple[int, ...],
-                 qn: torch.Tensor, kn: torch.Tensor, eps_qk: float, cos: torch.Tensor, sin: torch.Tensor, D: int):
-    """The prefill's half of a layer before the cache write, TorchEngine's layer arithmetic with q/k/v as one
-    product: h [B, T, hidden] -> q [B, H, T, D], k and v [B, n_kv, T, D] (cos/sin [B, 1, T, D])."""
-    B, T, _ = h.shape
-    q, k, v = _project(_rms(h, ln, eps), lqkv, sizes)
-    q = _rope(_rms(q.view(B, T, -1, D), qn, eps_qk).transpose(1, 2), cos, sin)
-    k = _rope(_rms(k.view(B, T, -1, D), kn, eps_qk).transpose(1, 2), cos, sin)
-    return q, k, v.view(B, T, -1, D).transpose(1, 2)
-
-
-def _prefill_post(h: torch.Tensor, q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, mask: torch.Tensor,
-                  scale: float, lo: tuple, ln: torch.Tensor, eps: float, lgu: tuple, sizes: tuple[int, ...],
-                  ld: tuple):
-    """Attention of the prompt over the cache's first T slots, o_proj, residual, MLP (gate/up as one product)."""
-    B, T, _ = h.shape
-    out = F.scaled_dot_product_attention(q, ck, cv, attn_mask=mask, scale=scale, enable_gqa=True)
-    return _o_proj_mlp(h, out.transpose(1, 2).reshape(B, T, -1), lo, ln, eps, lgu, sizes, ld)
 
 
 def _lin_of(mod: torch.nn.Module) -> tuple:
@@ -442,15 +364,16 @@ class CudaDecoder:
 
     def layer_functions(self, want: bool) -> tuple:
         """The per-layer decode functions (pre-attention, post-attention, pre-attention with the cache write, o_proj +
-        MLP for the packed cache), compiled with Inductor when `want` (every layer has the same shapes, so each
+        MLP for the packed cache, the q/k/v product for the fused pre-attention kernel, and the two joined across a
+        layer boundary), compiled with Inductor when `want` (every layer has the same shapes, so each
         compiles once and serves all 28); plain functions otherwise."""
+        fns = (_pre_attention, _post_attention, _pre_attention_write, _o_proj_mlp, _project_qkv, _o_proj_mlp_project)
         if not want:
-            return _pre_attention, _post_attention, _pre_attention_write, _o_proj_mlp
+            return fns
         if self._decode_fns is None:
             from parity.training.fast_compile import raise_recompile_limit
             raise_recompile_limit(64)  # one specialisation per attended length L and per engine's weight formats
-            self._decode_fns = tuple(torch.compile(f, dynamic=False, fullgraph=True)
-                                     for f in (_pre_attention, _post_attention, _pre_attention_write, _o_proj_mlp))
+            self._decode_fns = tuple(torch.compile(f, dynamic=False, fullgraph=True) for f in fns)
         return self._decode_fns
 
     # ---- the prompt forward ----
@@ -513,17 +436,33 @@ class CudaDecoder:
         the slot): logits [B, V] float32."""
         eng = self.engine
         inner, D = eng.model.model, eng.head_dim
-        pre_fn, post_fn, pre_write_fn, o_mlp_fn = st.extras["fns"]
+        pre_fn, post_fn, pre_write_fn, o_mlp_fn, proj_fn, mid_fn = st.extras["fns"]
         pos = st.plen + st.t
         slot = st.start + st.t
-        cos, sin = st.cos[pos][:, None, :], st.sin[pos][:, None, :]  # [B, 1, D], broadcast over heads
-        kmask = (torch.arange(L, device=tok.device)[None, :] <= slot) & st.key_ok[:, :L]
         h = inner.embed_tokens(tok[:, None])  # [B, 1, hidden]
         fused_write = _FUSED_CACHE_WRITE and eng.kv_codec is None
         packed = st.extras.get("packed")
         if packed is not None:
-            from parity.rollout.decode_attention import packed_decode_attention
-        for (pre, post), cache in zip(st.extras["layers"], st.caches):
+            from parity.rollout import pre_attention
+            from parity.rollout.decode_attention import int4_rotated, packed_decode_attention
+            fused = _FUSED_PRE and pre_attention.usable(packed)
+            rotated = int4_rotated(packed)
+        layers = st.extras["layers"]
+        if packed is not None and fused:  # q/k/v product, one kernel to the attention's inputs, attention, MLP
+            qr, kr, vr = proj_fn(h, *layers[0][0][:4])
+            for i, ((pre, post), cache) in enumerate(zip(layers, st.caches)):
+                qs = pre_attention.fused_pre_attention(qr, kr, vr, pre[4], pre[5], pre[6], st.cos, st.sin, pos,
+                                                       packed, cache, slot, rotated)
+                out = packed_decode_attention(None if rotated else qs, packed, cache, st.key_ok, slot, L, post[0],
+                                              queries=qs if rotated else None)
+                if i + 1 < len(layers):  # the residual add goes into the next layer's input norm
+                    h, qr, kr, vr = mid_fn(h, out[:, None], *post[1:], *layers[i + 1][0][:4])
+                else:
+                    h = o_mlp_fn(h, out[:, None], *post[1:])
+            return eng.model.lm_head(inner.norm(h[:, -1])).float()
+        cos, sin = st.cos[pos][:, None, :], st.sin[pos][:, None, :]  # [B, 1, D], broadcast over heads
+        kmask = (torch.arange(L, device=tok.device)[None, :] <= slot) & st.key_ok[:, :L]
+        for (pre, post), cache in zip(layers, st.caches):
             if packed is not None:  # packed cache: the write kernel, then the decode-attention kernel reading it
                 q, k, v = pre_fn(h, *pre, cos, sin, D)
                 packed.write(cache, k, v, slot)

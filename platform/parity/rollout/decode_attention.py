@@ -1,5 +1,9 @@
 """Decode attention over a packed KV cache (parity.precision.kv_packed): one Triton kernel, flash-decoding style.
 
+The int4 per-token-head cache with head_dim >= 64 takes parity.rollout.int4_attention instead (`INT4_ROTATED`):
+attention in the rotated basis, which reads the codes without dequantizing them. The kernel below serves the
+other formats, and int4 with `INT4_ROTATED = False` (the previous design, for A/B runs):
+
 One query token per batch row attends over the cache's first L slots, of which it sees slot j when j <= slot (the
 step's own, just written) and key_ok[b, j] (no left padding). A program takes one (row, KV head) and one split of
 the slots: the query heads of that KV head (grouped-query attention: query head h reads KV head h // G, as in HF)
@@ -22,6 +26,7 @@ import os
 import torch
 
 from parity.precision.kv_packed import (
+    KIND_INT4,
     KIND_RAW,
     PACKED_KINDS,
     PackedKVCache,
@@ -44,6 +49,9 @@ _PROGRAMS_PER_SM = 2
 _UNTUNED_TILE = 64  # the kernel's tile off CUDA (the interpreter), where nothing is tuned
 _DEFAULT_SMS = 132
 unusable_reason: str | None = None  # why usable() said no, for reports
+# int4 per-token-head caches attend in the rotated basis (parity.rollout.int4_attention); False: this module's
+# kernel, which dequantizes every key and value (benchmark A/B)
+INT4_ROTATED = True
 
 
 @functools.cache
@@ -97,10 +105,31 @@ def torch_decode_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, 
     return torch.matmul(p, cv).reshape(B, H * D)
 
 
+def _workspace(cache: PackedKVCache):
+    """The rotated int4 attention's split buffers of this cache, shared by its layers (they run one after another)."""
+    ws = getattr(cache, "_int4_workspace", None)
+    if ws is None:
+        from parity.rollout.int4_attention import Workspace
+        ws = cache._int4_workspace = Workspace()
+    return ws
+
+
+def int4_rotated(cache: PackedKVCache) -> bool:
+    """Whether this cache's attention is parity.rollout.int4_attention's (rotated basis, Triton backend)."""
+    return (INT4_ROTATED and cache.backend == "triton" and cache.kind_id == KIND_INT4 and cache.head_dim >= 64)
+
+
 def packed_decode_attention(q: torch.Tensor, cache: PackedKVCache, layer: PackedLayer, key_ok: torch.Tensor,
-                            slot: torch.Tensor, L: int, scale: float) -> torch.Tensor:
+                            slot: torch.Tensor, L: int, scale: float, queries=None) -> torch.Tensor:
     """Attention of q [B, H, D] over slots [0, L) of one layer of the packed cache: [B, H * D] in q's dtype.
-    key_ok [B, S] bool; slot long [1] (the step's slot: later slots are not seen)."""
+    key_ok [B, S] bool; slot long [1] (the step's slot: later slots are not seen). For the rotated int4 route,
+    `queries` (int4_attention.Queries of q, from the fused pre-attention kernel) saves the query launch; q may
+    then be None."""
+    if int4_rotated(cache):
+        from parity.rollout import int4_attention as ia
+        qs = queries if queries is not None else ia.prepare_queries(q, cache.hadamard)
+        return ia.int4_attention(qs, layer.k, layer.v, layer.k_scale, layer.v_scale, key_ok, slot, L, scale,
+                                 cache.hadamard, cache.dtype, _workspace(cache))
     B, H, D = q.shape
     if cache.backend == "torch":
         ck, cv = cache.values(layer, L)

@@ -1,0 +1,125 @@
+"""The arithmetic of one decoder layer on the CUDA decode path (parity.rollout.cuda_decode), as pure tensor
+functions that Inductor compiles once and every layer shares: HF Qwen3's order of operations, QuantLinear's
+forward for quantized projections, q/k/v and gate/up as one product each when stacked."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from parity.precision.linear import quant_linear_forward
+
+
+def _decode_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, kmask: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """q [B, H, D] against the cache [B, n_kv, S, D]; query head h reads KV head h // (H / n_kv) as in HF."""
+    B, H, D = q.shape
+    n_kv = ck.shape[1]
+    qg = q.view(B, n_kv, H // n_kv, D)
+    scores = torch.matmul(qg, ck.transpose(-1, -2)).float() * scale  # [B, n_kv, g, S]
+    scores = scores.masked_fill(~kmask[:, None, None, :], float("-inf"))
+    p = torch.softmax(scores, dim=-1).to(cv.dtype)
+    return torch.matmul(p, cv).reshape(B, H * D)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF Qwen3RMSNorm's arithmetic: float32 normalisation, cast back, then the weight."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+def _linear(x: torch.Tensor, lin: tuple) -> torch.Tensor:
+    """lin = (weight, scale | None, bias | None, kind): kind None = plain nn.Linear, else QuantLinear's
+    (weights, activations, path), computed by its own forward function."""
+    w, scale, bias, kind = lin
+    if kind is None:
+        return F.linear(x, w, bias)
+    return quant_linear_forward(x, w, scale, bias, *kind)
+
+
+def _project(x: torch.Tensor, lins: tuple, sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """One product per entry of `lins`; a single (fused) entry's output is split into `sizes` columns."""
+    if len(lins) == 1:
+        return _linear(x, lins[0]).split(sizes, dim=-1)
+    return tuple(_linear(x, lin) for lin in lins)
+
+
+def _pre_attention(h: torch.Tensor, ln: torch.Tensor, eps: float, lqkv: tuple, sizes: tuple[int, ...],
+                   qn: torch.Tensor, kn: torch.Tensor, eps_qk: float, cos: torch.Tensor, sin: torch.Tensor, D: int):
+    """h [B, 1, hidden] -> rotated q [B, H, D], rotated k and v [B, n_kv, D] (HF Qwen3Attention's order)."""
+    B = h.shape[0]
+    x = _rms(h, ln, eps)[:, 0]
+    q, k, v = _project(x, lqkv, sizes)
+    q = _rope(_rms(q.reshape(B, -1, D), qn, eps_qk), cos, sin)
+    k = _rope(_rms(k.reshape(B, -1, D), kn, eps_qk), cos, sin)
+    return q, k, v.reshape(B, -1, D)
+
+
+def _project_qkv(h: torch.Tensor, ln: torch.Tensor, eps: float, lqkv: tuple, sizes: tuple[int, ...]):
+    """The first half of _pre_attention: input norm and the q/k/v product(s), raw q [B, H * D], k, v [B, n_kv * D]
+    (the fused pre-attention kernel does the rest)."""
+    return _project(_rms(h, ln, eps)[:, 0], lqkv, sizes)
+
+
+def _o_proj_mlp_project(h: torch.Tensor, attn: torch.Tensor, lo: tuple, ln: torch.Tensor, eps: float, lgu: tuple,
+                        sizes: tuple[int, ...], ld: tuple, ln_next: torch.Tensor, eps_next: float, lqkv_next: tuple,
+                        sizes_next: tuple[int, ...]):
+    """_o_proj_mlp of one layer and _project_qkv of the next in one compiled function, so that the layer's last
+    residual add is fused into the next layer's input norm (and its activation quantization) instead of being a
+    kernel of its own: (h, q, k, v of the next layer)."""
+    h = _o_proj_mlp(h, attn, lo, ln, eps, lgu, sizes, ld)
+    return (h, *_project_qkv(h, ln_next, eps_next, lqkv_next, sizes_next))
+
+
+def _pre_attention_write(h: torch.Tensor, ln: torch.Tensor, eps: float, lqkv: tuple, sizes: tuple[int, ...],
+                         qn: torch.Tensor, kn: torch.Tensor, eps_qk: float, cos: torch.Tensor, sin: torch.Tensor,
+                         D: int, ck: torch.Tensor, cv: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """_pre_attention that also writes k and v into the caches at `slot` and returns q: compiled, the rotary
+    and the cache writes are one kernel instead of three (bf16 cache, no codec)."""
+    q, k, v = _pre_attention(h, ln, eps, lqkv, sizes, qn, kn, eps_qk, cos, sin, D)
+    ck.index_copy_(2, slot, k[:, :, None].to(ck.dtype))
+    cv.index_copy_(2, slot, v[:, :, None].to(cv.dtype))
+    return q
+
+
+def _post_attention(h: torch.Tensor, q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, kmask: torch.Tensor,
+                    scale: float, lo: tuple, ln: torch.Tensor, eps: float, lgu: tuple, sizes: tuple[int, ...],
+                    ld: tuple):
+    """Attention over the cache, o_proj, residual, post-norm, SiLU-gated MLP, residual."""
+    out = _decode_attention(q.to(ck.dtype), ck, cv, kmask, scale).to(h.dtype)
+    return _o_proj_mlp(h, out[:, None], lo, ln, eps, lgu, sizes, ld)
+
+
+def _o_proj_mlp(h: torch.Tensor, attn: torch.Tensor, lo: tuple, ln: torch.Tensor, eps: float, lgu: tuple,
+                sizes: tuple[int, ...], ld: tuple) -> torch.Tensor:
+    """The rest of a layer after attention (attn [B, T, H * D], h [B, T, hidden]): o_proj, residual, post-norm,
+    SiLU-gated MLP (gate/up as one product when stacked), residual. Shared by the decode step and the prefill."""
+    h = h + _linear(attn, lo)
+    g, u = _project(_rms(h, ln, eps), lgu, sizes)
+    return h + _linear(F.silu(g) * u, ld)
+
+
+def _prefill_pre(h: torch.Tensor, ln: torch.Tensor, eps: float, lqkv: tuple, sizes: tuple[int, ...],
+                 qn: torch.Tensor, kn: torch.Tensor, eps_qk: float, cos: torch.Tensor, sin: torch.Tensor, D: int):
+    """The prefill's half of a layer before the cache write, TorchEngine's layer arithmetic with q/k/v as one
+    product: h [B, T, hidden] -> q [B, H, T, D], k and v [B, n_kv, T, D] (cos/sin [B, 1, T, D])."""
+    B, T, _ = h.shape
+    q, k, v = _project(_rms(h, ln, eps), lqkv, sizes)
+    q = _rope(_rms(q.view(B, T, -1, D), qn, eps_qk).transpose(1, 2), cos, sin)
+    k = _rope(_rms(k.view(B, T, -1, D), kn, eps_qk).transpose(1, 2), cos, sin)
+    return q, k, v.view(B, T, -1, D).transpose(1, 2)
+
+
+def _prefill_post(h: torch.Tensor, q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, mask: torch.Tensor,
+                  scale: float, lo: tuple, ln: torch.Tensor, eps: float, lgu: tuple, sizes: tuple[int, ...],
+                  ld: tuple):
+    """Attention of the prompt over the cache's first T slots, o_proj, residual, MLP (gate/up as one product)."""
+    B, T, _ = h.shape
+    out = F.scaled_dot_product_attention(q, ck, cv, attn_mask=mask, scale=scale, enable_gqa=True)
+    return _o_proj_mlp(h, out.transpose(1, 2).reshape(B, T, -1), lo, ln, eps, lgu, sizes, ld)

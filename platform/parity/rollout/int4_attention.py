@@ -1,0 +1,513 @@
+"""Decode attention over the packed int4 per-token-head cache in the rotated basis: no key or value is dequantized.
+
+The cache (parity.precision.kv_packed) holds, per token and KV head, 4-bit codes n' of the rotated vector H (d x)
+(H the D x D Sylvester-Hadamard matrix, d the +-1 diagonal; Hadamard off: of x itself) and one word with the
+scale s and the zero point z. The codec's value of a key is k = d (H (n' - z)) s / D, so for a query q
+
+    q . k = s / D * q~ . (n' - z),   q~ = H (d q)      (the query rotated once, not every key)
+    sum_j p_j v_j = d (H u) / D,     u = sum_j p_j s_j (n'_j - z_j)
+
+and the kernel never rotates a key or a value: it reads the codes and the scale words, folds scale and zero point
+into the two products, and rotates its output once per (row, head). The values it attends over are the codec's
+(those the simulated cache holds, before their rounding to the cache dtype); only the arithmetic of the sum
+differs, as any attention kernel's does:
+
+- q . n': q~ is quantized to 15-bit integers per head (two int8 parts, |error| <= 3e-5 of the head's largest
+  element, against bf16's 2e-3 of each element), once per step (`prepare_queries`, or the fused pre-attention
+  kernel), so the product is an exact integer tensor-core product with the int8 codes `c & 15` and
+  `(c ^ 0x80) & 0xF0` = 16 (hi - 8), one bitwise operation per four codes; the head's sums fold the zero point.
+- p s n': the weights p s (float32) are rounded to fp16 relative to the tile's largest scale, and the codes enter
+  the fp16 tensor-core product as 1024 + byte and 1024 + low nibble, one byte permute (and a mask) per two codes
+  straight from the loaded byte pairs; the 1024 offsets and the zero points come off through the weights' sums.
+- float32 caches (tests, fp32 models) take the exact route instead: float32 codes and IEEE float32 products.
+
+Measured against a float64 attention over the codec's values computed from the codes (under Triton's
+interpreter, tests/test_int4_attention_interpret.py): bf16 queries and output 1.7e-3 (the bf16 rounding of the
+output), float32 1e-6; the simulated cache's bf16 values are themselves 3e-3 - 4e-3 away from that attention.
+
+Structure (flash decoding): a program takes one (row, KV head) and a split of the attended slots; K and V are read
+once per KV head (grouped-query attention), and the 16 rows of the products are (slot sub-range, query head)
+pairs so that none is padding when the KV head has 2 query heads (see the kernel's docstring). Splits
+are added until the grid fills the GPU (`split_plan`); each split writes a partial (running max, sum, rotated
+weighted sum) and the last split of a (row, head) to finish, found with an atomic counter, merges them, rotates
+back and writes the output: one launch, no second kernel. The counters are reset by the merging program, so a
+captured CUDA graph replays it.
+
+Tests: tests/test_int4_attention_interpret.py (CPU, Triton's interpreter) and tests/test_kv_packed_cuda.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from parity.precision.kv import _hadamard, _rht_signs
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs
+    triton = None
+
+# Launch configuration: rows of the K product per iteration (each row R = 16 / G slots, G query heads a KV head
+# rounded up to a power of two: an iteration covers ROWS * R slots), warps, pipeline depth, programs to aim for per
+# SM (splits are added while rows x KV heads x splits is below it), the byte unpacking through inline PTX (CUDA
+# only), optionally a register cap ("maxnreg", more programs per SM). tests/bench/gpu_int4_decode_variants.py checks
+# and times the candidates; `CONFIG` is what the decode path launches.
+CONFIG = {"ROWS": 16, "num_warps": 4, "num_stages": 2, "programs_per_sm": 8, "asm": True}
+_DEFAULT_SMS = 132
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _DEFAULT_SMS
+
+
+def slots_per_iteration(G: int, rows: int | None = None) -> int:
+    """Slots one iteration of the kernel covers: rows x (16 / G rounded up to a power of two, at least 1)."""
+    return (rows or CONFIG["ROWS"]) * max(1, 16 // triton_next_pow2(G))
+
+
+def triton_next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def split_plan(B: int, n_kv: int, L: int, device: torch.device, tile: int,
+               programs_per_sm: int | None = None) -> tuple[int, int]:
+    """(splits, slots per split) for B rows x n_kv heads over L slots: splits of whole iterations of `tile` slots,
+    added while the grid has fewer than programs_per_sm programs per SM; no split without slots."""
+    bn = tile
+    pps = CONFIG["programs_per_sm"] if programs_per_sm is None else programs_per_sm
+    tiles = max(1, -(-L // bn))
+    want = max(1, -(-pps * _sm_count(device) // (B * n_kv)))
+    per = -(-tiles // min(tiles, want))
+    return -(-tiles // per), per * bn
+
+
+@functools.cache
+def constants(head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(signs float32 [D], signs / D float32 [D], H_{D/2} float32 [D/2, D/2]): the rotation's diagonal, the output
+    rotation's diagonal with the 1/D, and the half-size transform the output rotation is built from."""
+    signs = _rht_signs(head_dim, torch.device("cpu")).float()
+    return (signs.to(device), (signs / head_dim).to(device),
+            _hadamard(head_dim // 2, torch.device("cpu")).float().contiguous().to(device))
+
+
+@functools.cache
+def hadamard_matrix(head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """H_D (+-1, exact in any float dtype) for the query rotation's product."""
+    return _hadamard(head_dim, torch.device("cpu")).to(dtype).contiguous().to(device)
+
+
+class Queries:
+    """The query side of the attention for one layer and step, made once per (row, head) by `prepare_queries`
+    (or by the fused pre-attention kernel, parity.rollout.pre_attention): the rotated query q~ = H (d q) (float32,
+    [B, H, D]; q itself without the rotation) for the exact route, and for the tensor-core route its 15-bit
+    integer codes as four int8 rows per head (high and low parts of the even and odd elements, [B, H, 4, D/2])
+    with three float32 factors per head ([B, H, 4]: scale / 16, 8 x scale x sum of the odd codes, scale x sum of
+    all codes; the fourth unused)."""
+
+    def __init__(self, rotated: torch.Tensor, codes: torch.Tensor, factors: torch.Tensor) -> None:
+        self.rotated, self.codes, self.factors = rotated, codes, factors
+
+
+def prepare_queries(q: torch.Tensor, hadamard: bool, out: Queries | None = None) -> Queries:
+    """Queries of q [B, H, D] (one launch). `out` (same shapes) is filled in place when given (a captured graph
+    keeps its buffers)."""
+    B, H, D = q.shape
+    q = q.contiguous()
+    if out is None:
+        out = Queries(torch.empty(B, H, D, dtype=torch.float32, device=q.device),
+                      torch.empty(B, H, 4, D // 2, dtype=torch.int8, device=q.device),
+                      torch.empty(B, H, 4, dtype=torch.float32, device=q.device))
+    rows = B * H
+    signs, _, _ = constants(D, q.device)
+    hm = hadamard_matrix(D, torch.float32 if q.dtype == torch.float32 else torch.bfloat16, q.device)
+    _query_kernel[(triton.cdiv(rows, 16),)](q, out.rotated, out.codes, out.factors, signs, hm, rows, D=D,
+                                            HADAMARD=hadamard, num_warps=4)
+    return out
+
+
+class Workspace:
+    """The partial results of the splits and the merge counters of one cache: allocated on the first call (outside
+    graph capture: the decode path runs a step eagerly before capturing it) for as many splits as the cache's
+    slots can need, so that later launches, captured or not, reuse the same buffers. The counters start at zero
+    and the merging program resets its own."""
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.m = self.l = self.u = self.count = None
+
+    def get(self, B: int, n_kv: int, G: int, D: int, splits: int, most: int, device: torch.device) -> tuple:
+        """Buffers for `splits` splits (`most`: the largest split count this cache's calls can ask for)."""
+        need = (B, n_kv, G, D, device)
+        if self.key is None or self.key[:5] != need or self.key[5] < splits:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("int4 decode attention: its workspace must be allocated before graph capture "
+                                   "(run the step once eagerly first)")
+            cap = max(splits, most, 1)
+            self.m = torch.empty(B * n_kv, cap, G, dtype=torch.float32, device=device)
+            self.l = torch.empty_like(self.m)
+            self.u = torch.empty(B * n_kv, cap, G, D, dtype=torch.float32, device=device)
+            self.count = torch.zeros(B * n_kv, dtype=torch.int32, device=device)
+            self.key = (*need, cap)
+        return self.m, self.l, self.u, self.count
+
+
+def int4_attention(qs: Queries, kc: torch.Tensor, vc: torch.Tensor, kw: torch.Tensor, vw: torch.Tensor,
+                   key_ok: torch.Tensor, slot: torch.Tensor, L: int, scale: float, hadamard: bool,
+                   out_dtype: torch.dtype, workspace: Workspace, config: dict | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of the queries `qs` (`prepare_queries`, H heads) over slots [0, L) of one layer's int4 cache:
+    codes kc / vc uint8 [B, n_kv, S, D/2], scale words kw / vw int32 [B, n_kv, S]. Slot j is seen when j <= slot
+    (long [1] on the device) and key_ok[b, j]. Returns [B, H * D] in out_dtype (float32: the exact route, else
+    the tensor-core route). `out` [B, H, D] of out_dtype is written when given (tests poison it first)."""
+    cfg = {**CONFIG, **(config or {})}
+    B, H, D = qs.rotated.shape
+    n_kv, S = kc.shape[1], kc.shape[2]
+    G = H // n_kv
+    dev = kc.device
+    tile = slots_per_iteration(G, cfg["ROWS"])
+    splits, per = split_plan(B, n_kv, L, dev, tile, cfg["programs_per_sm"])
+    out = torch.empty(B, H, D, dtype=out_dtype, device=dev) if out is None else out
+    pm, pl, pu, cnt = workspace.get(B, n_kv, G, D, splits, -(-S // tile), dev)
+    _, signs_d, hhalf = constants(D, dev)
+    ok = key_ok.view(torch.uint8) if key_ok.dtype == torch.bool else key_ok
+    exact = out_dtype == torch.float32
+    qk = scale * math.log2(math.e) / (D if hadamard else 1)
+    asm = bool(cfg["asm"]) and dev.type == "cuda" and not exact
+    extra = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and dev.type == "cuda" else {}
+    _int4_attn_kernel[(B * n_kv, splits)](
+        qs.rotated, qs.codes, qs.factors, kc, vc, kw, vw, ok, slot, out, pm, pl, pu, cnt, hhalf, signs_d,
+        qk, L, S, n_kv, H, per, splits, ok.stride(0), pm.shape[1],
+        G=G, GP=triton.next_power_of_2(G), BLOCK_G=max(16, triton.next_power_of_2(G)), ROWS=cfg["ROWS"], D=D,
+        HADAMARD=hadamard, EXACT=exact, ASM=asm, ONE_SPLIT=splits == 1, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], **extra)
+    return out.view(B, H * D)
+
+
+if triton is not None:
+    @triton.jit
+    def _f16_byte(c, HALF: tl.constexpr, ASM: tl.constexpr):
+        """fp16 1024 + byte HALF of the uint16 c (exact): the byte's two nibbles as 1024 + lo + 16 hi. One byte
+        permute per two codes: [c.b, 0x64, c'.b, 0x64] is the fp16 pair of two neighbouring elements."""
+        if ASM:
+            if HALF == 0:
+                return tl.inline_asm_elementwise(
+                    "{ .reg .b32 f; mov.b32 f, 0x64646464; prmt.b32 $0, $1, f, 0x4240; }", "=r,r", [c],
+                    dtype=tl.float16, is_pure=True, pack=2)
+            else:
+                return tl.inline_asm_elementwise(
+                    "{ .reg .b32 f; mov.b32 f, 0x64646464; prmt.b32 $0, $1, f, 0x4341; }", "=r,r", [c],
+                    dtype=tl.float16, is_pure=True, pack=2)
+        else:
+            return (((c >> (8 * HALF)) & 0xFF) | 0x6400).to(tl.float16, bitcast=True)
+
+    @triton.jit
+    def _f16_low(c, HALF: tl.constexpr, ASM: tl.constexpr):
+        """fp16 1024 + (low nibble of byte HALF of the uint16 c), exact."""
+        if ASM:
+            if HALF == 0:
+                return tl.inline_asm_elementwise(
+                    "{ .reg .b32 f, t; mov.b32 f, 0x64646464; prmt.b32 t, $1, f, 0x4240; and.b32 $0, t, 0xff0fff0f; }",
+                    "=r,r", [c], dtype=tl.float16, is_pure=True, pack=2)
+            else:
+                return tl.inline_asm_elementwise(
+                    "{ .reg .b32 f, t; mov.b32 f, 0x64646464; prmt.b32 t, $1, f, 0x4341; and.b32 $0, t, 0xff0fff0f; }",
+                    "=r,r", [c], dtype=tl.float16, is_pure=True, pack=2)
+        else:
+            return (((c >> (8 * HALF)) & 0x0F) | 0x6400).to(tl.float16, bitcast=True)
+
+    @triton.jit
+    def _hi8(c, ASM: tl.constexpr):
+        """int8 16 (hi - 8) for the high nibble hi of the uint8 c: (c ^ 0x80) & 0xF0 read as int8, one lop3."""
+        if ASM:
+            return tl.inline_asm_elementwise("lop3.b32 $0, $1, 0xF0F0F0F0, 0x80808080, 0x6A;", "=r,r", [c],
+                                             dtype=tl.int8, is_pure=True, pack=4)
+        else:
+            return ((c ^ 0x80) & 0xF0).to(tl.int8, bitcast=True)
+
+    @triton.jit
+    def _round(x):
+        return tl.floor(x + 0.5)
+
+    @triton.jit
+    def _store_query(x, r, ok, qf_ptr, qi_ptr, qc_ptr, sg_ptr, hm_ptr, D: tl.constexpr, HADAMARD: tl.constexpr):
+        """Rows x [M, D] (the query heads at flat rows r, valid where ok) -> the Queries buffers: q~ = H (d x) as a
+        product with H_D (+-1: exact products, float32 sums), its 15-bit codes in four int8 parts and the
+        three factors (see Queries)."""
+        DH: tl.constexpr = D // 2
+        d = tl.arange(0, D)
+        if HADAMARD:
+            xd = x * tl.load(sg_ptr + d)[None, :]  # sign flips: exact in x's dtype
+            hm = tl.load(hm_ptr + d[:, None] * D + d[None, :])
+            if x.dtype == tl.float32:
+                q = tl.dot(xd, hm, input_precision="ieee")
+            else:
+                q = tl.dot(xd.to(hm.dtype), hm)
+        else:
+            q = x.to(tl.float32)
+        tl.store(qf_ptr + r.to(tl.int64)[:, None] * D + d[None, :], q, mask=ok[:, None])
+        qe, qo = tl.split(tl.reshape(q, (q.shape[0], DH, 2)))
+        amax = tl.maximum(tl.maximum(tl.max(tl.abs(qe), 1), tl.max(tl.abs(qo), 1)), 1e-30)
+        qinv = 16256.0 / amax
+        Qe = tl.minimum(tl.maximum(_round(qe * qinv[:, None]), -16256.0), 16256.0)
+        Qo = tl.minimum(tl.maximum(_round(qo * qinv[:, None]), -16256.0), 16256.0)
+        ea = _round(Qe * (1.0 / 128.0))
+        oa = _round(Qo * (1.0 / 128.0))
+        jj = tl.arange(0, DH)
+        qb = qi_ptr + r.to(tl.int64)[:, None] * (4 * DH) + jj[None, :]
+        tl.store(qb, ea.to(tl.int8), mask=ok[:, None])
+        tl.store(qb + DH, oa.to(tl.int8), mask=ok[:, None])
+        tl.store(qb + 2 * DH, (Qe - 128.0 * ea).to(tl.int8), mask=ok[:, None])
+        tl.store(qb + 3 * DH, (Qo - 128.0 * oa).to(tl.int8), mask=ok[:, None])
+        qsig = amax * (1.0 / 16256.0)
+        fb = qc_ptr + r.to(tl.int64) * 4
+        tl.store(fb, qsig * 0.0625, mask=ok)
+        tl.store(fb + 1, qsig * 8.0 * tl.sum(Qo, 1), mask=ok)  # sums of integers below 2**24: exact
+        tl.store(fb + 2, qsig * (tl.sum(Qe, 1) + tl.sum(Qo, 1)), mask=ok)
+
+    @triton.jit
+    def _query_kernel(q_ptr, qf_ptr, qi_ptr, qc_ptr, sg_ptr, hm_ptr, rows, D: tl.constexpr,
+                      HADAMARD: tl.constexpr):
+        r = tl.program_id(0) * 16 + tl.arange(0, 16)
+        ok = r < rows
+        d = tl.arange(0, D)
+        x = tl.load(q_ptr + r.to(tl.int64)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+        _store_query(x, r, ok, qf_ptr, qi_ptr, qc_ptr, sg_ptr, hm_ptr, D, HADAMARD)
+
+    @triton.jit
+    def _finish(u_lo, u_hi, o_ptr, head, g_ok, hp_ptr, sg_ptr, HADAMARD: tl.constexpr, EXACT: tl.constexpr,
+                D: tl.constexpr):
+        """Output rows of u [BLOCK_G, D] (normalized, rotated basis, even columns u_lo, odd u_hi): d (H u) / D with
+        H_D = [[H', H'], [H', -H']] interleaved: (H u)[2r + s] = (H' u_lo)[r] + (-1)^s (H' u_hi)[r]."""
+        j = tl.arange(0, D // 2)
+        if HADAMARD:
+            r = tl.arange(0, D // 2)
+            hp = tl.load(hp_ptr + r[:, None] * (D // 2) + j[None, :])  # float32 +-1
+            if EXACT:
+                a = tl.dot(u_lo, hp, input_precision="ieee")
+                bv = tl.dot(u_hi, hp, input_precision="ieee")
+            else:  # each of u's rows as two bf16 terms (16 bits): H' is +-1, so the products are exact
+                hpb = hp.to(tl.bfloat16)
+                lo1 = u_lo.to(tl.bfloat16)
+                hi1 = u_hi.to(tl.bfloat16)
+                a = tl.dot(lo1, hpb) + tl.dot((u_lo - lo1.to(tl.float32)).to(tl.bfloat16), hpb)
+                bv = tl.dot(hi1, hpb) + tl.dot((u_hi - hi1.to(tl.float32)).to(tl.bfloat16), hpb)
+            even = (a + bv) * tl.load(sg_ptr + 2 * j)[None, :]
+            odd = (a - bv) * tl.load(sg_ptr + 2 * j + 1)[None, :]
+        else:
+            even = u_lo
+            odd = u_hi
+        OUT = o_ptr.dtype.element_ty
+        d = tl.arange(0, D)
+        vals = tl.reshape(tl.join(even, odd), (even.shape[0], D))
+        tl.store(o_ptr + head[:, None] * D + d[None, :], vals.to(OUT), mask=g_ok[:, None])
+
+    @triton.jit
+    def _int4_attn_kernel(qr_ptr, qi_ptr, qc_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, ok_ptr, slot_ptr, o_ptr, pm_ptr,
+                          pl_ptr, pu_ptr,
+                          cnt_ptr, hp_ptr, sg_ptr, qk_scale, L, S, n_kv, H, split_slots, n_split, ok_stride, cap,
+                          G: tl.constexpr, GP: tl.constexpr, BLOCK_G: tl.constexpr, ROWS: tl.constexpr,
+                          D: tl.constexpr, HADAMARD: tl.constexpr, EXACT: tl.constexpr, ASM: tl.constexpr,
+                          ONE_SPLIT: tl.constexpr):
+        """Columns of the products: c = r * GP + g, query head g (GP = G rounded up to a power of two) of slot
+        sub-range r (R = BLOCK_G / GP of them); an iteration covers T = ROWS * R consecutive slots, slot
+        start + n * R + r in row n and column group r. So every row of the score tile is a real (slots, head) pair
+        even when G is 2: the K product [T, D/2] x [D/2, BLOCK_G] (slots x heads, int8 tensor cores) is folded
+        into it once (its padded head columns dropped), the softmax works on ROWS x 16 real scores, and the V
+        product takes the weights scattered back to their slots. (The exact route multiplies the codes as
+        [ROWS, R * D/2] rows with a block-diagonal query instead.)"""
+        R: tl.constexpr = BLOCK_G // GP
+        T: tl.constexpr = ROWS * R
+        DH: tl.constexpr = D // 2
+        DQ: tl.constexpr = D // 4
+        i4 = tl.arange(0, DQ)
+        bh = tl.program_id(0)
+        sp = tl.program_id(1)
+        b = bh // n_kv
+        kvh = bh % n_kv
+        c = tl.arange(0, BLOCK_G)
+        cg = c % GP  # head of column c
+        cr = c // GP  # sub-range of column c
+        c_ok = cg < G
+        j = tl.arange(0, DH)
+        # block-diagonal: row c of the K product's left operand holds its head's query in column block cr
+        rr = tl.arange(0, R)
+        qrow = (b * H + kvh * G + cg).to(tl.int64)
+        if EXACT:
+            qe = tl.load(qr_ptr + qrow[:, None] * D + 2 * j[None, :], mask=c_ok[:, None], other=0.0)
+            qo = tl.load(qr_ptr + qrow[:, None] * D + 2 * j[None, :] + 1, mask=c_ok[:, None], other=0.0)
+            diag = cr[:, None, None] == rr[None, :, None]  # [BLOCK_G, R, 1]
+            c_c = tl.sum(qe, 1) + tl.sum(qo, 1)
+            bea = tl.reshape(tl.where(diag, qe[:, None, :], 0.0), (BLOCK_G, R * DH))
+            boa = tl.reshape(tl.where(diag, qo[:, None, :], 0.0), (BLOCK_G, R * DH))
+            beb = bea
+            bob = boa
+            c_a = c_c
+            c_b = c_c
+        else:  # the query's int8 parts, [D/2, BLOCK_G]: column g = head g of this KV head (zeros past G)
+            gq = tl.arange(0, BLOCK_G)
+            qb = qi_ptr + (b * H + kvh * G + gq).to(tl.int64)[None, :] * (4 * DH) + j[:, None]
+            qok = (gq < G)[None, :]
+            bea = tl.load(qb, mask=qok, other=0)
+            boa = tl.load(qb + DH, mask=qok, other=0)
+            beb = tl.load(qb + 2 * DH, mask=qok, other=0)
+            bob = tl.load(qb + 3 * DH, mask=qok, other=0)
+            c_a = tl.load(qc_ptr + qrow * 4, mask=c_ok, other=0.0)
+            c_b = tl.load(qc_ptr + qrow * 4 + 1, mask=c_ok, other=0.0)
+            c_c = tl.load(qc_ptr + qrow * 4 + 2, mask=c_ok, other=0.0)
+        base = bh.to(tl.int64) * S
+        kc = kc_ptr + base * DH
+        vc = vc_ptr + base * DH
+        vc16 = vc.to(tl.pointer_type(tl.uint16))
+        ks = ks_ptr + base
+        vs = vs_ptr + base
+        okp = ok_ptr + b.to(tl.int64) * ok_stride
+        slot = tl.load(slot_ptr)
+        n = tl.arange(0, ROWS)
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        z_i = tl.zeros([BLOCK_G], tl.float32)  # sum of weights x zero points (units of the tile's scale, below)
+        w_i = tl.zeros([BLOCK_G], tl.float32)  # sum of weights (same units)
+        if EXACT:
+            acc_x = tl.zeros([BLOCK_G, DH], tl.float32)
+            acc_y = tl.zeros([BLOCK_G, DH], tl.float32)
+        else:  # per byte of a pair: 1024 + byte (x) and 1024 + low nibble (y)
+            acc_x0 = tl.zeros([BLOCK_G, DQ], tl.float32)
+            acc_y0 = tl.zeros([BLOCK_G, DQ], tl.float32)
+            acc_x1 = tl.zeros([BLOCK_G, DQ], tl.float32)
+            acc_y1 = tl.zeros([BLOCK_G, DQ], tl.float32)
+        s_prev = 1.0
+        lo = sp * split_slots
+        hi = tl.minimum(lo + split_slots, L)
+        for start in range(lo, hi, T):
+            krow = start + n * R  # slot of row n, column group 0
+            sl = krow[None, :] + cr[:, None]  # slot of (product row c, column n) [BLOCK_G, ROWS]
+            s_in = sl < hi
+            wk = tl.load(ks + sl, mask=s_in, other=0)
+            wv = tl.load(vs + sl, mask=s_in, other=0)
+            seen = (tl.load(okp + sl, mask=s_in, other=0) != 0) & s_in & (sl <= slot)
+            vslot = start + tl.arange(0, T)
+            ck = tl.load(kc + vslot[:, None] * DH + j[None, :], mask=(vslot < hi)[:, None], other=0)  # [T, D/2]
+            if EXACT:
+                cv = tl.load(vc + vslot[:, None] * DH + j[None, :], mask=(vslot < hi)[:, None], other=0)
+            else:  # byte pairs: element 4i + {0, 1} in byte 2i, 4i + {2, 3} in byte 2i + 1
+                cv = tl.load(vc16 + vslot[:, None] * DQ + i4[None, :], mask=(vslot < hi)[:, None], other=0)
+            f = (wk & -16).to(tl.float32, bitcast=True) * qk_scale
+            zk = (wk & 15).to(tl.float32)
+            sv = (wv & -16).to(tl.float32, bitcast=True)
+            zv = (wv & 15).to(tl.float32)
+            if EXACT:  # [T, D/2] codes as [ROWS, R * D/2] rows against the block-diagonal query
+                ckr = tl.reshape(ck, (ROWS, R * DH))
+                s = tl.dot(bea, tl.trans((ckr & 15).to(tl.float32)), input_precision="ieee")
+                s = tl.dot(boa, tl.trans((ckr >> 4).to(tl.float32)), s, input_precision="ieee")
+                s = (s - zk * c_c[:, None]) * f
+            else:
+                # slots x heads (16 columns, G of them real), then column g of slot n * R + r to row r * GP + g
+                lo8 = (ck & 15).to(tl.int8, bitcast=True)  # n' of the even elements
+                hi8 = _hi8(ck, ASM)  # 16 (n' - 8) of the odd ones
+                ta = tl.dot(lo8, bea, out_dtype=tl.int32) * 16
+                ta = tl.dot(hi8, boa, ta, out_dtype=tl.int32)
+                tb = tl.dot(lo8, beb, out_dtype=tl.int32) * 16
+                tb = tl.dot(hi8, bob, tb, out_dtype=tl.int32)
+                t4 = tl.reshape(ta * 128 + tb, (ROWS, R, BLOCK_G // GP, GP))  # 16 (Q . n' - 8 sum(Q odd)): exact
+                t4 = tl.sum(tl.where((tl.arange(0, BLOCK_G // GP) == 0)[None, None, :, None], t4, 0), 2)
+                t = tl.trans(tl.reshape(t4, (ROWS, BLOCK_G))).to(tl.float32)
+                s = (t * c_a[:, None] + c_b[:, None]) * f - (zk * f) * c_c[:, None]
+            s = tl.where(seen, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: no NaN
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if EXACT:
+                pw = p * sv
+                beta = alpha
+            else:  # relative to the tile's largest scale (in [0, 1]: fp16 keeps 11 bits)
+                s_max = tl.maximum(tl.max(tl.max(sv, 1), 0), 1e-30)
+                pw = (p * (sv * (1.0 / s_max))).to(tl.float16).to(tl.float32)
+                beta = alpha * (s_prev / s_max)
+                s_prev = s_max
+            z_i = z_i * beta + tl.sum(pw * zv, 1)
+            w_i = w_i * beta + tl.sum(pw, 1)
+            # the weights back at their slots: column n * R + r of [BLOCK_G, T] holds column n of row c if r == cr
+            pt = tl.reshape(tl.where(cr[:, None, None] == rr[None, None, :], pw[:, :, None], 0.0), (BLOCK_G, T))
+            if EXACT:
+                acc_y = tl.dot(pt, (cv & 15).to(tl.float32), acc_y * beta[:, None], input_precision="ieee")
+                acc_x = tl.dot(pt, (cv >> 4).to(tl.float32), acc_x * beta[:, None], input_precision="ieee")
+            else:
+                pt = pt.to(tl.float16)
+                acc_x0 = tl.dot(pt, _f16_byte(cv, 0, ASM), acc_x0 * beta[:, None])
+                acc_y0 = tl.dot(pt, _f16_low(cv, 0, ASM), acc_y0 * beta[:, None])
+                acc_x1 = tl.dot(pt, _f16_byte(cv, 1, ASM), acc_x1 * beta[:, None])
+                acc_y1 = tl.dot(pt, _f16_low(cv, 1, ASM), acc_y1 * beta[:, None])
+            m_i = m_new
+        # per column u = sum_j p_j s_j (n'_j - z_j), even elements from the low nibbles, odd from the high ones
+        if EXACT:
+            u_lo = acc_y - z_i[:, None]
+            u_hi = acc_x - z_i[:, None]
+        else:
+            zo = (1024.0 * w_i + z_i)[:, None]
+            y0 = acc_y0 - zo  # element 4i
+            y1 = acc_y1 - zo  # element 4i + 2
+            x0 = (acc_x0 - acc_y0) * 0.0625 - z_i[:, None]  # element 4i + 1
+            x1 = (acc_x1 - acc_y1) * 0.0625 - z_i[:, None]  # element 4i + 3
+            u_lo = tl.reshape(tl.join(y0, y1), (BLOCK_G, DH)) * s_prev
+            u_hi = tl.reshape(tl.join(x0, x1), (BLOCK_G, DH)) * s_prev
+        # merge the R sub-ranges of each head: rows c < GP of [BLOCK_G, ...] hold head c afterwards
+        mr = tl.reshape(m_i, (R, GP))
+        top = tl.max(mr, 0)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        wr = tl.where(mr == float("-inf"), 0.0, tl.exp2(mr - top[None, :]))
+        l_h = tl.sum(tl.reshape(l_i, (R, GP)) * wr, 0)
+        lo_h = tl.sum(tl.reshape(u_lo, (R, GP, DH)) * wr[:, :, None], 0)
+        hi_h = tl.sum(tl.reshape(u_hi, (R, GP, DH)) * wr[:, :, None], 0)
+        m_h = tl.max(mr, 0)
+        # back to BLOCK_G rows (the products of the output rotation need 16): row c holds head cg
+        l_c = tl.reshape(tl.broadcast_to(l_h[None, :], (R, GP)), (BLOCK_G,))
+        m_c = tl.reshape(tl.broadcast_to(m_h[None, :], (R, GP)), (BLOCK_G,))
+        lo_c = tl.reshape(tl.broadcast_to(lo_h[None, :, :], (R, GP, DH)), (BLOCK_G, DH))
+        hi_c = tl.reshape(tl.broadcast_to(hi_h[None, :, :], (R, GP, DH)), (BLOCK_G, DH))
+        own = c_ok & (cr == 0)  # the rows that write
+        head = (b * H + kvh * G + cg).to(tl.int64)
+        if ONE_SPLIT:
+            inv = 1.0 / l_c
+            _finish(lo_c * inv[:, None], hi_c * inv[:, None], o_ptr, head, own, hp_ptr, sg_ptr, HADAMARD, EXACT, D)
+        else:
+            part = (bh.to(tl.int64) * cap + sp) * G + cg
+            tl.store(pm_ptr + part, m_c, mask=own)
+            tl.store(pl_ptr + part, l_c, mask=own)
+            pu = pu_ptr + part[:, None] * D + 2 * j[None, :]
+            tl.store(pu, lo_c, mask=own[:, None])
+            tl.store(pu + 1, hi_c, mask=own[:, None])
+            tl.debug_barrier()  # every thread's partial written before the count says so
+            done = tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel", scope="gpu")
+            if done == n_split - 1:  # the last split of this (row, KV head): merge
+                first = (bh.to(tl.int64) * cap) * G + cg
+                big = tl.full([BLOCK_G], float("-inf"), tl.float32)
+                for i in range(0, n_split):
+                    mi = tl.load(pm_ptr + first + i * G, mask=c_ok, other=float("-inf"), cache_modifier=".cg")
+                    big = tl.maximum(big, mi)
+                big = tl.where(big == float("-inf"), 0.0, big)
+                tot = tl.zeros([BLOCK_G], tl.float32)
+                m_lo = tl.zeros([BLOCK_G, DH], tl.float32)
+                m_hi = tl.zeros([BLOCK_G, DH], tl.float32)
+                for i in range(0, n_split):
+                    at = first + i * G
+                    mi = tl.load(pm_ptr + at, mask=c_ok, other=float("-inf"), cache_modifier=".cg")
+                    li = tl.load(pl_ptr + at, mask=c_ok, other=0.0, cache_modifier=".cg")
+                    wgt = tl.where(mi == float("-inf"), 0.0, tl.exp2(mi - big))
+                    tot += li * wgt
+                    ui = pu_ptr + at[:, None] * D + 2 * j[None, :]
+                    m_lo += wgt[:, None] * tl.load(ui, mask=c_ok[:, None], other=0.0, cache_modifier=".cg")
+                    m_hi += wgt[:, None] * tl.load(ui + 1, mask=c_ok[:, None], other=0.0, cache_modifier=".cg")
+                inv = 1.0 / tot
+                _finish(m_lo * inv[:, None], m_hi * inv[:, None], o_ptr, head, own, hp_ptr, sg_ptr, HADAMARD,
+                        EXACT, D)
+                tl.atomic_xchg(cnt_ptr + bh, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+

@@ -1,0 +1,296 @@
+"""One device run for the rotated int4 decode attention and the packed-KV decode step: checks, timings, one JSON.
+
+    PYTHONPATH=$PWD/platform:$PWD/tests/bench PYTHONUNBUFFERED=1 python3 tests/bench/gpu_int4_decode_variants.py \\
+        --out $OUT/int4_variants.json
+
+Sections (each writes the JSON as it finishes; --budget seconds bounds the run, later sections are skipped with a
+note when it is spent):
+1. `variants`: every launch configuration in VARIANTS (parity.rollout.int4_attention) checked against a float64
+   attention over the codec's values computed from the codes (fresh random inputs, NaN-poisoned outputs: the batch-64
+   shape at L = 384 and 256 and two random shapes), then timed alone at batch 64 x 8 KV heads x 2 query heads,
+   L = 256 and 384: a CUDA graph of 56 launches cycling 28 layers' caches (0.5 / 0.75 GB of int4 cache: far past
+   the 50 MB L2), 20 replays each between CUDA events, median; GB/s = cache bytes read (codes and scale words) /
+   time. The same for the previous int4 kernel (dequantizing every key and value), the kernel over a bf16 cache and
+   over fp8 per-token-head codes. The fastest variant that passed is what the rows below launch.
+2. `ceilings`: copy bandwidth and bf16 matmul rate (bench_gpu.ceilings).
+3. `kv` rows at batch 64, Qwen3-0.6B shape, 128 + 256 tokens (gpu_bench_kv.kv_rows): BF16, INT8 W8A8, W8A8 + INT4
+   KV, W8A8 + FP8 KV, BF16 + INT4 KV (packed), tokens/s and ratios to BF16, KV bytes a step, the INT4 row's decode
+   step profile, and the log-prob gaps against a teacher-forced forward of the same tokens (for the INT4 row: the
+   packed cache against the simulated cache, `int4kv_packed_vs_simulated`). Then an A/B row: W8A8 + INT4 KV with
+   the unfused pre-attention functions (cuda_decode._FUSED_PRE = False).
+4. `--tests`: tests/test_kv_packed_cuda.py first (time-boxed), when asked.
+Prints a short table last. Needs torch, transformers, triton (pytest for --tests) only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from gpu_bench_common import BATCH, OUT_PATH, RESULTS, SHAPE, build_model_dir, dump
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # tests.kv_packed_checks
+
+# launch configurations of the rotated int4 kernel (int4_attention.CONFIG keys); the first is the default
+VARIANTS = {
+    "rows16_w4_s2_pps8": {},
+    "rows16_w4_s2_pps1": {"programs_per_sm": 1},
+    "rows16_w4_s2_pps4": {"programs_per_sm": 4},
+    "rows16_w4_s2_pps16": {"programs_per_sm": 16},
+    "rows8_w4_s2_pps8": {"ROWS": 8},
+    "rows8_w4_s2_pps2": {"ROWS": 8, "programs_per_sm": 2},
+    "rows16_w8_s2_pps8": {"num_warps": 8},
+    "rows16_w4_s3_pps8": {"num_stages": 3},
+    "rows16_w4_s2_pps8_reg168": {"maxnreg": 168},
+    "rows16_w4_s2_pps8_noasm": {"asm": False},
+}
+T0 = time.perf_counter()
+
+
+def left(budget: float) -> float:
+    return budget - (time.perf_counter() - T0)
+
+
+def event_us(calls: list, launches: int = 56, replays: int = 20) -> float:
+    """Microseconds a call: a CUDA graph of `launches` calls cycling through `calls` (each run once before, so that
+    compilation and workspaces stay outside), replayed `replays` times between CUDA events; the median."""
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(launches):
+            calls[i % len(calls)]()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / launches)
+    del g
+    return round(statistics.median(times), 3)
+
+
+def warm_up(cache, qs, key_ok, scale: float, slots: tuple[int, ...]) -> None:
+    """Compile every variant (one split and several) in threads before anything is timed: Triton's passes and
+    ptxas run outside the interpreter lock, so the compiles overlap. Each thread has its own workspace."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from parity.rollout import int4_attention as ia
+    c = cache.layers[0]
+    B = qs.rotated.shape[0]
+
+    def one(cfg: dict) -> None:
+        ws = ia.Workspace()
+        for L in slots:
+            for pps in (cfg.get("programs_per_sm", ia.CONFIG["programs_per_sm"]), 0, 10**6):
+                ia.int4_attention(qs, c.k, c.v, c.k_scale, c.v_scale, key_ok, torch.tensor([L - 1], device="cuda"),
+                                  L, scale, True, torch.bfloat16, ws, {**cfg, "programs_per_sm": pps})
+    t = time.perf_counter()
+    with ThreadPoolExecutor(8) as ex:
+        list(ex.map(one, VARIANTS.values()))
+    torch.cuda.synchronize()
+    RESULTS.setdefault("variants", {})["compile_s"] = round(time.perf_counter() - t, 1)
+    print(f"compiled the variants in {time.perf_counter() - t:.0f} s (B = {B})", flush=True)
+
+
+def variants(slots: tuple[int, ...] = (256, 384)) -> None:
+    from parity.precision.kv import make_kv_codec
+    from parity.precision.kv_packed import PackedKVCache
+    from parity.rollout import decode_attention as da
+    from parity.rollout import int4_attention as ia
+    from tests.kv_packed_checks import check_int4_attention
+    out: dict = RESULTS.setdefault("variants", {})
+    out["method"] = ("CUDA graph of 56 launches over 28 layers' caches, 20 replays between CUDA events, median; "
+                     "GBps = cache bytes read (codes + scale words) / time")
+    B, n_kv, H, D = BATCH, SHAPE["num_key_value_heads"], SHAPE["num_attention_heads"], SHAPE["head_dim"]
+    layers, S = SHAPE["num_hidden_layers"], max(slots)
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(B, H, D, device=dev, generator=g).to(torch.bfloat16)
+    key_ok = torch.ones(B, S, dtype=torch.bool, device=dev)
+    scale = D ** -0.5
+    kv = [(torch.randn(B, n_kv, S, D, device=dev, generator=g).to(torch.bfloat16),
+           torch.randn(B, n_kv, S, D, device=dev, generator=g).to(torch.bfloat16)) for _ in range(layers)]
+    caches = {}
+    for kind in ("int4_per_token_head", "fp8_per_token_head"):
+        caches[kind] = c = PackedKVCache(make_kv_codec(kind, D), layers, B, n_kv, S, torch.bfloat16, dev)
+        for layer, (k, v) in zip(c.layers, kv):
+            c.write(layer, k, v, torch.zeros(1, dtype=torch.long, device=dev))
+    int4, fp8 = caches["int4_per_token_head"], caches["fp8_per_token_head"]
+    qs = ia.prepare_queries(q, True)
+    warm_up(int4, qs, key_ok, scale, slots)
+    gen = torch.Generator().manual_seed(1)
+    shapes = [(B, n_kv, 2, S, 384, 383), (B, n_kv, 2, S, 256, 200)]
+    for _ in range(2):  # random rows, KV heads, lengths (the model's 2 query heads a KV head: other group sizes are
+        s_ = int(torch.randint(32, 500, (1,), generator=gen))  # tests/test_kv_packed_cuda.py's, one compile each)
+        L_ = int(torch.randint(1, s_ + 1, (1,), generator=gen))
+        shapes.append((int(torch.randint(1, 33, (1,), generator=gen)), int(torch.randint(1, 9, (1,), generator=gen)),
+                       2, s_, L_, int(torch.randint(0, L_, (1,), generator=gen))))
+    best, best_us = None, float("inf")
+    for name, cfg in VARIANTS.items():
+        row: dict = {"config": {**ia.CONFIG, **cfg}}
+        out[name] = row
+        try:
+            errs = [check_int4_attention(D, torch.bfloat16, dev, shp, True, seed=i, config=cfg)[0]
+                    for i, shp in enumerate(shapes)]
+            row["max_rel_err_vs_f64"] = max(errs)
+            row["passed"] = bool(max(errs) < 4e-3)
+            for L in slots:
+                st = torch.tensor([L - 1], device=dev)
+                us = event_us([(lambda c=c, L=L, st=st, cfg=cfg: ia.int4_attention(
+                    qs, c.k, c.v, c.k_scale, c.v_scale, key_ok, st, L, scale, True, torch.bfloat16,
+                    da._workspace(int4), cfg)) for c in int4.layers])
+                row[f"L{L}_us"] = us
+                row[f"L{L}_GBps"] = round(2 * B * n_kv * L * int4.codec.bytes_per_token_head() / us / 1e3, 1)
+                row[f"L{L}_splits"] = ia.split_plan(B, n_kv, L, dev, ia.slots_per_iteration(2, row["config"]["ROWS"]),
+                                                    row["config"]["programs_per_sm"])[0]
+            if row["passed"] and row["L256_us"] + row["L384_us"] < best_us:
+                best, best_us = name, row["L256_us"] + row["L384_us"]
+        except Exception as e:  # noqa: BLE001 - a variant that fails to compile or run is reported, not fatal
+            row["error"] = f"{type(e).__name__}: {e}"[:600]
+        print(f"variant {name}: {row}", flush=True)
+        dump()
+    out["best"] = best
+    if best is not None:
+        ia.CONFIG.update(VARIANTS[best])
+    ref: dict = {}
+    out["reference_kernels"] = ref
+    for L in slots:
+        st = torch.tensor([L - 1], device=dev)
+        bf16_bytes = 2 * B * n_kv * L * D * 2
+        us = event_us([(lambda k=k, v=v, L=L, st=st: da.raw_decode_attention(q, k, v, key_ok, st, L, scale))
+                       for k, v in kv])
+        ref[f"bf16_kernel_L{L}"] = {"us": us, "GBps": round(bf16_bytes / us / 1e3, 1)}
+        us = event_us([(lambda c=c, L=L, st=st: da.packed_decode_attention(q, fp8, c, key_ok, st, L, scale))
+                       for c in fp8.layers])
+        ref[f"fp8_per_token_head_kernel_L{L}"] = {
+            "us": us, "GBps": round(2 * B * n_kv * L * fp8.codec.bytes_per_token_head() / us / 1e3, 1)}
+        i4b = 2 * B * n_kv * L * int4.codec.bytes_per_token_head()
+        us = event_us([(lambda c=c, L=L, st=st: da.packed_decode_attention(q, int4, c, key_ok, st, L, scale))
+                       for c in int4.layers])
+        ref[f"int4_rotated_with_query_launch_L{L}"] = {"us": us, "GBps": round(i4b / us / 1e3, 1)}
+        keep, da.INT4_ROTATED = da.INT4_ROTATED, False
+        try:
+            us = event_us([(lambda c=c, L=L, st=st: da.packed_decode_attention(q, int4, c, key_ok, st, L, scale))
+                           for c in int4.layers])
+        finally:
+            da.INT4_ROTATED = keep
+        ref[f"int4_previous_kernel_L{L}"] = {"us": us, "GBps": round(i4b / us / 1e3, 1)}
+        print(f"reference kernels L={L}: { {k: v for k, v in ref.items() if k.endswith(f'L{L}')} }", flush=True)
+        dump()
+    del kv, caches
+    torch.cuda.empty_cache()
+
+
+def cuda_tests(timeout: int, workers: int) -> None:
+    from gpu_packed_kv import cuda_tests as run
+    run(timeout, workers)
+
+
+def rows(reps: int, budget: float) -> None:
+    from bench_gpu import ceilings
+    from gpu_bench_kv import kv_rows
+
+    import parity.rollout.cuda_decode as cd
+    ceilings()
+    d = build_model_dir()
+    kv_rows(d, reps, rows=[("bf16", "bf16", "bf16", True), ("int8_w8a8", "int8", "bf16", True),
+                           ("int8_w8a8_int4kv", "int8", "int4_per_token_head", True),
+                           ("int8_w8a8_fp8kv", "int8", "fp8_per_token_head", True),
+                           ("bf16_int4kv", "bf16", "int4_per_token_head", True)], budget_batches=False)
+    main = RESULTS["kv"]
+    if left(budget) > 60:  # A/B: the same INT4 row with the unfused pre-attention functions
+        keep, cd._FUSED_PRE = cd._FUSED_PRE, False
+        saved = RESULTS.pop("kv")
+        try:
+            kv_rows(d, reps, rows=[("bf16", "bf16", "bf16", True),
+                                   ("int8_w8a8_int4kv_unfused_pre", "int8", "int4_per_token_head", True)],
+                    budget_batches=False, teacher_forced=False)
+            main["ab_unfused_pre_attention"] = {k: RESULTS["kv"].get(k, {}).get(m) for k, m in (
+                ("bf16", "tok_s_b64"), ("int8_w8a8_int4kv_unfused_pre", "tok_s_b64"),
+                ("int8_w8a8_int4kv_unfused_pre", "over_bf16_b64"))}
+        finally:
+            cd._FUSED_PRE = keep
+            RESULTS["kv"] = saved
+    else:
+        main["ab_unfused_pre_attention"] = "skipped: budget spent"
+    dump()
+
+
+def table() -> None:
+    print("\n== rotated int4 decode attention, batch 64 x 8 KV heads x 2 query heads (GB/s of cache read)")
+    v = RESULTS.get("variants", {})
+    for name, row in v.items():
+        if isinstance(row, dict) and "config" in row:  # one line a variant
+            print(f"{name:28s} ok={row.get('passed')} err={row.get('max_rel_err_vs_f64', float('nan')):.2e} "
+                  f"L256 {row.get('L256_us', '-')} us {row.get('L256_GBps', '-')} GB/s  "
+                  f"L384 {row.get('L384_us', '-')} us {row.get('L384_GBps', '-')} GB/s {row.get('error', '')[:80]}")
+    for k, r in v.get("reference_kernels", {}).items():
+        print(f"{k:40s} {r['us']:8.2f} us {r['GBps']:8.1f} GB/s")
+    print(f"best variant: {v.get('best')}; ceilings: {RESULTS.get('ceilings')}")
+    kv = RESULTS.get("kv", {})
+    print(f"\n{'row':30s} {'tok/s b64':>10s} {'x bf16':>7s} {'KV x bf16':>9s} {'dlogp mean/max vs own forward':>30s}")
+    for label, r in kv.items():
+        if isinstance(r, dict) and "tok_s_b64" in r:
+            gap = r.get("dlogp_vs_teacher_forced_same_arithmetic") or {}
+            print(f"{label:30s} {r['tok_s_b64']:10.0f} {r.get('over_bf16_b64', 0):7.3f} "
+                  f"{r.get('kv_bytes_per_step_over_bf16', 0):9.3f} "
+                  f"{gap.get('mean_abs_dlogp', float('nan')):14.4f} / {gap.get('max_abs_dlogp', float('nan')):.3f}")
+        elif isinstance(r, dict) and "error" in r:
+            print(f"{label:30s} error: {r['error'][:100]}")
+    prof = kv.get("int8_w8a8_int4kv", {}).get("decode_step_profile", {})
+    if prof:
+        print(f"W8A8 + INT4 step: {prof.get('kernel_ms_per_step', 0):.3f} ms kernels, "
+              f"{prof.get('replay_ms_per_step', 0):.3f} ms replay, {prof.get('kernels_per_step')} kernels")
+    print(f"A/B unfused pre-attention: {kv.get('ab_unfused_pre_attention')}")
+    print(f"packed vs simulated (same tokens): {kv.get('int4kv_packed_vs_simulated')}")
+    print(f"total {RESULTS.get('total_s', 0):.0f} s")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "int4_variants.json"))
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--budget", type=float, default=450.0, help="seconds; later sections are skipped past it")
+    p.add_argument("--tests", action="store_true", help="run tests/test_kv_packed_cuda.py first (time-boxed)")
+    p.add_argument("--test-timeout", type=int, default=200)
+    p.add_argument("--workers", type=int, default=12)
+    p.add_argument("--skip-rows", action="store_true")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print(f"{__file__}: needs a CUDA device; nothing measured on this machine")
+        return
+    OUT_PATH[0] = args.out
+    RESULTS.update(device=torch.cuda.get_device_name(), torch=torch.__version__, budget_s=args.budget)
+    if args.tests:
+        cuda_tests(args.test_timeout, args.workers)
+    try:
+        variants()
+    except Exception as e:  # noqa: BLE001
+        RESULTS.setdefault("errors", {})["variants"] = f"{type(e).__name__}: {e}"[:800]
+    dump()
+    if not args.skip_rows:
+        if left(args.budget) > 120:
+            rows(args.reps, args.budget)
+        else:
+            RESULTS["kv"] = {"skipped": f"budget: {left(args.budget):.0f} s left"}
+    RESULTS["total_s"] = time.perf_counter() - T0
+    dump()
+    print(json.dumps({k: v for k, v in RESULTS.items() if k in ("errors", "cuda_tests")}, default=str)[:2000])
+    table()
+
+
+if __name__ == "__main__":
+    main()

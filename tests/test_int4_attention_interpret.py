@@ -1,0 +1,79 @@
+"""The rotated int4 decode attention (parity.rollout.int4_attention) and the fused pre-attention kernel
+(parity.rollout.pre_attention) under Triton's CPU interpreter (TRITON_INTERPRET=1): the checks of
+tests/kv_packed_checks.py that tests/test_kv_packed_cuda.py runs on the device, here on CPU tensors (the inline
+PTX byte unpacking is CUDA-only; the interpreter runs the same values through plain Triton operations). Skipped
+without Triton (the project's CPU environment); with it:
+
+    TRITON_INTERPRET=1 python -m pytest -q tests/test_int4_attention_interpret.py
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET") != "1":  # Triton fixes interpretation when its kernels are defined
+    pytest.skip("set TRITON_INTERPRET=1 before Python starts to run the kernels under Triton's interpreter",
+                allow_module_level=True)
+
+from tests.kv_packed_checks import check_int4_attention, check_pre_attention  # noqa: E402
+
+CPU = torch.device("cpu")
+# bf16 queries and output: the output's own bf16 rounding is ~1e-3 (an indexing or masking error gives order 1)
+BOUND = {torch.bfloat16: 4e-3, torch.float32: 1e-5}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def gpu_rounding():
+    from tests.triton_interpret import patch_casts
+    patch_casts()
+
+
+def _shapes(seed: int, n: int) -> list[tuple]:
+    """(B, n_kv, G, S, L, slot): random rows, KV heads, group sizes (1, 2, 3, 4, 8), lengths, the step's slot."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        S = int(torch.randint(16, 330, (1,), generator=g))
+        L = int(torch.randint(1, S + 1, (1,), generator=g))
+        G = [1, 2, 3, 4, 8][int(torch.randint(0, 5, (1,), generator=g))]
+        out.append((int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(1, 3, (1,), generator=g)), G, S, L,
+                    int(torch.randint(0, L, (1,), generator=g))))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("hadamard", [True, False], ids=["rotated", "plain"])
+def test_against_float64_on_random_lengths_and_heads(dtype, hadamard):
+    shapes = [(2, 2, 2, 150, 150, 149), (3, 1, 4, 96, 70, 51)] + _shapes(11 if hadamard else 12, 2)
+    for i, shape in enumerate(shapes):
+        D = 128 if i % 2 == 0 else 64
+        # one split, and splits merged by the last program (programs_per_sm large: as many splits as tiles)
+        for cfg in ({"programs_per_sm": 0}, {"programs_per_sm": 10**6, "ROWS": 16}):
+            err, sim = check_int4_attention(D, dtype, CPU, shape, hadamard, seed=i, config=cfg)
+            assert err < BOUND[dtype], (shape, D, cfg, err, sim)
+
+
+def test_split_plan():
+    from parity.rollout.int4_attention import slots_per_iteration, split_plan
+    assert slots_per_iteration(2, 16) == 128 and slots_per_iteration(1, 16) == 256 and slots_per_iteration(4, 16) == 64
+    assert split_plan(64, 8, 384, CPU, 128, 8) == (3, 128)  # 512 (row, head) pairs, 1056 wanted: three splits
+    assert split_plan(64, 8, 384, CPU, 128, 1) == (1, 384)
+    assert split_plan(1, 8, 384, CPU, 128, 8) == (3, 128)  # never more splits than iterations
+    assert split_plan(2, 2, 1000, CPU, 64, 8) == (16, 64)
+
+
+@pytest.mark.parametrize("kind,hadamard,rotated", [("int4_per_token_head", True, True),
+                                                   ("int4_per_token_head", False, True),
+                                                   ("fp8_per_token_head", False, False)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_fused_pre_attention(kind, hadamard, rotated, dtype):
+    r = check_pre_attention(kind, hadamard, 64, dtype, CPU, rotated, seed=3)
+    # the torch reference rounds the same float32 operations: equal here (the GPU's rsqrt may move a code by one)
+    assert r["k_codes_differing"] <= 0.01, r
+    assert r["k_value_max_rel"] < 0.1, r
+    key = "q_rotated_rel" if rotated else "q_rel"
+    assert r[key] < (1e-6 if dtype == torch.float32 else 1e-2), r
