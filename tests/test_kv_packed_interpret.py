@@ -78,7 +78,9 @@ def test_decode_path_interpreted_equals_simulated(kind, fused, tmp_path, monkeyp
                       dtype=torch.float32)
     prompts = [[5, 9, 12, 3, 7], [4, 4], [11, 2, 8, 30, 1, 6, 6, 2]]
     spec = SamplingSpec(temperature=0.0, max_new_tokens=6, n=2, seed=1)
+    import parity.rollout.decode_attention as da
     monkeypatch.setattr(cd, "_FUSED_PRE", fused)
+    monkeypatch.setattr(da, "INT4_ROTATED", fused)  # the new paths together, the measured ones together
     monkeypatch.setattr(cd, "_PACKED_KV", False)
     sim = fast_generate(eng, prompts, spec, use_graphs=False)
     monkeypatch.setattr(cd, "_PACKED_KV", True)

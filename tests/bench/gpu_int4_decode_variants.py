@@ -273,6 +273,9 @@ def main() -> None:
         print(f"{__file__}: needs a CUDA device; nothing measured on this machine")
         return
     OUT_PATH[0] = args.out
+    import parity.rollout.cuda_decode as cd
+    import parity.rollout.decode_attention as da
+    da.INT4_ROTATED = cd._FUSED_PRE = True  # the paths under measurement (off by default until measured)
     RESULTS.update(device=torch.cuda.get_device_name(), torch=torch.__version__, budget_s=args.budget)
     if args.tests:
         cuda_tests(args.test_timeout, args.workers)

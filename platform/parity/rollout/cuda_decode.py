@@ -97,10 +97,12 @@ _PIN_INT8 = True
 # A low-precision KV cache stored packed and read by the Triton decode-attention kernel on CUDA (see the module
 # docstring); False: the simulated cache (bf16 values of the codec's roundtrip, the reference; benchmark A/B)
 _PACKED_KV = True
-# With a packed cache, the step's q/k norms, rotary, cache write and query preparation run as one Triton kernel
-# after a compiled function that ends at the q/k/v product (rollout/pre_attention.py); False: the compiled
-# pre-attention function, the write kernel and the attention's own query launch (benchmark A/B)
-_FUSED_PRE = True
+# True: with a packed cache, the step's q/k norms, rotary, cache write and query preparation run as one Triton kernel
+# after a compiled function that ends at the q/k/v product (rollout/pre_attention.py). Off until it has run on a
+# GPU (checked under Triton's interpreter only; tests/bench/gpu_int4_decode_variants.py turns it on for its
+# measurement). False: the compiled pre-attention function, the write kernel and the attention's own query launch,
+# the path measured on the H200
+_FUSED_PRE = False
 
 
 def supports(engine: Any) -> bool:

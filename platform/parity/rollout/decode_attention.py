@@ -49,9 +49,11 @@ _PROGRAMS_PER_SM = 2
 _UNTUNED_TILE = 64  # the kernel's tile off CUDA (the interpreter), where nothing is tuned
 _DEFAULT_SMS = 132
 unusable_reason: str | None = None  # why usable() said no, for reports
-# int4 per-token-head caches attend in the rotated basis (parity.rollout.int4_attention); False: this module's
-# kernel, which dequantizes every key and value (benchmark A/B)
-INT4_ROTATED = True
+# True: int4 per-token-head caches attend in the rotated basis (parity.rollout.int4_attention). Off until it has run
+# on a GPU: its numerics are checked under Triton's interpreter only (docs/INT4_DECODE.md);
+# tests/bench/gpu_int4_decode_variants.py turns it on for its measurement. False: this module's kernel, which
+# dequantizes every key and value, the path measured on the H200
+INT4_ROTATED = False
 
 
 @functools.cache
