@@ -47,11 +47,20 @@ def prefect_env(home: Path, api_url: str | None = None) -> dict[str, str]:
     return env
 
 
+def server_env(home: Path, port: int) -> dict[str, str]:
+    """The server's settings. `--port` alone moves the API but not what the UI is told: the UI asks the server
+    for its API address (/ui-settings), which Prefect derives from PREFECT_UI_API_URL, else PREFECT_API_URL,
+    else PREFECT_SERVER_API_HOST/PORT (port default 4200), so a server on any other port served a UI that
+    could not reach it. The UI's address and the port are set to this server's own."""
+    return {**prefect_env(home), "PREFECT_SERVER_API_PORT": str(port),
+            "PREFECT_UI_API_URL": f"http://127.0.0.1:{port}/api"}
+
+
 def start_server(home: Path, port: int, log_path: Path) -> subprocess.Popen:
     home.mkdir(parents=True, exist_ok=True)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     return subprocess.Popen([str(Path(PY).parent / "prefect"), "server", "start", "--host", "127.0.0.1",
-                             "--port", str(port)], env=prefect_env(home), stdout=log_path.open("ab"),
+                             "--port", str(port)], env=server_env(home, port), stdout=log_path.open("ab"),
                             stderr=subprocess.STDOUT, start_new_session=True, cwd=str(REPO))
 
 
