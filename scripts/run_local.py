@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="server + deployments + one train-and-eval/local run")
     r.add_argument("--port", type=int, default=int(os.environ.get("PARITY_PREFECT_PORT", "0")))
-    r.add_argument("--timeout", type=int, default=840, help="seconds to wait for the flow run")
+    r.add_argument("--timeout", type=int, default=3600, help="seconds to wait for the flow run (a loaded machine is slow)")
     r.add_argument("overrides", nargs="*", help="Hydra overrides for the flow run")
     sub.add_parser("stop", help="stop what `run` started")
     args = p.parse_args(argv)
