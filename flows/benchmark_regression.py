@@ -12,6 +12,7 @@ from prefect import flow
 
 from parity.config import load_config
 from parity.errors import ParityError
+from tasks import publish
 from tasks.recording import PipelineRef, close_pipeline, open_pipeline, plain, registry, stage
 from tasks.records import record_evaluation_task, regression_check_task
 from tasks.stages import evaluate_task
@@ -20,7 +21,12 @@ FLOW_NAME = "benchmark-regression"
 
 
 class RegressionDetected(RuntimeError):
-    """At least one benchmark dropped beyond the margin; the message lists each with its interval."""
+    """At least one benchmark dropped beyond the margin; the message lists each with its interval, `checks`
+    holds every check of the run."""
+
+    def __init__(self, message: str, checks: list[dict]) -> None:
+        super().__init__(message)
+        self.checks = checks
 
 
 def check_model(ref: PipelineRef, cfg: OmegaConf, model: dict) -> list[dict]:
@@ -62,18 +68,26 @@ def run_regression(overrides: list[str]) -> dict:
         failed = [x["message"] for x in checks if not x["passed"]]
         if failed:
             raise RegressionDetected(f"{len(failed)} benchmark(s) regressed beyond the margin "
-                                     f"{cfg.tracking.regression.margin}:\n" + "\n".join(failed))
+                                     f"{cfg.tracking.regression.margin}:\n" + "\n".join(failed), checks)
     except BaseException as e:
         close_pipeline(ref, ok=False, reason=f"{type(e).__name__}: {e}"[:5000])
         raise
     close_pipeline(ref, ok=True)
-    return {"pipeline_id": ref.pipeline_id, "checks": checks}
+    return {"pipeline_id": ref.pipeline_id, "checks": checks, "margin": float(cfg.tracking.regression.margin)}
 
 
 @flow(name=FLOW_NAME, log_prints=True)
 def benchmark_regression(overrides: list[str] | None = None) -> dict:
-    """Hydra overrides select the suite and sampling (eval.*) and the margin (tracking.regression.*)."""
-    result = run_regression(list(overrides or []))
+    """Hydra overrides select the suite and sampling (eval.*) and the margin (tracking.regression.*). The
+    verdict is published (tasks/publish.py) whether the check passes, finds a regression or cannot run."""
+    overrides = list(overrides or [])
+    try:
+        result = run_regression(overrides)
+    except Exception as e:
+        checks = getattr(e, "checks", [])
+        publish.regression(checks, next((x["margin"] for x in checks if x.get("margin") is not None), None), e)
+        raise
     for x in result["checks"]:
         print(x["message"])
+    publish.regression(result["checks"], result["margin"])
     return result

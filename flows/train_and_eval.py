@@ -14,6 +14,7 @@ from prefect import flow
 
 from parity.config import load_config
 from parity.tracking.naming import headline_metrics
+from tasks import publish
 from tasks.recording import PipelineRef, close_pipeline, log_headline, open_pipeline, plain, stage
 from tasks.records import record_artifact_task, record_evaluation_task, register_model_task
 from tasks.stages import (
@@ -98,14 +99,17 @@ def run_stages(ref: PipelineRef, cfg: OmegaConf) -> dict:
 
 
 def run_pipeline(overrides: list[str], extra_config_dir: str | None = None, sweep: str | None = None) -> dict:
+    t0 = time.monotonic()
     cfg = compose(list(overrides), extra_config_dir)
     ref = open_pipeline(FLOW_NAME, cfg, list(overrides), sweep=sweep)
     try:
         result = run_stages(ref, cfg)
     except BaseException as e:
         close_pipeline(ref, ok=False, reason=f"{type(e).__name__}: {e}"[:5000])
+        publish.train_and_eval_failed(ref.title, ref.stages, e)
         raise
     close_pipeline(ref, ok=True)
+    publish.train_and_eval(result, time.monotonic() - t0)
     return result
 
 

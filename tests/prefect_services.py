@@ -87,6 +87,17 @@ def flow_run_line(api_url: str, flow_run_id: str, pattern: str, timeout_s: float
         time.sleep(1.0)
 
 
+def artifacts_of(api_url: str, flow_run_id: str) -> dict[str, dict]:
+    """The Prefect artifacts a flow run published, by key (tasks/publish.py); a table's rows decoded."""
+    rows = api(f"{api_url}/artifacts/filter", "POST", {"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}})
+    out = {}
+    for a in rows:
+        if a["type"] == "table" and isinstance(a["data"], str):
+            a = {**a, "rows": json.loads(a["data"])}
+        out[a["key"]] = a
+    return out
+
+
 @pytest.fixture(scope="session")
 def prefect_services(tmp_path_factory):
     root = tmp_path_factory.mktemp("prefect")

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from tasks import publish
 from tests.conftest import QUICK
-from tests.prefect_services import SWEEP_CORRECTIONS, SWEEP_MODEL, SWEEP_SEEDS
+from tests.prefect_services import SWEEP_CORRECTIONS, SWEEP_MODEL, SWEEP_SEEDS, artifacts_of, flow_run_line
 from tests.prefect_services import api as _api
 from tests.prefect_services import run_deployment as _run_deployment
 
@@ -85,6 +86,8 @@ def test_train_and_eval_completes_then_failed_stage_keeps_earlier_records(prefec
     assert fr2["state"]["type"] == "FAILED"
     assert "precision validation failed" in fr2["state"]["message"]
     assert "abs_prob_diff_mean" in fr2["state"]["message"]
+    failed_md = artifacts_of(api, fr2["id"])[publish.SUMMARY_KEY]["data"]  # what the run page shows
+    assert "**FAILED** in stage `validate`" in failed_md and "precision validation failed" in failed_md
     (pid2,) = reg.pipelines_of_flow_run(fr2["id"])
     p2 = reg.pipeline(pid2)
     assert p2["status"] == "failed" and "precision validation failed" in p2["reason"]
@@ -133,6 +136,19 @@ def test_benchmark_regression_fails_on_a_drop_and_records_the_check(prefect):
     assert p["status"] == "failed" and "REGRESSION" in p["reason"]
     assert reg.count("regression_checks") == 1
     reg.close()
+    # the failed run publishes its verdict and checks all the same (tasks/publish.py), as the registry has them
+    arts = artifacts_of(api, fr["id"])
+    md = arts[publish.VERDICT_KEY]["data"]
+    assert md.startswith("# Benchmark regression: REGRESSION in 1 of 1 benchmark(s): arithmetic\n"), md
+    (row,) = arts[publish.CHECKS_KEY]["rows"]
+    (check,) = p["stages"][1]["result"]["checks"]
+    assert (row["benchmark"], row["verdict"], row["paired_problems"], row["baseline_mean"]) == (
+        "arithmetic", "REGRESSION", 8, 1.0)
+    assert row["ci_low"] <= row["delta"] <= row["ci_high"] < 0 and f"{row['delta']:+.4f}" in check["message"]
+    assert (f"| arithmetic | REGRESSION | 100.0% | {100 * row['candidate_mean']:.1f}% | {100 * row['delta']:+.1f} |"
+            in md)
+    _, line = flow_run_line(api, fr["id"], r"Result: benchmark regression REGRESSION in 1 of 1 benchmark")
+    assert line is not None
 
 
 def test_sweep_runs_each_member_with_its_records(prefect, sweep_store):
