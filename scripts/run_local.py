@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
     print(json.dumps(summary, indent=1, default=str))
     print(f"\nflow run {'completed' if rc == 0 else 'FAILED'} in {time.monotonic() - t0:.0f} s.\n"
           f"Prefect UI:   {api_url.removesuffix('/api')}   (server and deployments keep running; `make stop` ends them)\n"
-          f"MLflow UI:    make mlflow-ui   then open http://127.0.0.1:5000\n"
+          f"MLflow UI:    make mlflow-ui   then open the link it prints (the runs table, on http://127.0.0.1:5000)\n"
           f"Dashboard:    make dashboard   (streamlit, reads MLflow and {out / 'registry.db'})\n"
           f"Again:        PREFECT_API_URL={api_url} .venv/bin/prefect deployment run train-and-eval/local --watch",
           flush=True)
