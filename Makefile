@@ -36,8 +36,9 @@ run: setup
 stop:
 	$(PY) scripts/run_local.py stop
 
+# mlflow-ui: prints each experiment's link (its runs table with Parity's columns), then serves MLflow's UI
 mlflow-ui: setup
-	$(PY) -m mlflow ui --backend-store-uri sqlite:///$(or $(PARITY_OUTPUTS),outputs)/mlflow.db --host 127.0.0.1 --port $(or $(MLFLOW_PORT),5000) --workers 1
+	$(PY) scripts/mlflow_ui.py --backend-store-uri sqlite:///$(or $(PARITY_OUTPUTS),outputs)/mlflow.db --host 127.0.0.1 --port $(or $(MLFLOW_PORT),5000) --workers 1
 
 dashboard: setup  ## Streamlit dashboard on http://127.0.0.1:8501 (read-only)
 	.venv/bin/streamlit run dashboards/app.py --server.address 127.0.0.1 --server.headless true --browser.gatherUsageStats false

@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
           f"Results:      {cli} artifact inspect train-and-eval-summary   (`artifact ls`: every kind; the UI's "
           f"Artifacts tab)\n"
           f"Nightly:      benchmark-regression/nightly, next scheduled run {nightly or 'not listed yet'}\n"
-          f"MLflow UI:    make mlflow-ui   then open http://127.0.0.1:5000\n"
+          f"MLflow UI:    make mlflow-ui   then open the link it prints (the runs table, on http://127.0.0.1:5000)\n"
           f"Dashboard:    make dashboard   (streamlit, reads MLflow and {out / 'registry.db'})\n"
           f"Again:        {cli} deployment run train-and-eval/local --watch",
           flush=True)

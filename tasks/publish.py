@@ -153,19 +153,22 @@ def _check_md(r: dict) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def regression(checks: list[dict], margin: float | None, error: BaseException | None = None) -> str:
+def regression(checks: list[dict], margin: float | None, error: BaseException | None = None,
+               nothing_to_compare: str | None = None) -> str:
     """The nightly check's verdict (markdown) and its checks (table); also when the check failed or could not
-    run, with the reason."""
+    run, with the reason, and when there was no champion to compare with (`nothing_to_compare` says why)."""
     rows = [_check_row(x) for x in checks]
     failed = [r["benchmark"] for r in rows if r["verdict"] == "REGRESSION"]
     if failed:
         verdict = f"REGRESSION in {len(failed)} of {len(rows)} benchmark(s): {', '.join(failed)}"
     elif error is not None:
         verdict = f"NOT CHECKED: {type(error).__name__}: {str(error).splitlines()[0][:300]}"
+    elif not rows and nothing_to_compare:
+        verdict = f"NOTHING TO COMPARE: {nothing_to_compare}"
     else:
         verdict = f"PASSED: {len(rows)} benchmark(s), none dropped beyond the margin ({margin:g})"
     lines = [f"# Benchmark regression: {verdict}", "",
-             "Each benchmark against its stored baseline, paired by problem; a check fails when the drop exceeds "
+             "Each benchmark of the candidate against the champion, paired by problem; a check fails when the drop exceeds "
              f"the margin{'' if margin is None else f' ({margin:g})'} and the bootstrap interval of the difference "
              "lies below 0.", ""]
     if rows:

@@ -32,7 +32,8 @@ QUICK = [f"model.dtype={TEST_DTYPE}",
 ]
 
 
-from tests.prefect_services import prefect_services, sweep_store  # noqa: E402,F401  (session fixtures)
+from tests.prefect_services import prefect_services, sweep_regression, sweep_store  # noqa: E402,F401  (session fixtures)
+from tests.quantized_outputs import quantized_outputs  # noqa: E402,F401  (session fixture)
 
 
 @pytest.fixture(scope="session")

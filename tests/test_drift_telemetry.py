@@ -104,12 +104,12 @@ def test_tolerance_auto_reads_the_validate_report_of_the_same_precision(quick_cf
     assert t.corrections.tolerance is None and t.tolerance_source == "first 3 steps"
     report = quantized_checkpoint_dir(cfg, rollout_precision(cfg)) / "validation.json"
     report.parent.mkdir(parents=True)
-    report.write_text(json.dumps({"metrics": {"abs_prob_diff_mean": 0.004},
+    report.write_text(json.dumps({"metrics": {"abs_prob_diff_mean": 0.004}, "passed": True,
                                   "precision": precision_record(rollout_precision(cfg))}))
     t = Trainer(model, cfg, torch.device("cpu"))
     assert t.corrections.tolerance == pytest.approx(0.008) and t.corrections.corrections[0].c == pytest.approx(0.008)
     assert t.tolerance_source == str(report)
     # a report of another precision (no KV quantization) is not this rollout's
-    report.write_text(json.dumps({"metrics": {"abs_prob_diff_mean": 0.004},
+    report.write_text(json.dumps({"metrics": {"abs_prob_diff_mean": 0.004}, "passed": True,
                                   "precision": {"weights": "int8", "activations": "int8", "kv_cache": "bf16"}}))
     assert Trainer(model, cfg, torch.device("cpu")).corrections.tolerance is None
