@@ -140,7 +140,7 @@ def run_regression(overrides: list[str]) -> dict:
                 st.done({"checks": [{k: x[k] for k in ("benchmark", "passed", "message")} for x in checks]})
         else:
             print(f"{cand['title']} is the champion: evaluated and recorded, nothing to compare")
-        checks = [{**x, "model": cand["title"], "model_version": cand["version"]} for x in checks]
+        checks = [{**x, "model": naming.label_of(cand["facts"]), "model_version": cand["version"]} for x in checks]
         failed = [x["message"] for x in checks if not x["passed"]]
         if failed:
             raise RegressionDetected(f"{len(failed)} benchmark(s) regressed beyond the margin "

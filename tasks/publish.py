@@ -172,7 +172,7 @@ def regression(checks: list[dict], margin: float | None, error: BaseException | 
              f"the margin{'' if margin is None else f' ({margin:g})'} and the bootstrap interval of the difference "
              "lies below 0.", ""]
     if rows:
-        lines += ["| benchmark | verdict | baseline | candidate | delta (points) | interval | problems | model |",
+        lines += ["| benchmark | verdict | champion | candidate | delta (points) | interval | problems | candidate model |",
                   "|---|---|---|---|---|---|---|---|"]
         lines += [_check_md(r) for r in rows]
     _publish("markdown", markdown="\n".join(lines), key=VERDICT_KEY, description=f"benchmark regression: {verdict}")

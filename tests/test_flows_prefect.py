@@ -113,7 +113,7 @@ def test_train_and_eval_completes_then_failed_stage_keeps_earlier_records(prefec
     reg.close()
 
 
-def test_benchmark_regression_checks_the_candidate_against_the_champion(sweep_store, sweep_regression):
+def test_benchmark_regression_checks_the_candidate_against_the_champion(prefect, sweep_store, sweep_regression):
     """The nightly deployment on the sweep's model: the candidate (v4, tis seed 1) against the champion (v1, none
     seed 0), both in the precision they were trained to deploy (INT8 W8A8 + INT4 KV; their pipelines' own
     evaluations at these settings are reused) and unquantized (evaluated now); one check per benchmark on the
@@ -156,18 +156,14 @@ def test_benchmark_regression_checks_the_candidate_against_the_champion(sweep_st
     assert reg.evaluation(deploy["4"])["precision"] == SPEC
     assert mlflow_log.alias_version(c, SWEEP_MODEL, "champion") == "1"  # promotion is off by default
     reg.close()
-    # the failed run publishes its verdict and checks all the same (tasks/publish.py), as the registry has them
-    arts = artifacts_of(api, fr["id"])
+    # the verdict is published where users look: the flow run's artifacts and its log's Result line
+    arts = artifacts_of(prefect["api"], fr["id"])
     md = arts[publish.VERDICT_KEY]["data"]
-    assert md.startswith("# Benchmark regression: REGRESSION in 1 of 1 benchmark(s): arithmetic\n"), md
+    assert md.startswith("# Benchmark regression: PASSED: 1 benchmark(s), none dropped beyond the margin (1)\n"), md
     (row,) = arts[publish.CHECKS_KEY]["rows"]
-    (check,) = p["stages"][1]["result"]["checks"]
-    assert (row["benchmark"], row["verdict"], row["paired_problems"], row["baseline_mean"]) == (
-        "arithmetic", "REGRESSION", 8, 1.0)
-    assert row["ci_low"] <= row["delta"] <= row["ci_high"] < 0 and f"{row['delta']:+.4f}" in check["message"]
-    assert (f"| arithmetic | REGRESSION | 100.0% | {100 * row['candidate_mean']:.1f}% | {100 * row['delta']:+.1f} |"
-            in md)
-    _, line = flow_run_line(api, fr["id"], r"Result: benchmark regression REGRESSION in 1 of 1 benchmark")
+    assert (row["benchmark"], row["verdict"], row["model_version"]) == ("arithmetic", "ok", "4")
+    assert row["model"] == "arith_tiny / int8+int4kv / tis / seed 1"
+    _, line = flow_run_line(prefect["api"], fr["id"], r"Result: benchmark regression PASSED")
     assert line is not None
 
 
@@ -211,6 +207,19 @@ def test_benchmark_regression_fails_on_a_drop_and_records_the_check(prefect, swe
     assert reg.count("regression_checks") == 2  # the sweep's passing check, and this one
     reg.close()
     assert perfect
+    # the failed run publishes its verdict and checks all the same (tasks/publish.py), as the registry has them
+    arts = artifacts_of(prefect["api"], fr["id"])
+    md = arts[publish.VERDICT_KEY]["data"]
+    assert md.startswith("# Benchmark regression: REGRESSION in 1 of 1 benchmark(s): arithmetic\n"), md
+    (row,) = arts[publish.CHECKS_KEY]["rows"]
+    (check,) = p["stages"][0]["result"]["checks"]
+    assert (row["benchmark"], row["verdict"], row["paired_problems"], row["baseline_mean"]) == (
+        "arithmetic", "REGRESSION", 4, 1.0)
+    assert row["ci_low"] <= row["delta"] <= row["ci_high"] < 0 and f"{row['delta']:+.4f}" in check["message"]
+    assert (f"| arithmetic | REGRESSION | 100.0% | {100 * row['candidate_mean']:.1f}% | {100 * row['delta']:+.1f} |"
+            in md)
+    _, line = flow_run_line(prefect["api"], fr["id"], r"Result: benchmark regression REGRESSION in 1 of 1 benchmark")
+    assert line is not None
 
 
 def test_sweep_runs_each_member_with_its_records(prefect, sweep_store):
