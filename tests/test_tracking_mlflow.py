@@ -70,9 +70,14 @@ class MlflowServer:
 def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("mlflow")
     s = MlflowServer(f"sqlite:///{d}/mlflow.db", str(d / "artifacts"))
-    s.start()
-    yield s
-    s.stop()
+    with pytest.MonkeyPatch.context() as mp:
+        # MLflow's own request timeout (120 s): the server answers from a thread of this busy process, and the
+        # dashboard's 10 s (dashboards/data.py sets it process-wide when an earlier test imports it) ran out on a
+        # loaded 2-core machine
+        mp.delenv("MLFLOW_HTTP_REQUEST_TIMEOUT", raising=False)
+        s.start()
+        yield s
+        s.stop()
 
 
 def test_params_through_a_real_store_are_masked(server):

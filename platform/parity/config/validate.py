@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 from omegaconf import DictConfig
+
+# What `model.dtype=auto` resolves to when set (bfloat16 | float32), whatever the CPU: an AVX2-only machine can run
+# what an AVX512-BF16 one runs (parity.rollout.compute_dtype).
+AUTO_DTYPE_ENV = "PARITY_AUTO_DTYPE"
 
 
 class ConfigError(ValueError):
@@ -12,6 +18,15 @@ class ConfigError(ValueError):
 def _check(cond: bool, key: str, msg: str) -> None:
     if not cond:
         raise ConfigError(f"config key `{key}`: {msg}")
+
+
+def forced_auto_dtype() -> str | None:
+    """PARITY_AUTO_DTYPE, checked: the dtype `model.dtype=auto` resolves to, or None (unset: the device decides)."""
+    value = os.environ.get(AUTO_DTYPE_ENV, "").strip()
+    if value and value not in ("bfloat16", "float32"):
+        raise ConfigError(f"environment variable {AUTO_DTYPE_ENV}: what model.dtype=auto resolves to must be bfloat16 "
+                          f"or float32 (or unset), got {value!r}")
+    return value or None
 
 
 def validate_config(cfg: DictConfig) -> None:
@@ -58,6 +73,7 @@ def validate_config(cfg: DictConfig) -> None:
            f"must be in [0, 1], got {ws.teacher_error_rate}")
     _check(cfg.model.dtype in ("auto", "bfloat16", "float32"), "model.dtype",
            f"must be auto, bfloat16 or float32, got {cfg.model.dtype!r}")
+    forced_auto_dtype()
     if a.routing_replay:
         _check(cfg.model.arch == "qwen3_moe" or cfg.model.source == "hf", "algorithm.routing_replay",
                "routing replay needs an MoE model (model.arch=qwen3_moe)")

@@ -25,10 +25,13 @@ def _cpu_has_native_bf16() -> bool:
 
 
 def compute_dtype(cfg: Any, device: torch.device) -> torch.dtype:
-    """The dtype of trainer forwards and engine weights (model.dtype; auto picks bf16 where it is native)."""
+    """The dtype of trainer forwards and engine weights (model.dtype; auto picks bf16 where it is native, or what
+    PARITY_AUTO_DTYPE says)."""
+    from parity.config.validate import forced_auto_dtype
+
     name = cfg.model.dtype
     if name == "auto":
-        name = "bfloat16" if device.type == "cuda" or _cpu_has_native_bf16() else "float32"
+        name = forced_auto_dtype() or ("bfloat16" if device.type == "cuda" or _cpu_has_native_bf16() else "float32")
     return torch.bfloat16 if name == "bfloat16" else torch.float32
 
 
