@@ -126,7 +126,7 @@ def test_sweep_publishes_its_compare_link(sweep_store, prefect_services):
     assert link["data"] == f"[Compare {sweep_store['sweep']} (4 runs)]({sweep_store['compare_url']})"
     members = arts[publish.MEMBERS_KEY]["rows"]
     assert [m["status"] for m in members] == ["completed"] * 4
-    assert sorted(m["member"] for m in members) == sorted(f"arith_tiny / bf16 / {c} / seed {s}"
+    assert sorted(m["member"] for m in members) == sorted(f"arith_tiny / int8+int4kv / {c} / seed {s}"
                                                           for c in ("none", "tis") for s in (0, 1))
     for child in sweep_store["children"]:  # each member's own summary, on its own flow run
         assert publish.SUMMARY_KEY in artifacts_of(api_url, child["id"])
