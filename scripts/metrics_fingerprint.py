@@ -22,7 +22,7 @@ RUNS = {
     "default": [],
     "moe_routing_replay": ["experiment=arith_tiny_moe"],
     "int8_int4kv_score_centering": ["+precision=w8a8_int8_kv_int4", "algorithm.correction.name=score_centering",
-                                    "rollout.topk_logprobs=32"],
+                                    "algorithm.policy_loss=reinforce", "rollout.topk_logprobs=32"],
 }
 COMMON = ["model.dtype=float32", "trainer.device=cpu", "trainer.total_steps=3", "trainer.eval_every=3",
           "trainer.checkpoint_every=3", "trainer.prompts_per_step=4", "rollout.n=4", "model.warm_start.steps=30",
