@@ -10,7 +10,7 @@ threads under PASSIVE (0.27 s with spinning threads, which a second busy process
 0.42 s), and the rollout 0.38 s against 0.66 s.
 
 Users: the torch engine's plain loop (rollout.cpu_lanes: prompts sharded over the lanes as over Ray rollout workers,
-parity.distributed.sharding, so the batch is the same as one call's on one thread, bit for bit) and the trainer
+parity.rollout.sharding, so the batch is the same as one call's on one thread, bit for bit) and the trainer
 (trainer.cpu_lanes: the rows of a micro-batch split at prompt-group boundaries, each lane's forward and backward on
 its own, the parameter gradients summed in lane order)."""
 

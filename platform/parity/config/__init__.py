@@ -9,21 +9,25 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from parity.config.keys import check_config, check_overrides, open_groups
-from parity.config.schema import CorrectionConfig, ParityConfig
+from parity.config.schema import CorrectionConfig, ParityConfig, add_correction_section
 from parity.config.validate import ConfigError, validate_config
 
 _STORED: tuple[str, ...] | None = None  # the correction sections of the schema stored with Hydra
 
 
 def load_registries(overrides: list[str] | None = None, modules: list[str] | None = None) -> None:
-    """Import the registries whose entries extend the schema: every registered correction adds its section to
-    `algorithm.correction` (importing parity.algorithms.corrections registers the built-in ones), and `modules`
-    and the modules an `algorithm.correction.modules=[...]` override names register theirs (so the same overrides
-    can set their sections)."""
-    from parity.algorithms.corrections import import_modules
+    """Import the registries whose entries extend the schema, then add every registered correction's section to
+    `algorithm.correction` (importing parity.algorithms.corrections registers the built-in ones; `modules` and the
+    modules an `algorithm.correction.modules=[...]` override names register theirs, so the same overrides can set
+    their sections)."""
+    # torch: the registries are torch modules, and importing parity.config (the dashboard, flows, the CLI's help)
+    # must not import it
+    from parity.algorithms.corrections import CORRECTIONS, import_modules
 
     try:
         import_modules([*(modules or []), *_override_modules(overrides or [])])
+        for key, section in CORRECTIONS.sections().items():
+            add_correction_section(key, section)
     except ValueError as e:
         raise ConfigError(str(e)) from e
 

@@ -308,7 +308,7 @@ class TrainerConfig:
     # each prompt's forward computed once for its rollout.n responses, padded columns left out
     # (parity.training.shared_prefix): auto = on CPU (off on CUDA, where the compiled HF layers are measured) | on | off
     shared_prefix: str = "auto"
-    # torch.compile each decoder layer (Inductor; parity.training.fast_compile): fused norms / rotary / SiLU /
+    # torch.compile each decoder layer (Inductor; parity.core.fast_compile): fused norms / rotary / SiLU /
     # residual kernels. Compiles on the first steps and once more when batch shapes change (then with dynamic
     # shapes). Worth it for long GPU runs; measured speed-ups: docs/PERFORMANCE.md, "Settings for long GPU runs".
     compile_layers: bool = False

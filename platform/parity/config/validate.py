@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
+from parity.config.distributed import check_distributed
+from parity.errors import ParityError
+
 
 class ConfigError(ValueError):
     """A config value is out of range or conflicts with another; the message names the key."""
@@ -64,10 +67,8 @@ def validate_config(cfg: DictConfig) -> None:
         _check(bool(r.capture_routing), "rollout.capture_routing", "must be true when algorithm.routing_replay is on")
     d = cfg.distributed
     if d.enabled:
-        from parity.distributed.cluster import check_config  # no Ray import: the distributed keys alone
-        from parity.errors import ParityError
         try:
-            check_config(d)
+            check_distributed(d)
         except ParityError as e:
             raise ConfigError(str(e)) from e
     workers = int(d.get("trainer_workers", 1))

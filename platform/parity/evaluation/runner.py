@@ -19,11 +19,11 @@ from typing import Any
 
 import numpy as np
 
+from parity.core.sampling import Engine, SamplingSpec
 from parity.data.arithmetic import Problem
 from parity.data.benchmarks import BENCHMARKS, SYNTHETIC, load_benchmark
 from parity.errors import ParityError
 from parity.evaluation.metrics import benchmark_metrics, format_table, macro_average, pass_curve
-from parity.rollout.base import Engine, SamplingSpec
 
 log = logging.getLogger(__name__)
 

@@ -30,9 +30,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from parity.core.sampling import SamplingSpec
 from parity.errors import ParityError
 from parity.precision.sampler import ModelSampler, response_logprobs
-from parity.rollout.base import SamplingSpec
 from parity.types import RolloutBatch
 
 AccuracyFn = Callable[[list[str], list[str]], list[float]]

@@ -1,35 +1,12 @@
-"""Rollout engines behind one interface (parity.rollout.base.Engine)."""
+"""Rollout engines behind one interface (parity.core.sampling.Engine)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from parity.rollout.base import Engine, SamplingSpec
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def _cpu_has_native_bf16() -> bool:
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def compute_dtype(cfg: Any, device: torch.device) -> torch.dtype:
-    """The dtype of trainer forwards and engine weights (model.dtype; auto picks bf16 where it is native)."""
-    name = cfg.model.dtype
-    if name == "auto":
-        name = "bfloat16" if device.type == "cuda" or _cpu_has_native_bf16() else "float32"
-    return torch.bfloat16 if name == "bfloat16" else torch.float32
+from parity.core.device import compute_dtype, resolve_device
+from parity.core.sampling import Engine, SamplingSpec
 
 
 def is_perturbed(precision: Any) -> bool:

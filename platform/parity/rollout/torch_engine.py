@@ -9,7 +9,7 @@ of our own (so the KV cache, its low-precision format and the sampling are ours 
 
 Randomness is per row: row r of prompt p draws from a generator seeded by (spec.seed, prompt id, sample
 index), so a batch is identical however prompts are sharded over workers (the rows, left padding, seeds, masks
-and positions are parity.rollout.layout's, shared with the CUDA decode path and the validation sampler).
+and positions are parity.core.layout's, shared with the CUDA decode path and the validation sampler).
 On CUDA, `generate` hands dense models to the fast path the engine owns (`cuda_decoder`, rollout/cuda_decode.py).
 """
 
@@ -25,10 +25,10 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 from transformers.models.qwen3.modeling_qwen3 import rotate_half  # the model's own rope helper
 
+from parity.core.layout import Responses, key_slots, layout_batch, positions, prefill_mask
+from parity.core.sampling import SamplingSpec
 from parity.cpu_lanes import in_lane, run_in_lanes
-from parity.rollout.base import SamplingSpec
 from parity.rollout.cuda_decode import CudaDecoder
-from parity.rollout.layout import Responses, key_slots, layout_batch, positions, prefill_mask
 from parity.types import RolloutBatch
 
 
@@ -188,7 +188,7 @@ class TorchEngine:
                            lanes: int) -> RolloutBatch:
         """The prompts in contiguous shards, one lane each, every shard left-padded to the call's longest prompt, the
         shards' batches concatenated (each row's randomness is its own: the rows are those of one call)."""
-        from parity.distributed.sharding import global_spec, merge_batches, shard_prompts  # pure: no Ray
+        from parity.rollout.sharding import global_spec, merge_batches, shard_prompts  # pure: no Ray
 
         ids = list(range(len(prompt_token_ids))) if prompt_ids is None else list(prompt_ids)
         shared = global_spec(spec, prompt_token_ids)

@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 
+from parity.core.layout import BatchLayout, layout_batch
+from parity.core.sampling import SamplingSpec
 from parity.errors import ParityError
 from parity.rollout import compute_dtype, resolve_device
-from parity.rollout.base import SamplingSpec
-from parity.rollout.layout import BatchLayout, layout_batch
 from parity.rollout.vllm_options import VllmOptions, resolve_vllm_options
 from parity.types import RolloutBatch
 

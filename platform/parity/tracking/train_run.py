@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from parity.config import flatten
+from parity.core.secrets import mask_url, masked_config_yaml
 from parity.errors import ParityError
 from parity.tracking import mlflow_log, naming
-from parity.tracking.secrets import mask_url, masked_config_yaml
 
 
 def tracked_train(cfg: Any, train_fn: Callable[[Any, list], dict]) -> dict:

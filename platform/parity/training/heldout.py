@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from parity.core.sampling import Engine, SamplingSpec
 from parity.data.arithmetic import Problem
 from parity.data.prompts import render_prompt
-from parity.rollout.base import Engine, SamplingSpec
 
 
 def heldout_accuracy(engine: Engine, tok: Any, problems: list[Problem], template: str, grader: Any,

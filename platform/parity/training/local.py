@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from parity.rollout.base import SamplingSpec
+from parity.core.sampling import SamplingSpec
 from parity.training.checkpoint import CheckpointManager, read_state, set_rng_state, training_state
 from parity.training.runner import RolloutResult, Sides
 from parity.types import RolloutBatch

@@ -57,7 +57,7 @@ class RunFolder:
     `data_state` the training stream's position saved with it."""
 
     def __init__(self, cfg: Any) -> None:
-        from parity.tracking.secrets import masked_config_yaml
+        from parity.core.secrets import masked_config_yaml
 
         self.t_start = time.time()
         self.dir = run_dir_of(cfg)

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
-from parity.rollout.base import SamplingSpec
+from parity.core.sampling import SamplingSpec
 from parity.training.checkpoint import CheckpointManager
 from parity.types import RolloutBatch
 

@@ -80,7 +80,7 @@ class Trainer:
         if self.tcfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         if self.tcfg.compile_layers:
-            from parity.training.fast_compile import compile_decoder_layers_
+            from parity.core.fast_compile import compile_decoder_layers_
             mode = str(self.tcfg.compile_mode)
             compile_decoder_layers_(self.model, mode=None if mode == "default" else mode)
         self.routing_replay = bool(cfg.algorithm.routing_replay)
