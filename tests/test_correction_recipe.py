@@ -81,7 +81,8 @@ def test_the_section_is_in_the_schema_and_checked(quick_cfg) -> None:
 
 def test_it_trains_in_process_and_over_ray(quick_cfg, prepared_model, monkeypatch) -> None:
     pytest.importorskip("ray")
-    from parity.training.loop import train, train_distributed
+    from parity.distributed.driver import train_distributed
+    from parity.training.loop import train
 
     local = train(quick_cfg(*RECIPE, "trainer.run_name=recipe-local"))
     rows = _rows(local["run_dir"])

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from parity.core.sampling import SamplingSpec
+from parity.distributed.weights import pack_weights
 from parity.errors import ParityError
 from parity.rollout.sharding import Shard, global_spec, merge_batches, shard_prompts
 from parity.training.runner import RolloutResult
@@ -68,7 +69,6 @@ class RolloutPool:
     def update_weights(self, named_tensors: Any) -> float:
         import ray
 
-        from parity.distributed.weights import pack_weights
         t0 = time.perf_counter()
         self.broadcast([ray.put(pack_weights(named_tensors))], self.latest_version + 1, wait=True)
         return time.perf_counter() - t0

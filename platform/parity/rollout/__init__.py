@@ -7,26 +7,19 @@ from typing import Any
 
 from parity.core.device import compute_dtype, resolve_device
 from parity.core.sampling import Engine, SamplingSpec
-
-
-def is_perturbed(precision: Any) -> bool:
-    from parity.precision.perturbation import is_perturbed as perturbed
-    return perturbed(precision)
+from parity.cpu_lanes import check_lanes
+from parity.precision.config import resolve_precision
+from parity.precision.perturbation import Perturbation, is_perturbed, load_reference, perturbation_of
 
 
 def rollout_precision(cfg: Any) -> Any:
     """The rollout's precision: the seed block's `actor_rollout_ref.rollout` when it sets a quantization,
     else `rollout.precision` (parity.precision.config resolves both)."""
-    try:
-        from parity.precision.config import resolve_precision
-    except ImportError:
-        return cfg.rollout.precision
     return resolve_precision(cfg)
 
 
 def engine_lanes(cfg: Any) -> int:
     """rollout.cpu_lanes, checked (parity.cpu_lanes)."""
-    from parity.cpu_lanes import check_lanes
     return check_lanes(cfg.rollout.cpu_lanes, "rollout.cpu_lanes")
 
 
@@ -49,7 +42,6 @@ def build_engine(cfg: Any, model_dir: str | Path, precision: Any = None, referen
     else:
         raise ValueError(f"config key `rollout.name`: unknown engine {cfg.rollout.name!r}; known: torch, vllm")
     if reference_dir is not None and is_perturbed(precision):
-        from parity.precision.perturbation import Perturbation, load_reference, perturbation_of
         from parity.rollout.perturbed import PerturbedEngine
 
         theta0 = load_reference(reference_dir)
@@ -64,4 +56,5 @@ def sampling_spec(cfg: Any, seed: int) -> SamplingSpec:
                         topk_logprobs=r.topk_logprobs, seed=seed)
 
 
-__all__ = ["Engine", "SamplingSpec", "build_engine", "sampling_spec", "resolve_device", "compute_dtype"]
+__all__ = ["Engine", "SamplingSpec", "build_engine", "sampling_spec", "resolve_device", "compute_dtype", "is_perturbed",
+           "rollout_precision", "engine_lanes"]

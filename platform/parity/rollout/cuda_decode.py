@@ -56,8 +56,10 @@ from typing import Any
 
 import torch
 
+from parity.core.fast_compile import raise_recompile_limit
 from parity.core.layout import key_slots, layout_batch, positions, prefill_mask
 from parity.core.sampling import SamplingSpec
+from parity.precision.linear import QuantLinear
 from parity.rollout.decode_layers import (  # noqa: F401  (tests and benchmarks import some here)
     _decode_attention,
     _linear,
@@ -108,7 +110,6 @@ _FUSED_PRE = False
 def supports(engine: Any) -> bool:
     """Dense Qwen3-style layers (q/k norms, SiLU-gated MLP, Linear or QuantLinear projections) without
     routing capture; MoE blocks route data-dependently (not capturable) and take the plain loop."""
-    from parity.precision.linear import QuantLinear
     cfg = engine.model.config
     if engine.recorder is not None or getattr(cfg, "num_experts", 0) or getattr(cfg, "hidden_act", "") != "silu":
         return False
@@ -373,7 +374,6 @@ class CudaDecoder:
         if not want:
             return fns
         if self._decode_fns is None:
-            from parity.core.fast_compile import raise_recompile_limit
             raise_recompile_limit(64)  # one specialisation per attended length L and per engine's weight formats
             self._decode_fns = tuple(torch.compile(f, dynamic=False, fullgraph=True) for f in fns)
         return self._decode_fns
