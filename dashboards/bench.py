@@ -13,8 +13,10 @@ from typing import Any
 
 import pandas as pd
 
+from dashboards import frames
 from dashboards.curves import PALETTE
-from dashboards.frames import precision_label, short_of_label
+from dashboards.frames import facts_dict, short_of_label
+from parity.tracking import naming
 
 BENCH_COLUMNS = ["evaluation", "model", "run", "correction", "precision", "benchmark", "metric", "k", "value",
                  "ci_low", "ci_high", "problems", "out_dir", "source", "key", "stamp"]
@@ -71,9 +73,9 @@ def model_label(model: dict | None, out_dir: str) -> str:
 
 
 def eval_precision(summary: dict) -> str:
+    """The precision the engine of an `evaluate` output ran in, labelled like every page (naming.precision_short)."""
     eng = summary.get("engine") or {}
-    return short_of_label(precision_label({f"rollout.precision.{k}": str(eng.get(k, "bf16"))
-                                           for k in ("weights", "activations", "kv_cache")}))
+    return naming.precision_short(*(str(eng.get(k) or "bf16") for k in ("weights", "activations", "kv_cache")))
 
 
 def _row(**kw: Any) -> dict[str, Any]:
@@ -107,7 +109,10 @@ def registry_rows(evals: pd.DataFrame, summaries: dict[str, dict], runs: pd.Data
     for r in evals.itertuples(index=False):
         metrics = json.loads(r.metrics) if isinstance(r.metrics, str) else (r.metrics or {})
         run, corr = f"pipeline {r.pipeline_id}", _override(r.overrides, "algorithm.correction.name")
-        if by_run is not None and r.mlflow_run_id in by_run.index:
+        facts = facts_dict(getattr(r, "facts", None))
+        if facts:  # what the evaluated model was trained as, whichever pipeline evaluated it (a regression check)
+            run, corr = frames.model_label(facts), facts.get("correction") or "none"
+        elif by_run is not None and r.mlflow_run_id in by_run.index:
             run, corr = by_run.at[r.mlflow_run_id, "run_name"], by_run.at[r.mlflow_run_id, "correction"]
         ck = checkpoint_step(r.artifact_path)
         model = f"{run} @ step {ck[1]}" if ck else run
@@ -118,7 +123,9 @@ def registry_rows(evals: pd.DataFrame, summaries: dict[str, dict], runs: pd.Data
             if metric not in METRIC_NAMES:
                 continue
             ci = cis.get(metric) or {}
-            rows.append(_row(model=model, run=run, correction=corr or "none", precision=short_of_label(r.precision),
+            prec = getattr(r, "eval_precision", None)
+            prec = prec if isinstance(prec, str) and prec else r.precision  # older rows: the artifact's
+            rows.append(_row(model=model, run=run, correction=corr or "none", precision=short_of_label(prec),
                              benchmark=r.benchmark, metric=metric, k=r.k, value=ci.get("value", value),
                              ci_low=ci.get("ci_low"), ci_high=ci.get("ci_high"), problems=r.problems, out_dir=out_dir,
                              source="registry", key=key or f"registry-{r.id}", stamp=stamp_of(out_dir)))

@@ -131,6 +131,8 @@ class RunRecord:
     params: dict[str, str] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)  # latest value of each key
     tags: dict[str, str] = field(default_factory=dict)
+    end_time: int | None = None
+    metric_steps: dict[str, int] = field(default_factory=dict)  # the step of each key's latest value
 
     @property
     def parent_id(self) -> str | None:
@@ -152,7 +154,16 @@ def fetch_runs(client: Any, max_results: int = 5000) -> list[RunRecord]:
         raise SourceUnavailable(f"The MLflow store could not be read: {type(e).__name__}: {e}") from e
     return [RunRecord(r.info.run_id, r.info.run_name or r.info.run_id[:8], r.info.experiment_id,
                       exps.get(r.info.experiment_id, r.info.experiment_id), r.info.status, r.info.start_time,
-                      dict(r.data.params), dict(r.data.metrics), dict(r.data.tags)) for r in runs]
+                      dict(r.data.params), dict(r.data.metrics), dict(r.data.tags), r.info.end_time,
+                      _latest_steps(r.data)) for r in runs]
+
+
+def _latest_steps(run_data: Any) -> dict[str, int]:
+    """The step of each metric's latest value (the client keeps the Metric objects beside the value dict)."""
+    out: dict[str, int] = {}
+    for m in getattr(run_data, "_metric_objs", None) or []:
+        out[m.key] = int(m.step)
+    return out
 
 
 def metric_history(client: Any, run_ids: list[str], keys: list[str]) -> pd.DataFrame:
@@ -174,7 +185,9 @@ def metric_history(client: Any, run_ids: list[str], keys: list[str]) -> pd.DataF
 
 
 def mlflow_run_url(ui: str, experiment_id: str, run_id: str) -> str:
-    return f"{ui.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+    from parity.tracking.naming import run_url
+
+    return run_url(ui, experiment_id, run_id)
 
 
 # ---------------------------------------------------------------- registry database
@@ -222,17 +235,30 @@ def eval_summaries(outputs_dir: str) -> tuple[list[tuple[Path, dict]], list[str]
 
 
 def precision_reports(outputs_dir: str) -> tuple[list[tuple[Path, dict]], list[str]]:
-    """(path, report) of every JSON validation report under <outputs>/precision_validation/*/ (the
-    quantization config.json next to them is not a report), and messages for unreadable files."""
+    """(path, report) of every validation report under <outputs>/precision_validation/<checkpoint>/, oldest
+    first, and one message per report file that could not be read. Only report files are opened: the kept
+    reports under validations/ (`python -m parity validate` writes one per validation), or, in a folder from
+    before they were kept, its validation.json. The quantized checkpoint beside them (config.json,
+    tokenizer files, precision.json, ...) is never read."""
+    from parity.precision.reports import HISTORY_DIR, LATEST_STEM, is_report
+
     found, problems = [], []
-    root = Path(outputs_dir, "precision_validation")
-    for p in sorted(root.glob("*/*.json")):
-        if p.name == "config.json":
-            continue
-        try:
-            found.append((p, read_json(p)))
-        except SourceUnavailable as e:
-            problems.append(str(e))
+    for folder in sorted(p for p in Path(outputs_dir, "precision_validation").glob("*") if p.is_dir()):
+        hist = folder / HISTORY_DIR
+        paths = sorted(hist.glob("*.json")) if hist.is_dir() else [folder / f"{LATEST_STEM}.json"]
+        for p in paths:
+            if not p.is_file():
+                continue
+            try:
+                rep = read_json(p)
+            except SourceUnavailable as e:
+                problems.append(str(e))
+                continue
+            if not is_report(rep):
+                problems.append(f"{p}: not a validation report (no `metrics` and `passed`): skipped")
+                continue
+            found.append((p, rep))
+    found.sort(key=lambda pr: (str(pr[1].get("created_at") or ""), str(pr[0])))
     return found, problems
 
 
@@ -281,14 +307,25 @@ def _registry_select(url: str, needed: tuple[str, ...], build: Any) -> pd.DataFr
         engine.dispose()
 
 
+def _col(table: Any, name: str) -> Any:
+    """A column of a reflected table, or NULL under its name when the registry predates it (never migrated:
+    the dashboard does not write)."""
+    import sqlalchemy as sa
+
+    return table.c[name] if name in table.c else sa.null()
+
+
 def registry_evaluations(url: str, limit: int = 20_000) -> pd.DataFrame | None:
-    """evaluation_results with the evaluated artifact's precision and path and the pipeline's MLflow run."""
+    """evaluation_results with the precision each ran in, the evaluated artifact (its precision, path, what it
+    was trained as: `facts`, its registered version) and the pipeline's MLflow run."""
     import sqlalchemy as sa
 
     def build(t: dict[str, Any]) -> Any:
         r, a, p = t["evaluation_results"], t["model_artifacts"], t["pipelines"]
         return (sa.select(r.c.id, r.c.benchmark, r.c.k, r.c.problems, r.c.metrics, r.c.out_dir, r.c.created_at,
                           r.c.pipeline_id, a.c.precision, a.c.path.label("artifact_path"),
+                          _col(r, "precision").label("eval_precision"), _col(a, "facts").label("facts"),
+                          a.c.mlflow_model_version, a.c.pipeline_id.label("artifact_pipeline_id"),
                           p.c.experiment, p.c.mlflow_run_id, p.c.overrides)
                 .select_from(r.outerjoin(a, r.c.artifact_id == a.c.id).outerjoin(p, r.c.pipeline_id == p.c.id))
                 .order_by(r.c.id).limit(sa.bindparam("limit", limit)))
@@ -297,18 +334,27 @@ def registry_evaluations(url: str, limit: int = 20_000) -> pd.DataFrame | None:
 
 
 def registry_checks(url: str, limit: int = 20_000) -> pd.DataFrame | None:
-    """regression_checks, oldest first, with the candidate's precision and the pipeline (flow run)."""
+    """regression_checks, oldest first, with both sides: the evaluation's precision, the evaluated artifact's
+    facts (what it was trained as) and registered version, for the candidate and the baseline (champion)."""
     import sqlalchemy as sa
 
     def build(t: dict[str, Any]) -> Any:
         c, r, a, p = t["regression_checks"], t["evaluation_results"], t["model_artifacts"], t["pipelines"]
+        rb, ab = r.alias("rb"), a.alias("ab")
         return (sa.select(c.c.id, c.c.created_at, c.c.benchmark, c.c.delta, c.c.ci_low, c.c.ci_high, c.c.margin,
                           c.c.paired_problems, c.c.passed, c.c.message, c.c.baseline_result_id,
                           c.c.candidate_result_id, c.c.pipeline_id, p.c.flow_run_id, a.c.precision,
-                          a.c.path.label("candidate_path"))
+                          a.c.path.label("candidate_path"), _col(r, "precision").label("candidate_eval_precision"),
+                          _col(a, "facts").label("candidate_facts"),
+                          a.c.mlflow_model_version.label("candidate_version"),
+                          _col(rb, "precision").label("baseline_eval_precision"),
+                          ab.c.precision.label("baseline_precision"), _col(ab, "facts").label("baseline_facts"),
+                          ab.c.mlflow_model_version.label("baseline_version"))
                 .select_from(c.outerjoin(p, c.c.pipeline_id == p.c.id)
                              .outerjoin(r, c.c.candidate_result_id == r.c.id)
-                             .outerjoin(a, r.c.artifact_id == a.c.id))
+                             .outerjoin(a, r.c.artifact_id == a.c.id)
+                             .outerjoin(rb, c.c.baseline_result_id == rb.c.id)
+                             .outerjoin(ab, rb.c.artifact_id == ab.c.id))
                 .order_by(c.c.created_at, c.c.id).limit(sa.bindparam("limit", limit)))
 
     return _registry_select(url, ("regression_checks", "evaluation_results", "model_artifacts", "pipelines"), build)

@@ -62,13 +62,30 @@ def precision_short(params: dict[str, str]) -> str:
     return naming.precision_short(*_precision_parts(params), params.get("rollout.precision.perturbation.sigma"))
 
 
-_LONG = re.compile(r"^w(?P<w>[^-]+)-a(?P<a>[^-]+)-kv(?P<kv>.+)$")
-
-
 def short_of_label(label: str) -> str:
-    """'wint8-aint8-kvbf16' (an artifact's precision in the registry) -> 'int8'."""
-    m = _LONG.match(str(label or ""))
-    return naming.precision_short(m["w"], m["a"], m["kv"]) if m else str(label or "bf16")
+    """'wint8-aint8-kvbf16' (a precision spec as the registry stores it) -> 'int8' (naming.precision_of_spec)."""
+    return naming.precision_of_spec(label or "bf16")
+
+
+def facts_dict(facts: Any) -> dict[str, Any]:
+    """A registry artifact's facts (what the model was trained as), whether the driver gave JSON text or a dict."""
+    if isinstance(facts, str):
+        try:
+            facts = json.loads(facts)
+        except ValueError:
+            return {}
+    return facts if isinstance(facts, dict) else {}
+
+
+def model_label(facts: Any, version: Any = None, fallback: str = "") -> str:
+    """What a registered or evaluated model was trained as (naming.label_of its facts, ' v3' for a registered
+    version), or `fallback` for an artifact recorded before artifacts kept their facts."""
+    f = facts_dict(facts)
+    if not f:
+        return fallback
+    v = "" if version is None or (isinstance(version, float) and pd.isna(version)) or str(version) in ("", "None") \
+        else f" v{version}"
+    return naming.label_of(f) + v
 
 
 def config_key(params: dict[str, str]) -> str:
@@ -91,8 +108,10 @@ def bench_average(metrics: dict[str, float]) -> float | None:
 # ---------------------------------------------------------------- runs
 
 RUN_COLUMNS = ["run", "mlflow", "status", "experiment", "precision", "correction", "seed", "final_reward",
-               "heldout_accuracy", "benchmark_avg", "collapsed", "started", "kind", "stage", "model", "sweep",
-               "config", "run_name", "run_id", "parent_id", "train_run_id", "collapse_step", "params"]
+               "heldout_accuracy", "mismatch", "benchmark_avg", "collapsed", "steps", "duration", "failure", "started",
+               "kind", "stage", "model", "sweep", "config", "run_name", "run_id", "parent_id", "train_run_id",
+               "collapse_step", "duration_s", "params"]
+MISMATCH_KEY = "mismatch/abs_prob_diff_mean"  # mean |p_train - p_inf| of a step (the pipeline's final_mismatch)
 TOP_KINDS = ("pipeline", "train", "run")
 
 
@@ -130,11 +149,53 @@ def _collapse(own: RunRecord, train: RunRecord | None) -> tuple[str, float | Non
     return ("yes" + (f" (step {int(step)})" if step is not None else "")) if flag >= 0.5 else "no", step
 
 
-def runs_frame(records: Sequence[RunRecord], mlflow_ui: str) -> pd.DataFrame:
+def _steps(train: RunRecord | None) -> int | None:
+    """Steps a training run got through: the step of its per-step metrics' latest values."""
+    if train is None:
+        return None
+    steps = [s for k, s in train.metric_steps.items() if k.startswith(("reward/", "mismatch/", "train/", "perf/"))]
+    return max(steps) if steps else None
+
+
+def _failure(r: RunRecord, children: Sequence[RunRecord]) -> str:
+    """Why a run failed: its own `parity.failure` tag, else its first failed stage's (`<stage>: <reason>`)."""
+    own = r.tags.get("parity.failure")
+    if not own:
+        failed = next((k for k in children if k.status == "FAILED" and k.tags.get("parity.failure")), None)
+        own = f"{_stage_of(failed) or failed.run_name}: {failed.tags['parity.failure']}" if failed else ""
+    if not own and r.status == "FAILED":
+        return "failed (no reason recorded)"
+    first = own.strip().splitlines()[0] if own.strip() else ""
+    return first[:160] + ("…" if len(first) > 160 else "")
+
+
+def _duration_s(r: RunRecord, now_ms: int) -> float | None:
+    if not r.start_time:
+        return None
+    end = r.end_time if r.end_time else (now_ms if r.status == "RUNNING" else None)
+    return None if end is None else max(0.0, (end - r.start_time) / 1000.0)
+
+
+def duration_text(seconds: float | None) -> str:
+    """'45 s', '3 min 12 s', '2 h 05 min'; '' when unknown."""
+    if seconds is None or (isinstance(seconds, float) and pd.isna(seconds)):
+        return ""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {(s % 3600) // 60:02d} min"
+
+
+def runs_frame(records: Sequence[RunRecord], mlflow_ui: str, now_ms: int | None = None) -> pd.DataFrame:
     """One row a run, pipelines and plain training runs first (newest first), each followed by its stages.
     A stage inherits the config of its pipeline (runs of older stores logged params on the pipeline only);
     a pipeline shows what its stages measured when it does not carry the number itself (older stores): the
     final reward and held-out accuracy of its train stage, the benchmark average of its evaluate stage."""
+    import time
+
+    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
     by_id = {r.run_id: r for r in records}
     kids: dict[str, list[RunRecord]] = {}
     for r in records:
@@ -153,16 +214,23 @@ def runs_frame(records: Sequence[RunRecord], mlflow_ui: str) -> pd.DataFrame:
         collapsed, collapse_step = _collapse(r, train)
         final = _first(r.metrics.get("final_reward"), train.metrics.get("reward/mean") if train else None)
         acc = _first(r.metrics.get("heldout_accuracy"), train.metrics.get("eval/accuracy") if train else None)
+        mismatch = _first(r.metrics.get("final_mismatch"), train.metrics.get(MISMATCH_KEY) if train else None)
+        duration = _duration_s(r, now_ms)
         return {
             "run": f"↳ {stage or r.run_name}" if kind == "stage" else r.run_name,
             "mlflow": mlflow_run_url(mlflow_ui, r.experiment_id, r.run_id), "status": r.status,
-            "experiment": param(params, "experiment_name", tags.get("parity.experiment", r.experiment)),
+            # what the run trained (a regression check: the candidate it checked), by its tags, else its params
+            "experiment": tags.get("parity.experiment") or param(params, "experiment_name", r.experiment),
             "precision": tags.get("parity.precision") or (precision_short(params) if params else ""),
             "correction": tags.get("parity.correction") or (param(params, "algorithm.correction.name", "none")
                                                             if params else ""),
-            "seed": param(params, SEED_KEY, tags.get("parity.seed", "")),
+            "seed": tags.get("parity.seed") or param(params, SEED_KEY, ""),
             "final_reward": final if kind != "stage" or train is r else None,
             "heldout_accuracy": acc if kind != "stage" or train is r else None,
+            "mismatch": mismatch if kind != "stage" or train is r else None,
+            "steps": _steps(train) if kind != "stage" or train is r else None,
+            "duration": duration_text(duration), "duration_s": duration,
+            "failure": _failure(r, children),
             "benchmark_avg": bench if kind != "stage" else bench_average(r.metrics),
             "collapsed": collapsed, "collapse_step": collapse_step,
             "started": pd.to_datetime(r.start_time, unit="ms") if r.start_time else pd.NaT,
@@ -178,7 +246,12 @@ def runs_frame(records: Sequence[RunRecord], mlflow_ui: str) -> pd.DataFrame:
             continue  # placed under its pipeline
         rows.append(row(r))
         rows += [row(k) for k in sorted(kids.get(r.run_id, []), key=lambda k: k.start_time or 0)]
-    return pd.DataFrame(rows, columns=RUN_COLUMNS)
+    df = pd.DataFrame(rows, columns=RUN_COLUMNS)
+    # two runs are never shown under one name (stores written before names were made unique): the short id tells
+    top = df["kind"] != "stage"
+    dup = top & df["run"].map(df[top]["run"].value_counts()).fillna(0).gt(1)
+    df.loc[dup, "run"] = df.loc[dup, "run"] + " (" + df.loc[dup, "run_id"].str[:6] + ")"
+    return df
 
 
 def top_level(df: pd.DataFrame) -> pd.DataFrame:
@@ -202,6 +275,15 @@ def with_stages(df: pd.DataFrame, shown_top: pd.DataFrame) -> pd.DataFrame:
     """The chosen top-level rows, each followed by its stage rows (the frame's order)."""
     keep = set(shown_top["run_id"])
     return df[df["run_id"].isin(keep) | df["parent_id"].isin(keep)]
+
+
+def as_text(df: pd.DataFrame, numbers: dict[str, str]) -> pd.DataFrame:
+    """Numbers written out with their format ('{:.3f}') and every missing cell as '—': what the table shows is
+    these strings, whatever the front end does with a None in a number column."""
+    out = missing_as_dash(df, [c for c in df.columns if c not in numbers])
+    for c, fmt in numbers.items():
+        out[c] = [MISSING if v is None or (isinstance(v, float) and pd.isna(v)) else fmt.format(v) for v in out[c]]
+    return out
 
 
 def missing_as_dash(df: pd.DataFrame, text_columns: Sequence[str]) -> pd.DataFrame:
@@ -278,9 +360,19 @@ def config_labels(params_by_run: dict[str, dict[str, str]], titles: dict[str, st
 
 def flag_checks(checks: pd.DataFrame) -> pd.DataFrame:
     """Regression checks with a `flagged` column (the check failed: a real drop beyond the margin), newest
-    first, deltas and intervals in points of percent."""
+    first, deltas and intervals in points of percent, and both sides labelled like every page: `candidate`
+    and `champion` (what each model was trained as and its registered version; the artifact's precision for
+    checks recorded before artifacts kept their facts) and the `precision` each was evaluated in."""
     d = checks.copy()
     d["flagged"] = ~d["passed"].astype(bool)
+    for side, prefix in (("candidate", "candidate"), ("champion", "baseline")):
+        facts = d.get(f"{prefix}_facts", pd.Series([None] * len(d), index=d.index))
+        version = d.get(f"{prefix}_version", pd.Series([None] * len(d), index=d.index))
+        ids = d[f"{prefix}_result_id"]
+        d[side] = [model_label(f, v, f"result {i}") for f, v, i in zip(facts, version, ids, strict=True)]
+    cand_eval = d.get("candidate_eval_precision", pd.Series([None] * len(d), index=d.index))
+    d["precision"] = [short_of_label(e if isinstance(e, str) and e else p)
+                      for e, p in zip(cand_eval, d["precision"], strict=True)]
     for c in ("delta", "ci_low", "ci_high", "margin"):
         d[c] = 100.0 * d[c].astype(float)
     return d.iloc[::-1].reset_index(drop=True)
@@ -296,37 +388,39 @@ def _scalars(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def report_rows(folder: str, report: dict) -> list[dict[str, Any]]:
-    """One row per precision mode of validation reports. `python -m parity validate` writes one mode per
-    report (parity.precision.validate: `quant` describes the quantized side, `metrics` the mismatch and
-    accuracy, `failures`/`passed` the threshold verdict); a report with `modes` (an object keyed by mode, or
-    a list of objects with `mode`) gives one row each. Thresholds become `threshold.<name>` columns."""
-    modes = report.get("modes")
-    if isinstance(modes, dict):
-        return [{"report": folder, "mode": str(m), **_scalars(v if isinstance(v, dict) else {"value": v})}
-                for m, v in modes.items()]
-    if isinstance(modes, list):
-        return [{"report": folder, "mode": str(v.get("mode", v.get("name", i))), **_scalars(v)}
-                for i, v in enumerate(modes) if isinstance(v, dict)]
+def report_rows(folder: str, report: dict, file: str = "") -> list[dict[str, Any]]:
+    """One row of a validation report of `python -m parity validate` (parity.precision.validate): when, which
+    checkpoint folder, the precision it validated (labelled like every page: naming.precision_short), the
+    verdict and the failed checks, every metric, and each threshold as `threshold.<name>`."""
+    prec = report.get("precision") if isinstance(report.get("precision"), dict) else {}
     quant = report.get("quant") if isinstance(report.get("quant"), dict) else {}
-    if any(k in quant for k in ("weights", "activations", "kv_cache")):
-        mode = precision_label({f"rollout.precision.{k}": str(quant.get(k, "bf16"))
-                                for k in ("weights", "activations", "kv_cache")})
-    else:
-        mode = str(report.get("mode") or report.get("precision") or folder)  # a quantized HF model: its folder
-    row: dict[str, Any] = {"report": folder, "mode": mode}
-    if quant.get("engine"):
-        row["engine"] = str(quant["engine"])
-    if "passed" in report:
-        row["passed"] = bool(report["passed"])
-    failures = report.get("failures")
-    if isinstance(failures, list):
-        row["failures"] = "; ".join(map(str, failures))
+    fmt = {k: str(prec.get(k) or quant.get(k) or "bf16") for k in ("weights", "activations", "kv_cache")}
+    sigma = (prec.get("perturbation") or {}).get("sigma") if isinstance(prec.get("perturbation"), dict) else None
+    created = str(report.get("created_at") or "")
+    row: dict[str, Any] = {
+        "validated": pd.to_datetime(created, utc=True).strftime("%Y-%m-%d %H:%M:%S") if created else "",
+        "checkpoint": folder,
+        "precision": naming.precision_short(fmt["weights"], fmt["activations"], fmt["kv_cache"], sigma),
+        "spec": str(report.get("precision_spec") or ""),
+        "engine": str(quant.get("engine") or ""),
+        "verdict": "passed" if report.get("passed") else "FAILED",
+        "passed": bool(report.get("passed")),
+        "failures": "; ".join(map(str, report.get("failures") or [])),
+    }
     row.update(_scalars(report["metrics"]) if isinstance(report.get("metrics"), dict) else {})
     if isinstance(report.get("thresholds"), dict):
         row.update(_scalars(report["thresholds"], "threshold."))
-    skip = {"modes", "quant", "metrics", "thresholds", "failures", "passed", "mode", "precision"}
-    row.update({k: v for k, v in _scalars({k: v for k, v in report.items() if k not in skip}).items() if k not in row})
+    row["file"] = file
     return [row]
 
 
+def validation_history(rows: Sequence[dict[str, Any]]) -> pd.DataFrame:
+    """Report rows newest first, with `latest` marking the newest validation of each checkpoint and precision
+    (the verdict that stands); a report from before they were kept has no time and counts as the oldest."""
+    d = pd.DataFrame(list(rows))
+    if d.empty:
+        return d
+    d = d.sort_values(["validated", "file"], ascending=False, kind="stable").reset_index(drop=True)
+    key = d["checkpoint"].astype(str) + "|" + d["precision"].astype(str) + "|" + d["spec"].astype(str)
+    d.insert(3, "latest", ~key.duplicated(keep="first"))
+    return d

@@ -59,10 +59,11 @@ def fetch_runs(eng: Any) -> list[RunRecord]:
         with eng.connect() as c:
             exps = {str(i): n for i, n in c.execute(sa.select(e.c.experiment_id, e.c.name)
                                                     .where(e.c.lifecycle_stage == "active"))}
-            runs = c.execute(sa.select(r.c.run_uuid, r.c.name, r.c.experiment_id, r.c.status, r.c.start_time)
+            runs = c.execute(sa.select(r.c.run_uuid, r.c.name, r.c.experiment_id, r.c.status, r.c.start_time,
+                                       r.c.end_time)
                              .where(r.c.lifecycle_stage == "active").order_by(r.c.start_time.desc())).all()
-            recs = {rid: RunRecord(rid, name or rid[:8], str(eid), exps[str(eid)], status, start)
-                    for rid, name, eid, status, start in runs if str(eid) in exps}
+            recs = {rid: RunRecord(rid, name or rid[:8], str(eid), exps[str(eid)], status, start, end_time=end)
+                    for rid, name, eid, status, start, end in runs if str(eid) in exps}
             for rid, k, v in c.execute(sa.select(t["params"].c.run_uuid, t["params"].c.key, t["params"].c.value)):
                 if rid in recs:
                     recs[rid].params[k] = v
@@ -70,9 +71,11 @@ def fetch_runs(eng: Any) -> list[RunRecord]:
                 if rid in recs:
                     recs[rid].tags[k] = v
             lm = t["latest_metrics"]
-            for rid, k, v, nan in c.execute(sa.select(lm.c.run_uuid, lm.c.key, lm.c.value, lm.c.is_nan)):
+            for rid, k, v, nan, step in c.execute(sa.select(lm.c.run_uuid, lm.c.key, lm.c.value, lm.c.is_nan,
+                                                            lm.c.step)):
                 if rid in recs:
                     recs[rid].metrics[k] = _value(v, nan)
+                    recs[rid].metric_steps[k] = int(step)
     except sa.exc.SQLAlchemyError as err:
         raise SourceUnavailable(f"The MLflow store could not be read: {err}") from err
     return list(recs.values())

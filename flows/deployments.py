@@ -30,7 +30,7 @@ def deployments(cron: str | None = None, default_overrides: list[str] | None = N
         train_and_eval.to_deployment(name="local", parameters={"overrides": base},
                                      description="quantize -> validate -> train -> evaluate on Hydra overrides"),
         benchmark_regression.to_deployment(name="nightly", cron=cron, parameters={"overrides": base},
-                                           description="latest registered model vs stored baselines"),
+                                           description="registered candidate vs champion, each in its deploy precision"),
         sweep.to_deployment(name="local", parameters={"corrections": DEFAULT_SWEEP, "seeds": [0], "overrides": base},
                             description="one train-and-eval per correction and seed; prints the dashboard's "
                                         "Compare page of its members"),

@@ -14,6 +14,7 @@ from prefect import flow
 
 from flows.train_and_eval import train_and_eval
 from parity.tracking.naming import compare_url
+from tasks import publish
 
 DEFAULT_DASHBOARD_URL = "http://127.0.0.1:8501"  # `make dashboard`
 
@@ -63,6 +64,7 @@ def sweep(corrections: list[str] | None = None, overrides: list[str] | None = No
     url = dashboard_compare_url(sweep_id)
     print(f"Sweep {sweep_id}: {len(rows) - len(failed)} of {len(rows)} members completed. "
           f"Compare them side by side: {url}")
+    publish.sweep(sweep_id, url, rows)
     if failed:
         raise RuntimeError(f"{len(failed)} of {len(runs)} sweep members failed (compare the others: {url}):\n"
                            + "\n".join(failed))

@@ -13,7 +13,9 @@ from omegaconf import OmegaConf
 from prefect import flow
 
 from parity.config import load_config
+from parity.tracking import naming
 from parity.tracking.naming import headline_metrics
+from tasks import publish
 from tasks.recording import PipelineRef, close_pipeline, log_headline, open_pipeline, plain, stage
 from tasks.records import record_artifact_task, record_evaluation_task, register_model_task
 from tasks.stages import (
@@ -72,8 +74,9 @@ def run_stages(ref: PipelineRef, cfg: OmegaConf) -> dict:
         for name in ("metrics.jsonl", "summary.json"):
             st.artifact(Path(t["run_dir"]) / name, "run")
     precision = precision_label(cfg)
+    facts = naming.facts_of(cfg)  # what the checkpoint was trained as: its label on every page
     ckpt_id = record_artifact_task(r, "checkpoint", t["latest_checkpoint"], precision, parent_id=rollout_id,
-                                   validation_status=v["status"])
+                                   validation_status=v["status"], facts=facts)
     with stage(ref, "evaluate") as st:
         e = evaluate_task(c, t["latest_checkpoint"])
         e["result_ids"] = record_evaluation_task(r, e, ckpt_id, st.run_id)
@@ -84,8 +87,8 @@ def run_stages(ref: PipelineRef, cfg: OmegaConf) -> dict:
         with stage(ref, "register") as st:
             registered = st.done(register_model_task(
                 r, st.run_id, ckpt_id, t["latest_checkpoint"], str(cfg.tracking.model_name),
-                {"precision": precision, "validation_status": v["status"], "pipeline_id": str(ref.pipeline_id),
-                 "run_name": str(cfg.trainer.run_name)}))
+                {**naming.tags_of(facts), "precision": precision, "validation_status": v["status"],
+                 "pipeline_id": str(ref.pipeline_id), "run_name": str(cfg.trainer.run_name)}))
     return {"pipeline_id": ref.pipeline_id, "mlflow_run_id": ref.run_id, "run_name": str(cfg.trainer.run_name),
             "title": ref.title,
             "precision": precision, "validation": v["status"], "checkpoint": t["latest_checkpoint"],
@@ -98,14 +101,17 @@ def run_stages(ref: PipelineRef, cfg: OmegaConf) -> dict:
 
 
 def run_pipeline(overrides: list[str], extra_config_dir: str | None = None, sweep: str | None = None) -> dict:
+    t0 = time.monotonic()
     cfg = compose(list(overrides), extra_config_dir)
     ref = open_pipeline(FLOW_NAME, cfg, list(overrides), sweep=sweep)
     try:
         result = run_stages(ref, cfg)
     except BaseException as e:
         close_pipeline(ref, ok=False, reason=f"{type(e).__name__}: {e}"[:5000])
+        publish.train_and_eval_failed(ref.title, ref.stages, e)
         raise
     close_pipeline(ref, ok=True)
+    publish.train_and_eval(result, time.monotonic() - t0)
     return result
 
 

@@ -47,11 +47,22 @@ def prefect_env(home: Path, api_url: str | None = None) -> dict[str, str]:
     return env
 
 
+def server_env(home: Path, port: int) -> dict[str, str]:
+    """The server's settings. `--port` alone moves the API but not what the UI is told: the UI asks the server
+    for its API address (/ui-settings), which Prefect derives from PREFECT_UI_API_URL, else PREFECT_API_URL,
+    else PREFECT_SERVER_API_HOST/PORT (port default 4200), so a server on any other port served a UI that
+    could not reach it. The UI's address and the port are set to this server's own. Logs are streamed out, so
+    `prefect deployment run ... --watch` prints the flow run's log (its Result line) beside its events."""
+    return {**prefect_env(home), "PREFECT_SERVER_API_PORT": str(port),
+            "PREFECT_UI_API_URL": f"http://127.0.0.1:{port}/api",
+            "PREFECT_SERVER_LOGS_STREAM_OUT_ENABLED": "true", "PREFECT_SERVER_LOGS_STREAM_PUBLISHING_ENABLED": "true"}
+
+
 def start_server(home: Path, port: int, log_path: Path) -> subprocess.Popen:
     home.mkdir(parents=True, exist_ok=True)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     return subprocess.Popen([str(Path(PY).parent / "prefect"), "server", "start", "--host", "127.0.0.1",
-                             "--port", str(port)], env=prefect_env(home), stdout=log_path.open("ab"),
+                             "--port", str(port)], env=server_env(home, port), stdout=log_path.open("ab"),
                             stderr=subprocess.STDOUT, start_new_session=True, cwd=str(REPO))
 
 
@@ -163,14 +174,36 @@ def run(args: argparse.Namespace) -> int:
     rc = subprocess.call(cmd, env=prefect_env(home, api_url), cwd=str(REPO))
     summary = latest_summary(out)
     print(json.dumps(summary, indent=1, default=str))
+    nightly = next_scheduled_run(api_url, "benchmark-regression/nightly")
+    cli = f"PREFECT_API_URL={api_url} .venv/bin/prefect"
     print(f"\nflow run {'completed' if rc == 0 else 'FAILED'} in {time.monotonic() - t0:.0f} s.\n"
           f"Prefect UI:   {api_url.removesuffix('/api')}   (server and deployments keep running; `make stop` ends them)\n"
-          f"MLflow UI:    make mlflow-ui   then open http://127.0.0.1:5000\n"
+          f"Results:      {cli} artifact inspect train-and-eval-summary   (`artifact ls`: every kind; the UI's "
+          f"Artifacts tab)\n"
+          f"Nightly:      benchmark-regression/nightly, next scheduled run {nightly or 'not listed yet'}\n"
+          f"MLflow UI:    make mlflow-ui   then open the link it prints (the runs table, on http://127.0.0.1:5000)\n"
           f"Dashboard:    make dashboard   (streamlit, reads MLflow and {out / 'registry.db'})\n"
-          f"Again:        PREFECT_API_URL={api_url} .venv/bin/prefect deployment run train-and-eval/local --watch",
+          f"Again:        {cli} deployment run train-and-eval/local --watch",
           flush=True)
     (out / "pids" / "prefect-api-url").write_text(api_url)
     return rc
+
+
+def next_scheduled_run(api_url: str, name: str) -> str | None:
+    """When the server's scheduler has the deployment's next run (its expected start time), else None."""
+    flow_name, dep = name.split("/", 1)
+    try:
+        with urllib.request.urlopen(f"{api_url}/deployments/name/{flow_name}/{dep}", timeout=10) as r:
+            dep_id = json.load(r)["id"]
+        body = json.dumps({"flow_runs": {"deployment_id": {"any_": [dep_id]}, "state": {"type": {"any_": ["SCHEDULED"]}}},
+                           "sort": "EXPECTED_START_TIME_ASC", "limit": 1}).encode()
+        req = urllib.request.Request(f"{api_url}/flow_runs/filter", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            runs = json.load(r)
+    except (OSError, ValueError, KeyError):
+        return None
+    return runs[0]["expected_start_time"] if runs else None
 
 
 def latest_summary(out: Path) -> dict:
@@ -197,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="server + deployments + one train-and-eval/local run")
     r.add_argument("--port", type=int, default=int(os.environ.get("PARITY_PREFECT_PORT", "0")))
-    r.add_argument("--timeout", type=int, default=840, help="seconds to wait for the flow run")
+    r.add_argument("--timeout", type=int, default=3600, help="seconds to wait for the flow run (a loaded machine is slow)")
     r.add_argument("overrides", nargs="*", help="Hydra overrides for the flow run")
     sub.add_parser("stop", help="stop what `run` started")
     args = p.parse_args(argv)

@@ -71,11 +71,12 @@ def _flow_run_id() -> str | None:
 
 
 def open_pipeline(flow: str, cfg: DictConfig, overrides: list[str], title: str | None = None,
-                  sweep: str | None = None) -> PipelineRef:
-    """Registry row + MLflow parent run named `title` (by default what the config runs: naming.run_title) in
-    the MLflow experiment `tracking.experiment` (one per experiment_name by default), with the flattened
-    resolved config as params (secrets masked), the resolved config as an artifact, and tags naming the
-    experiment, precision, correction, seed and the sweep it belongs to."""
+                  sweep: str | None = None, facts: dict | None = None) -> PipelineRef:
+    """Registry row + MLflow parent run named `title` (by default what the config runs: naming.run_title; `#2`,
+    `#3` appended when the experiment already has a run of that name) in the MLflow experiment
+    `tracking.experiment` (one per experiment_name by default), with the flattened resolved config as params
+    (secrets masked), the resolved config as an artifact, and tags naming the experiment, precision, correction
+    and seed of what it trains (`facts`, by default naming.facts_of(cfg)) and the sweep it belongs to."""
     t = cfg.tracking
     reg = registry(str(t.registry_url))
     flow_run_id = _flow_run_id()
@@ -83,8 +84,8 @@ def open_pipeline(flow: str, cfg: DictConfig, overrides: list[str], title: str |
                              flow_run_id=flow_run_id)
     c = mlflow_client(str(t.tracking_uri))
     exp = mlflow_log.experiment_id(c, str(t.experiment), mlflow_log.default_artifact_dir(str(t.tracking_uri)))
-    title = title or naming.run_title(cfg)
-    tags = {**naming.run_tags(cfg), "parity.flow": flow, "parity.pipeline_id": str(pid),
+    title = naming.unique_run_name(c, exp, title or naming.run_title(cfg))
+    tags = {**naming.tags_of(facts or naming.facts_of(cfg)), "parity.flow": flow, "parity.pipeline_id": str(pid),
             "parity.flow_run_id": str(flow_run_id), **({naming.SWEEP_TAG: sweep} if sweep else {})}
     run_id = mlflow_log.start_run(c, exp, title, tags={**tags, naming.KIND_TAG: "pipeline"})
     reg.set_pipeline_mlflow_run(pid, run_id)
@@ -110,7 +111,10 @@ def close_pipeline(ref: PipelineRef, ok: bool, reason: str | None = None) -> Non
     try:
         registry(ref.registry_url).finish_pipeline(ref.pipeline_id, "completed" if ok else "failed",
                                                    None if reason is None else mask_url(reason))
-        mlflow_log.end_run(mlflow_client(ref.tracking_uri), ref.run_id, ok)
+        c = mlflow_client(ref.tracking_uri)
+        if reason is not None:  # why it failed, on the run the Runs page and MLflow's table show
+            c.set_tag(ref.run_id, "parity.failure", mask_url(reason)[:5000])
+        mlflow_log.end_run(c, ref.run_id, ok)
     except Exception as e:
         if ok:
             raise

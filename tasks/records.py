@@ -21,20 +21,23 @@ RETRY = {"retries": 2, "retry_delay_seconds": 3}
 @task(name="record-artifact", **RETRY)
 def record_artifact_task(ref: dict, kind: str, path: str, precision: str, *, parent_id: int | None = None,
                          validation_status: str | None = None, report: dict | None = None,
-                         report_path: str | None = None) -> int:
+                         report_path: str | None = None, facts: dict | None = None) -> int:
     return registry(ref["registry_url"]).add_artifact(
         kind, path, precision, parent_id=parent_id, pipeline_id=ref["pipeline_id"],
-        validation_status=validation_status, report=report, report_path=report_path)
+        validation_status=validation_status, report=report, report_path=report_path, facts=facts)
 
 
 @task(name="register-model", **RETRY)
 def register_model_task(ref: dict, run_id: str, artifact_id: int, model_dir: str, model_name: str,
                         tags: dict[str, str]) -> dict:
-    """The trained checkpoint becomes a version of the MLflow registered model, tagged with its precision
-    and validation status; the registry row remembers the version."""
-    version = mlflow_log.register_model(mlflow_client(ref["tracking_uri"]), run_id, model_dir, model_name, tags)
+    """The trained checkpoint becomes a version of the MLflow registered model, tagged with what it was trained
+    as (naming.tags_of), its precision and validation status, and becomes the model's `candidate` (MLflow's
+    model-registry alias; the first version is the `champion` too); the registry row remembers the version."""
+    c = mlflow_client(ref["tracking_uri"])
+    version = mlflow_log.register_model(c, run_id, model_dir, model_name, tags)
+    aliases = mlflow_log.set_candidate(c, model_name, version)
     registry(ref["registry_url"]).set_mlflow_model_version(artifact_id, model_name, version)
-    return {"model_name": model_name, "version": version, "artifact_id": artifact_id}
+    return {"model_name": model_name, "version": version, "artifact_id": artifact_id, "aliases": aliases}
 
 
 def read_samples(path: str | Path) -> dict[str, list[dict]]:
@@ -64,7 +67,8 @@ def record_evaluation_task(ref: dict, evaluation: dict, artifact_id: int | None,
         metrics = {k: v for k, v in row.items() if k not in ("k", "problems")}
         ids[name] = reg.add_evaluation(name, row["k"], row["problems"], metrics, samples.get(name, []),
                                        pipeline_id=ref["pipeline_id"], artifact_id=artifact_id,
-                                       out_dir=evaluation.get("out_dir"))
+                                       out_dir=evaluation.get("out_dir"), precision=evaluation.get("precision"),
+                                       settings=evaluation.get("settings"))
     if run_id:
         c = mlflow_client(ref["tracking_uri"])
         flat = {f"eval/{b}/{m}": v for b, row in evaluation["benchmarks"].items() for m, v in row.items()
@@ -79,11 +83,11 @@ def record_evaluation_task(ref: dict, evaluation: dict, artifact_id: int | None,
 
 @task(name="regression-check", **RETRY)
 def regression_check_task(ref: dict, benchmark: str, baseline_result_id: int, candidate_result_id: int,
-                          settings: dict[str, Any]) -> dict:
+                          settings: dict[str, Any], names: tuple[str, str] = ("candidate", "baseline")) -> dict:
     reg = registry(ref["registry_url"])
     cmp = compare(benchmark, reg.sample_scores(baseline_result_id), reg.sample_scores(candidate_result_id),
                   margin=float(settings["margin"]), n_boot=int(settings["bootstrap"]),
-                  level=float(settings["ci_level"]), seed=int(settings["seed"]))
+                  level=float(settings["ci_level"]), seed=int(settings["seed"]), names=tuple(names))
     check_id = reg.add_regression_check(
         benchmark=benchmark, baseline_result_id=baseline_result_id, candidate_result_id=candidate_result_id,
         paired_problems=cmp.paired_problems, delta=cmp.delta, ci_low=cmp.ci_low, ci_high=cmp.ci_high,

@@ -69,12 +69,19 @@ def prepare_task(cfg: dict) -> dict:
 
 
 def precision_label(cfg: Any) -> str:
+    """The rollout precision's full spec (parity.precision.config.precision_spec): what the registry stores as an
+    artifact's precision ('bf16', 'wint8-aint8-kvint4_per_token_head', ...)."""
+    from parity.precision.config import resolve_precision, spec_of
+
+    return spec_of(resolve_precision(cfg))
+
+
+def _quantized_weights(cfg: Any) -> bool:
+    """Whether the rollout has a quantized checkpoint to write: its weights are not BF16 (a KV format or the
+    mismatch dial alone is applied by the engine to the BF16 model)."""
     from parity.precision.config import resolve_precision
 
-    p = resolve_precision(cfg)
-    if (p.weights, p.activations, p.kv_cache) == ("bf16", "bf16", "bf16"):
-        return "bf16"
-    return f"w{p.weights}-a{p.activations}-kv{p.kv_cache}"
+    return resolve_precision(cfg).weights != "bf16"
 
 
 def _quantize_key(_ctx: TaskRunContext, params: dict[str, Any]) -> str:
@@ -84,7 +91,7 @@ def _quantize_key(_ctx: TaskRunContext, params: dict[str, Any]) -> str:
     cfg = as_config(params["cfg"])
     model_dir = Path(params["model_dir"])
     stamp = (model_dir / "config.json").stat().st_mtime_ns if (model_dir / "config.json").exists() else 0
-    if precision_label(cfg) == "bf16":
+    if not _quantized_weights(cfg):
         return f"quantize-bf16-{_digest([str(model_dir), stamp])}"
     out = quantized_checkpoint_dir(cfg, resolve_precision(cfg))
     key = f"quantize-{_digest([str(model_dir), stamp, precision_label(cfg), str(out)])}"
@@ -99,8 +106,8 @@ def quantize_task(cfg: dict, model_dir: str) -> dict:
 
     c = as_config(cfg)
     label = precision_label(c)
-    if label == "bf16":
-        return {"skipped": True, "reason": "BF16 rollout: nothing to quantize", "precision": label,
+    if not _quantized_weights(c):
+        return {"skipped": True, "reason": "BF16 rollout weights: nothing to quantize", "precision": label,
                 "path": model_dir, "lib_seconds": 0.0}
     t0 = time.perf_counter()
     out = quantize_cmd.run(c)
@@ -117,16 +124,16 @@ def validate_task(cfg: dict, quantized: dict) -> dict:
 
     if quantized.get("skipped"):
         return {"status": "not_required", "reason": quantized.get("reason"), "report": None, "lib_seconds": 0.0}
-    report_json = Path(quantized["path"]) / "validation.json"
     t0 = time.perf_counter()
-    try:
-        validate_cmd.run(as_config(cfg))
-        status, reason = "passed", None
+    try:  # this validation's own report (kept under validations/), not whichever is the latest by now
+        out = validate_cmd.run(as_config(cfg))
+        status, reason, paths = "passed", None, (out["report_json"], out["report_md"])
     except PrecisionValidationError as e:  # the command writes the report before it raises
         status, reason = "failed", str(e)
-    report = json.loads(report_json.read_text()) if report_json.is_file() else None
-    return {"status": status, "reason": reason, "report": report, "report_path": str(report_json),
-            "report_md": str(report_json.with_suffix(".md")), "lib_seconds": time.perf_counter() - t0}
+        paths = (getattr(e, "report_json", None), getattr(e, "report_md", None))
+    report = json.loads(Path(paths[0]).read_text()) if paths[0] and Path(paths[0]).is_file() else None
+    return {"status": status, "reason": reason, "report": report, "report_path": paths[0], "report_md": paths[1],
+            "lib_seconds": time.perf_counter() - t0}
 
 
 def _train_retry_resumes(cfg: Any) -> Any:
@@ -167,7 +174,7 @@ def train_task(cfg: dict, tracking_uri: str | None = None, mlflow_run_id: str | 
     if cb is not None:
         summary["mlflow_unwritten_metrics"] = 0 if cb.close(wait_s=flush_wait_s) else len(cb.buffer)
         summary["mlflow_outages"] = cb.outages
-    out = {k: summary.get(k) for k in ("run_dir", "initial_accuracy", "final_accuracy", "final_reward",
+    out = {k: summary.get(k) for k in ("run_dir", "initial_accuracy", "final_accuracy", "final_reward", "final_mismatch",
                                        "latest_checkpoint", "steps", "seconds", "mlflow_unwritten_metrics",
                                        "mlflow_outages", "mlflow_callback_s", "lib_seconds")}
     # present only where the training measured them (a quantized rollout; a loop with the collapse alarm)
@@ -180,6 +187,7 @@ def evaluate_task(cfg: dict, model_path: str) -> dict:
     from omegaconf import OmegaConf
 
     from parity.commands import evaluate as evaluate_cmd
+    from parity.tracking.regression import evaluation_settings
 
     c = as_config(cfg).copy()
     OmegaConf.update(c, "eval.model_path", str(model_path))
@@ -187,4 +195,6 @@ def evaluate_task(cfg: dict, model_path: str) -> dict:
     OmegaConf.update(c, "eval.registered_model", None)
     t0 = time.perf_counter()
     out = dict(evaluate_cmd.run(c))
-    return {**out, "lib_seconds": time.perf_counter() - t0}
+    # the precision it ran in and what decides its scores, recorded with each result (the regression check's reuse)
+    return {**out, "precision": precision_label(c), "settings": evaluation_settings(c),
+            "lib_seconds": time.perf_counter() - t0}

@@ -4,7 +4,12 @@ numerical tests check.
 `model.dtype=auto` computes in bfloat16 on CPUs with native bf16 (AVX512-BF16, AMX) and in float32 on
 AVX2-only ones, so a test that left it on auto would check a different dtype on different machines. The quick
 settings pin it instead: float32, or what PARITY_TEST_DTYPE says (float32 | bfloat16). `make test` runs the
-dtype-sensitive files a second time with PARITY_TEST_DTYPE=bfloat16, whatever the CPU."""
+dtype-sensitive files a second time with PARITY_TEST_DTYPE=bfloat16, whatever the CPU.
+
+Tests that leave model.dtype on auto (flows, commands, presets run as a user runs them) assert what holds in both
+dtypes. PARITY_AUTO_DTYPE=bfloat16 (read by the library, parity.rollout.compute_dtype) makes auto resolve to
+bfloat16 on any CPU, so an AVX2 machine runs the suite an AVX512-BF16 one runs; the report header says what auto
+resolves to."""
 
 from __future__ import annotations
 
@@ -32,7 +37,8 @@ QUICK = [f"model.dtype={TEST_DTYPE}",
 ]
 
 
-from tests.prefect_services import prefect_services, sweep_store  # noqa: E402,F401  (session fixtures)
+from tests.prefect_services import prefect_services, sweep_regression, sweep_store  # noqa: E402,F401  (session fixtures)
+from tests.quantized_outputs import quantized_outputs  # noqa: E402,F401  (session fixture)
 
 
 @pytest.fixture(scope="session")
@@ -43,8 +49,25 @@ def test_dtype():
     return getattr(torch, TEST_DTYPE)
 
 
+def _dtypes_line() -> str:
+    from types import SimpleNamespace
+
+    import torch
+
+    from parity.rollout import compute_dtype
+
+    auto = str(compute_dtype(SimpleNamespace(model=SimpleNamespace(dtype="auto")), torch.device("cpu")))
+    how = "PARITY_AUTO_DTYPE" if os.environ.get("PARITY_AUTO_DTYPE") else "this CPU"
+    return (f"parity: numerical tests check model.dtype={TEST_DTYPE} (PARITY_TEST_DTYPE); "
+            f"model.dtype=auto resolves to {auto.removeprefix('torch.')} ({how})")
+
+
 def pytest_report_header(config: pytest.Config) -> str:
-    return f"parity: numerical tests check model.dtype={TEST_DTYPE} (PARITY_TEST_DTYPE)"
+    return _dtypes_line()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    terminalreporter.write_line(_dtypes_line())  # with -q too, where the header is not printed
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,10 @@ dashboard tests (tests/conftest.py imports the fixtures).
 
 `prefect_services`: a real Prefect server on 127.0.0.1 (its home and database in a temp dir) and the
 deployments served by `python -m flows.deployments`. `sweep_store`: `sweep/local` triggered through the
-Prefect REST API with two corrections x two seeds on the quick settings, into its own outputs folder, so
-its MLflow store and registry hold exactly the sweep (the other flow tests write beside it, not into it)."""
+Prefect REST API with two corrections x two seeds on the quick settings, its rollout in W8A8 INT8 + INT4 KV
+(so each member quantizes, validates, trains and evaluates in the seed's numerics), into its own outputs
+folder, so its MLflow store and registry hold exactly the sweep (the other flow tests write beside it, not into
+it). `sweep_regression`: `benchmark-regression/nightly` on the sweep's registered model afterwards."""
 
 from __future__ import annotations
 
@@ -26,11 +28,14 @@ from scripts.run_local import (
     wait_deployment,
     wait_healthy,
 )
+from tests.quantized_outputs import VALIDATION
 
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 SWEEP_MODEL = "sweeptest-model"
 SWEEP_CORRECTIONS = ["none", "tis"]
 SWEEP_SEEDS = [0, 1]
+SWEEP_PRECISION = ["rollout.precision.weights=int8", "rollout.precision.activations=int8",
+                   "rollout.precision.kv_cache=int4_per_token_head"]
 
 
 def api(url: str, method: str = "GET", body: dict | None = None) -> dict | list:
@@ -47,6 +52,15 @@ def api(url: str, method: str = "GET", body: dict | None = None) -> dict | list:
                 raise
             time.sleep(2 * (attempt + 1))
     raise AssertionError("unreachable")
+
+
+def sweep_eval(out: Path, prepared_model: Path) -> list[str]:
+    """The sweep's settings that the nightly regression check shares with it (its stores, model, evaluation), so
+    the check finds the members' own evaluations in their deploy precision and reuses them."""
+    from tests.conftest import QUICK
+
+    return [f"outputs_dir={out}", *QUICK, f"model.path={prepared_model}", "eval.suite=[arithmetic]", "eval.limit=4",
+            f"tracking.model_name={SWEEP_MODEL}"]
 
 
 def run_deployment(api_url: str, name: str, overrides: list[str], timeout_s: float = 600,
@@ -87,6 +101,17 @@ def flow_run_line(api_url: str, flow_run_id: str, pattern: str, timeout_s: float
         time.sleep(1.0)
 
 
+def artifacts_of(api_url: str, flow_run_id: str) -> dict[str, dict]:
+    """The Prefect artifacts a flow run published, by key (tasks/publish.py); a table's rows decoded."""
+    rows = api(f"{api_url}/artifacts/filter", "POST", {"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}})
+    out = {}
+    for a in rows:
+        if a["type"] == "table" and isinstance(a["data"], str):
+            a = {**a, "rows": json.loads(a["data"])}
+        out[a["key"]] = a
+    return out
+
+
 @pytest.fixture(scope="session")
 def prefect_services(tmp_path_factory):
     root = tmp_path_factory.mktemp("prefect")
@@ -111,11 +136,9 @@ def prefect_services(tmp_path_factory):
 @pytest.fixture(scope="session")
 def sweep_store(prefect_services, prepared_model: Path) -> dict:
     """The sweep's flow run, its member flow runs, the Compare link it printed and its stores."""
-    from tests.conftest import QUICK
 
     api_url, out = prefect_services["api"], prefect_services["root"] / "sweep"
-    common = [f"outputs_dir={out}", *QUICK, f"model.path={prepared_model}", "eval.suite=[arithmetic]", "eval.limit=4",
-              f"tracking.model_name={SWEEP_MODEL}"]
+    common = [*sweep_eval(out, prepared_model), *SWEEP_PRECISION, *VALIDATION]
     t0 = time.monotonic()
     fr = run_deployment(api_url, "sweep/local", common,
                         parameters={"corrections": SWEEP_CORRECTIONS, "seeds": SWEEP_SEEDS})
@@ -127,3 +150,16 @@ def sweep_store(prefect_services, prepared_model: Path) -> dict:
             "sweep": re.search(r"[?&]sweep=([^&]+)", link[1])[1] if link else None, "seconds": seconds,
             "outputs_dir": str(out), "tracking_uri": f"sqlite:///{out}/mlflow.db",
             "registry_url": f"sqlite:///{out}/registry.db"}
+
+
+@pytest.fixture(scope="session")
+def sweep_regression(prefect_services, sweep_store, prepared_model: Path) -> dict:
+    """`benchmark-regression/nightly` on the sweep's model: its candidate (the last version registered, v4) against
+    its champion (the first, v1), with a margin no drop can exceed, so the run completes whatever the tiny models
+    score; the records it leaves are what is checked."""
+    out = Path(sweep_store["outputs_dir"])
+    t0 = time.monotonic()
+    fr = run_deployment(prefect_services["api"], "benchmark-regression/nightly",
+                        [*sweep_eval(out, prepared_model), "tracking.regression.margin=1.0",
+                         "tracking.regression.bootstrap=500"])
+    return {"flow_run": fr, "seconds": time.monotonic() - t0, "outputs_dir": str(out)}

@@ -2,8 +2,9 @@
 tiny sweep (two corrections x two seeds through `sweep/local`, tests/prefect_services.py), Debian's
 chromium headless (installed with apt-get when missing), driven over the DevTools protocol. The Compare
 page opened with the link the sweep printed renders its charts with the legend labels the sweep's
-configs differ by ("none", "tis"); Runs and Benchmarks render too. Screenshots of the three pages are
-saved (PARITY_SCREENSHOT_DIR keeps them: docs/dashboard/ holds the committed ones)."""
+configs differ by ("none", "tis"); Runs, Benchmarks, Regression (after the nightly check of the sweep's model)
+and Precision (the members' INT8 + INT4 KV validation reports) render too, without an exception or an error.
+Screenshots of the five pages are saved (PARITY_SCREENSHOT_DIR keeps them: docs/dashboard/ holds committed ones)."""
 
 from __future__ import annotations
 
@@ -103,6 +104,23 @@ class Cdp:
         self.ws.close()
 
 
+def open_chromium(browser: str, profile: Path, window: str = "1400,1500") -> tuple[subprocess.Popen, Cdp]:
+    """Chromium headless on a fresh profile, and a DevTools connection to its page."""
+    flags = [f for f in CHROMIUM_FLAGS if not f.startswith("--window-size")] + [f"--window-size={window}"]
+    chrome = subprocess.Popen([browser, *flags, f"--user-data-dir={profile}", "about:blank"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    active = profile / "DevToolsActivePort"
+    deadline = time.monotonic() + 60
+    while not active.is_file() or not active.read_text().strip():
+        if time.monotonic() > deadline or chrome.poll() is not None:
+            stop(chrome)
+            raise AssertionError("chromium did not open its DevTools port")
+        time.sleep(0.2)
+    with urllib.request.urlopen(f"http://127.0.0.1:{int(active.read_text().split()[0])}/json/list", timeout=10) as r:
+        page = next(t for t in json.load(r) if t["type"] == "page")
+    return chrome, Cdp(page["webSocketDebuggerUrl"])
+
+
 LEGEND_JS = ("Array.from(document.querySelectorAll('[data-testid=\"stVegaLiteChart\"] .role-legend-label text'))"
              ".map(t => t.textContent)")
 TITLE_JS = "document.querySelector('h1') && document.querySelector('h1').innerText"
@@ -123,7 +141,7 @@ def _shot(cdp: Cdp) -> bytes:
     return shot
 
 
-def test_sweep_pages_render_in_chromium(sweep_store, tmp_path):
+def test_sweep_pages_render_in_chromium(sweep_store, sweep_regression, tmp_path):
     browser = chromium()
     port = free_port()
     env = {**os.environ, "PARITY_TRACKING_URI": sweep_store["tracking_uri"],
@@ -141,17 +159,7 @@ def test_sweep_pages_render_in_chromium(sweep_store, tmp_path):
     shots, seen = {}, {}
     try:
         wait_http(f"http://127.0.0.1:{port}/_stcore/health", 120, app)
-        chrome = subprocess.Popen([browser, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "about:blank"],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        active = profile / "DevToolsActivePort"
-        deadline = time.monotonic() + 60
-        while not active.is_file() or not active.read_text().strip():
-            assert time.monotonic() < deadline and chrome.poll() is None, "chromium did not open its DevTools port"
-            time.sleep(0.2)
-        cdp_port = int(active.read_text().split()[0])
-        with urllib.request.urlopen(f"http://127.0.0.1:{cdp_port}/json/list", timeout=10) as r:
-            page = next(t for t in json.load(r) if t["type"] == "page")
-        cdp = Cdp(page["webSocketDebuggerUrl"])
+        chrome, cdp = open_chromium(browser, profile)
         try:
             cdp.call("Page.enable")
             cdp.call("Page.navigate", url=compare_url)
@@ -169,6 +177,13 @@ def test_sweep_pages_render_in_chromium(sweep_store, tmp_path):
                   and len(cdp.eval(LEGEND_JS) or []) >= 4, "the Benchmarks page")
             shots["benchmarks"] = _shot(cdp)
             seen["benchmarks"] = {"errors": cdp.eval(ERROR_JS), "legend": cdp.eval(LEGEND_JS)}
+            # the quantized sweep's regression check and its validation reports
+            for page, title in (("regression", "Benchmark regression checks"), ("precision", "Precision validation")):
+                cdp.call("Page.navigate", url=f"http://127.0.0.1:{port}/{page}")
+                _wait(cdp, lambda title=title: cdp.eval(TITLE_JS) == title and (cdp.eval(TABLE_JS) or 0) >= 1,
+                      f"the {title} page")
+                shots[page] = _shot(cdp)
+                seen[page] = {"errors": cdp.eval(ERROR_JS), "text": cdp.eval("document.body.innerText")}
         finally:
             cdp.close()
     finally:
@@ -185,5 +200,9 @@ def test_sweep_pages_render_in_chromium(sweep_store, tmp_path):
     # every chart's legend names the two corrections: the config key the sweep's members differ by, seeds grouped
     assert set(c["legend"]) == {"none", "tis"} and len(c["legend"]) == 2 * c["charts"], c["legend"]
     assert seen["runs"]["errors"] == 0 and seen["benchmarks"]["errors"] == 0
-    assert {f"arith_tiny / bf16 / {corr} / seed {s} @ step 2" for corr in ("none", "tis") for s in (0, 1)} <= \
+    assert seen["regression"]["errors"] == 0 and "All 1 checks passed." in seen["regression"]["text"]
+    assert seen["precision"]["errors"] == 0 and "passed" in seen["precision"]["text"]
+    assert {f"arith_tiny / int8+int4kv / {corr} / seed {s} @ step 2" for corr, s in (("none", 1), ("tis", 0))} | {
+        f"arith_tiny / int8+int4kv / {corr} / seed {s} @ step 2 [{p}]" for corr, s in (("none", 0), ("tis", 1))
+        for p in ("int8+int4kv", "bf16")} <= \
         set(seen["benchmarks"]["legend"])

@@ -4,6 +4,7 @@ run naming they share with MLflow, and the read-only store access."""
 from __future__ import annotations
 
 import io
+import json
 import math
 import sqlite3
 
@@ -108,6 +109,14 @@ def test_run_names_tags_and_identity_params():
                        "trainer.seed=3"])
     assert naming.run_title(cfg) == "arith_tiny / int8+int4kv / score_centering+tis / seed 3"
     assert naming.stage_title(naming.run_title(cfg), "train").endswith("seed 3 / train")
+    # one label function: the run title is label() of the config's facts; the registry's spec reads back the same
+    facts = naming.facts_of(cfg)
+    assert facts["precision_spec"] == "wint8-aint8-kvint4_per_token_head" and facts["seed"] == "3"
+    assert naming.label_of(facts) == naming.run_title(cfg)
+    assert naming.precision_of_spec(facts["precision_spec"]) == facts["precision"] == "int8+int4kv"
+    assert naming.label_of(naming.facts_of_tags(naming.tags_of(facts))) == naming.run_title(cfg)
+    assert naming.label(None, None, None, None) == "experiment / bf16 / none / seed 0"
+    assert naming.precision_of_spec("bf16-sigma0.01") == "bf16+σ0.01" and naming.precision_of_spec("odd") == "odd"
     assert naming.run_tags(cfg)["parity.precision"] == "int8+int4kv"
     ident = naming.identity_params(flatten(cfg))
     assert {"experiment_name", "trainer.lr", "trainer.seed", "algorithm.correction.tis.C",
@@ -191,11 +200,22 @@ def test_bench_labels_and_one_row_per_evaluation():
 
 
 def test_flag_checks_and_missing_metrics():
+    sc = {"experiment": "arith_tiny", "precision": "int8+int4kv", "correction": "score_centering", "seed": "1"}
+    champ = {**sc, "seed": "0"}
     checks = pd.DataFrame({"passed": [True, False], "delta": [0.01, -0.2], "ci_low": [-0.02, -0.3],
-                           "ci_high": [0.03, -0.1], "margin": [0.05, 0.05], "benchmark": ["a", "a"]})
+                           "ci_high": [0.03, -0.1], "margin": [0.05, 0.05], "benchmark": ["a", "a"],
+                           "candidate_result_id": [7, 9], "baseline_result_id": [3, 3],
+                           "precision": ["wint8-aint8-kvbf16", "wint8-aint8-kvint4_per_token_head"],
+                           "candidate_eval_precision": [None, "bf16"],
+                           "candidate_facts": [None, json.dumps(sc)], "candidate_version": [None, "2"],
+                           "baseline_facts": [None, champ], "baseline_version": [None, "1"]})
     f = frames.flag_checks(checks)
     assert f["flagged"].tolist() == [True, False]  # newest first
     assert f["delta"].tolist() == pytest.approx([-20.0, 1.0])
+    # both sides labelled with naming.label (what each was trained as) and their version; the evaluation's precision
+    assert f["candidate"].tolist() == ["arith_tiny / int8+int4kv / score_centering / seed 1 v2", "result 7"]
+    assert f["champion"].tolist() == ["arith_tiny / int8+int4kv / score_centering / seed 0 v1", "result 3"]
+    assert f["precision"].tolist() == ["bf16", "int8"]  # an older check: its artifact's precision
     hist = pd.DataFrame([("a", "reward/mean", 1, 0.1)], columns=["run_id", "key", "step", "value"])
     assert curves.missing_metrics(hist, {"a": "run-a"}, ["reward/mean", "correction/lambda"]) == \
         ["run-a: correction/lambda"]
@@ -211,18 +231,27 @@ def test_wide_csv_and_png():
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
 
 
-def test_report_rows_per_mode_and_flat():
-    rows = frames.report_rows("m-W8A8-INT8", {"modes": {"int8": {"mean_abs_prob_diff": 0.01, "accuracy": {"quant": 0.5}}},
-                                              "passed": True})
-    assert rows == [{"report": "m-W8A8-INT8", "mode": "int8", "mean_abs_prob_diff": 0.01, "accuracy.quant": 0.5}]
-    flat = frames.report_rows("d", {"precision": "w8a8", "metrics": {"k3_kl": 0.002}, "passed": False})
-    assert flat[0]["mode"] == "w8a8" and flat[0]["k3_kl"] == 0.002 and flat[0]["passed"] is False
-    # the layout of parity.precision.validate: quant side described, metrics, thresholds, failures
-    v = frames.report_rows("m", {"quant": {"engine": "torch", "weights": "int8", "activations": "int8", "kv_cache": "bf16"},
-                                 "metrics": {"abs_prob_diff_mean": 0.01, "accuracy_drop": None}, "n_prompts": 8,
-                                 "thresholds": {"max_k3_kl": 0.01}, "failures": ["k3_kl 0.02 > 0.01"], "passed": False})
-    assert v == [{"report": "m", "mode": "wint8-aint8-kvbf16", "engine": "torch", "passed": False, "failures": "k3_kl 0.02 > 0.01",
-                  "abs_prob_diff_mean": 0.01, "accuracy_drop": None, "threshold.max_k3_kl": 0.01, "n_prompts": 8}]
+def test_report_rows_and_validation_history():
+    """One row per report of parity.precision.validate: time, checkpoint, precision labelled like every page, verdict,
+    metrics and thresholds; `latest` marks the newest of each checkpoint and precision."""
+    rep = {"quant": {"engine": "torch", "weights": "int8", "activations": "int8", "kv_cache": "int4_per_token_head"},
+           "precision": {"weights": "int8", "activations": "int8", "kv_cache": "int4_per_token_head"},
+           "precision_spec": "wint8-aint8-kvint4_per_token_head", "created_at": "2026-12-02T10:15:30.123456+00:00",
+           "metrics": {"abs_prob_diff_mean": 0.01, "accuracy_drop": None}, "n_prompts": 8,
+           "thresholds": {"max_k3_kl": 0.01}, "failures": ["k3_kl 0.02 > 0.01"], "passed": False}
+    (row,) = frames.report_rows("m-W8A8-INT8", rep, "a.json")
+    assert row == {"validated": "2026-12-02 10:15:30", "checkpoint": "m-W8A8-INT8", "precision": "int8+int4kv",
+                   "spec": "wint8-aint8-kvint4_per_token_head", "engine": "torch", "verdict": "FAILED",
+                   "passed": False, "failures": "k3_kl 0.02 > 0.01", "abs_prob_diff_mean": 0.01, "accuracy_drop": None,
+                   "threshold.max_k3_kl": 0.01, "file": "a.json"}
+    older = frames.report_rows("m-W8A8-INT8", {**rep, "created_at": "2026-12-01T09:00:00+00:00", "passed": True,
+                                               "failures": []}, "b.json")[0]
+    legacy = frames.report_rows("m-W8A8-INT8", {"quant": {"weights": "int8", "activations": "int8", "kv_cache": "bf16"},
+                                                "metrics": {"k3_kl": 0.002}, "passed": True}, "validation.json")[0]
+    assert legacy["precision"] == "int8" and legacy["validated"] == "" and legacy["spec"] == ""
+    h = frames.validation_history([older, legacy, row])
+    assert h["file"].tolist() == ["a.json", "b.json", "validation.json"]
+    assert h["latest"].tolist() == [True, False, True] and h["verdict"].tolist() == ["FAILED", "passed", "passed"]
 
 
 def test_readonly_url_never_creates_and_refuses_writes(tmp_path):

@@ -12,7 +12,6 @@ import os
 import time
 from pathlib import Path
 
-import pandas as pd
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -171,10 +170,19 @@ def _texts(elements) -> list[str]:
 
 
 def displayed(df_element):
-    """What a table shows (the Styler's display values: '—' where a value is missing)."""
+    """What a table shows: a Styler's display values ('—' where a value is missing), or the table itself when
+    its cells are already the text shown."""
     from streamlit import dataframe_util
 
-    return dataframe_util.convert_arrow_bytes_to_pandas_df(df_element.proto.arrow_data.styler.display_values)
+    styler = df_element.proto.arrow_data.styler
+    if not styler.display_values:
+        return df_element.value
+    return dataframe_util.convert_arrow_bytes_to_pandas_df(styler.display_values)
+
+
+def number(cell) -> float:
+    """A number the Runs table writes out as text ('0.344', '1.20e-03')."""
+    return float(cell)
 
 
 def test_runs_page_folds_the_stages_of_an_older_store_under_their_pipeline(app_env):
@@ -185,13 +193,17 @@ def test_runs_page_folds_the_stages_of_an_older_store_under_their_pipeline(app_e
     assert df["run"].tolist() == ["train-and-eval-1"]
     row = df.iloc[0]
     last_reward = [r["reward/mean"] for r in app_env["history"] if "reward/mean" in r][-1]
-    assert row["final_reward"] == pytest.approx(last_reward)
-    assert row["heldout_accuracy"] == pytest.approx([r["eval/accuracy"] for r in app_env["history"]
+    assert number(row["final_reward"]) == pytest.approx(last_reward, abs=5e-4)
+    assert number(row["heldout_accuracy"]) == pytest.approx([r["eval/accuracy"] for r in app_env["history"]
                                                      if "eval/accuracy" in r][-1])
     assert row["correction"] == "dual" and row["precision"] == "bf16" and row["status"] == "FINISHED"
-    assert row["mlflow"].endswith(f"/runs/{app_env['parent']}")
+    assert row["mlflow"].endswith(f"/runs/{app_env['parent']}?workflowType=machine_learning")  # MLflow's training sidebar
     # the benchmark average of the pipeline's latest evaluate stage (its macro avg@k)
-    assert row["benchmark_avg"] == pytest.approx(app_env["evals"]["int8"]["avg@k"])
+    assert number(row["benchmark_avg"]) == pytest.approx(app_env["evals"]["int8"]["avg@k"], abs=5e-4)
+    # the last step's mismatch of its train stage, the steps it got through, how long it took; no failure
+    assert number(row["mismatch"]) == pytest.approx([r["mismatch/abs_prob_diff_mean"] for r in app_env["history"]
+                                                     if "mismatch/abs_prob_diff_mean" in r][-1], rel=5e-3)
+    assert row["steps"] == "2" and row["duration"].endswith(" s") and row["failure"] == "—"
     assert list(df.columns)[:2] == ["run", "mlflow"]  # the link stays in view however wide the names
     shown = displayed(at.dataframe[0])
     # its train stage logged the collapse alarm's `train/collapsed` (0 throughout): "no", not missing
@@ -199,9 +211,10 @@ def test_runs_page_folds_the_stages_of_an_older_store_under_their_pipeline(app_e
     at.toggle(key="runs_show_stages").set_value(True).run()
     df = at.dataframe[0].value
     assert df["run"].tolist() == ["train-and-eval-1", "↳ train", "↳ evaluate", "↳ evaluate"]
-    assert df.iloc[1]["final_reward"] == pytest.approx(last_reward) and pd.isna(df.iloc[2]["final_reward"])
-    assert [df.iloc[2]["benchmark_avg"], df.iloc[3]["benchmark_avg"]] == pytest.approx(
-        [app_env["evals"]["bf16"]["avg@k"], app_env["evals"]["int8"]["avg@k"]])
+    assert number(df.iloc[1]["final_reward"]) == pytest.approx(last_reward, abs=5e-4)
+    assert df.iloc[2]["final_reward"] == "—"
+    assert [number(df.iloc[2]["benchmark_avg"]), number(df.iloc[3]["benchmark_avg"])] == pytest.approx(
+        [app_env["evals"]["bf16"]["avg@k"], app_env["evals"]["int8"]["avg@k"]], abs=5e-4)
     assert displayed(at.dataframe[0]).iloc[2]["final_reward"] == "—"
     at.text_input(key="runs_filter_text").set_value("nothing-matches").run()
     assert at.dataframe[0].value.empty
@@ -261,8 +274,9 @@ def test_benchmarks_page_shows_bf16_and_int8_of_one_checkpoint(app_env):
         assert row["correction"] == "dual" and row["precision"] == prec
     bars = [r for r in _chart_values(at) if str(r.get("evaluation", "")).startswith("train-and-eval-1 @ step 2")]
     assert len(bars) == 2 and all(r["lo"] <= r["pct"] <= r["hi"] for r in bars)
+    # the registry keeps the evaluation's table row (fractions to 4 decimals); the bars carry metrics.json's value
     assert sorted(r["pct"] for r in bars) == pytest.approx(sorted(100 * app_env["evals"][k]["avg@k"]
-                                                                 for k in ("bf16", "int8")))
+                                                                 for k in ("bf16", "int8")), abs=0.0051)
 
 
 def test_regression_page_highlights_flagged_drop(app_env):
@@ -273,20 +287,29 @@ def test_regression_page_highlights_flagged_drop(app_env):
     assert bool(df.iloc[1]["flagged"]) == (not app_env["real_check_passed"])
 
 
-def test_precision_page_reads_validation_reports(tmp_path, monkeypatch):
+def test_precision_page_reads_only_report_files(tmp_path, monkeypatch):
+    """Report files only: a kept report under validations/ is listed; an unreadable file there and a JSON that is
+    not a report are named in a warning; the checkpoint's own JSON files beside them are never opened."""
     folder = tmp_path / "precision_validation" / "tiny_qwen3-W8A8-INT8"
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text("{}")  # the quantization config next to the report is not a report
-    (folder / "report.json").write_text(json.dumps({"modes": {
-        "w8a8": {"mean_abs_prob_diff": 0.012, "k3_kl": 0.003, "accuracy": 0.41},
-        "w8a8_kv_int4": {"mean_abs_prob_diff": 0.03, "k3_kl": 0.02, "accuracy": 0.37}}, "passed": False}))
-    (folder / "broken.json").write_text("{not json")
+    (folder / "validations").mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / "tokenizer_config.json").write_text('{"model_max_length": 1000000000000000019884624838656}')
+    (folder / "generation_config.json").write_text("{not json")
+    (folder / "validations" / "wint8-aint8-kvbf16-20261202-101530.json").write_text(json.dumps({
+        "report": "parity.precision_validation", "created_at": "2026-12-02T10:15:30+00:00",
+        "precision": {"weights": "int8", "activations": "int8", "kv_cache": "bf16"}, "quant": {"engine": "torch"},
+        "precision_spec": "wint8-aint8-kvbf16", "metrics": {"abs_prob_diff_mean": 0.012, "k3_kl": 0.003},
+        "thresholds": {"max_k3_kl": 0.01}, "failures": [], "passed": True}))
+    (folder / "validations" / "broken.json").write_text("{not json")
+    (folder / "validations" / "notes.json").write_text('{"hello": 1}')
     monkeypatch.setenv("PARITY_OUTPUTS", str(tmp_path))
     at = _app("precision")
     df = at.dataframe[0].value
-    assert df["mode"].tolist() == ["w8a8", "w8a8_kv_int4"]
-    assert df["k3_kl"].tolist() == pytest.approx([0.003, 0.02]) and "accuracy" in df.columns
-    assert any("broken.json" in t for t in _texts(at.warning))
+    assert df["precision"].tolist() == ["int8"] and df["verdict"].tolist() == ["passed"]
+    assert df["k3_kl"].tolist() == pytest.approx([0.003]) and df["threshold.max_k3_kl"].tolist() == [0.01]
+    warnings = _texts(at.warning)
+    assert any("broken.json" in t for t in warnings) and any("notes.json: not a validation report" in t for t in warnings)
+    assert not any("tokenizer_config" in t or "generation_config" in t for t in warnings)
 
 
 def test_precision_page_shows_a_real_validation_report(app_env):
@@ -295,8 +318,8 @@ def test_precision_page_shows_a_real_validation_report(app_env):
         pytest.skip("parity.precision.validate is not available")
     at = _app("precision")
     df = at.dataframe[0].value
-    row = df[df["report"] == "tiny_qwen3-W8A8-INT8"].iloc[0]
-    assert row["mode"] == "wint8-aint8-kvbf16" and bool(row["passed"]) == rep["passed"]
+    row = df[df["checkpoint"] == "tiny_qwen3-W8A8-INT8"].iloc[0]
+    assert row["precision"] == "int8" and (row["verdict"] == "passed") == rep["passed"]
     for k in ("abs_prob_diff_mean", "k3_kl", "top1_agreement", "ppl_ratio"):
         assert row[k] == pytest.approx(rep["metrics"][k])
 
@@ -339,3 +362,43 @@ def test_sql_fast_path_matches_the_mlflow_client(app_env):
     ids, keys = [r.run_id for r in client_runs], curves.CURVE_METRICS
     a, b = data.metric_history(data.mlflow_client(uri), ids, keys), mlflow_sql.metric_history(eng, ids, keys)
     assert len(a) > 0 and a.equals(b)
+
+
+def test_runs_table_tells_a_failed_run_and_its_rerun_apart(outputs_dir, prepared_model, tmp_path, monkeypatch):
+    """One configuration trained twice through `python -m parity train tracking.enabled=true`'s code: the first run
+    fails at step 2 (the loop raises), the second resumes it and finishes at step 3. MLflow names them apart, and
+    the Runs page shows each with its status, the steps it got through, its duration, its last mismatch and, for
+    the failed one, why; every cell it has no value for reads '—'."""
+    from parity.config import load_config
+    from parity.tracking.train_run import tracked_train
+    from parity.training.loop import train
+    from tests.conftest import QUICK
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    args = [f"outputs_dir={tmp_path}", *QUICK, f"model.path={prepared_model}", "trainer.total_steps=3",
+            "trainer.run_name=twice", "tracking.enabled=true", f"tracking.tracking_uri={uri}"]
+
+    class DiskFull:
+        def on_step(self, step, metrics):
+            if step == 2:
+                raise RuntimeError("disk full at step 2")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        tracked_train(load_config(args), lambda c, cbs: train(c, callbacks=[*cbs, DiskFull()]))
+    out = tracked_train(load_config([*args, "trainer.resume=true"]), lambda c, cbs: train(c, callbacks=cbs))
+    monkeypatch.setenv("PARITY_TRACKING_URI", uri)
+    monkeypatch.setenv("PARITY_REGISTRY_URL", f"sqlite:///{tmp_path}/none.db")
+    monkeypatch.setenv("PARITY_OUTPUTS", str(tmp_path))
+    at = _app()
+    df = displayed(at.dataframe[0]).set_index("run")
+    name = "arith_tiny / bf16 / none / seed 0 / train"
+    assert sorted(df.index) == [name, f"{name} #2"]  # two runs of one configuration, two names
+    failed, done = df.loc[name], df.loc[f"{name} #2"]
+    assert failed["status"] == "FAILED" and done["status"] == "FINISHED"
+    assert failed["steps"] == "2" and done["steps"] == "3"
+    assert failed["failure"] == "RuntimeError: disk full at step 2" and done["failure"] == "—"
+    rows = [json.loads(x) for x in (Path(out["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert number(done["mismatch"]) == pytest.approx(rows[-1]["mismatch/abs_prob_diff_mean"], rel=5e-3)
+    assert failed["mismatch"] != "—" and failed["duration"].endswith(" s") and done["duration"].endswith(" s")
+    assert failed["benchmark_avg"] == "—" and done["benchmark_avg"] == "—"  # never measured: a dash, not None
+    assert "None" not in df.to_string() and "nan" not in df.to_string()

@@ -17,7 +17,9 @@ import pytest
 from tests.prefect_services import SWEEP_CORRECTIONS, SWEEP_SEEDS
 from tests.test_dashboard_pages import _app, _chart_values, _specs, displayed
 
-TITLES = [f"arith_tiny / bf16 / {c} / seed {s}" for c in SWEEP_CORRECTIONS for s in SWEEP_SEEDS]
+TITLES = [f"arith_tiny / int8+int4kv / {c} / seed {s}" for c in SWEEP_CORRECTIONS for s in SWEEP_SEEDS]
+CANDIDATE, CHAMPION = TITLES[3], TITLES[0]  # v4 (tis, seed 1) and v1 (none, seed 0)
+REGRESSION = f"{CANDIDATE} / regression v4 vs champion v1"
 
 
 def _history(out: str, run_name: str) -> list[dict]:
@@ -39,7 +41,7 @@ def manual_eval(sweep_store) -> dict:
 
 
 @pytest.fixture
-def sweep_env(sweep_store, monkeypatch):
+def sweep_env(sweep_store, sweep_regression, monkeypatch):
     monkeypatch.setenv("PARITY_TRACKING_URI", sweep_store["tracking_uri"])
     monkeypatch.setenv("PARITY_REGISTRY_URL", sweep_store["registry_url"])
     # the outputs folder spelled relative to where the dashboard runs, the registry's paths are absolute
@@ -59,18 +61,20 @@ def _pipeline_metrics(store: dict) -> dict[str, dict]:
 def test_runs_page_one_row_per_pipeline(sweep_env):
     at = _app()
     df = at.dataframe[0].value
-    assert sorted(df["run"]) == sorted(TITLES)  # the four pipelines, their 24 stage runs folded
+    assert sorted(df["run"]) == sorted([*TITLES, REGRESSION])  # the four pipelines and the check, stages folded
     metrics = _pipeline_metrics(sweep_env)
-    for row in df.itertuples():
-        assert row.final_reward == pytest.approx(metrics[row.run]["final_reward"])
-        assert row.heldout_accuracy == pytest.approx(metrics[row.run]["heldout_accuracy"])
-        assert row.benchmark_avg == pytest.approx(metrics[row.run]["benchmark_macro_avg"])
+    for row in df[df["run"] != REGRESSION].itertuples():
+        assert float(row.final_reward) == pytest.approx(metrics[row.run]["final_reward"], abs=5e-4)
+        assert float(row.heldout_accuracy) == pytest.approx(metrics[row.run]["heldout_accuracy"], abs=5e-4)
+        assert float(row.benchmark_avg) == pytest.approx(metrics[row.run]["benchmark_macro_avg"], abs=5e-4)
+        assert float(row.mismatch) == pytest.approx(metrics[row.run]["final_mismatch"], rel=5e-3)
         assert row.status == "FINISHED"
     assert at.multiselect(key="runs_filter_sweep").options == [sweep_env["sweep"]]
     shown = displayed(at.dataframe[0])
     assert set(shown["collapsed"]) <= {"—", "no"} and "None" not in shown.to_string()
     at.multiselect(key="runs_filter_correction").set_value(["tis"]).run()
-    assert sorted(at.dataframe[0].value["run"]) == TITLES[2:]
+    assert sorted(at.dataframe[0].value["run"]) == sorted([*TITLES[2:], REGRESSION])
+    at.multiselect(key="runs_filter_sweep").set_value([sweep_env["sweep"]]).run()
     at.toggle(key="runs_show_stages").set_value(True).run()
     df = at.dataframe[0].value
     assert len(df) == 2 * 7 and df["run"].tolist()[:7] == [df["run"].iloc[0], "↳ prepare", "↳ quantize", "↳ validate",
@@ -120,7 +124,9 @@ def test_benchmarks_page_each_evaluation_once_with_its_absolute_folder(sweep_env
     at = _app("benchmarks")
     table = at.dataframe[0].value
     pipelines = table[table["evaluation"].str.startswith("arith_tiny / ")]
-    assert sorted(pipelines["evaluation"]) == sorted(f"{t} @ step 2" for t in TITLES)
+    # the champion and the candidate were also evaluated unquantized by the regression check: their precision tells
+    assert sorted(pipelines["evaluation"]) == sorted([f"{t} @ step 2" for t in TITLES[1:3]] + [
+        f"{t} @ step 2 [{p}]" for t in (CHAMPION, CANDIDATE) for p in ("int8+int4kv", "bf16")])
     assert table["out_dir"].is_unique and len(table) == len(set(table["evaluation"]))
     assert all(Path(p).is_absolute() and (Path(p) / "metrics.json").is_file() for p in table["out_dir"])
     # the manual evaluation: the model it evaluated (the run's checkpoint and step), not a folder hash
@@ -173,3 +179,24 @@ def test_collapse_markers_and_flag(collapse_store, monkeypatch):
     assert any("Collapse alarm (dashed marker): none at step 3" in c.value for c in at.caption)
     plot = pd.DataFrame(_chart_values(at))
     assert set(plot["series"]) == {"none", "tis"}
+
+
+def test_the_regression_check_is_labelled_alike_on_every_page(sweep_env):
+    """The nightly check of the sweep's model: the Runs page, the Benchmarks page and the Regression page name the
+    candidate and the champion by what they were trained as (naming.label, as their MLflow runs are named), with
+    the precision each evaluation ran in."""
+    runs = displayed(_app().dataframe[0]).set_index("run")
+    row = runs.loc[REGRESSION]
+    assert (row["precision"], row["correction"], row["seed"], row["status"]) == ("int8+int4kv", "tis", "1", "FINISHED")
+    bench = _app("benchmarks").dataframe[0].value.set_index("evaluation")
+    for prec in ("int8+int4kv", "bf16"):
+        b = bench.loc[f"{CANDIDATE} @ step 2 [{prec}]"]
+        assert (b["correction"], b["precision"]) == ("tis", prec)
+    assert bench.loc[f"{CHAMPION} @ step 2 [bf16]"]["correction"] == "none"
+    reg = _app("regression").dataframe[0].value
+    (check,) = reg.to_dict("records")
+    assert (check["candidate"], check["champion"], check["precision"]) == (f"{CANDIDATE} v4", f"{CHAMPION} v1",
+                                                                           "int8+int4kv")
+    assert not check["flagged"] and "candidate v4 [int8+int4kv]" in check["message"]
+    prec = _app("precision").dataframe[0].value
+    assert len(prec) >= 4 and set(prec["precision"]) == {"int8+int4kv"}  # every member's validation, kept

@@ -15,13 +15,15 @@ from pathlib import Path
 
 import pytest
 
+from tasks import publish
 from tests.conftest import QUICK
-from tests.prefect_services import SWEEP_CORRECTIONS, SWEEP_MODEL, SWEEP_SEEDS
+from tests.prefect_services import SWEEP_CORRECTIONS, SWEEP_MODEL, SWEEP_SEEDS, artifacts_of, flow_run_line
 from tests.prefect_services import api as _api
 from tests.prefect_services import run_deployment as _run_deployment
 
 pytestmark = pytest.mark.slow
 RUN_NAME = "flowtest"
+SPEC = "wint8-aint8-kvint4_per_token_head"
 INT8_FAILING = ["rollout.precision.weights=int8", "rollout.precision.activations=int8",
                 "rollout.precision.validation.num_prompts=4", "rollout.precision.validation.samples_per_prompt=1",
                 "rollout.precision.validation.max_new_tokens=8",
@@ -85,6 +87,8 @@ def test_train_and_eval_completes_then_failed_stage_keeps_earlier_records(prefec
     assert fr2["state"]["type"] == "FAILED"
     assert "precision validation failed" in fr2["state"]["message"]
     assert "abs_prob_diff_mean" in fr2["state"]["message"]
+    failed_md = artifacts_of(api, fr2["id"])[publish.SUMMARY_KEY]["data"]  # what the run page shows
+    assert "**FAILED** in stage `validate`" in failed_md and "precision validation failed" in failed_md
     (pid2,) = reg.pipelines_of_flow_run(fr2["id"])
     p2 = reg.pipeline(pid2)
     assert p2["status"] == "failed" and "precision validation failed" in p2["reason"]
@@ -102,37 +106,120 @@ def test_train_and_eval_completes_then_failed_stage_keeps_earlier_records(prefec
                    if r.data.tags["parity.stage"] == "validate")
     assert run2.info.run_name == "arith_tiny / int8 / none / seed 0"
     assert val_run.info.status == "FAILED"
+    report = Path(p2["stages"][2]["result"]["report_path"])  # this validation's own report, kept
+    assert report.parent.name == "validations" and report.name.startswith("wint8-aint8-kvbf16-")
     assert {a.path for a in c.list_artifacts(val_run.info.run_id, "validation")} == {
-        "validation/validation.json", "validation/validation.md"}
+        f"validation/{report.name}", f"validation/{report.with_suffix('.md').name}"}
     reg.close()
 
 
-def test_benchmark_regression_fails_on_a_drop_and_records_the_check(prefect):
-    """A stored baseline that got every problem right; the registered tiny model does not: the
-    nightly deployment's run fails naming the benchmark, and the check is recorded."""
+def test_benchmark_regression_checks_the_candidate_against_the_champion(prefect, sweep_store, sweep_regression):
+    """The nightly deployment on the sweep's model: the candidate (v4, tis seed 1) against the champion (v1, none
+    seed 0), both in the precision they were trained to deploy (INT8 W8A8 + INT4 KV; their pipelines' own
+    evaluations at these settings are reused) and unquantized (evaluated now); one check per benchmark on the
+    deployed scores; everything labelled with what each model was trained as."""
+    from parity.tracking import mlflow_log
     from parity.tracking.registry import Registry
 
-    api, out = prefect["api"], prefect["out"]
-    reg = Registry(f"sqlite:///{out}/registry.db")
-    model = reg.latest_artifacts(registered_only=True)[0]
-    first = reg.pipeline(model["pipeline_id"])
-    problems = sorted(reg.sample_scores(first["stages"][4]["result"]["result_ids"]["arithmetic"]))
-    assert len(problems) == 8
-    perfect = reg.add_evaluation("arithmetic", 1, len(problems), {"avg@k": 1.0},
-                                 [{"problem_id": p, "sample": 0, "score": 1.0} for p in problems])
-    reg.set_baseline("arithmetic", perfect, note="test: all correct")
-    fr = _run_deployment(api, "benchmark-regression/nightly",
-                         [f"outputs_dir={out}", "eval.suite=[arithmetic]", "eval.limit=8", "eval.grade_workers=1",
-                          "tracking.regression.bootstrap=500"])
-    assert fr["state"]["type"] == "FAILED"
-    msg = fr["state"]["message"]
-    assert "RegressionDetected" in msg and "arithmetic: REGRESSION" in msg and "8 paired problems" in msg
+    fr = sweep_regression["flow_run"]
+    assert fr["state"]["type"] == "COMPLETED", fr["state"]
+    reg = Registry(sweep_store["registry_url"])
     (pid,) = reg.pipelines_of_flow_run(fr["id"])
     p = reg.pipeline(pid)
-    assert [(s["name"], s["status"]) for s in p["stages"]] == [("evaluate", "completed"), ("compare", "completed")]
-    assert p["status"] == "failed" and "REGRESSION" in p["reason"]
-    assert reg.count("regression_checks") == 1
+    assert [(st["name"], st["status"]) for st in p["stages"]] == [
+        ("evaluate candidate bf16", "completed"), ("evaluate champion bf16", "completed"), ("compare", "completed")]
+    v1, *_, v4 = reg.registered_versions(SWEEP_MODEL)
+    for st, model in zip(p["stages"][:2], (v4, v1), strict=True):
+        (rid,) = st["result"]["result_ids"].values()
+        ev = reg.evaluation(rid)
+        assert ev["artifact_id"] == model["id"] and ev["precision"] == "bf16" and ev["problems"] == 4
+    (check,) = p["stages"][2]["result"]["checks"]
+    assert check["benchmark"] == "arithmetic" and check["passed"]
+    assert check["message"].startswith("arithmetic: ok: candidate v4 [int8+int4kv] ")
+    assert " vs champion v1 [int8+int4kv] " in check["message"]
+    # the check compared the deployed (INT8 + INT4 KV) evaluations the members' own pipelines recorded
+    deploy = {m["mlflow_model_version"]: reg.pipeline(m["pipeline_id"])["stages"][4]["result"]["result_ids"]["arithmetic"]
+              for m in (v1, v4)}
+    c = mlflow_log.client(sweep_store["tracking_uri"])
+    run = c.get_run(p["mlflow_run_id"])
+    assert run.info.run_name == "arith_tiny / int8+int4kv / tis / seed 1 / regression v4 vs champion v1"
+    assert (run.data.tags["parity.precision"], run.data.tags["parity.correction"], run.data.tags["parity.seed"]) == \
+        ("int8+int4kv", "tis", "1")
+    import sqlalchemy as sa
+
+    eng = sa.create_engine(sweep_store["registry_url"])
+    with eng.connect() as conn:
+        row = conn.execute(sa.text("SELECT baseline_result_id, candidate_result_id FROM regression_checks "
+                                   "WHERE pipeline_id = :p"), {"p": pid}).one()
+    eng.dispose()
+    assert tuple(row) == (deploy["1"], deploy["4"])
+    assert reg.evaluation(deploy["4"])["precision"] == SPEC
+    assert mlflow_log.alias_version(c, SWEEP_MODEL, "champion") == "1"  # promotion is off by default
     reg.close()
+    # the verdict is published where users look: the flow run's artifacts and its log's Result line
+    arts = artifacts_of(prefect["api"], fr["id"])
+    md = arts[publish.VERDICT_KEY]["data"]
+    assert md.startswith("# Benchmark regression: PASSED: 1 benchmark(s), none dropped beyond the margin (1)\n"), md
+    (row,) = arts[publish.CHECKS_KEY]["rows"]
+    assert (row["benchmark"], row["verdict"], row["model_version"]) == ("arithmetic", "ok", "4")
+    assert row["model"] == "arith_tiny / int8+int4kv / tis / seed 1"
+    _, line = flow_run_line(prefect["api"], fr["id"], r"Result: benchmark regression PASSED")
+    assert line is not None
+
+
+def test_benchmark_regression_fails_on_a_drop_and_records_the_check(prefect, sweep_store, sweep_regression,
+                                                                      prepared_model, tmp_path):
+    """A copy of the sweep's stores where the champion's stored deployed result got every problem right; the
+    candidate does not: the nightly run fails naming the benchmark, with the check recorded (flagged)."""
+    import sqlite3
+
+    from flows.benchmark_regression import eval_config
+    from parity.config import load_config
+    from parity.tracking.registry import Registry
+    from parity.tracking.regression import evaluation_settings
+    from tests.prefect_services import sweep_eval
+
+    out = tmp_path / "copy"
+    out.mkdir()
+    for name in ("registry.db", "mlflow.db"):  # SQLite's backup: what is still in a write-ahead log comes too
+        src, dst = sqlite3.connect(Path(sweep_store["outputs_dir"]) / name), sqlite3.connect(out / name)
+        src.backup(dst)
+        src.close(), dst.close()
+    overrides = [*sweep_eval(out, prepared_model), "tracking.regression.bootstrap=500"]
+    reg = Registry(f"sqlite:///{out}/registry.db")
+    v1, *_, v4 = reg.registered_versions(SWEEP_MODEL)
+    cand = reg.evaluation(reg.pipeline(v4["pipeline_id"])["stages"][4]["result"]["result_ids"]["arithmetic"])
+    assert cand["metrics"]["avg@k"] <= 0.25, "the tiny candidate answers at most one of the four problems"
+    problems = sorted(reg.sample_scores(cand["id"]))
+    settings = evaluation_settings(eval_config(load_config(overrides), SPEC))
+    perfect = reg.add_evaluation("arithmetic", 1, len(problems), {"avg@k": 1.0},
+                                 [{"problem_id": q, "sample": 0, "score": 1.0} for q in problems],
+                                 artifact_id=v1["id"], precision=SPEC, settings=settings)
+    fr = _run_deployment(prefect["api"], "benchmark-regression/nightly", overrides)
+    assert fr["state"]["type"] == "FAILED"
+    msg = fr["state"]["message"]
+    assert "RegressionDetected" in msg and "arithmetic: REGRESSION: candidate v4 [int8+int4kv]" in msg
+    assert "champion v1 [int8+int4kv] 1.0000 on 4 paired problems" in msg
+    (pid,) = reg.pipelines_of_flow_run(fr["id"])
+    p = reg.pipeline(pid)
+    assert [st["name"] for st in p["stages"]] == ["compare"]  # every evaluation was there already
+    assert p["status"] == "failed" and "REGRESSION" in p["reason"]
+    assert reg.count("regression_checks") == 2  # the sweep's passing check, and this one
+    reg.close()
+    assert perfect
+    # the failed run publishes its verdict and checks all the same (tasks/publish.py), as the registry has them
+    arts = artifacts_of(prefect["api"], fr["id"])
+    md = arts[publish.VERDICT_KEY]["data"]
+    assert md.startswith("# Benchmark regression: REGRESSION in 1 of 1 benchmark(s): arithmetic\n"), md
+    (row,) = arts[publish.CHECKS_KEY]["rows"]
+    (check,) = p["stages"][0]["result"]["checks"]
+    assert (row["benchmark"], row["verdict"], row["paired_problems"], row["baseline_mean"]) == (
+        "arithmetic", "REGRESSION", 4, 1.0)
+    assert row["ci_low"] <= row["delta"] <= row["ci_high"] < 0 and f"{row['delta']:+.4f}" in check["message"]
+    assert (f"| arithmetic | REGRESSION | 100.0% | {100 * row['candidate_mean']:.1f}% | {100 * row['delta']:+.1f} |"
+            in md)
+    _, line = flow_run_line(prefect["api"], fr["id"], r"Result: benchmark regression REGRESSION in 1 of 1 benchmark")
+    assert line is not None
 
 
 def test_sweep_runs_each_member_with_its_records(prefect, sweep_store):
@@ -167,15 +254,16 @@ def test_sweep_runs_each_member_with_its_records(prefect, sweep_store):
         assert p["status"] == "completed" and f"algorithm.correction.name={correction}" in p["overrides"]
         assert f"trainer.seed={seed}" in p["overrides"]
         assert [(st["name"], st["status"]) for st in p["stages"]] == [
-            ("prepare", "completed"), ("quantize", "skipped"), ("validate", "skipped"), ("train", "completed"),
+            ("prepare", "completed"), ("quantize", "completed"), ("validate", "completed"), ("train", "completed"),
             ("evaluate", "completed"), ("register", "completed")]
         run_name = next(o.split("=", 1)[1] for o in p["overrides"] if o.startswith("trainer.run_name="))
         assert run_name == f"{sweep_id}-{correction}-s{seed}"
         rid = p["stages"][4]["result"]["result_ids"]["arithmetic"]
         assert len(reg.sample_scores(rid)) == 4
+        assert reg.evaluation(rid)["precision"] == SPEC  # evaluated in the precision it was trained to deploy
 
         parent = c.get_run(p["mlflow_run_id"])
-        title = f"arith_tiny / bf16 / {correction} / seed {seed}"
+        title = f"arith_tiny / int8+int4kv / {correction} / seed {seed}"
         assert parent.info.run_name == title and parent.info.experiment_id == exp.experiment_id
         assert parent.info.status == "FINISHED" and parent.data.tags["parity.flow_run_id"] == ch["id"]
         assert parent.data.tags[naming.SWEEP_TAG] == sweep_id and parent.data.tags["parity.correction"] == correction
@@ -197,6 +285,7 @@ def test_sweep_runs_each_member_with_its_records(prefect, sweep_store):
         # the pipeline run's headline numbers are the train and evaluate stages' own
         m = parent.data.metrics
         assert m["final_reward"] == pytest.approx(history[-1]["reward/mean"])
+        assert m["final_mismatch"] == pytest.approx(history[-1]["mismatch/abs_prob_diff_mean"])
         assert m["heldout_accuracy"] == pytest.approx(p["stages"][3]["result"]["final_accuracy"])
         assert m["benchmark_macro_avg"] == pytest.approx(p["stages"][4]["result"]["macro"]["avg@k"])
         summary = json.loads((Path(sweep_store["outputs_dir"]) / "runs" / run_name / "summary.json").read_text())
@@ -209,7 +298,13 @@ def test_sweep_runs_each_member_with_its_records(prefect, sweep_store):
     rows = reg.registered_versions(SWEEP_MODEL)
     assert [(r["mlflow_model_version"], r["kind"]) for r in rows] == [(v, "checkpoint") for v in ("1", "2", "3", "4")]
     assert all(r["path"].endswith(tail) for r, (_, tail) in zip(rows, versions, strict=True))
-    assert c.get_model_version(SWEEP_MODEL, "2").tags["precision"] == "bf16"
+    mv = c.get_model_version(SWEEP_MODEL, "2")
+    assert mv.tags["precision"] == SPEC and mv.tags["parity.label"] == "arith_tiny / int8+int4kv / none / seed 1"
+    assert rows[1]["facts"] == {"experiment": "arith_tiny", "precision": "int8+int4kv", "precision_spec": SPEC,
+                                "correction": "none", "seed": "1", "run_name": f"{sweep_id}-none-s1"}
+    # MLflow's aliases: each new version is the candidate, the first one the champion
+    assert mlflow_log.alias_version(c, SWEEP_MODEL, "candidate") == "4"
+    assert mlflow_log.alias_version(c, SWEEP_MODEL, "champion") == "1"
     reg.close()
 
 
@@ -241,7 +336,7 @@ def test_evaluate_a_registered_model(sweep_store, capsys):
     assert summary["model"] == v1["path"]
     reg_info = summary["registered_model"]
     assert (reg_info["name"], reg_info["version"], reg_info["source"]) == (SWEEP_MODEL, 1, "registry database")
-    assert reg_info["artifact_id"] == v1["id"] and reg_info["precision"] == "bf16"
+    assert reg_info["artifact_id"] == v1["id"] and reg_info["precision"] == SPEC
     assert summary["benchmarks"]["arithmetic"]["problems"] == 4
     assert Path(summary["out_dir"]).name.startswith(f"{SWEEP_MODEL}-v1-")
     recorded = json.loads((Path(summary["out_dir"]) / "metrics.json").read_text())["model"]

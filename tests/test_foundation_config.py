@@ -86,3 +86,31 @@ def test_cli_grade_prints_json_last_line():
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["score"] == 1
+
+
+def test_auto_dtype_follows_the_switch_and_a_pinned_dtype_stays(monkeypatch, tmp_path):
+    """PARITY_AUTO_DTYPE decides what model.dtype=auto computes in on any CPU (an AVX2 machine can run what an
+    AVX512-BF16 one runs); a pinned model.dtype ignores it; a bad value is one error naming the variable, raised
+    before a run writes anything."""
+    import os
+
+    import torch
+
+    from parity.rollout import compute_dtype
+
+    cpu = torch.device("cpu")
+    auto, pinned = load_config([]), load_config(["model.dtype=float32"])
+    assert auto.model.dtype == "auto"
+    for forced in ("bfloat16", "float32"):
+        monkeypatch.setenv("PARITY_AUTO_DTYPE", forced)
+        assert compute_dtype(auto, cpu) == getattr(torch, forced)
+        assert compute_dtype(pinned, cpu) == torch.float32
+    monkeypatch.setenv("PARITY_AUTO_DTYPE", "bf16")
+    with pytest.raises(ConfigError, match="PARITY_AUTO_DTYPE.*'bf16'"):
+        load_config([])
+    with pytest.raises(ConfigError, match="PARITY_AUTO_DTYPE"):
+        compute_dtype(auto, cpu)
+    out = subprocess.run([sys.executable, "-m", "parity", "train", f"outputs_dir={tmp_path}"], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PARITY_AUTO_DTYPE": "bf16"})
+    assert out.returncode != 0 and "PARITY_AUTO_DTYPE" in out.stderr and "Traceback" not in out.stderr
+    assert {p.name for p in tmp_path.iterdir()} <= {"hydra"}  # Hydra's own log only: no model, no run

@@ -51,7 +51,7 @@ def test_quantize_then_validate_with_seed_defaults(model_dir: Path, tmp_path: Pa
     hf = json.loads(expected.read_text())
     assert hf["quantization_config"]["format"] == "int-quantized"
     v = validate.run(cfg)
-    assert v["passed"] and Path(v["report_json"]).parent == expected.parent
+    assert v["passed"] and Path(v["report_json"]).parent == expected.parent / "validations"
     report = json.loads(Path(v["report_json"]).read_text())
     assert report["quant"]["kv_cache"] == "int4_per_token_head" and report["quant"]["engine"] == "torch"
     assert report["metrics"]["accuracy_bf16"] is not None  # graded by math-verify (an untrained model: ~0)
@@ -63,7 +63,8 @@ def test_quantize_then_validate_with_seed_defaults(model_dir: Path, tmp_path: Pa
     save_file({k: v * 10 if k.endswith("weight_scale") else v for k, v in state.items()}, str(st))
     with pytest.raises(PrecisionValidationError, match=r"precision validation failed: .*threshold rollout\.precision"):
         validate.run(cfg)
-    assert json.loads(Path(v["report_json"]).read_text())["passed"] is False
+    assert json.loads((expected.parent / "validation.json").read_text())["passed"] is False  # the latest
+    assert json.loads(Path(v["report_json"]).read_text())["passed"] is True  # the earlier one is kept
 
 
 def test_seed_path_from_env(model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

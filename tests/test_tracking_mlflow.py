@@ -70,9 +70,14 @@ class MlflowServer:
 def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("mlflow")
     s = MlflowServer(f"sqlite:///{d}/mlflow.db", str(d / "artifacts"))
-    s.start()
-    yield s
-    s.stop()
+    with pytest.MonkeyPatch.context() as mp:
+        # MLflow's own request timeout (120 s): the server answers from a thread of this busy process, and the
+        # dashboard's 10 s (dashboards/data.py sets it process-wide when an earlier test imports it) ran out on a
+        # loaded 2-core machine
+        mp.delenv("MLFLOW_HTTP_REQUEST_TIMEOUT", raising=False)
+        s.start()
+        yield s
+        s.stop()
 
 
 def test_params_through_a_real_store_are_masked(server):
@@ -122,3 +127,33 @@ def test_register_model_version_tags(server, tmp_path):
     mv = c.get_model_version("tiny-test", "1")
     assert mv.tags["precision"] == "wint8-aint8-kvbf16" and mv.tags["validation_status"] == "passed"
     assert [a.path for a in c.list_artifacts(run_id, "model")] == ["model/config.json"]
+
+
+def test_candidate_and_champion_aliases(server, tmp_path):
+    """Each registered version becomes the candidate (MLflow's own model-registry alias); the first one is the
+    champion too, and a later version does not move it."""
+    c = mlflow_log.client(server.uri)
+    run_id = mlflow_log.start_run(c, mlflow_log.experiment_id(c, "aliases"), "register")
+    (tmp_path / "config.json").write_text("{}")
+    assert mlflow_log.alias_version(c, "alias-test", "champion") is None  # no such model yet
+    v1 = mlflow_log.register_model(c, run_id, tmp_path, "alias-test", {})
+    assert mlflow_log.set_candidate(c, "alias-test", v1) == {"candidate": "1", "champion": "1"}
+    v2 = mlflow_log.register_model(c, run_id, tmp_path, "alias-test", {})
+    assert mlflow_log.set_candidate(c, "alias-test", v2) == {"candidate": "2", "champion": "1"}
+    assert c.get_model_version_by_alias("alias-test", "candidate").version == "2"
+    assert mlflow_log.alias_version(c, "alias-test", "champion") == "1"
+
+
+def test_two_runs_of_one_configuration_get_two_names(server):
+    from parity.tracking import naming
+
+    c = mlflow_log.client(server.uri)
+    exp = mlflow_log.experiment_id(c, "names")
+    name = "arith_tiny / int8+int4kv / none / seed 0"
+    assert naming.unique_run_name(c, exp, name) == name
+    mlflow_log.start_run(c, exp, name)
+    assert naming.unique_run_name(c, exp, name) == f"{name} #2"
+    mlflow_log.start_run(c, exp, f"{name} #2")
+    mlflow_log.start_run(c, exp, f"{name} / train")  # a stage of the first: not a name of this run
+    assert naming.unique_run_name(c, exp, name) == f"{name} #3"
+    assert naming.unique_run_name(c, exp, "arith_tiny / bf16 / none / seed 0") == "arith_tiny / bf16 / none / seed 0"

@@ -105,7 +105,7 @@ def test_upgrade_empty_and_from_previous_revision(db_url):
             conn.execute(text("INSERT INTO pipelines (flow, overrides, status, started_at) "
                               "VALUES (:f, :o, :s, CURRENT_TIMESTAMP)"), {"f": "old", "o": "[]", "s": "completed"})
         migrate.upgrade(eng)
-        assert migrate.current_revision(eng) == migrate.head_revision() == "0002"
+        assert migrate.current_revision(eng) == migrate.head_revision() == "0003"
         assert _tables(db_url) == TABLES
         migrate.downgrade(eng, "0001")
         assert _tables(db_url) == {"pipelines", "stages", "model_artifacts"}

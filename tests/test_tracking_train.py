@@ -110,3 +110,49 @@ def test_unreachable_store_is_refused_naming_the_key(outputs_dir, capsys):
     assert e.value.code == 2
     assert "config key `tracking.tracking_uri`" in capsys.readouterr().err
     assert not (outputs_dir / "runs" / "nostore").exists()  # refused before training started
+
+
+def test_step_metrics_reach_the_store_while_the_run_is_running(outputs_dir, prepared_model, tmp_path):
+    """Batched every tracking.flush_every_s, yet never more than about that far behind: at step 2 the training
+    stops for a while (as a long held-out evaluation would), and step 2's metrics reach the store before the run
+    goes on, with no further step to carry them; the run is still RUNNING then."""
+    import time
+
+    from parity.config import load_config
+    from parity.tracking import mlflow_log
+    from parity.tracking.train_run import tracked_train
+    from parity.training.loop import train
+
+    # longer than a quick step takes, so step 2 arrives before it is due and has to be written by the flusher
+    uri, flush_every_s = f"sqlite:///{tmp_path}/mlflow.db", 8.0
+    cfg = load_config([f"outputs_dir={outputs_dir}", *QUICK, f"model.path={prepared_model}", "trainer.total_steps=3",
+                       "trainer.run_name=streamed", "tracking.enabled=true", f"tracking.tracking_uri={uri}",
+                       f"tracking.flush_every_s={flush_every_s}"])
+    reader = mlflow_log.client(uri)
+    seen: dict = {}
+
+    class Probe:  # runs after the MLflow callback, in the training loop
+        run_id = None
+
+        def on_step(self, step, metrics):
+            if step != 2:
+                return
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 3 * flush_every_s:
+                steps = [m.step for m in reader.get_metric_history(self.run_id, "reward/mean")]
+                if 2 in steps:
+                    break
+                time.sleep(0.2)
+            seen.update(steps=steps, lag_s=time.monotonic() - t0, status=reader.get_run(self.run_id).info.status)
+
+    probe = Probe()
+
+    def train_fn(c, callbacks):
+        probe.run_id = callbacks[0].run_id
+        return train(c, callbacks=[*callbacks, probe])
+
+    out = tracked_train(cfg, train_fn)
+    assert seen["status"] == "RUNNING" and seen["steps"] == [1, 2], seen
+    assert seen["lag_s"] <= flush_every_s + 3.0, seen  # written by the flusher once due, not at the run's end
+    assert [m.step for m in reader.get_metric_history(out["mlflow_run_id"], "reward/mean")] == [1, 2, 3]
+    assert out["mlflow_unwritten_metrics"] == 0

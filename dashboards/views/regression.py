@@ -1,5 +1,6 @@
-"""Regression: the history of benchmark-regression checks (paired bootstrap against the stored baseline),
-failed checks (a real drop beyond the margin) highlighted."""
+"""Regression: the history of benchmark-regression checks (the registered candidate against the champion, each in
+its deploy precision, paired bootstrap per problem), both models labelled like every page, failed checks (a real
+drop beyond the margin) highlighted."""
 
 from __future__ import annotations
 
@@ -37,8 +38,9 @@ else:
 benches = sorted(d["benchmark"].unique())
 pick = st.multiselect("benchmarks", benches, key="regression_benchmarks")
 shown = d[d["benchmark"].isin(pick)] if pick else d
-cols = ["created_at", "benchmark", "flagged", "delta", "ci_low", "ci_high", "margin", "paired_problems", "precision",
-        "message", "baseline_result_id", "candidate_result_id", "pipeline_id", "flow_run_id"]
+cols = ["created_at", "benchmark", "flagged", "delta", "ci_low", "ci_high", "candidate", "champion", "precision",
+        "margin", "paired_problems", "message", "baseline_result_id", "candidate_result_id", "pipeline_id",
+        "flow_run_id"]
 
 
 def _highlight(row):  # whole row red when the check failed
@@ -47,12 +49,14 @@ def _highlight(row):  # whole row red when the check failed
 
 st.dataframe(shown[cols].style.apply(_highlight, axis=1).format(
     {c: "{:+.2f}" for c in ("delta", "ci_low", "ci_high")} | {"margin": "{:.2f}"}), hide_index=True, width="stretch")
-st.caption("delta = candidate - baseline over paired problems, in points; a check fails when delta < -margin and "
-           "the interval lies below 0.")
+st.caption("delta = candidate - champion over paired problems, in points, each evaluated in its deploy precision "
+           "(`precision`: the candidate's); a check fails when delta < -margin and the interval lies below 0. "
+           "Models: what they were trained as, and their registered version.")
 
 chart = alt.Chart(shown).encode(x=alt.X("created_at:T", title="checked"), color="benchmark:N")
 band = chart.mark_rule(opacity=0.5).encode(y=alt.Y("ci_low:Q", title="delta (points)"), y2="ci_high:Q")
 dots = chart.mark_point(filled=True, size=70).encode(
     y="delta:Q", shape=alt.Shape("flagged:N", scale=alt.Scale(domain=[False, True], range=["circle", "cross"])),
-    tooltip=["benchmark", "created_at", "delta", "ci_low", "ci_high", "margin", "message"])
+    tooltip=["benchmark", "created_at", "candidate", "champion", "precision", "delta", "ci_low", "ci_high", "margin",
+             "message"])
 st.altair_chart(alt.layer(band, dots).properties(height=260), width="stretch")

@@ -1,5 +1,6 @@
 """Runs: one row per pipeline or plain training run (its stages folded under it), filterable, each linked to its
-MLflow page."""
+MLflow page: what it trained, how it did (reward, held-out accuracy, mismatch, benchmarks, collapse), how far it got
+(steps, duration) and why it failed."""
 
 from __future__ import annotations
 
@@ -31,26 +32,27 @@ c3.write("")
 c3.write(f"{len(shown_top)} of {len(top)} runs ({n_pipelines} pipelines, "
          f"{int((shown_top['kind'] == 'train').sum())} plain training runs)"
          + (f", with their {len(shown) - len(shown_top)} stage runs" if show_stages else ""))
-# the columns fit the page at 1400 px (names wrap in their cell's tooltip); the MLflow link comes second so it
-# shows however long the run names are
-COLUMNS = ["run", "mlflow", "status", "precision", "correction", "seed", "final_reward", "heldout_accuracy",
-           "benchmark_avg", "collapsed", "started"]
+# the MLflow link comes second so it shows however long the run names are; every cell is text, '—' where missing
+COLUMNS = ["run", "mlflow", "status", "precision", "correction", "seed", "final_reward", "heldout_accuracy", "mismatch",
+           "benchmark_avg", "collapsed", "steps", "duration", "started", "failure"]
 WIDTH = {"run": 250, "mlflow": 52, "status": 75, "precision": 85, "correction": 80, "seed": 40, "final_reward": 62,
-         "heldout_accuracy": 65, "benchmark_avg": 60, "collapsed": 72, "started": 82}
-table = shown[COLUMNS].assign(started=shown["started"].dt.strftime("%m-%d %H:%M"))
-table = frames.missing_as_dash(table, ["precision", "correction", "seed", "collapsed", "started"])
-numbers = ["final_reward", "heldout_accuracy", "benchmark_avg"]
+         "heldout_accuracy": 65, "mismatch": 70, "benchmark_avg": 60, "collapsed": 72, "steps": 48, "duration": 80,
+         "started": 82, "failure": 260}
+NUMBERS = {"final_reward": "{:.3f}", "heldout_accuracy": "{:.3f}", "mismatch": "{:.2e}", "benchmark_avg": "{:.3f}",
+           "steps": "{:.0f}"}
 label = {"final_reward": "reward", "heldout_accuracy": "held-out", "benchmark_avg": "bench."}
+table = frames.as_text(shown[COLUMNS].assign(started=shown["started"].dt.strftime("%m-%d %H:%M")), NUMBERS)
 st.dataframe(
-    table.style.format({c: "{:.3f}" for c in numbers}, na_rep=frames.MISSING),
+    table,
     hide_index=True,
     width="stretch",
     column_config={
-        **{c: (st.column_config.NumberColumn if c in numbers else st.column_config.TextColumn)(label.get(c, c), width=WIDTH[c])
-           for c in COLUMNS if c != "mlflow"},
+        **{c: st.column_config.TextColumn(label.get(c, c), width=WIDTH[c]) for c in COLUMNS if c != "mlflow"},
         "mlflow": st.column_config.LinkColumn("MLflow", display_text="open", width=WIDTH["mlflow"]),
     },
 )
-st.caption("reward: the last `reward/mean`; held-out: the last `eval/accuracy` (rollout engine); bench.: the "
-           "evaluate stage's macro `avg@k`; collapsed: the collapse alarm (`train/collapsed`); — where a run did "
-           "not measure it. Experiment and sweep of each run: the filters above, and the Compare page.")
+st.caption("reward: the last `reward/mean`; held-out: the last `eval/accuracy` (rollout engine); mismatch: the last "
+           "step's mean |p_train - p_inf| (`mismatch/abs_prob_diff_mean`); bench.: the evaluate stage's macro "
+           "`avg@k`; collapsed: the collapse alarm (`train/collapsed`); steps: the last training step logged; "
+           "failure: why a failed run stopped (the stage and its error); — where a run did not measure it. "
+           "Experiment and sweep of each run: the filters above, and the Compare page.")

@@ -40,16 +40,16 @@ sys.path.insert(0, str(ROOT))  # tests.kv_packed_checks
 
 # launch configurations of the rotated int4 kernel (int4_attention.CONFIG keys); the first is the default
 VARIANTS = {
-    "rows16_w4_s2_pps8": {},
-    "rows16_w4_s2_pps1": {"programs_per_sm": 1},
-    "rows16_w4_s2_pps4": {"programs_per_sm": 4},
-    "rows16_w4_s2_pps16": {"programs_per_sm": 16},
-    "rows8_w4_s2_pps8": {"ROWS": 8},
-    "rows8_w4_s2_pps2": {"ROWS": 8, "programs_per_sm": 2},
-    "rows16_w8_s2_pps8": {"num_warps": 8},
-    "rows16_w4_s3_pps8": {"num_stages": 3},
-    "rows16_w4_s2_pps8_reg168": {"maxnreg": 168},
-    "rows16_w4_s2_pps8_noasm": {"asm": False},
+    "rows16-warps4-stages2-pps8": {},
+    "rows16-warps4-stages2-pps1": {"programs_per_sm": 1},
+    "rows16-warps4-stages2-pps4": {"programs_per_sm": 4},
+    "rows16-warps4-stages2-pps16": {"programs_per_sm": 16},
+    "rows8-warps4-stages2-pps8": {"ROWS": 8},
+    "rows8-warps4-stages2-pps2": {"ROWS": 8, "programs_per_sm": 2},
+    "rows16-warps8-stages2-pps8": {"num_warps": 8},
+    "rows16-warps4-stages3-pps8": {"num_stages": 3},
+    "rows16-warps4-stages2-pps8-reg168": {"maxnreg": 168},
+    "rows16-warps4-stages2-pps8-noasm": {"asm": False},
 }
 T0 = time.perf_counter()
 

@@ -111,11 +111,11 @@ class Objective:
             shift = c.advantage_shift(ctx)
             if shift is not None:
                 if not shifted:  # the size of the advantages the shifts act on, once
-                    metrics.add_sum("correction/#adv_abs", torch.where(mask, adv.abs(), 0.0).sum())
+                    metrics.add_sum("correction/#adv_abs", torch.where(mask, adv.abs(), 0.0).double().sum())
                     shifted = True
                 shift = torch.where(mask, shift.detach(), 0.0)
                 metrics.add_masked_mean("correction/adv_shift_mean", shift, mask)
-                metrics.add_sum("correction/#shift_abs", shift.abs().sum())
+                metrics.add_sum("correction/#shift_abs", shift.abs().double().sum())
                 adv = adv - shift
             w = c.weights(ctx)
             if w is not None:

@@ -4,8 +4,10 @@ Reads the checkpoint `quantize` wrote (its config.json is checked first: a missi
 one clear error), runs it in the configured rollout engine at the rollout precision (torch: the BF16
 model quantized in place, then the checkpoint's codes and scales loaded verbatim, KV-cache format
 included; vllm: the checkpoint folder as vLLM loads it), and compares it with the BF16 model on
-held-out prompts (parity.precision.validate). The report (validation.json + validation.md) is written
-beside config.json; a threshold in `rollout.precision.validation` that is exceeded stops the command
+held-out prompts (parity.precision.validate). Every validation keeps its report, named by the full precision
+spec and the time: validations/<spec>-<YYYYmmdd-HHMMSS>.json + .md beside config.json, never overwritten; the
+latest is also validation.json + .md there (config.json itself stays where the seed's
+quantization_config_file points). A threshold in `rollout.precision.validation` that is exceeded stops the command
 with a non-zero exit naming it, so a pipeline stops before training on a broken model.
 """
 
@@ -18,14 +20,20 @@ from omegaconf import DictConfig
 
 from parity.data.prompts import build_train_stream, render_prompt
 from parity.data.tasks import synthetic_task
-from parity.precision.config import load_quantization_config_file, quantization_config_path, resolve_precision
+from parity.precision.config import (
+    load_quantization_config_file,
+    quantization_config_path,
+    resolve_precision,
+    spec_of,
+)
 from parity.precision.export import load_compressed_checkpoint_, quantized_checkpoint_dir
 from parity.precision.validate import (
+    PrecisionValidationError,
     ValidationThresholds,
     enforce_thresholds,
     precision_record,
+    record_report,
     validate_precision,
-    write_report,
 )
 from parity.rewards.grader import grade_answer
 from parity.rollout import build_engine, compute_dtype, is_perturbed, resolve_device
@@ -94,9 +102,14 @@ def run(cfg: DictConfig) -> dict:
         quant.close()
     report.update(checkpoint_dir=str(info.checkpoint_dir), source_model=str(source),
                   precision=precision_record(precision))
-    json_path, md_path = write_report(report, info.checkpoint_dir)
-    enforce_thresholds(report)  # after writing: the report says why
+    kept = record_report(report, info.checkpoint_dir, spec_of(precision))
+    try:
+        enforce_thresholds(report)  # after writing: the report says why
+    except PrecisionValidationError as e:
+        e.report_json, e.report_md = str(kept["json"]), str(kept["md"])
+        raise
     m = report["metrics"]
-    return {"command": "validate", "passed": True, "report_json": str(json_path), "report_md": str(md_path),
+    return {"command": "validate", "passed": True, "report_json": str(kept["json"]), "report_md": str(kept["md"]),
+            "latest_json": str(kept["latest_json"]), "precision_spec": kept["report"]["precision_spec"],
             **{k: m[k] for k in ("abs_prob_diff_mean", "abs_prob_diff_p99", "k3_kl", "top1_agreement",
                                  "greedy_prefix_mean", "ppl_ratio", "accuracy_bf16", "accuracy_quant")}}

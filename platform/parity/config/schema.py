@@ -388,14 +388,15 @@ class DistributedConfig:
 
 @dataclass
 class RegressionConfig:
-    """`benchmark-regression` flow: paired bootstrap per problem against the stored baseline."""
+    """`benchmark-regression` flow: the registered model's `candidate` against its `champion` (MLflow aliases of
+    tracking.model_name), each in its deploy precision, paired bootstrap per problem."""
 
     margin: float = 0.02  # fail when the mean per-problem drop exceeds this and its CI lies below 0
     bootstrap: int = 2000
     ci_level: float = 0.95
     seed: int = 0
-    models: int = 1  # how many of the latest registered models are checked
-    baseline_if_missing: bool = True  # no baseline yet: the first result becomes it (recorded, not failed)
+    unquantized: bool = True  # also evaluate each model unquantized (BF16) when it deploys quantized (recorded)
+    promote: bool = False  # a candidate that passes becomes the champion (else a person moves the alias)
     cron: str = "0 2 * * *"  # schedule of the benchmark-regression/nightly deployment
 
 

@@ -5,11 +5,8 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from parity.config.distributed import check_distributed
-from parity.errors import ParityError
-
-
-class ConfigError(ValueError):
-    """A config value is out of range or conflicts with another; the message names the key."""
+from parity.core.device import forced_auto_dtype
+from parity.errors import ConfigError, ParityError
 
 
 def _check(cond: bool, key: str, msg: str) -> None:
@@ -61,6 +58,7 @@ def validate_config(cfg: DictConfig) -> None:
            f"must be in [0, 1], got {ws.teacher_error_rate}")
     _check(cfg.model.dtype in ("auto", "bfloat16", "float32"), "model.dtype",
            f"must be auto, bfloat16 or float32, got {cfg.model.dtype!r}")
+    forced_auto_dtype()
     if a.routing_replay:
         _check(cfg.model.arch == "qwen3_moe" or cfg.model.source == "hf", "algorithm.routing_replay",
                "routing replay needs an MoE model (model.arch=qwen3_moe)")

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,7 @@ from torch import nn
 
 from parity.core.sampling import SamplingSpec
 from parity.errors import ParityError
+from parity.precision.reports import HISTORY_DIR, LATEST_STEM, REPORT_KIND, reports_of
 from parity.precision.sampler import ModelSampler, response_logprobs
 from parity.types import RolloutBatch
 
@@ -208,13 +211,43 @@ def report_markdown(report: dict, title: str = "Precision validation") -> str:
 
 
 def write_report(report: dict, out_dir: str | Path, stem: str = "validation") -> tuple[Path, Path]:
-    """<out_dir>/<stem>.json and <stem>.md."""
+    """<out_dir>/<stem>.json and <stem>.md (replaced atomically: a reader never sees half a report)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     j, md = out / f"{stem}.json", out / f"{stem}.md"
-    j.write_text(json.dumps(report, indent=2))
-    md.write_text(report_markdown(report))
+    for path, text in ((j, json.dumps(report, indent=2)), (md, report_markdown(report))):
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
     return j, md
+
+
+def record_report(report: dict, checkpoint_dir: str | Path, spec: str, now: datetime | None = None) -> dict:
+    """Keep one validation: <checkpoint_dir>/validations/<spec>-<UTC time>.json/.md, created once and never
+    overwritten, and the same report as <checkpoint_dir>/validation.json/.md, the latest validation of this
+    checkpoint (what older readers open). The report gains `report`, `precision_spec` and `created_at`.
+    Returns {'report', 'json', 'md', 'latest_json', 'latest_md'}."""
+    when = (now or datetime.now(UTC)).astimezone(UTC)
+    report = {**report, "report": REPORT_KIND, "precision_spec": spec,
+              "created_at": when.isoformat(timespec="microseconds")}
+    hist = Path(checkpoint_dir) / HISTORY_DIR
+    hist.mkdir(parents=True, exist_ok=True)
+    stem = f"{spec}-{when:%Y%m%d-%H%M%S}"
+    for n in range(1, 1000):  # two validations within one second: -2, -3 ...
+        name = stem if n == 1 else f"{stem}-{n}"
+        try:
+            with (hist / f"{name}.json").open("x") as f:
+                f.write(json.dumps(report, indent=2))
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise ParityError(f"{hist}: no free report name for {stem}")
+    md = hist / f"{name}.md"
+    md.write_text(report_markdown(report))
+    latest_json, latest_md = write_report(report, checkpoint_dir, LATEST_STEM)
+    return {"report": report, "json": hist / f"{name}.json", "md": md, "latest_json": latest_json,
+            "latest_md": latest_md}
 
 
 def precision_record(precision: Any) -> dict:
@@ -230,19 +263,19 @@ def precision_record(precision: Any) -> dict:
 
 
 def validated_discrepancy(cfg: Any, precision: Any) -> tuple[float, str] | None:
-    """(mean |p_train - p_inf|, report path) that `validate` measured for this rollout precision, or None when
-    no report exists for it (algorithm.correction.tolerance=auto then measures the first steps instead). A report
-    written for another precision (other formats, another perturbation) is not used."""
+    """(mean |p_train - p_inf|, report path) that the latest `validate` of this rollout precision measured, or
+    None when no report exists for it (algorithm.correction.tolerance=auto then measures the first steps
+    instead). Reports written for another precision (other formats, another perturbation) are not used."""
     from parity.precision.export import quantized_checkpoint_dir
 
     if str(precision.weights) == "bf16" and str(precision.activations) == "bf16":
         return None  # nothing to quantize: no validate stage ran
-    path = quantized_checkpoint_dir(cfg, precision) / "validation.json"
-    try:
-        report = json.loads(path.read_text())
-        value = float(report["metrics"]["abs_prob_diff_mean"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    if report.get("precision") != precision_record(precision) or not math.isfinite(value):
-        return None
-    return value, str(path)
+    want = precision_record(precision)
+    for path, report in reversed(reports_of(quantized_checkpoint_dir(cfg, precision))):
+        try:
+            value = float(report["metrics"]["abs_prob_diff_mean"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        if report.get("precision") == want and math.isfinite(value):
+            return value, str(path)
+    return None

@@ -10,13 +10,14 @@ from __future__ import annotations
 import logging
 import re
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 from parity.core.secrets import mask_params, mask_url
-from parity.tracking.naming import EXPERIMENT_KIND_TAG, TRAINING_EXPERIMENT
+from parity.tracking.naming import EXPERIMENT_KIND_TAG, TRAINING_EXPERIMENT, TRAINING_VIEW_TAG, training_view
 
 log = logging.getLogger(__name__)
 PARAM_BATCH = 100  # MLflow accepts at most 100 params per log_batch call
@@ -36,21 +37,35 @@ def client(tracking_uri: str) -> Any:
 def experiment_id(c: Any, name: str, artifact_dir: str | None = None) -> str:
     """The experiment's id, created on first use. A SQLite store keeps artifacts beside it (artifact_dir),
     not in ./mlruns of whatever directory the process happens to run in. The experiment is tagged as one of
-    training runs (naming.EXPERIMENT_KIND_TAG), so MLflow 3's UI opens it on its runs table rather than on
-    GenAI traces; an experiment of an older store gets the tag on its next use, one a user set is kept."""
+    training runs (naming.EXPERIMENT_KIND_TAG) and carries the saved view of its runs table that
+    naming.experiment_url opens (naming.TRAINING_VIEW_TAG); an experiment of an older store gets both on its
+    next use, a kind a user set is kept."""
     exp = c.get_experiment_by_name(name)
     if exp is None:
         location = Path(artifact_dir).resolve().as_uri() if artifact_dir else None
         try:
-            return str(c.create_experiment(name, artifact_location=location,
-                                           tags={EXPERIMENT_KIND_TAG: TRAINING_EXPERIMENT}))
+            return str(c.create_experiment(name, artifact_location=location, tags={
+                EXPERIMENT_KIND_TAG: TRAINING_EXPERIMENT, TRAINING_VIEW_TAG: training_view(int(time.time() * 1000))}))
         except Exception:  # created concurrently by another process
             exp = c.get_experiment_by_name(name)
             if exp is None:
                 raise
-    if EXPERIMENT_KIND_TAG not in (exp.tags or {}):
+    tags = exp.tags or {}
+    if EXPERIMENT_KIND_TAG not in tags:
         c.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, TRAINING_EXPERIMENT)
+    if not _same_view(tags.get(TRAINING_VIEW_TAG)):
+        c.set_experiment_tag(exp.experiment_id, TRAINING_VIEW_TAG, training_view(int(time.time() * 1000)))
     return str(exp.experiment_id)
+
+
+def _same_view(value: str | None) -> bool:
+    """The stored view has this version's columns (its times aside)."""
+    import json
+
+    try:
+        return json.loads(value or "")["state"] == json.loads(training_view(0))["state"]
+    except (ValueError, KeyError, TypeError):
+        return False
 
 
 def default_artifact_dir(tracking_uri: str) -> str | None:
@@ -127,6 +142,30 @@ def register_model(c: Any, run_id: str, model_dir: str | Path, name: str, tags: 
     return str(mv.version)
 
 
+CANDIDATE, CHAMPION = "candidate", "champion"  # MLflow model-registry aliases of a registered model
+
+
+def set_candidate(c: Any, name: str, version: str | int) -> dict[str, str]:
+    """Version `version` becomes the model's `candidate`; a model without a `champion` (its first version) gets
+    this one as its champion too. Returns {alias: version} as they stand."""
+    c.set_registered_model_alias(name, CANDIDATE, str(version))
+    champion = alias_version(c, name, CHAMPION)
+    if champion is None:
+        c.set_registered_model_alias(name, CHAMPION, str(version))
+        champion = str(version)
+    return {CANDIDATE: str(version), CHAMPION: champion}
+
+
+def alias_version(c: Any, name: str, alias: str) -> str | None:
+    """The version an alias of registered model `name` points at; None when the model or the alias is unknown."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return str(c.get_model_version_by_alias(name, alias).version)
+    except MlflowException:
+        return None
+
+
 def metric_key(key: str) -> str:
     """MLflow accepts only [alphanumerics _ - . space : /] in names: avg@k becomes avg_at_k."""
     return _BAD_METRIC_CHARS.sub("_", key.replace("@", "_at_"))
@@ -162,9 +201,11 @@ class MlflowCallback:
     first, because MLflow's own client retries for minutes before it gives up.
 
     `flush_every_s` batches the writes: the first step is written at once, later steps at most every
-    `flush_every_s` seconds (one log_batch for all of them) and the rest at `close()`. Each write is a
-    store transaction (a commit and, on SQLite, an fsync), so on a fast run one write per step costs
-    more than the step's own logging; 0 writes every step."""
+    `flush_every_s` seconds (one log_batch for all of them), so the store is never more than about that far
+    behind the run: a background thread writes what waits once it is due even when no further step comes
+    (a long held-out evaluation, the last steps before a slow checkpoint), and `close()` writes the rest.
+    Each write is a store transaction (a commit and, on SQLite, an fsync), so on a fast run one write per
+    step costs more than the step's own logging; 0 writes every step at once."""
 
     def __init__(self, tracking_uri: str, run_id: str, retry_after_s: float = 5.0, probe_timeout_s: float = 0.5,
                  max_buffer: int = 1_000_000, mlflow_client: Any = None, flush_every_s: float = 0.0) -> None:
@@ -183,6 +224,9 @@ class MlflowCallback:
         self.seconds = 0.0
         self._down_since: float | None = None
         self._next_try = 0.0
+        self._lock = threading.RLock()  # the training thread and the flusher share the buffer and the client
+        self._stop = threading.Event()
+        self._flusher: threading.Thread | None = None
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
         t0 = time.perf_counter()
@@ -195,18 +239,38 @@ class MlflowCallback:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self.buffer.extend(Metric(metric_key(k), float(v), now, int(step)) for k, v in metrics.items() if _is_number(v))
-        if len(self.buffer) > self.max_buffer:  # bounded memory over a very long outage: oldest go first
-            self.dropped += len(self.buffer) - self.max_buffer
-            del self.buffer[: len(self.buffer) - self.max_buffer]
-        if time.monotonic() >= max(self._next_try, self._next_flush):
-            self.flush()
+        with self._lock:
+            self.buffer.extend(Metric(metric_key(k), float(v), now, int(step)) for k, v in metrics.items()
+                               if _is_number(v))
+            if len(self.buffer) > self.max_buffer:  # bounded memory over a very long outage: oldest go first
+                self.dropped += len(self.buffer) - self.max_buffer
+                del self.buffer[: len(self.buffer) - self.max_buffer]
+            if time.monotonic() >= self._due():
+                self.flush()
+        if self.flush_every_s > 0 and self._flusher is None:
+            self._flusher = threading.Thread(target=self._flush_when_due, name="mlflow-metrics", daemon=True)
+            self._flusher.start()
+
+    def _due(self) -> float:
+        return max(self._next_try, self._next_flush)
+
+    def _flush_when_due(self) -> None:
+        """The flusher thread: what waits in the buffer is written once it is due, steps or not."""
+        while not self._stop.wait(min(max(self.flush_every_s / 4, 0.05), 1.0)):
+            if self.buffer and time.monotonic() >= self._due():
+                with self._lock:
+                    if self.buffer and time.monotonic() >= self._due():
+                        self.flush()
 
     def _reachable(self) -> bool:
         return reachable(self.tracking_uri, self.probe_timeout_s)
 
     def flush(self) -> bool:
         """Write the buffer; True when it is empty afterwards. Never raises."""
+        with self._lock:
+            return self._flush()
+
+    def _flush(self) -> bool:
         if not self.buffer:
             return True
         try:
@@ -235,7 +299,12 @@ class MlflowCallback:
         return True
 
     def close(self, wait_s: float = 0.0) -> bool:
-        """Final flush, retrying for up to wait_s seconds; False (and a warning) if metrics remain."""
+        """Stop the flusher, then a final flush, retrying for up to wait_s seconds; False (and a warning) if
+        metrics remain."""
+        self._stop.set()
+        if self._flusher is not None:
+            self._flusher.join(timeout=30)
+            self._flusher = None
         deadline = time.monotonic() + wait_s
         while not self.flush():
             if time.monotonic() >= deadline:

@@ -12,10 +12,20 @@ import math
 from typing import Any
 from urllib.parse import urlencode
 
-# MLflow 3's UI opens an experiment on its GenAI traces view unless the experiment says what it holds; the
-# UI reads this tag and shows its runs table ("Machine learning") for this value.
+# What kind of experiment this is, in MLflow's own tag: its UI before 3.17 (and other MLflow front ends) open an
+# experiment of this kind on its runs table. MLflow 3.17's UI no longer reads it: a switch of its own (GenAI |
+# Model training, `workflowType` in the address, else the browser's last choice, GenAI at first) decides, so the
+# links Parity prints carry workflowType=machine_learning (experiment_url, run_url).
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 TRAINING_EXPERIMENT = "custom_model_development"
+# A saved view of the runs table (MLflow's "Views" menu; `viewStateShareKey` in the address opens it): the
+# columns that say what each run ran and how it did, newest first. MLflow keeps saved views as experiment tags
+# `mlflow.sharedViewState.<key>` holding {name, createdAt, updatedAt, state}, state being the table's settings.
+TRAINING_VIEW = "parity-training-runs"
+TRAINING_VIEW_TAG = f"mlflow.sharedViewState.{TRAINING_VIEW}"
+TRAINING_VIEW_COLUMNS = (("tags", "parity.precision"), ("tags", "parity.correction"), ("metrics", "final_reward"),
+                         ("metrics", "heldout_accuracy"), ("metrics", "final_mismatch"),
+                         ("metrics", "benchmark_macro_avg"), ("metrics", "collapsed"), ("tags", "parity.seed"))
 SWEEP_TAG = "parity.sweep"
 KIND_TAG = "parity.kind"  # pipeline | stage | train (a plain training run)
 
@@ -64,6 +74,17 @@ def precision_short(weights: str, activations: str, kv_cache: str, perturbation_
     return base
 
 
+def precision_of_spec(spec: Any) -> str:
+    """precision_short of a full spec as the registry stores it ('wint8-aint8-kvint4_per_token_head' ->
+    'int8+int4kv'); a string that is not a spec is returned as it is."""
+    from parity.precision.config import parse_spec
+
+    p = parse_spec(str(spec or "bf16"))
+    if "unknown" in p:
+        return str(spec)
+    return precision_short(p["weights"], p["activations"], p["kv_cache"], p["sigma"])
+
+
 def precision_of(cfg: Any) -> str:
     from parity.precision.config import resolve_precision
 
@@ -72,20 +93,78 @@ def precision_of(cfg: Any) -> str:
                            _get(cfg, "rollout.precision.perturbation.sigma"))
 
 
+def label(experiment: Any, precision: Any, correction: Any, seed: Any) -> str:
+    """THE label of what a run trained: `<experiment> / <precision> / <correction> / seed <n>`, e.g.
+    `arith_tiny / int8+int4kv / score_centering / seed 0`. MLflow run names, the model versions' tags and every
+    page of the dashboard (Runs, Compare, Benchmarks, Regression, Precision) label a trained model with it."""
+    def text(v: Any, default: str) -> str:
+        return default if v is None or str(v) in ("", "None", "nan") else str(v)
+
+    return " / ".join([text(experiment, "experiment"), text(precision, "bf16"), text(correction, "none"),
+                       f"seed {text(seed, '0')}"])
+
+
+FACT_TAGS = {"experiment": "parity.experiment", "precision": "parity.precision", "correction": "parity.correction",
+             "seed": "parity.seed", "run_name": "parity.run_name"}
+
+
+def facts_of(cfg: Any) -> dict[str, str]:
+    """What a config trains, as the label's parts (and the precision's full spec and the run folder's name): what
+    the registry keeps with each model artifact and the MLflow runs and model versions carry as tags."""
+    from parity.precision.config import resolve_precision, spec_of
+
+    return {"experiment": str(_get(cfg, "experiment_name", "")), "precision": precision_of(cfg),
+            "precision_spec": spec_of(resolve_precision(cfg)),
+            "correction": str(_get(cfg, "algorithm.correction.name", "none")),
+            "seed": str(_get(cfg, "trainer.seed", 0)), "run_name": str(_get(cfg, "trainer.run_name", ""))}
+
+
+def label_of(facts: dict[str, Any]) -> str:
+    """label() of a facts dict (facts_of, a registry artifact's facts, or run tags read back: facts_of_tags)."""
+    return label(facts.get("experiment"), facts.get("precision"), facts.get("correction"), facts.get("seed"))
+
+
+def facts_of_tags(tags: dict[str, str]) -> dict[str, str]:
+    return {k: tags[t] for k, t in FACT_TAGS.items() if tags.get(t) not in (None, "")}
+
+
 def run_title(cfg: Any) -> str:
-    """`<experiment> / <precision> / <correction> / seed <n>`: what a pipeline or training run ran."""
-    return " / ".join([str(_get(cfg, "experiment_name", "experiment")), precision_of(cfg),
-                       str(_get(cfg, "algorithm.correction.name", "none")), f"seed {_get(cfg, 'trainer.seed', 0)}"])
+    """What a pipeline or training run ran: label() of its config."""
+    return label_of(facts_of(cfg))
 
 
 def stage_title(title: str, stage: str) -> str:
     return f"{title} / {stage}"
 
 
+def unique_run_name(client: Any, experiment_id: str, name: str) -> str:
+    """`name`, or `name #2`, `#3` ... when runs of the experiment already carry it: two runs (say one FAILED
+    after 5 steps, then a new one FINISHED) are never shown under one name."""
+    quoted = f'"{name}%"' if "'" in name else f"'{name}%'"
+    try:
+        taken = {r.info.run_name for r in client.search_runs([experiment_id], f"attributes.run_name LIKE {quoted}",
+                                                             max_results=5000)}
+    except Exception:  # a store that cannot search by name: a time stamp keeps the name apart
+        import time
+
+        return f"{name} ({time.strftime('%m-%d %H:%M:%S')})"
+    n = 1
+    while (name if n == 1 else f"{name} #{n}") in taken:
+        n += 1
+    return name if n == 1 else f"{name} #{n}"
+
+
 def run_tags(cfg: Any) -> dict[str, str]:
-    return {"parity.experiment": str(_get(cfg, "experiment_name", "")), "parity.precision": precision_of(cfg),
-            "parity.correction": str(_get(cfg, "algorithm.correction.name", "none")),
-            "parity.seed": str(_get(cfg, "trainer.seed", 0)), "parity.run_name": str(_get(cfg, "trainer.run_name", ""))}
+    return tags_of(facts_of(cfg))
+
+
+def tags_of(facts: dict[str, Any]) -> dict[str, str]:
+    """The MLflow tags of a run or model version that trained (or checks) the model with these facts."""
+    tags = {t: str(facts.get(k, "")) for k, t in FACT_TAGS.items()}
+    tags["parity.label"] = label_of(facts)
+    if facts.get("precision_spec"):
+        tags["parity.precision_spec"] = str(facts["precision_spec"])
+    return tags
 
 
 def identity_params(flat: dict[str, Any]) -> dict[str, Any]:
@@ -97,11 +176,12 @@ def identity_params(flat: dict[str, Any]) -> dict[str, Any]:
 
 
 def headline_metrics(train: dict[str, Any], macro: dict[str, Any] | None = None) -> dict[str, float]:
-    """The numbers a pipeline (or plain training) run is judged by: final reward, held-out accuracy (rollout
-    engine, and unquantized weights where measured), the benchmark macro average, and the collapse flag
+    """The numbers a pipeline (or plain training) run is judged by: final reward, the last step's mean
+    |p_train - p_inf| (`final_mismatch`), held-out accuracy (rollout engine, and unquantized weights where measured), the benchmark macro average, and the collapse flag
     with its step where the training reported one (`collapse_step`, None when the alarm never fired)."""
     out: dict[str, float] = {}
-    for name, key in (("final_reward", "final_reward"), ("heldout_accuracy", "final_accuracy"),
+    for name, key in (("final_reward", "final_reward"), ("final_mismatch", "final_mismatch"),
+                      ("heldout_accuracy", "final_accuracy"),
                       ("heldout_accuracy_initial", "initial_accuracy"),
                       ("heldout_accuracy_unquantized", "final_accuracy_unquantized")):
         v = _number(train.get(key))
@@ -116,6 +196,33 @@ def headline_metrics(train: dict[str, Any], macro: dict[str, Any] | None = None)
         if step is not None:
             out["collapse_step"] = float(step)
     return out
+
+
+def training_view(now_ms: int) -> str:
+    """The value of TRAINING_VIEW_TAG: the runs table with TRAINING_VIEW_COLUMNS in this order, newest first,
+    active runs."""
+    import json
+
+    columns = [f"{kind}.`{key}`" for kind, key in TRAINING_VIEW_COLUMNS]
+    state = {"selectedColumns": columns, "columnOrder": columns, "columnWidths": dict.fromkeys(columns, 140),
+             "orderByKey": "attributes.start_time", "orderByAsc": False, "searchFilter": "", "startTime": "ALL",
+             "lifecycleFilter": "Active", "datasetsFilter": [], "modelVersionFilter": "All Runs"}
+    return json.dumps({"name": "Training runs (parity)", "createdAt": now_ms, "updatedAt": now_ms,
+                       "state": json.dumps(state)})
+
+
+ML_WORKFLOW = "workflowType=machine_learning"
+
+
+def experiment_url(mlflow_ui: str, experiment_id: str) -> str:
+    """The experiment in MLflow's UI, opened on its runs table in the training-runs view."""
+    return (f"{mlflow_ui.rstrip('/')}/#/experiments/{experiment_id}/runs?{ML_WORKFLOW}"
+            f"&viewStateShareKey={TRAINING_VIEW}")
+
+
+def run_url(mlflow_ui: str, experiment_id: str, run_id: str) -> str:
+    """One run's page in MLflow's UI, its sidebar on model training (not GenAI)."""
+    return f"{mlflow_ui.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?{ML_WORKFLOW}"
 
 
 def compare_url(dashboard_url: str, **query: str) -> str:

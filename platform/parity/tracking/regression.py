@@ -54,7 +54,9 @@ def bootstrap_mean_ci(d: np.ndarray, n_boot: int, level: float, seed: int) -> tu
 
 
 def compare(benchmark: str, baseline: dict[str, list[float]], candidate: dict[str, list[float]], *,
-            margin: float, n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> PairedComparison:
+            margin: float, n_boot: int = 2000, level: float = 0.95, seed: int = 0,
+            names: tuple[str, str] = ("candidate", "baseline")) -> PairedComparison:
+    """`names`: what the message calls the two sides (('candidate v3', 'champion v2'))."""
     if margin < 0:
         raise ValueError(f"regression margin must be >= 0, got {margin}")
     b, c, common = paired_differences(baseline, candidate)
@@ -66,7 +68,30 @@ def compare(benchmark: str, baseline: dict[str, list[float]], candidate: dict[st
     lo, hi = bootstrap_mean_ci(d, n_boot, level, seed)
     passed = not (delta < -margin and hi < 0.0)
     verdict = "ok" if passed else "REGRESSION"
-    msg = (f"{benchmark}: {verdict}: candidate {c.mean():.4f} vs baseline {b.mean():.4f} on {len(common)} paired "
+    msg = (f"{benchmark}: {verdict}: {names[0]} {c.mean():.4f} vs {names[1]} {b.mean():.4f} on {len(common)} paired "
            f"problems, delta {delta:+.4f} ({level:.0%} CI [{lo:+.4f}, {hi:+.4f}]), margin {margin:.4f}")
     return PairedComparison(benchmark, len(common), float(b.mean()), float(c.mean()), delta, lo, hi, float(margin),
                             passed, msg)
+
+
+# eval keys that choose the model or where results go, not what the scores are
+_NOT_SETTINGS = ("model_path", "run_name", "registered_model", "out_dir", "grade_workers", "batch_size")
+
+
+def evaluation_settings(cfg) -> str:
+    """A digest of everything that decides an evaluation's scores besides the model: the eval section (suite,
+    sampling, k, limit, per-benchmark overrides, ...), the data's prompt template, the rollout engine and its
+    precision spec, and the compute dtype. Two evaluations of one model with the same digest are the same
+    measurement, so the regression check reuses a champion's stored result instead of evaluating it again."""
+    import hashlib
+    import json
+
+    from omegaconf import OmegaConf
+
+    from parity.precision.config import resolve_precision, spec_of
+
+    ev = OmegaConf.to_container(cfg.eval, resolve=True)
+    payload = {"eval": {k: v for k, v in ev.items() if k not in _NOT_SETTINGS},
+               "prompt_template": str(cfg.data.prompt_template), "engine": str(cfg.rollout.name),
+               "precision": spec_of(resolve_precision(cfg)), "dtype": str(cfg.model.dtype)}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:32]

@@ -2,7 +2,7 @@
 
 One MLflow run in experiment `tracking.experiment` (the experiment_name by default), named like the
 train stage of a pipeline: `<experiment> / <precision> / <correction> / seed <n> / train`
-(parity.tracking.naming), tagged with those facts and `trainer.run_name`; the flattened resolved config
+(parity.tracking.naming; `#2` ... when the experiment has a run of that name already), tagged with those facts and `trainer.run_name`; the flattened resolved config
 as params (secrets masked) and as `config.yaml`, every step's metrics through `MlflowCallback` (buffered
 while the store is unreachable), the headline metrics (final reward, held-out accuracy, the collapse flag
 where the loop reports one), and at the end the run folder's `metrics.jsonl` and `summary.json` under
@@ -36,7 +36,8 @@ def tracked_train(cfg: Any, train_fn: Callable[[Any, list], dict]) -> dict:
     run_dir = run_dir_of(cfg)
     c = mlflow_log.client(uri)
     exp = mlflow_log.experiment_id(c, str(t.experiment), mlflow_log.default_artifact_dir(uri))
-    run_id = mlflow_log.start_run(c, exp, naming.stage_title(naming.run_title(cfg), "train"), tags={
+    name = naming.unique_run_name(c, exp, naming.stage_title(naming.run_title(cfg), "train"))
+    run_id = mlflow_log.start_run(c, exp, name, tags={
         **naming.run_tags(cfg), naming.KIND_TAG: "train", "parity.stage": "train", "parity.command": "train",
         "parity.run_dir": str(run_dir.resolve()), "parity.resume": str(bool(cfg.trainer.resume)).lower()})
     cb = mlflow_log.MlflowCallback(uri, run_id, mlflow_client=c, flush_every_s=float(t.flush_every_s))

@@ -98,6 +98,7 @@ class RunFolder:
         out = {"run_dir": str(self.dir), "start_step": self.start_step, **summary,
                "initial_accuracy": first.get("eval/accuracy"), "steps": total_steps,
                "final_accuracy": last("eval/accuracy"), "final_reward": last("reward/mean"),
+               "final_mismatch": last("mismatch/abs_prob_diff_mean"),
                "latest_checkpoint": str(self.ckpts.list()[-1]) if self.ckpts.list() else None,
                "seconds": round(time.time() - self.t_start, 1), **outcome}
         if "eval/accuracy_unquantized" in first:

@@ -65,6 +65,8 @@ class ModelArtifact(Base):
     report_path: Mapped[str | None] = mapped_column(Text)
     mlflow_model_name: Mapped[str | None] = mapped_column(String(200))
     mlflow_model_version: Mapped[str | None] = mapped_column(String(20))
+    # what the model was trained as (parity.tracking.naming.facts_of): experiment, precision, correction, seed
+    facts: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     parent: Mapped[ModelArtifact | None] = relationship(remote_side="ModelArtifact.id")
 
@@ -79,6 +81,8 @@ class EvaluationResult(Base):
     problems: Mapped[int] = mapped_column(Integer)
     metrics: Mapped[dict[str, Any]] = mapped_column(JSON)
     out_dir: Mapped[str | None] = mapped_column(Text)
+    precision: Mapped[str | None] = mapped_column(String(100))  # the engine's precision spec of this evaluation
+    settings: Mapped[str | None] = mapped_column(String(64), index=True)  # digest of what decides its scores
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     samples: Mapped[list[EvaluationSample]] = relationship(back_populates="result", order_by="EvaluationSample.id")
 

@@ -148,11 +148,11 @@ class Registry:
     def add_artifact(self, kind: str, path: str, precision: str = "bf16", *, parent_id: int | None = None,
                      pipeline_id: int | None = None, stage_id: int | None = None,
                      validation_status: str | None = None, report: dict | None = None,
-                     report_path: str | None = None) -> int:
+                     report_path: str | None = None, facts: dict | None = None) -> int:
         with self._tx("add_artifact") as s:
             a = ModelArtifact(kind=kind, path=str(path), precision=precision, parent_id=parent_id,
                               pipeline_id=pipeline_id, stage_id=stage_id, validation_status=validation_status,
-                              report=report, report_path=report_path, created_at=utcnow())
+                              report=report, report_path=report_path, facts=facts, created_at=utcnow())
             s.add(a)
             s.flush()
             return a.id
@@ -197,6 +197,14 @@ class Registry:
             out = [_artifact_dict(a) for a in rows]
         return sorted(out, key=lambda a: (_version_number(a["mlflow_model_version"]), a["id"]))
 
+    def registered_version(self, name: str, version: int | str) -> dict | None:
+        """The artifact registered as version `version` of MLflow model `name` (the newest row if several)."""
+        with self._tx("registered_version") as s:
+            a = s.scalars(select(ModelArtifact).where(ModelArtifact.mlflow_model_name == name,
+                                                      ModelArtifact.mlflow_model_version == str(version))
+                          .order_by(ModelArtifact.id.desc()).limit(1)).first()
+            return None if a is None else _artifact_dict(a)
+
     def registered_names(self) -> list[str]:
         with self._tx("registered_names") as s:
             return sorted(s.scalars(select(ModelArtifact.mlflow_model_name).distinct()
@@ -205,17 +213,25 @@ class Registry:
     # evaluation, baselines, regression checks
     def add_evaluation(self, benchmark: str, k: int, problems: int, metrics: dict, samples: Iterable[dict], *,
                        pipeline_id: int | None = None, artifact_id: int | None = None,
-                       out_dir: str | None = None) -> int:
+                       out_dir: str | None = None, precision: str | None = None, settings: str | None = None) -> int:
         with self._tx("add_evaluation") as s:
             r = EvaluationResult(benchmark=benchmark, k=int(k), problems=int(problems), metrics=metrics,
                                  pipeline_id=pipeline_id, artifact_id=artifact_id, out_dir=out_dir,
-                                 created_at=utcnow())
+                                 precision=precision, settings=settings, created_at=utcnow())
             s.add(r)
             s.flush()
             s.add_all([EvaluationSample(result_id=r.id, problem_id=str(x["problem_id"]), sample=int(x["sample"]),
                                         score=float(x["score"]), extracted=x.get("extracted"), status=x.get("status"))
                        for x in samples])
             return r.id
+
+    def find_evaluation(self, artifact_id: int, benchmark: str, settings: str) -> int | None:
+        """The newest result of `benchmark` for the artifact evaluated with the same settings digest, if any."""
+        with self._tx("find_evaluation") as s:
+            return s.scalar(select(EvaluationResult.id).where(EvaluationResult.artifact_id == artifact_id,
+                                                              EvaluationResult.benchmark == benchmark,
+                                                              EvaluationResult.settings == settings)
+                            .order_by(EvaluationResult.id.desc()).limit(1))
 
     def sample_scores(self, result_id: int) -> dict[str, list[float]]:
         """problem id -> the scores of its samples, in sample order."""
@@ -234,7 +250,8 @@ class Registry:
             if r is None:
                 raise RegistryError(f"registry {mask_url(self.url)}: no evaluation result with id {result_id}")
             return {"id": r.id, "benchmark": r.benchmark, "k": r.k, "problems": r.problems, "metrics": r.metrics,
-                    "artifact_id": r.artifact_id, "pipeline_id": r.pipeline_id, "out_dir": r.out_dir}
+                    "artifact_id": r.artifact_id, "pipeline_id": r.pipeline_id, "out_dir": r.out_dir,
+                    "precision": r.precision, "settings": r.settings}
 
     def set_baseline(self, benchmark: str, result_id: int, note: str | None = None) -> int:
         """The result becomes the benchmark's active baseline; earlier baselines stay, inactive."""
@@ -279,7 +296,7 @@ def _artifact_dict(a: ModelArtifact) -> dict[str, Any]:
     return {"id": a.id, "kind": a.kind, "path": a.path, "precision": a.precision, "parent_id": a.parent_id,
             "pipeline_id": a.pipeline_id, "validation_status": a.validation_status, "report": a.report,
             "report_path": a.report_path, "mlflow_model_name": a.mlflow_model_name,
-            "mlflow_model_version": a.mlflow_model_version}
+            "mlflow_model_version": a.mlflow_model_version, "facts": a.facts}
 
 
 def _version_number(v: str | None) -> int:
