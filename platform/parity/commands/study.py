@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from parity.paths import plain_name
+from parity.study.members import expand
 from parity.study.presets import OBJECTIVES, PRESETS, QUICK
 from parity.study.report import arm_rows, common_eval_step, figures, gains_at, gains_table, table
 
@@ -160,7 +161,7 @@ def select_arms(a: argparse.Namespace, preset: Any) -> list:
 def main(argv: list[str]) -> dict:
     # torch and hydra: `parity study --help` (this module's parser) answers without them
     from parity.commands.train import train
-    from parity.study.runs import RunSpec, check_finished_matches, prepare_model, read_run, run_all
+    from parity.study.runs import check_finished_matches, prepare_model, read_run, run_all
 
     a = _parser().parse_args(argv)
     preset = PRESETS[a.preset]
@@ -189,9 +190,8 @@ def main(argv: list[str]) -> dict:
         base += quick
     base += a.extra.split()
     topk = min(preset.topk, 64) if a.quick else preset.topk  # quick variants run tiny vocabularies (99 characters)
-    specs = [RunSpec(_run_name(a.preset, a.tag, x.name, s, a.quick), x.name, s,
-                     (*base, *x.overrides(topk), f"trainer.seed={s}"), x.labels())
-             for x in arms for s in seeds]
+    specs = expand([(x.name, x.overrides(topk)) for x in arms], seeds, base,
+                   lambda arm, s: _run_name(a.preset, a.tag, arm, s, a.quick), {x.name: x.labels() for x in arms})
     out.mkdir(parents=True, exist_ok=True)
     if a.collect:
         prev = json.loads((out / "study.json").read_text()) if (out / "study.json").is_file() else {}

@@ -16,12 +16,12 @@ import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from parity.config import load_config
 from parity.errors import ParityError
+from parity.study.members import RunSpec
 from parity.training.warm_start import prepare_model as prepare_start_model
 
 # per-step metrics kept in study.json (the rest stay in each run's metrics.jsonl)
@@ -33,17 +33,6 @@ CURVE_KEYS = ("reward/mean", "mismatch/abs_prob_diff_mean", "mismatch/k3_kl", "d
               "correction/adv_shift_mean", "correction/mis_seq_masked_frac", "correction/is_weight_mean",
               "mismatch/k3_kl", "adv/abs_mean", "perf/step_s", "perf/rollout_s", "perf/train_s")
 EVAL_KEYS = ("eval/accuracy", "eval/accuracy_unquantized")  # (+ heldout_unquantized: the one of the two that is exact)
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    name: str  # the run's folder under <outputs>/runs (trainer.run_name)
-    arm: str
-    seed: int
-    overrides: tuple[str, ...]
-    # what the arm varies, for tables and legends: source (bf16 | sigma=0.02 fixed | int8+int4kv ...), correction,
-    # objective (grpo | reinforce_raw), optimizer
-    labels: dict = field(default_factory=dict)
 
 
 def late_mean(values: list[float], frac: float = 0.1) -> float | None:
@@ -98,7 +87,7 @@ def read_run(spec: RunSpec, run_dir: Path, seconds: float | None = None) -> dict
 
 
 def _overrides(spec: RunSpec, outputs_dir: str) -> list[str]:
-    return [f"outputs_dir={outputs_dir}", *spec.overrides, f"trainer.run_name={spec.name}"]
+    return [f"outputs_dir={outputs_dir}", *spec.override_list()]
 
 
 def _failed(spec: RunSpec, error: str, log: Path | None = None) -> dict:
