@@ -155,7 +155,6 @@ class RolloutConfig:
     max_new_tokens: int = 16
     n: int = 8  # responses per prompt (G)
     topk_logprobs: int = 0  # K of the returned top-K log-probs; 0 = off (score centering needs it)
-    dtype: str = "bfloat16"
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     capture_routing: bool = False  # MoE: record routed experts for R3
     # torch engine, plain (CPU) loop: one prompt forward per distinct prompt, copied to its rollout.n rows
@@ -195,7 +194,9 @@ class SeedRolloutConfig:
     """verl-style rollout block of the seed experiments; when `quantization` is set it selects the
     rollout precision (see parity.precision)."""
 
-    dtype: str = "bfloat16"
+    # accepted so that the seed block loads verbatim (DESIGN.md), and not read: model.dtype is the one compute dtype
+    # of the trainer and the rollout engine (the seed's quick variants pin it to another value on purpose)
+    dtype: str | None = None
     quantization: str | None = None
     quantization_config_file: str | None = None
     engine_kwargs: EngineKwargs = field(default_factory=EngineKwargs)
