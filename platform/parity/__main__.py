@@ -18,7 +18,8 @@ import os
 import pkgutil
 import sys
 
-# Before torch loads OpenMP: on shared machines busy-waiting threads make CPU work 10-30x slower.
+# Before torch loads OpenMP: on shared machines busy-waiting threads make CPU work many times slower
+# (docs/CPU_PERFORMANCE.md, CPU lanes).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

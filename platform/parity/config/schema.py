@@ -54,7 +54,7 @@ class ModelConfig:
     path: str | None = None  # HF checkpoint folder or hub id (source=hf); prepared folder otherwise
     name: str = "tiny_qwen3"
     # compute dtype of trainer forward and rollout engine: auto = bfloat16 on CUDA and on CPUs with native
-    # bf16 (AMX / AVX512-BF16), float32 elsewhere (bf16 is emulated ~7x slower on AVX2 CPUs)
+    # bf16 (AMX / AVX512-BF16), float32 elsewhere (bf16 is emulated, and slow, on AVX2 CPUs: docs/CONFIGURATION.md)
     dtype: str = "auto"
     # tiny models: char (one token a printable character) | bpe (byte-level BPE trained by `prepare` on the task's
     # prompts and teacher responses, at most tokenizer_vocab_size entries, cached under outputs/tokenizers/)
