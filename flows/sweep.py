@@ -13,6 +13,7 @@ import time
 from prefect import flow
 
 from flows.train_and_eval import train_and_eval
+from parity.study.members import correction_arm, expand
 from parity.tracking.naming import compare_url
 from tasks import publish
 
@@ -21,16 +22,13 @@ DEFAULT_DASHBOARD_URL = "http://127.0.0.1:8501"  # `make dashboard`
 
 def member_overrides(corrections: list[str], overrides: list[str], stamp: str,
                      seeds: list[int] | None = None) -> list[list[str]]:
-    """One override list per correction (and per seed, when seeds are given), each with its own run name."""
-    members = []
-    for c in corrections:
-        name = f"sweep-{stamp}-{c.replace('+', '_')}"
-        if not seeds:
-            members.append([*overrides, f"algorithm.correction.name={c}", f"trainer.run_name={name}"])
-            continue
-        members += [[*overrides, f"algorithm.correction.name={c}", f"trainer.seed={int(s)}",
-                     f"trainer.run_name={name}-s{int(s)}"] for s in seeds]
-    return members
+    """One override list per correction (and per seed, when seeds are given), each with its own run name
+    `sweep-<stamp>-<correction>[-s<seed>]`: the study's member expansion (parity.study.members) over one arm per
+    correction."""
+    def run_name(correction: str, seed: int | None) -> str:
+        return f"sweep-{stamp}-{correction.replace('+', '_')}" + ("" if seed is None else f"-s{seed}")
+
+    return [m.override_list() for m in expand([correction_arm(c) for c in corrections], seeds, overrides, run_name)]
 
 
 def dashboard_compare_url(sweep_id: str) -> str:

@@ -5,7 +5,8 @@
 
 Each run is `parity.training.loop.train` on the CPU in float32 with one torch thread, its own outputs folder and
 fixed seeds: the default experiment, the MoE one with routing replay, and the default with an INT8 W8A8 + INT4 KV
-rollout under score centering. The fingerprint is the sha256 of every step's metrics (timings, `perf/*`, left out;
+rollout under score centering (8 prompts x 8 samples after a 120-step warm start, so rewards are not all 0 and
+the weights move). The fingerprint is the sha256 of every step's metrics (timings, `perf/*`, left out;
 floats written with repr, so one ulp changes it) and of the final weights' bytes."""
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ RUNS = {
     "default": [],
     "moe_routing_replay": ["experiment=arith_tiny_moe"],
     "int8_int4kv_score_centering": ["+precision=w8a8_int8_kv_int4", "algorithm.correction.name=score_centering",
-                                    "rollout.topk_logprobs=32"],
+                                    "algorithm.policy_loss=reinforce", "rollout.topk_logprobs=32"],
 }
 COMMON = ["model.dtype=float32", "trainer.device=cpu", "trainer.total_steps=3", "trainer.eval_every=3",
-          "trainer.checkpoint_every=3", "trainer.prompts_per_step=4", "rollout.n=4", "model.warm_start.steps=30",
+          "trainer.checkpoint_every=3", "trainer.prompts_per_step=8", "rollout.n=8", "model.warm_start.steps=120",
           "model.warm_start.eval_problems=8", "trainer.eval_problems=8", "eval.grade_workers=1", "trainer.seed=0"]
 TIMING = ("perf/", "train/seconds", "seconds")
 
@@ -48,7 +49,10 @@ def fingerprint(name: str, overrides: list[str], outputs: Path) -> dict:
         h.update(w.read_bytes())
     return {"metrics_sha256": hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest(),
             "weights_sha256": h.hexdigest(), "steps": sum(1 for r in rows if "reward/mean" in r),
-            "weight_files": [str(w.relative_to(run)) for w in weights], "overrides": overrides}
+            "weight_files": [str(w.relative_to(run)) for w in weights], "overrides": overrides,
+            # what the hashes cover, readable: a run whose rewards are all 0 takes no gradient step
+            "reward_mean": [r["reward/mean"] for r in rows if "reward/mean" in r],
+            "grad_norm": [r.get("train/grad_norm") for r in rows if "reward/mean" in r]}
 
 
 def main() -> int:
@@ -59,10 +63,11 @@ def main() -> int:
     a = p.parse_args()
     if a.compare:
         before, after = (json.loads(Path(f).read_text()) for f in a.compare)
-        same = all(before[k]["metrics_sha256"] == after[k]["metrics_sha256"] and
-                   before[k]["weights_sha256"] == after[k]["weights_sha256"] for k in before)
+        keys = ("metrics_sha256", "weights_sha256")
+        same = all(before[k][h] == after.get(k, {}).get(h) for k in before for h in keys)
         for k in before:
-            print(k, "equal" if before[k] == after.get(k) else f"DIFFERENT: {before[k]} vs {after.get(k)}")
+            equal = all(before[k][h] == after.get(k, {}).get(h) for h in keys)
+            print(k, "equal" if equal else f"DIFFERENT: {before[k]} vs {after.get(k)}")
         return 0 if same else 1
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = {}

@@ -61,7 +61,7 @@ def _prepare_key(_ctx: TaskRunContext, params: dict[str, Any]) -> str:
 @task(name="prepare", cache_key_fn=_prepare_key, cache_expiration=timedelta(days=30), persist_result=True,
       retries=1, retry_delay_seconds=5, retry_condition_fn=_transient)
 def prepare_task(cfg: dict) -> dict:
-    from parity.models.prepare import prepare_model
+    from parity.training.warm_start import prepare_model
 
     t0 = time.perf_counter()
     out = prepare_model(as_config(cfg))
@@ -150,7 +150,7 @@ def _train_retry_resumes(cfg: Any) -> Any:
 @task(name="train", retries=1, retry_delay_seconds=5, retry_condition_fn=_transient)
 def train_task(cfg: dict, tracking_uri: str | None = None, mlflow_run_id: str | None = None,
                flush_wait_s: float = 10.0) -> dict:
-    from parity.training.loop import train
+    from parity.commands.train import train
 
     c = _train_retry_resumes(as_config(cfg))
     callbacks: list[Any] = []

@@ -104,7 +104,7 @@ def prepared_model(quick_cfg) -> Path:
     """The warm-started tiny model, warm-started in float32 whatever TEST_DTYPE is: its weights are test input,
     and bf16 is emulated on AVX2 CPUs (minutes). Its folder does not depend on the dtype, so runs of any dtype
     that prepare the same settings find it."""
-    from parity.models.prepare import prepare_model
+    from parity.training.warm_start import prepare_model
 
     return Path(prepare_model(quick_cfg("model.dtype=float32"))["model_dir"])
 

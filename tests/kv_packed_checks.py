@@ -239,7 +239,7 @@ def teacher_forced_logprobs(eng, b, temperature: float, rows_per_forward: int = 
     through the codec's round trip; no codec: the plain forward), all positions in one full-sequence forward per
     group of rows: the reference a decode path is scored against on the tokens it sampled itself, so that one
     early difference does not decide every later token (tests/test_kv_packed_cuda.py, tests/bench/gpu_bench_kv.py)."""
-    from parity.rollout.layout import positions, prefill_mask
+    from parity.core.layout import positions, prefill_mask
     out = []
     P = b.prompts.shape[1]
     inner = eng.model.model

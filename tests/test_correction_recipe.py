@@ -65,8 +65,8 @@ def test_the_section_is_in_the_schema_and_checked(quick_cfg) -> None:
     from parity.config.schema import CorrectionConfig
 
     assert CORRECTIONS.get("drop_rare") is DropRare and DropRare.config_key == "drop_rare"
+    cfg = quick_cfg(*RECIPE)  # composing adds the registered sections to the schema
     assert CorrectionConfig().drop_rare == DropRareConfig()
-    cfg = quick_cfg(*RECIPE)
     assert cfg.algorithm.correction.drop_rare.min_prob == MIN_PROB
     for bad, key in [("algorithm.correction.drop_rare.min_probb=0.1", "min_probb"),
                      ("algorithm.correction.drop_rare.min_prob=often", "min_prob")]:
@@ -81,7 +81,8 @@ def test_the_section_is_in_the_schema_and_checked(quick_cfg) -> None:
 
 def test_it_trains_in_process_and_over_ray(quick_cfg, prepared_model, monkeypatch) -> None:
     pytest.importorskip("ray")
-    from parity.training.loop import train, train_distributed
+    from parity.distributed.driver import train_distributed
+    from parity.training.loop import train
 
     local = train(quick_cfg(*RECIPE, "trainer.run_name=recipe-local"))
     rows = _rows(local["run_dir"])

@@ -159,8 +159,8 @@ def test_shared_prefill_batch_does_not_depend_on_the_sharding(prepared_model):
     rollout pool merges its workers' shards, give the one-call batch bit for bit, on one thread a call. (A shard of
     3 rows is not held to it: the decode steps' products of 3 rows and of 18 may take different kernels, with or
     without the shared prefill.)"""
-    from parity.distributed.sharding import global_spec, merge_batches, shard_prompts
     from parity.rollout.base import SamplingSpec
+    from parity.rollout.sharding import global_spec, merge_batches, shard_prompts
     from parity.rollout.torch_engine import TorchEngine
 
     g = torch.Generator().manual_seed(0)

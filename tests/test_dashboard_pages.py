@@ -123,7 +123,7 @@ def build_stores(quick_cfg, base: Path) -> dict:
                                  passed=False, message="arithmetic: REGRESSION: dashboard test drop", pipeline_id=pid)
         mlflow_log.end_run(c, parent, ok=True)
         reg.finish_pipeline(pid, "completed")
-    from parity.models.prepare import prepare_model
+    from parity.training.warm_start import prepare_model
 
     validation = _validation_report(cfg, str(prepare_model(cfg)["model_dir"]))
     history = [json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]

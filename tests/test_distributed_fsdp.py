@@ -237,7 +237,7 @@ def reference_run(one_thread_ray, quick_cfg, prepared_model) -> dict:
 def test_sharded_trainer_over_ray_matches_the_single_process_run(sync, one_thread_ray, reference_run, quick_cfg,
                                                                  prepared_model) -> None:
     """object_store: rank 0 gathers, one ray.put; broadcast: the gloo weight group (the NCCL path on GPUs)."""
-    from parity.training.loop import train_distributed
+    from parity.distributed.driver import train_distributed
 
     ref = reference_run
     dist = train_distributed(quick_cfg(*RUN, *RAY, f"distributed.weight_sync={sync}", f"trainer.run_name=fsdp_{sync}"))

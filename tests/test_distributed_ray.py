@@ -124,7 +124,8 @@ class KillWorker:
 
 def test_distributed_run_with_a_killed_worker_matches_the_in_process_loop(ray_cluster, quick_cfg,
                                                                           prepared_model) -> None:
-    from parity.training.loop import train, train_distributed
+    from parity.distributed.driver import train_distributed
+    from parity.training.loop import train
 
     steps = ["trainer.total_steps=3", "trainer.eval_every=3"]
     kill = KillWorker("ray3")
@@ -152,7 +153,7 @@ def test_distributed_run_with_a_killed_worker_matches_the_in_process_loop(ray_cl
 def test_off_policy_overlap_logs_staleness_and_checkpoints_the_step_data_position(ray_cluster, quick_cfg,
                                                                                   prepared_model) -> None:
     from parity.data.prompts import build_train_stream
-    from parity.training.loop import train_distributed
+    from parity.distributed.driver import train_distributed
 
     cfg = quick_cfg(*DIST, "trainer.total_steps=3", "trainer.keep_checkpoints=3", "distributed.off_policy_overlap=true",
                     "trainer.run_name=overlap3")

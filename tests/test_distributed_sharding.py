@@ -7,11 +7,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from parity.distributed.cluster import bundles, check_config, local_num_cpus
-from parity.distributed.sharding import Shard, global_spec, merge_batches, shard_prompts
+from parity.config.distributed import check_distributed
+from parity.distributed.cluster import bundles, local_num_cpus
 from parity.distributed.weights import pack_weights, unpack_weights
 from parity.errors import ParityError
 from parity.rollout.base import SamplingSpec
+from parity.rollout.sharding import Shard, global_spec, merge_batches, shard_prompts
 from parity.types import RolloutBatch
 
 
@@ -99,4 +100,4 @@ def test_bundles_one_per_worker_then_trainer_and_local_cpus() -> None:
                                             ("placement_strategy", "BEST"), ("max_shard_retries", -1)])
 def test_bad_distributed_config_names_the_key(key: str, value: object) -> None:
     with pytest.raises(ParityError, match=f"distributed.{key}"):
-        check_config(_dcfg(**{key: value}))
+        check_distributed(_dcfg(**{key: value}))

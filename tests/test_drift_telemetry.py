@@ -91,6 +91,7 @@ def test_tolerance_auto_reads_the_validate_report_of_the_same_precision(quick_cf
     from parity.precision.export import quantized_checkpoint_dir
     from parity.precision.validate import precision_record
     from parity.rollout import rollout_precision
+    from parity.training.tolerance import tolerance_setting
     from parity.training.trainer import Trainer
 
     overrides = ["+precision=w8a8_int8_kv_int4", "algorithm.correction.name=dual",
@@ -100,16 +101,19 @@ def test_tolerance_auto_reads_the_validate_report_of_the_same_precision(quick_cf
     model = build_tiny_model("qwen3", TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                       num_attention_heads=2, num_key_value_heads=1, head_dim=16))
     # no report yet: measured over the first steps
-    t = Trainer(model, cfg, torch.device("cpu"))
-    assert t.corrections.tolerance is None and t.tolerance_source == "first 3 steps"
+    setting = tolerance_setting(cfg)
+    t = Trainer(model, cfg, torch.device("cpu"), measured_discrepancy=setting.measured)
+    assert t.corrections.tolerance is None and setting.value is None and setting.source == "first 3 steps"
     report = quantized_checkpoint_dir(cfg, rollout_precision(cfg)) / "validation.json"
     report.parent.mkdir(parents=True)
     report.write_text(json.dumps({"metrics": {"abs_prob_diff_mean": 0.004}, "passed": True,
                                   "precision": precision_record(rollout_precision(cfg))}))
-    t = Trainer(model, cfg, torch.device("cpu"))
+    setting = tolerance_setting(cfg)
+    t = Trainer(model, cfg, torch.device("cpu"), measured_discrepancy=setting.measured)
     assert t.corrections.tolerance == pytest.approx(0.008) and t.corrections.corrections[0].c == pytest.approx(0.008)
-    assert t.tolerance_source == str(report)
+    assert setting.source == str(report) and setting.value == pytest.approx(0.008)
     # a report of another precision (no KV quantization) is not this rollout's
     report.write_text(json.dumps({"metrics": {"abs_prob_diff_mean": 0.004}, "passed": True,
                                   "precision": {"weights": "int8", "activations": "int8", "kv_cache": "bf16"}}))
-    assert Trainer(model, cfg, torch.device("cpu")).corrections.tolerance is None
+    assert tolerance_setting(cfg).measured is None
+    assert Trainer(model, cfg, torch.device("cpu"), measured_discrepancy=None).corrections.tolerance is None

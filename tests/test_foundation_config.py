@@ -30,6 +30,24 @@ def test_unknown_key_names_the_key():
     assert "lrr" in msg
 
 
+def test_removed_dtype_key_is_refused_with_its_new_spelling(tmp_path):
+    """`rollout.dtype` had no reader: on the command line or in a config file, the error names it and model.dtype."""
+    for ov in (["rollout.dtype=bfloat16"], ["+rollout.dtype=bfloat16"]):
+        with pytest.raises(ConfigError, match=r"`rollout\.dtype` was removed.*`model\.dtype`"):
+            load_config(ov)
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "old.yaml").write_text("# @package _global_\nrollout:\n  dtype: bfloat16\n")
+    with pytest.raises(ConfigError, match=r"experiment/old.*`rollout\.dtype` was removed.*`model\.dtype`"):
+        load_config(["experiment=old"], extra_config_dir=str(tmp_path))
+
+
+def test_seed_block_dtype_loads_verbatim_and_model_dtype_decides():
+    """The seed block's dtype is accepted (the block loads verbatim) and not read: model.dtype is the dtype."""
+    cfg = load_config(["experiment=seed_qwen35_9b_int8_sc", "model.dtype=float32"])
+    assert (cfg.actor_rollout_ref.rollout.dtype, cfg.model.dtype) == ("bfloat16", "float32")
+    assert load_config([]).actor_rollout_ref.rollout.dtype is None
+
+
 def test_wrong_type_names_the_key():
     msg = _compose_error(["trainer.total_steps=many"])
     assert "total_steps" in msg

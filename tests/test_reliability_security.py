@@ -176,7 +176,7 @@ def test_dashboard_has_no_write_path():
 def test_user_names_and_paths_cannot_leave_outputs(quick_cfg, prepared_model, tmp_path, where, overrides, key):
     from parity.commands import evaluate as evaluate_cmd
     from parity.errors import ParityError
-    from parity.models.prepare import prepare_model
+    from parity.training.warm_start import prepare_model
 
     outputs = Path(quick_cfg().outputs_dir)
     root = tmp_path / "outside"

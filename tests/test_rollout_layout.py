@@ -1,4 +1,4 @@
-"""The batch layout every sampler shares (parity.rollout.layout), by hand: rows, left padding, per-row seeds that do
+"""The batch layout every sampler shares (parity.core.layout), by hand: rows, left padding, per-row seeds that do
 not depend on the batch, the prompt forward's mask, the cache's key slots, positions, and the RolloutBatch."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from parity.core.layout import key_slots, layout_batch, left_pad, positions, prefill_mask, row_seed
 from parity.rollout.base import SamplingSpec
-from parity.rollout.layout import key_slots, layout_batch, left_pad, positions, prefill_mask, row_seed
 
 
 def test_rows_padding_and_batch_by_hand() -> None:

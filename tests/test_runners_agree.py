@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 ray = pytest.importorskip("ray")
 
 from parity.distributed.cluster import ray_session  # noqa: E402
-from parity.training.loop import MetricsLog, train, train_distributed  # noqa: E402
+from parity.distributed.driver import train_distributed  # noqa: E402
+from parity.training.loop import MetricsLog, train  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the Ray actors run one OpenMP thread each
 

@@ -127,6 +127,52 @@ def test_objective_swaps_every_arm_and_keeps_the_selection() -> None:
     assert [x.name for x in select_arms(a, LAPTOP)] == ["bf16 / none / reinforce_raw"]
 
 
+def test_members_every_arm_once_per_seed_by_hand() -> None:
+    """The one expansion of a sweep's members (the study's and the Prefect sweep's): common overrides, the arm's,
+    then the seed; the run name the caller's; no seed override when no seeds are given."""
+    from flows.sweep import member_overrides
+    from parity.study.members import correction_arm, expand
+
+    def name(arm: str, seed: int | None) -> str:
+        return f"x-{arm}" + ("" if seed is None else f"-s{seed}")
+
+    specs = expand([("a", ["k=1"]), ("b", ["k=2", "j=3"])], [0, 7], ["c=0"], name, {"a": {"correction": "tis"}})
+    assert [(s.name, s.arm, s.seed, s.overrides, s.labels) for s in specs] == [
+        ("x-a-s0", "a", 0, ("c=0", "k=1", "trainer.seed=0"), {"correction": "tis"}),
+        ("x-a-s7", "a", 7, ("c=0", "k=1", "trainer.seed=7"), {"correction": "tis"}),
+        ("x-b-s0", "b", 0, ("c=0", "k=2", "j=3", "trainer.seed=0"), {}),
+        ("x-b-s7", "b", 7, ("c=0", "k=2", "j=3", "trainer.seed=7"), {})]
+    assert specs[1].override_list() == ["c=0", "k=1", "trainer.seed=7", "trainer.run_name=x-a-s7"]
+    (one,) = expand([correction_arm("score_centering+tis")], None, [], name)
+    assert one.override_list() == ["algorithm.correction.name=score_centering+tis",
+                                   "trainer.run_name=x-score_centering+tis"]
+    # the Prefect sweep's members are this expansion over one arm per correction
+    assert member_overrides(["none", "tis"], ["trainer.total_steps=3"], "S", seeds=[1]) == [
+        ["trainer.total_steps=3", "algorithm.correction.name=none", "trainer.seed=1", "trainer.run_name=sweep-S-none-s1"],
+        ["trainer.total_steps=3", "algorithm.correction.name=tis", "trainer.seed=1", "trainer.run_name=sweep-S-tis-s1"]]
+
+
+def test_study_runs_are_the_member_expansion_of_its_arms(monkeypatch, tmp_path) -> None:
+    """`parity study` turns its preset's arms and seeds into runs through parity.study.members.expand."""
+    import parity.commands.study as cmd
+    from parity.study import members
+
+    seen = []
+
+    def spy(arms, seeds, common, run_name, labels=None):
+        specs = members.expand(arms, seeds, common, run_name, labels)
+        seen.extend(specs)
+        raise SystemExit(0)  # stop before anything trains
+
+    monkeypatch.setattr(cmd, "expand", spy)
+    with pytest.raises(SystemExit):
+        cmd.main(["--preset", "laptop", "--seeds", "0,1", "--arms", "bf16 /", "--outputs-dir", str(tmp_path)])
+    assert [(s.name, s.seed) for s in seen] == [("study-laptop-bf16-none-grpo-s0", 0),
+                                                ("study-laptop-bf16-none-grpo-s1", 1)]
+    assert seen[0].overrides[0] == "experiment=countdown_tiny" and seen[0].overrides[-1] == "trainer.seed=0"
+    assert seen[0].labels == {"source": "bf16", "correction": "none", "objective": "grpo", "extra": ""}
+
+
 def test_gains_at_the_common_step_by_hand() -> None:
     """Arms cut at different steps are compared at the last evaluation every run has; gains are per seed (a
     run's step-k accuracy minus its own start) and against the reference arm seed by seed."""

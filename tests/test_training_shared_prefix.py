@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 
-from parity.rollout.layout import left_pad
+from parity.core.layout import left_pad
 from parity.training.shared_prefix import prompt_groups, shared_prefix_hidden
 from parity.types import RolloutBatch
 

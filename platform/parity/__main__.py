@@ -18,11 +18,14 @@ import os
 import pkgutil
 import sys
 
-# Before torch loads OpenMP: on shared machines busy-waiting threads make CPU work 10-30x slower.
+# Before torch loads OpenMP: on shared machines busy-waiting threads make CPU work many times slower
+# (docs/CPU_PERFORMANCE.md, CPU lanes).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import parity.commands as commands_pkg  # noqa: E402
+from parity.commands._help import command_doc, command_help, overview
+from parity.errors import ParityError
 
 FLAG_COMMANDS = {"grade", "study"}
 
@@ -45,8 +48,6 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     known = _commands()
     if not argv or argv[0] in ("-h", "--help", "help"):
-        from parity.commands._help import overview
-
         print(overview(known))
         return
     cmd, rest = argv[0], argv[1:]
@@ -59,8 +60,6 @@ def main(argv: list[str] | None = None) -> None:
     if cmd in FLAG_COMMANDS:
         module = importlib.import_module(f"parity.commands.{cmd}")
         if any(a in ("-h", "--help") for a in rest):
-            from parity.commands._help import command_doc
-
             d = command_doc(cmd)
             print(module._parser().format_help().rstrip() + "\n\nexamples:\n" +
                   "\n".join(f"  {e}" for e in d["examples"]))
@@ -71,8 +70,6 @@ def main(argv: list[str] | None = None) -> None:
             _fail(str(e))
         return
     if any(a in ("-h", "--help") for a in rest):
-        from parity.commands._help import command_help
-
         print(command_help(cmd))
         return
     _run_hydra(cmd, ["--help" if a == "--help-full" else a for a in rest])
@@ -113,7 +110,6 @@ def _run_hydra(cmd: str, rest: list[str]) -> None:
         register_schema,
         validate_config,
     )
-    from parity.errors import ParityError
 
     overrides, dirs = _split_args(rest)
     try:

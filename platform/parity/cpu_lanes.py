@@ -3,14 +3,13 @@
 The default models are small (hidden 192 on two cores): each op of a forward or backward is tens of microseconds
 of arithmetic, and OpenMP's intra-op threading costs about as much again a call, waking the team and joining it
 (the more so under OMP_WAIT_POLICY=PASSIVE, which the CLI sets because spinning threads slow a shared machine
-10-30x). A lane is a Python thread holding one OpenMP thread (or cores / lanes): two lanes each run half the rows
-with no team to wake, while torch releases the GIL inside every kernel. On the default step (2-core AMD EPYC,
-float32) the trainer's forward + backward took 0.28 s in two lanes against 0.70 s for one call on two OpenMP
-threads under PASSIVE (0.27 s with spinning threads, which a second busy process then slowed to 1.07 s; two lanes
-0.42 s), and the rollout 0.38 s against 0.66 s.
+many times over). A lane is a Python thread holding one OpenMP thread (or cores / lanes): two lanes each run half
+the rows with no team to wake, while torch releases the GIL inside every kernel. On the default step two lanes
+take the trainer's forward + backward and the rollout well below one call on two OpenMP threads under PASSIVE,
+and hold up when another process is busy on a core (docs/CPU_PERFORMANCE.md, CPU lanes).
 
 Users: the torch engine's plain loop (rollout.cpu_lanes: prompts sharded over the lanes as over Ray rollout workers,
-parity.distributed.sharding, so the batch is the same as one call's on one thread, bit for bit) and the trainer
+parity.rollout.sharding, so the batch is the same as one call's on one thread, bit for bit) and the trainer
 (trainer.cpu_lanes: the rows of a micro-batch split at prompt-group boundaries, each lane's forward and backward on
 its own, the parameter gradients summed in lane order)."""
 

@@ -7,3 +7,7 @@ class ParityError(RuntimeError):
 
 class DataError(ParityError, ValueError):
     """A dataset row or file is malformed; the message names the file and row."""
+
+
+class ConfigError(ValueError):
+    """A config value is out of range or conflicts with another; the message names the key."""

@@ -22,8 +22,8 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from parity.config import load_config  # noqa: E402
-from parity.models.prepare import prepare_model  # noqa: E402
 from parity.training.loop import MetricsLog, train  # noqa: E402
+from parity.training.warm_start import prepare_model  # noqa: E402
 
 
 def _cfg(outputs: str, args: argparse.Namespace, name: str, *extra: str):
@@ -62,7 +62,7 @@ def main() -> None:
     import ray
 
     from parity.distributed.cluster import ray_session
-    from parity.training.loop import train_distributed
+    from parity.distributed.driver import train_distributed
 
     outputs = args.outputs or tempfile.mkdtemp(prefix="bench_distributed_")
     prepare_model(_cfg(outputs, args, "prep"))

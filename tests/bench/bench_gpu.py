@@ -287,7 +287,7 @@ def fast_prefill_ms(eng, ps: list[list[int]], spec, mode: str, path: str | None 
     """Milliseconds of the fast path's prompt forward into its static cache by route `mode` (cuda_decode's
     _PREFILL: modules / stacked / compiled), median of 5 after a warm-up; kernels=True: its top kernels."""
     import parity.rollout.cuda_decode as cd
-    from parity.rollout.layout import layout_batch
+    from parity.core.layout import layout_batch
     if eng.cuda_decoder.state is None:
         eng.generate(ps, spec)
     st = eng.cuda_decoder.state

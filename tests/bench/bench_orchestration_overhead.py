@@ -29,7 +29,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from scripts.run_local import free_port, start_server, stop_process, wait_healthy  # noqa: E402
 
 LIBRARY_MODULES = ("parity.commands.evaluate", "parity.commands.quantize", "parity.commands.validate",
-                   "parity.models.prepare", "parity.rewards.grader", "parity.training.loop")
+                   "parity.training.warm_start", "parity.rewards.grader", "parity.training.loop")
 QUICK = ["model.warm_start.steps=30", "model.warm_start.eval_problems=16", "trainer.eval_problems=16",
          "trainer.prompts_per_step=2", "rollout.n=4", "trainer.total_steps=2", "trainer.checkpoint_every=1",
          "trainer.eval_every=0", "eval.grade_workers=1", "eval.limit=8"]

@@ -85,7 +85,7 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of the run")
     args = ap.parse_args()
 
-    from parity.training.loop import train_distributed
+    from parity.distributed.driver import train_distributed
 
     run_name = args.run_name or f"soak-{time.strftime('%Y%m%d-%H%M%S')}"
     planned = math.ceil(args.steps / max(1, args.kill_every) * 1.5) + 2  # the most kills one worker can take

@@ -87,9 +87,9 @@ def main() -> dict:
 
     from parity.config import load_config
     from parity.data.prompts import build_train_stream
-    from parity.models.prepare import prepare_model
     from parity.rollout import build_engine, compute_dtype
     from parity.training.loop import encode_prompts
+    from parity.training.warm_start import prepare_model
 
     env = os.environ.get
     n_prompts, n = int(env("BENCH_PROMPTS", 16)), int(env("BENCH_N", 8))

@@ -112,9 +112,9 @@ def worker_floor(a: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from parity.data.prompts import build_train_stream, render_prompt
-    from parity.models.prepare import prepare_model
     from parity.rollout import compute_dtype
     from parity.training.loop import encode_prompts
+    from parity.training.warm_start import prepare_model
 
     cfg = _config(a.overrides, a.tokens, a.steps, "bench_floor")
     model_dir = prepare_model(cfg)["model_dir"]

@@ -2,8 +2,8 @@
 
 Per chunk of rows, the head computes low-precision logits L = hidden @ W^T ([rows x V], bf16). Eager torch then
 upcasts the block to fp32 and makes about ten passes over it (log-sum-exp in the forward; softmax times the
-summed upstream gradient and the downcast in the backward): ~25 ms of a 0.14 s trainer step at 8 x 1024 and
-vocabulary 151,936 on an H200. These kernels read L once and write nothing of size [rows x V] in fp32:
+summed upstream gradient and the downcast in the backward), a large part of a trainer step at a 151,936-token
+vocabulary (docs/PERFORMANCE.md, Trainer). These kernels read L once and write nothing of size [rows x V] in fp32:
 
     row_logsumexp(L, T)          -> lse [rows] fp32: log sum_v exp(L_v / T), online max and sum in fp32
     softmax_times(L, lse, c, T)  -> exp(L / T - lse) * c  [rows x V] in L's dtype (c: one fp32 factor per row)

@@ -23,6 +23,12 @@ from typing import Any
 from omegaconf import DictConfig
 
 from parity.errors import ParityError
+from parity.evaluation.runner import evaluate
+from parity.paths import inside_outputs
+from parity.rollout import build_engine
+from parity.tracking.registered import resolve_registered_model
+from parity.training.checkpoint import CheckpointManager
+from parity.training.warm_start import prepare_model
 
 GROUPS = ["eval", "model", "rollout", "precision"]
 KEYS = [
@@ -42,8 +48,6 @@ EXAMPLES = [
 
 
 def _checkpoint_of_run(run_dir: Path, key: str) -> Path:
-    from parity.training.checkpoint import CheckpointManager
-
     if not run_dir.is_dir():
         raise ParityError(f"config key `{key}`: no training run at {run_dir}")
     latest = CheckpointManager(run_dir).latest_valid()
@@ -58,8 +62,6 @@ LATEST = "latest"
 def newest_run(runs_dir: Path) -> tuple[Path, Path]:
     """(run folder, its latest valid checkpoint) of the run whose checkpoint was written last
     (`eval.run_name=latest`); runs are tried newest first, so a corrupt newest one falls back."""
-    from parity.training.checkpoint import CheckpointManager
-
     candidates = []
     for run_dir in runs_dir.iterdir() if runs_dir.is_dir() else []:
         ckpts = CheckpointManager(run_dir).list() if (run_dir / "checkpoints").is_dir() else []
@@ -87,7 +89,6 @@ def resolve_eval_model_info(cfg: Any) -> tuple[Path | str, str, dict | None]:
         others = [k for k in ("model_path", "run_name") if e.get(k)]
         if others:
             raise ParityError(f"config key `eval.registered_model`: set it or `eval.{others[0]}`, not both")
-        from parity.tracking.registered import resolve_registered_model
 
         info = resolve_registered_model(str(registered), str(cfg.tracking.registry_url),
                                         str(cfg.tracking.tracking_uri),
@@ -111,15 +112,12 @@ def resolve_eval_model_info(cfg: Any) -> tuple[Path | str, str, dict | None]:
             run_dir, ckpt = newest_run(runs)
             return ckpt, f"eval.run_name=latest (run {run_dir.name})", None
         return _checkpoint_of_run(runs / name, "eval.run_name"), "eval.run_name", None
-    from parity.models.prepare import prepare_model
 
     return Path(prepare_model(cfg)["model_dir"]), "prepared default", None
 
 
 def _out_dir(cfg: Any, model: Path | str, registered: dict | None = None) -> Path:
     if cfg.eval.out_dir:
-        from parity.paths import inside_outputs
-
         return inside_outputs(cfg.eval.out_dir, cfg.outputs_dir, "eval.out_dir")
     if registered is not None:
         label = f"{registered['name']}-v{registered['version']}"
@@ -132,9 +130,6 @@ def _out_dir(cfg: Any, model: Path | str, registered: dict | None = None) -> Pat
 
 def run(cfg: DictConfig) -> dict:
     from transformers import AutoTokenizer
-
-    from parity.evaluation.runner import evaluate
-    from parity.rollout import build_engine
 
     model, chosen, registered = resolve_eval_model_info(cfg)
     if chosen == "prepared default":

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 
+from parity.rewards.mathverify import grade_one
+
 EXAMPLES = ["python -m parity grade --response 'so \\boxed{42}' --answer 42"]
 
 
@@ -23,7 +25,6 @@ def main(argv: list[str]) -> dict:
     args = _parser().parse_args(argv)
     if args.timeout <= 0:
         raise ValueError(f"--timeout must be > 0, got {args.timeout}")
-    from parity.rewards.mathverify import grade_one  # lazy: `grade --help` needs no sympy
 
     r = grade_one(args.response, args.answer, timeout_s=args.timeout)
     return {"score": int(r.score), "extracted": r.extracted, "status": r.status}

@@ -13,6 +13,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from parity.config import repo_root
+
 GROUPS = ["experiment", "model", "rollout", "precision", "algorithm", "eval"]
 KEYS = [
     "trainer.total_steps, algorithm.correction.name: as for train",
@@ -35,8 +37,6 @@ def _overrides() -> list[str]:
 
 
 def run(cfg: DictConfig) -> dict:
-    from parity.config import repo_root
-
     os.environ.setdefault("PREFECT_HOME", str(Path(str(cfg.outputs_dir)).resolve() / "prefect"))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     if str(repo_root()) not in sys.path:  # flows/ and tasks/ live beside platform/, not in the package

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
+from parity.training.warm_start import prepare_model
+
 GROUPS = ["model", "data"]
 KEYS = [
     "model.warm_start.steps, model.warm_start.lr: the supervised warm start of the tiny model",
@@ -19,6 +21,4 @@ EXAMPLES = [
 
 
 def run(cfg: DictConfig) -> dict:
-    from parity.models.prepare import prepare_model
-
     return {"command": "prepare", **prepare_model(cfg)}

@@ -17,7 +17,12 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from parity.precision.config import PrecisionConfigError, resolve_precision
-from parity.precision.export import quantized_checkpoint_dir  # noqa: F401  (its home before; tasks import it here)
+from parity.precision.export import (
+    EXPORTABLE,
+    export_compressed_tensors,
+    quantized_checkpoint_dir,  # noqa: F401  (its home before; tasks import it here)
+)
+from parity.training.warm_start import prepare_model
 
 GROUPS = ["precision", "model"]
 KEYS = [
@@ -34,14 +39,10 @@ EXAMPLES = [
 def run(cfg: DictConfig) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from parity.models.prepare import prepare_model
-    from parity.precision.export import export_compressed_tensors
-
     precision = resolve_precision(cfg)
     if precision.weights == "bf16":
         raise PrecisionConfigError("nothing to quantize: the rollout precision has BF16 weights; set "
                                    "`actor_rollout_ref.rollout.quantization` (int8 | fp8) or `rollout.precision.weights`")
-    from parity.precision.export import EXPORTABLE
 
     if (precision.weights, precision.activations) not in EXPORTABLE:
         # int4 / int3 weights and int4 activations exist only as the torch engine's simulation: refuse before

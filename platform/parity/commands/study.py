@@ -24,6 +24,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from parity.paths import plain_name
+from parity.study.members import expand
+from parity.study.presets import OBJECTIVES, PRESETS, QUICK
+from parity.study.report import arm_rows, common_eval_step, figures, gains_at, gains_table, table
+
 EXAMPLES = [
     "python -m parity study --preset laptop --quick",
     "python -m parity study --preset laptop --stage search",
@@ -35,8 +40,6 @@ EXAMPLES = [
 
 
 def _parser() -> argparse.ArgumentParser:
-    from parity.study.presets import OBJECTIVES, PRESETS
-
     p = argparse.ArgumentParser(prog="python -m parity study", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="laptop")
@@ -68,8 +71,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run_name(preset: str, tag: str, arm_name: str, seed: int, quick: bool) -> str:
-    from parity.paths import plain_name
-
     slug = "".join(c if c.isalnum() or c == "." else "-" for c in arm_name.replace("=", "").replace("+", "_")
                    .replace(" / ", "_")).strip("-")
     while "--" in slug:
@@ -105,8 +106,6 @@ def _error_line(text: str) -> str:
 
 
 def write_outputs(study: dict, out: Path) -> list[str]:
-    from parity.study.report import arm_rows, common_eval_step, figures, gains_at, gains_table, table
-
     study["arms"] = arm_rows(study["runs"])
     step = common_eval_step(study["runs"])
     study["gains"] = gains_at(study["runs"], step) if step is not None else []
@@ -160,8 +159,9 @@ def select_arms(a: argparse.Namespace, preset: Any) -> list:
 
 
 def main(argv: list[str]) -> dict:
-    from parity.study.presets import PRESETS, QUICK
-    from parity.study.runs import RunSpec, prepare_model, run_all
+    # torch and hydra: `parity study --help` (this module's parser) answers without them
+    from parity.commands.train import train
+    from parity.study.runs import check_finished_matches, prepare_model, read_run, run_all
 
     a = _parser().parse_args(argv)
     preset = PRESETS[a.preset]
@@ -190,13 +190,10 @@ def main(argv: list[str]) -> dict:
         base += quick
     base += a.extra.split()
     topk = min(preset.topk, 64) if a.quick else preset.topk  # quick variants run tiny vocabularies (99 characters)
-    specs = [RunSpec(_run_name(a.preset, a.tag, x.name, s, a.quick), x.name, s,
-                     (*base, *x.overrides(topk), f"trainer.seed={s}"), x.labels())
-             for x in arms for s in seeds]
+    specs = expand([(x.name, x.overrides(topk)) for x in arms], seeds, base,
+                   lambda arm, s: _run_name(a.preset, a.tag, arm, s, a.quick), {x.name: x.labels() for x in arms})
     out.mkdir(parents=True, exist_ok=True)
     if a.collect:
-        from parity.study.runs import read_run
-
         prev = json.loads((out / "study.json").read_text()) if (out / "study.json").is_file() else {}
         runs = []
         for s in specs:
@@ -209,7 +206,6 @@ def main(argv: list[str]) -> dict:
                  "host": prev.get("host", _host()), "command": prev.get("command", "python -m parity study " +
                                                                          " ".join(shlex.quote(x) for x in argv))}
         return {"command": "study", "out": str(out), "runs": len(runs), "figures": write_outputs(study, out)}
-    from parity.study.runs import check_finished_matches
     for s in specs:  # before anything runs: a finished run of other steps is an error, not a silent read-back
         check_finished_matches(s, Path(a.outputs_dir) / "runs" / s.name)
     concurrency = a.concurrency or (1 if a.quick else preset.concurrency)
@@ -235,7 +231,7 @@ def main(argv: list[str]) -> dict:
             f"{r['heldout_initial']} -> {r['heldout_final']}, collapse {r['collapse_step']}")
         print(f"[{elapsed:6.0f} s {k}/{n}] {r['arm']} seed {r['seed']}: {brief}", flush=True)
 
-    study["runs"] = run_all(specs, a.outputs_dir, concurrency, threads, out / "logs", done, preset.env)
+    study["runs"] = run_all(specs, a.outputs_dir, concurrency, threads, out / "logs", done, preset.env, train=train)
     study["wall_s"] = round(time.time() - t0, 1)
     figs = write_outputs(study, out)
     print((out / "study.md").read_text(), flush=True)

@@ -5,9 +5,15 @@ without it nothing is written outside outputs/runs/<run_name>."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from omegaconf import DictConfig
+
+from parity.distributed.driver import ray_runner
+from parity.tracking.train_run import tracked_train
+from parity.training.local import local_runner
+from parity.training.loop import train as run_loop
 
 GROUPS = ["experiment", "model", "rollout", "precision", "algorithm", "data", "trainer", "distributed"]
 KEYS = [
@@ -31,15 +37,18 @@ EXAMPLES = [
 ]
 
 
-def _train(cfg: DictConfig, callbacks: list[Any]) -> dict:
-    from parity.training.loop import train  # the runner follows distributed.enabled (Ray only when asked for)
+def runner_of(cfg: Any) -> Callable:
+    """The runner of the RL loop that distributed.enabled asks for: Ray actors, or this process."""
+    return ray_runner if cfg.distributed.enabled else local_runner
 
-    return train(cfg, callbacks=callbacks)
+
+def train(cfg: Any, callbacks: list[Any] | None = None) -> dict:
+    """The RL loop (parity.training.loop.train) with the runner distributed.enabled asks for; what this command
+    and the pipeline's train stage run."""
+    return run_loop(cfg, callbacks, runner=runner_of(cfg))
 
 
 def run(cfg: DictConfig) -> dict:
     if cfg.tracking.enabled:
-        from parity.tracking.train_run import tracked_train  # lazy: MLflow only when asked for
-
-        return {"command": "train", **tracked_train(cfg, _train)}
-    return {"command": "train", **_train(cfg, [])}
+        return {"command": "train", **tracked_train(cfg, train)}
+    return {"command": "train", **train(cfg, [])}

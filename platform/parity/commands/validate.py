@@ -18,7 +18,26 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from parity.precision.config import load_quantization_config_file, quantization_config_path, resolve_precision
+from parity.data.prompts import build_train_stream, render_prompt
+from parity.data.tasks import synthetic_task
+from parity.precision.config import (
+    load_quantization_config_file,
+    quantization_config_path,
+    resolve_precision,
+    spec_of,
+)
+from parity.precision.export import load_compressed_checkpoint_, quantized_checkpoint_dir
+from parity.precision.validate import (
+    PrecisionValidationError,
+    ValidationThresholds,
+    enforce_thresholds,
+    precision_record,
+    record_report,
+    validate_precision,
+)
+from parity.rewards.grader import grade_answer
+from parity.rollout import build_engine, compute_dtype, is_perturbed, resolve_device
+from parity.training.warm_start import prepare_model
 
 GROUPS = ["precision", "model", "rollout"]
 KEYS = [
@@ -34,23 +53,14 @@ EXAMPLES = [
 def heldout_prompts(cfg: Any, n: int, seed: int) -> list[tuple[str, str]]:
     """(prompt text, reference answer): the synthetic task's test split, or problems of the configured data
     (the quantization is calibration-free, so any prompts are held out from it)."""
-    from parity.data.prompts import render_prompt
-
     if cfg.data.name in ("arithmetic", "countdown"):
-        from parity.data.tasks import synthetic_task
-
         problems = synthetic_task(cfg.data).test_problems(n, seed_offset=seed)
     else:
-        from parity.data.prompts import build_train_stream
-
         problems = build_train_stream(cfg.data, seed=seed + 7919).take(n)
     return [(render_prompt(cfg.data.prompt_template, p.problem), p.answer) for p in problems]
 
 
 def _quant_side(cfg: Any, source: Path, ckpt_dir: Path, precision: Any) -> Any:
-    from parity.precision.export import load_compressed_checkpoint_
-    from parity.rollout import build_engine, is_perturbed
-
     if is_perturbed(precision):  # the rollout's perturbation (theta_0 + Delta, then quantized) is what is validated
         return build_engine(cfg, ckpt_dir if cfg.rollout.name == "vllm" else source, precision, reference_dir=source)
     if cfg.rollout.name == "vllm":
@@ -61,27 +71,12 @@ def _quant_side(cfg: Any, source: Path, ckpt_dir: Path, precision: Any) -> Any:
 
 
 def _grade(texts: list[str], answers: list[str]) -> list[float]:
-    from parity.rewards.grader import grade_answer
-
     return [grade_answer(t, a)[0] for t, a in zip(texts, answers)]
 
 
 def run(cfg: DictConfig) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from parity.models.prepare import prepare_model
-    from parity.precision.config import spec_of
-    from parity.precision.export import quantized_checkpoint_dir
-    from parity.precision.validate import (
-        PrecisionValidationError,
-        ValidationThresholds,
-        enforce_thresholds,
-        precision_record,
-        record_report,
-        validate_precision,
-    )
-    from parity.rollout import compute_dtype, resolve_device
 
     precision = resolve_precision(cfg)
     seed_file = quantization_config_path(cfg)

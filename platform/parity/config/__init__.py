@@ -8,22 +8,26 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from parity.config.keys import check_config, check_overrides, open_groups
-from parity.config.schema import CorrectionConfig, ParityConfig
+from parity.config.keys import REMOVED, check_config, check_overrides, open_groups, unknown_key_message
+from parity.config.schema import CorrectionConfig, ParityConfig, add_correction_section
 from parity.config.validate import ConfigError, validate_config
 
 _STORED: tuple[str, ...] | None = None  # the correction sections of the schema stored with Hydra
 
 
 def load_registries(overrides: list[str] | None = None, modules: list[str] | None = None) -> None:
-    """Import the registries whose entries extend the schema: every registered correction adds its section to
-    `algorithm.correction` (importing parity.algorithms.corrections registers the built-in ones), and `modules`
-    and the modules an `algorithm.correction.modules=[...]` override names register theirs (so the same overrides
-    can set their sections)."""
-    from parity.algorithms.corrections import import_modules
+    """Import the registries whose entries extend the schema, then add every registered correction's section to
+    `algorithm.correction` (importing parity.algorithms.corrections registers the built-in ones; `modules` and the
+    modules an `algorithm.correction.modules=[...]` override names register theirs, so the same overrides can set
+    their sections)."""
+    # torch: the registries are torch modules, and importing parity.config (the dashboard, flows, the CLI's help)
+    # must not import it
+    from parity.algorithms.corrections import CORRECTIONS, import_modules
 
     try:
         import_modules([*(modules or []), *_override_modules(overrides or [])])
+        for key, section in CORRECTIONS.sections().items():
+            add_correction_section(key, section)
     except ValueError as e:
         raise ConfigError(str(e)) from e
 
@@ -113,11 +117,28 @@ def load_config(overrides: list[str] | None = None, extra_config_dir: str | None
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
+        try:
+            cfg = compose(config_name="config", overrides=overrides)
+        except Exception as e:
+            _refuse_removed_key(e)
+            raise
     check_config(cfg)
     if validate:
         validate_config(cfg)
     return cfg
+
+
+def _refuse_removed_key(error: BaseException) -> None:
+    """A config file that sets a removed key fails in Hydra's composition (the schema lacks the key): raise the
+    error that names the key's new spelling instead, with the file Hydra names."""
+    full_key = None
+    cause: BaseException | None = error
+    while cause is not None and full_key is None:
+        full_key = getattr(cause, "full_key", None)
+        cause = cause.__cause__ or cause.__context__
+    if full_key in REMOVED:
+        where = str(error).splitlines()[0].split(":", 1)[0]  # "In 'experiment/old'"
+        raise ConfigError(f"{where}: {unknown_key_message(full_key)}") from None
 
 
 def to_yaml(cfg: DictConfig) -> str:

@@ -27,6 +27,11 @@ from parity.config.validate import ConfigError
 
 _LIST_TYPES = (list, tuple)
 
+# keys the schema no longer has, refused with their new spelling (an old config or command fails naming both)
+REMOVED: dict[str, str] = {
+    "rollout.dtype": "`model.dtype`, the one compute dtype of the trainer and the rollout engine",
+}
+
 
 def _unwrap(tp: Any) -> Any:
     """A type hint without its `| None`."""
@@ -128,6 +133,8 @@ def unknown_key_message(key: str, groups: Iterable[str] = ()) -> str:
     """One line naming `key` and the closest valid keys (or, when none is close, the keys beside it).
 
     `groups`: config group names (folders of the config tree), valid as top-level names too."""
+    if key in REMOVED:
+        return f"config key `{key}` was removed (nothing read it); use {REMOVED[key]}"
     bad = _walk_key(key) or key
     parts, bad_parts = key.split("."), bad.split(".")
     parent, last, rest = ".".join(bad_parts[:-1]), bad_parts[-1], parts[len(bad_parts):]

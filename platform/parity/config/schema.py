@@ -54,7 +54,7 @@ class ModelConfig:
     path: str | None = None  # HF checkpoint folder or hub id (source=hf); prepared folder otherwise
     name: str = "tiny_qwen3"
     # compute dtype of trainer forward and rollout engine: auto = bfloat16 on CUDA and on CPUs with native
-    # bf16 (AMX / AVX512-BF16), float32 elsewhere (bf16 is emulated ~7x slower on AVX2 CPUs)
+    # bf16 (AMX / AVX512-BF16), float32 elsewhere (bf16 is emulated, and slow, on AVX2 CPUs: docs/CONFIGURATION.md)
     dtype: str = "auto"
     # tiny models: char (one token a printable character) | bpe (byte-level BPE trained by `prepare` on the task's
     # prompts and teacher responses, at most tokenizer_vocab_size entries, cached under outputs/tokenizers/)
@@ -155,7 +155,6 @@ class RolloutConfig:
     max_new_tokens: int = 16
     n: int = 8  # responses per prompt (G)
     topk_logprobs: int = 0  # K of the returned top-K log-probs; 0 = off (score centering needs it)
-    dtype: str = "bfloat16"
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     capture_routing: bool = False  # MoE: record routed experts for R3
     # torch engine, plain (CPU) loop: one prompt forward per distinct prompt, copied to its rollout.n rows
@@ -195,7 +194,9 @@ class SeedRolloutConfig:
     """verl-style rollout block of the seed experiments; when `quantization` is set it selects the
     rollout precision (see parity.precision)."""
 
-    dtype: str = "bfloat16"
+    # accepted so that the seed block loads verbatim (DESIGN.md), and not read: model.dtype is the one compute dtype
+    # of the trainer and the rollout engine (the seed's quick variants pin it to another value on purpose)
+    dtype: str | None = None
     quantization: str | None = None
     quantization_config_file: str | None = None
     engine_kwargs: EngineKwargs = field(default_factory=EngineKwargs)
@@ -308,7 +309,7 @@ class TrainerConfig:
     # each prompt's forward computed once for its rollout.n responses, padded columns left out
     # (parity.training.shared_prefix): auto = on CPU (off on CUDA, where the compiled HF layers are measured) | on | off
     shared_prefix: str = "auto"
-    # torch.compile each decoder layer (Inductor; parity.training.fast_compile): fused norms / rotary / SiLU /
+    # torch.compile each decoder layer (Inductor; parity.core.fast_compile): fused norms / rotary / SiLU /
     # residual kernels. Compiles on the first steps and once more when batch shapes change (then with dynamic
     # shapes). Worth it for long GPU runs; measured speed-ups: docs/PERFORMANCE.md, "Settings for long GPU runs".
     compile_layers: bool = False

@@ -2,31 +2,16 @@
 
 from __future__ import annotations
 
-import os
-
 from omegaconf import DictConfig
 
-# What `model.dtype=auto` resolves to when set (bfloat16 | float32), whatever the CPU: an AVX2-only machine can run
-# what an AVX512-BF16 one runs (parity.rollout.compute_dtype).
-AUTO_DTYPE_ENV = "PARITY_AUTO_DTYPE"
-
-
-class ConfigError(ValueError):
-    """A config value is out of range or conflicts with another; the message names the key."""
+from parity.config.distributed import check_distributed
+from parity.core.device import forced_auto_dtype
+from parity.errors import ConfigError, ParityError
 
 
 def _check(cond: bool, key: str, msg: str) -> None:
     if not cond:
         raise ConfigError(f"config key `{key}`: {msg}")
-
-
-def forced_auto_dtype() -> str | None:
-    """PARITY_AUTO_DTYPE, checked: the dtype `model.dtype=auto` resolves to, or None (unset: the device decides)."""
-    value = os.environ.get(AUTO_DTYPE_ENV, "").strip()
-    if value and value not in ("bfloat16", "float32"):
-        raise ConfigError(f"environment variable {AUTO_DTYPE_ENV}: what model.dtype=auto resolves to must be bfloat16 "
-                          f"or float32 (or unset), got {value!r}")
-    return value or None
 
 
 def validate_config(cfg: DictConfig) -> None:
@@ -80,10 +65,8 @@ def validate_config(cfg: DictConfig) -> None:
         _check(bool(r.capture_routing), "rollout.capture_routing", "must be true when algorithm.routing_replay is on")
     d = cfg.distributed
     if d.enabled:
-        from parity.distributed.cluster import check_config  # no Ray import: the distributed keys alone
-        from parity.errors import ParityError
         try:
-            check_config(d)
+            check_distributed(d)
         except ParityError as e:
             raise ConfigError(str(e)) from e
     workers = int(d.get("trainer_workers", 1))

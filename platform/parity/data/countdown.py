@@ -27,8 +27,8 @@ from typing import Any
 
 from parity.data.arithmetic import Problem
 from parity.errors import DataError
+from parity.rewards.countdown import ANSWER_PREFIX, decode_answer, encode_answer  # noqa: F401  (the task's answers)
 
-ANSWER_PREFIX = "countdown:"
 TEST_BUCKETS = 10
 OPS = ("+", "-", "*", "/")
 _PREC = {"+": 1, "-": 1, "*": 2, "/": 2}
@@ -42,24 +42,6 @@ class Term:
     value: int
     expr: str
     prec: int = 3
-
-
-def encode_answer(numbers: list[int] | tuple[int, ...], target: int) -> str:
-    return f"{ANSWER_PREFIX}{','.join(str(n) for n in numbers)}={target}"
-
-
-def decode_answer(answer: str) -> tuple[list[int], int]:
-    """(numbers, target) of a `countdown:a,b,c=t` reference; ValueError naming the text otherwise."""
-    if not answer.startswith(ANSWER_PREFIX):
-        raise ValueError(f"not a countdown reference: {answer[:60]!r}")
-    body = answer[len(ANSWER_PREFIX):]
-    nums, sep, target = body.partition("=")
-    try:
-        if not sep:
-            raise ValueError
-        return [int(x) for x in nums.split(",")], int(target)
-    except ValueError:
-        raise ValueError(f"malformed countdown reference {answer[:60]!r}; expected countdown:3,5,7=22") from None
 
 
 def combine(a: Term, b: Term, op: str, max_value: int) -> Term | None:

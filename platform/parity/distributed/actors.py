@@ -30,8 +30,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from parity.training.checkpoint import read_state, set_rng_state, training_state
+from parity.distributed.cluster import NO_MULTICAST, weight_sync
+from parity.distributed.weight_broadcast import WeightBroadcast, free_port, node_address
+from parity.distributed.weights import pack_weights, unpack_weights
+from parity.rollout import build_engine, resolve_device
+from parity.training.checkpoint import CheckpointManager, read_state, set_rng_state, training_state
 from parity.training.local import sync_engine
+from parity.training.sharded import GatheredModel, ShardedTrainer
+from parity.training.trainer import Trainer
 
 
 def _threads(cpus: float) -> None:
@@ -46,8 +52,6 @@ def _cfg(cfg: Any) -> Any:
 class RolloutWorker:
     def __init__(self, cfg: Any, model_dir: str, version: int, cpus: float = 1.0, base_dir: str | None = None) -> None:
         """`base_dir`: the run's starting model, theta_0 of a rollout perturbation (parity.rollout.perturbed)."""
-        from parity.rollout import build_engine
-
         _threads(cpus)
         self.cfg = _cfg(cfg)
         self.engine = build_engine(self.cfg, model_dir, reference_dir=base_dir, syncs=version)
@@ -62,18 +66,12 @@ class RolloutWorker:
 
     def update_weights(self, packed: dict, version: int) -> float:
         """`packed` arrives resolved from the object store (parity.distributed.weights)."""
-        from parity.distributed.weights import unpack_weights
-
         seconds = sync_engine(self.engine, unpack_weights(packed), version)
         self.version = version
         return seconds
 
     def join_weight_group(self, address: str, port: int, rank: int, world: int, backend: str, meta: list,
                           timeout_s: float) -> dict:
-        from parity.distributed.cluster import NO_MULTICAST
-        from parity.distributed.weight_broadcast import WeightBroadcast
-        from parity.rollout import resolve_device
-
         for k, v in NO_MULTICAST.items():
             os.environ.setdefault(k, v)
         self.weight_device = resolve_device(self.cfg.trainer.device)
@@ -105,11 +103,8 @@ def resolve_backend(name: str, device: torch.device) -> str:
 
 class TrainerWorker:
     def __init__(self, cfg: Any, base_dir: str, resume_from: str | None, cpus: float = 1.0, rank: int = 0,
-                 world: int = 1) -> None:
+                 world: int = 1, measured_discrepancy: float | None = None) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from parity.distributed.cluster import weight_sync
-        from parity.rollout import resolve_device
 
         _threads(cpus)
         self.cfg = cfg = _cfg(cfg)
@@ -121,6 +116,7 @@ class TrainerWorker:
         random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
         self.tok = AutoTokenizer.from_pretrained(base_dir)
         self.resume_from, self.base_dir = resume_from, base_dir
+        self.measured_discrepancy = measured_discrepancy  # for tolerance=auto (parity.training.tolerance)
         self.step_count = 0
         model = AutoModelForCausalLM.from_pretrained(resume_from or base_dir, dtype=torch.float32)
         if self.world == 1:
@@ -129,13 +125,11 @@ class TrainerWorker:
             self._model = model  # sharded in join(), once the process group exists
 
     def _build(self, model: Any) -> None:
-        from parity.training.trainer import Trainer
-
         if self.world == 1:  # routing replay (R3) happens inside the Trainer's step when the batch carries routing
-            self.trainer = Trainer(model, self.cfg, self.device, reference_dir=self.base_dir)
+            self.trainer = Trainer(model, self.cfg, self.device, reference_dir=self.base_dir,
+                                   measured_discrepancy=self.measured_discrepancy)
         else:
-            from parity.training.sharded import ShardedTrainer
-            self.trainer = ShardedTrainer(model, self.cfg, self.device)
+            self.trainer = ShardedTrainer(model, self.cfg, self.device, self.measured_discrepancy)
         if self.resume_from is not None:  # every rank reads the single-process layout and keeps its shard
             state = read_state(Path(self.resume_from))
             self.trainer.load_state_dict(state["trainer"])
@@ -144,14 +138,11 @@ class TrainerWorker:
 
     def rendezvous(self) -> tuple[str, int]:
         """Rank 0: an address and a free port of this node for a process group's store."""
-        from parity.distributed.weight_broadcast import free_port, node_address
         return node_address(), free_port()
 
     def join(self, address: str, port: int, timeout_s: float) -> dict:
         """Form the trainer ranks' process group (all ranks call this at once), then shard the policy."""
         import torch.distributed as dist
-
-        from parity.distributed.cluster import NO_MULTICAST
 
         for k, v in NO_MULTICAST.items():
             os.environ.setdefault(k, v)
@@ -172,8 +163,6 @@ class TrainerWorker:
         put by rank 0. The reference comes back inside a list so the driver passes it on without fetching the
         weights itself; other ranks return [None]."""
         import ray
-
-        from parity.distributed.weights import pack_weights
 
         t0 = time.perf_counter()
         metrics = self.trainer.step(batch)
@@ -200,8 +189,6 @@ class TrainerWorker:
 
     def join_weight_group(self, address: str, port: int, world: int, timeout_s: float) -> dict:
         """Rank 0: the sender (rank 0) of the weight group; the rollout workers join as ranks 1..world-1."""
-        from parity.distributed.weight_broadcast import WeightBroadcast
-
         _, backend = self.weight_meta()
         self.weight_group = WeightBroadcast(address, port, 0, world, backend, timeout_s)
         return {"rank": 0, "backend": backend}
@@ -222,8 +209,6 @@ class TrainerWorker:
         rank 0, [None] from the others."""
         import ray
 
-        from parity.distributed.weights import pack_weights
-
         named = self.trainer.sync_weights()
         if self.rank == 0:
             return [ray.put(pack_weights(named))]
@@ -231,17 +216,11 @@ class TrainerWorker:
             pass
         return [None]
 
-    def tolerance(self) -> dict:
-        return {"value": self.trainer.corrections.tolerance, "source": self.trainer.tolerance_source}
-
     def save_checkpoint(self, run_dir: str, step: int, data_state: dict, keep: int) -> str:
         """Sharded: every rank gathers (collectives), rank 0 writes the single-process layout; others return ""."""
-        from parity.training.checkpoint import CheckpointManager
-
         state = training_state(step, self.trainer, data_state)
         model: Any = self.trainer.model
         if self.world > 1:
-            from parity.training.sharded import GatheredModel
             model = GatheredModel(self.trainer.model, self.trainer.full_model_state())
             if self.rank != 0:
                 return ""

@@ -1,4 +1,5 @@
-"""The Ray runner of the RL loop (parity.training.loop): rollout worker actors as the rollout side
+"""The Ray runner of the RL loop (parity.training.loop; `python -m parity train distributed.enabled=true` picks it,
+`train_distributed(cfg)` uses it whatever the flag says): rollout worker actors as the rollout side
 (parity.distributed.rollout_pool), trainer actor(s) as the learner side, placed with one placement group.
 
     per step:  rollout (sharded over N workers) -> grade (in the driver) -> trainer step (actor) -> publish weights
@@ -17,10 +18,13 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from parity.config.distributed import trainer_workers
 from parity.distributed.actors import RolloutWorker, TrainerWorker
-from parity.distributed.cluster import in_bundle, placement, ray_session, trainer_workers, weight_sync
+from parity.distributed.cluster import in_bundle, placement, ray_session, weight_sync
 from parity.distributed.rollout_pool import Broadcast, RolloutPool
+from parity.distributed.weights import unpack_weights
 from parity.training.checkpoint import CheckpointManager
+from parity.training.loop import Callback, train
 from parity.training.runner import Sides
 
 log = logging.getLogger(__name__)
@@ -54,17 +58,12 @@ class TrainerGroup:
     def weights(self) -> Any:
         import ray
 
-        from parity.distributed.weights import unpack_weights
         if self.latest[0] is None:  # before the first step, or with weights broadcast: rank 0 puts them now
             self.latest = self._all("publish")
         return unpack_weights(ray.get(self.latest[0]))
 
     def save(self, ckpts: CheckpointManager, step: int, data_state: dict) -> None:
         self._all("save_checkpoint", str(ckpts.root.parent), step, data_state, ckpts.keep)
-
-    def tolerance(self) -> dict:
-        import ray
-        return ray.get(self.actors[0].tolerance.remote())
 
     def kill(self) -> None:
         import ray
@@ -73,7 +72,7 @@ class TrainerGroup:
 
 
 def start_actors(cfg: Any, pg: Any, base_dir: str, start_dir: str, resume_from: str | None,
-                 start_step: int) -> tuple[TrainerGroup, list[Any]]:
+                 start_step: int, measured_discrepancy: float | None = None) -> tuple[TrainerGroup, list[Any]]:
     """Rollout worker i in bundle i, trainer rank r in the bundle after them; the rollout workers restart on their
     own (not with weight_sync=broadcast: a restarted worker cannot rejoin the weight group)."""
     import ray
@@ -87,7 +86,7 @@ def start_actors(cfg: Any, pg: Any, base_dir: str, start_dir: str, resume_from: 
     trainers = [remote_trainer.options(
         name=f"{name}-trainer" + (f"-{r}" if r else ""), num_cpus=d.trainer_cpus, num_gpus=d.trainer_gpus,
         max_restarts=0, scheduling_strategy=in_bundle(pg, d.num_rollout_workers + r)).remote(
-            plain, base_dir, resume_from, d.trainer_cpus, r, world) for r in range(world)]
+            plain, base_dir, resume_from, d.trainer_cpus, r, world, measured_discrepancy) for r in range(world)]
     remote_worker = ray.remote(RolloutWorker)
     restarts = 0 if sync == "broadcast" else d.max_worker_restarts
     workers = [remote_worker.options(name=f"{name}-rollout-{i}", num_cpus=d.rollout_cpus, num_gpus=d.rollout_gpus,
@@ -110,7 +109,7 @@ def start_actors(cfg: Any, pg: Any, base_dir: str, start_dir: str, resume_from: 
 
 
 @contextlib.contextmanager
-def ray_runner(cfg: Any, base_dir: str, run: Any) -> Iterator[Sides]:
+def ray_runner(cfg: Any, base_dir: str, run: Any, measured_discrepancy: float | None = None) -> Iterator[Sides]:
     """A Ray session (joined or started), the placement group and the actors for the duration of the run."""
     import ray
     from transformers import AutoTokenizer
@@ -119,7 +118,8 @@ def ray_runner(cfg: Any, base_dir: str, run: Any) -> Iterator[Sides]:
     pad_id = AutoTokenizer.from_pretrained(base_dir).pad_token_id
     with ray_session(cfg.distributed) as cluster:
         pg = placement(cfg.distributed)
-        learner, workers = start_actors(cfg, pg, base_dir, resume_from or base_dir, resume_from, run.start_step)
+        learner, workers = start_actors(cfg, pg, base_dir, resume_from or base_dir, resume_from, run.start_step,
+                                        measured_discrepancy)
         pool = RolloutPool(workers, pad_id, cfg.distributed, version=run.start_step)
         summary: dict[str, Any] = {"engine": pool.describe(), "distributed": {
             **cluster, "rollout_workers": len(workers), "trainer_workers": len(learner.actors),
@@ -134,3 +134,8 @@ def ray_runner(cfg: Any, base_dir: str, run: Any) -> Iterator[Sides]:
 
 
 __all__ = ["ray_runner", "start_actors", "TrainerGroup"]
+
+
+def train_distributed(cfg: Any, callbacks: list[Callback] | None = None) -> dict:
+    """The RL loop with the Ray runner whatever distributed.enabled says."""
+    return train(cfg, callbacks, runner=ray_runner)

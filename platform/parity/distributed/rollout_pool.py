@@ -1,6 +1,6 @@
 """N rollout worker actors as the loop's rollout side (parity.training.runner.RolloutSide) and behind the Engine
 interface: a call is sharded over the workers, and the shards' batches are merged into the batch one engine would
-have produced (parity.distributed.sharding).
+have produced (parity.rollout.sharding).
 
 Weights arrive either as one object-store reference that every worker reads (weight_sync=object_store) or by the
 trainer's collective broadcast (`Broadcast`: the trainer ranks' send calls, which the workers' receives pair).
@@ -16,9 +16,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from parity.distributed.sharding import Shard, global_spec, merge_batches, shard_prompts
+from parity.core.sampling import SamplingSpec
+from parity.distributed.weights import pack_weights
 from parity.errors import ParityError
-from parity.rollout.base import SamplingSpec
+from parity.rollout.sharding import Shard, global_spec, merge_batches, shard_prompts
 from parity.training.runner import RolloutResult
 from parity.types import RolloutBatch
 
@@ -68,7 +69,6 @@ class RolloutPool:
     def update_weights(self, named_tensors: Any) -> float:
         import ray
 
-        from parity.distributed.weights import pack_weights
         t0 = time.perf_counter()
         self.broadcast([ray.put(pack_weights(named_tensors))], self.latest_version + 1, wait=True)
         return time.perf_counter() - t0

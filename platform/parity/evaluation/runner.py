@@ -19,11 +19,12 @@ from typing import Any
 
 import numpy as np
 
+from parity.core.sampling import Engine, SamplingSpec
 from parity.data.arithmetic import Problem
 from parity.data.benchmarks import BENCHMARKS, SYNTHETIC, load_benchmark
 from parity.errors import ParityError
 from parity.evaluation.metrics import benchmark_metrics, format_table, macro_average, pass_curve
-from parity.rollout.base import Engine, SamplingSpec
+from parity.rewards.grader import GraderPool
 
 log = logging.getLogger(__name__)
 
@@ -203,8 +204,6 @@ def evaluate(engine: Engine, tokenizer: Any, suite: list[str], eval_cfg: Any, ou
     out.mkdir(parents=True, exist_ok=True)
     own_grader = grader is None
     if own_grader:
-        from parity.rewards.grader import GraderPool
-
         grader = GraderPool(workers=int(_get(eval_cfg, "grade_workers", 2)),
                             timeout_s=float(_get(eval_cfg, "grade_timeout_s", 5.0)))
     stats_before = dict(grader.stats.as_dict()) if hasattr(grader, "stats") else {}

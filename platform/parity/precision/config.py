@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from parity.config.schema import PerturbationConfig, PrecisionConfig
 from parity.errors import ParityError
 from parity.precision.formats import ACTIVATION_FORMATS, WEIGHT_FORMATS
 from parity.precision.kv import KV_KINDS
@@ -115,7 +116,6 @@ def check_kv_head_dim(kv_cache: str, head_dim: int | None, key: str = "model.tin
 def resolve_precision(cfg: Any) -> Any:
     """The rollout precision (a PrecisionConfig) selected by `cfg` (see module docstring)."""
     # lazily: the schema lives in parity.config, whose package imports hydra
-    from parity.config.schema import PerturbationConfig, PrecisionConfig
 
     own = _get(_get(cfg, "rollout"), "precision")
     weights = str(_get(own, "weights", "bf16"))

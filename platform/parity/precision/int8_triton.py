@@ -10,8 +10,8 @@ The int32 accumulator is exact on every path and the epilogue multiplies in the 
 chosen.
 
 Why: at decode batch 64 the projections are latency-bound. cuBLASLt's int8 GEMM plus a separate rescale kernel
-took 7.3-12 us per projection against 3.8-6.7 us for the bf16 GEMM on an H200 (docs/PERFORMANCE.md), so INT8
-decode ran at 0.80x of BF16 although it reads half the weight bytes. One launch that streams the int8 weights
+took longer per projection than the bf16 GEMM, so INT8 decode ran slower than BF16 although it reads half the
+weight bytes (docs/PERFORMANCE.md, "INT8 W8A8 decode at batch 64"). One launch that streams the int8 weights
 once, tiled so that every SM has a slice of N, and writes bf16 directly removes the extra kernel and the int32
 round trip through memory. In the eager prefill (thousands of rows) the same two things cost more: torch's
 quantization makes seven passes over a float32 copy of the activations and the rescale four over the int32
@@ -98,10 +98,9 @@ if triton is not None:
         return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_stages=stages, num_warps=warps)
 
     # Decode (few rows, many columns): tiles narrow in N so that a 1024-column product still spreads over 32-64
-    # SMs, and deep in K so that a K-loop of 1-12 steps keeps the slice's loads in flight at once (measured at
-    # M = 64 on an H200 with the weights coming from memory: 4.9-6.4 us a product for the best tile against
-    # 5.8-8.0 us for cuBLAS's bf16 one; docs/PERFORMANCE.md).
-    # Split-K tiles, which add int32 partial sums with atomics, measured 2-8x slower there and are not kept.
+    # SMs, and deep in K so that a K-loop of 1-12 steps keeps the slice's loads in flight at once (the best such
+    # tile beats cuBLAS's bf16 product with the weights coming from memory: docs/PERFORMANCE.md's tile table).
+    # Split-K tiles, which add int32 partial sums with atomics, were slower there (same page) and are not kept.
     # Prefill (M in the thousands): the usual square tensor-core tiles.
     _CONFIGS = [_config(64, 16, 256, 4), _config(64, 32, 256, 4), _config(64, 64, 256, 4),
                 _config(32, 32, 256, 4), _config(16, 32, 256, 4),
@@ -165,8 +164,8 @@ if triton is not None:
 
 # (M, N, K) of a decode-sized product -> the tile configuration tune_decode picked for it; w8a8_mm launches that
 # configuration alone, so a compiled graph runs exactly it. Left to itself a compiled graph benchmarks the
-# candidates its own way when it is first built, and its picks varied between runs on the H200: the 112
-# products of a 0.6B decode step took 555-657 us; pinned by tune_decode, 543-545 us (docs/PERFORMANCE.md).
+# candidates its own way when it is first built, and its picks varied from run to run, and with them the decode
+# step's time; pinned by tune_decode, the step is the same in every run (docs/PERFORMANCE.md, the pinned-tile series).
 _PINNED: dict = {}
 
 
@@ -174,8 +173,8 @@ def tune_decode(m: int, shapes, device: torch.device) -> dict:
     """Pick and pin the tile configuration of each M-row product with weights [N, K] in `shapes` (decode sizes,
     M <= 256), timed as a decode step runs it: every candidate (bit-identical to the torch path first) in a
     CUDA graph of back-to-back launches cycling through weight copies twice the size of the L2 cache, so the
-    weights come from memory. (Triton's autotuner, one launch at a time after an L2 flush, picked tiles up to
-    14% slower than the best on the H200.) Returns {(M, N, K): config} for reports; nothing when the kernels
+    weights come from memory. (Triton's autotuner, one launch at a time after an L2 flush, picked slower tiles:
+    docs/PERFORMANCE.md, the pinned-tile series.) Returns {(M, N, K): config} for reports; nothing when the kernels
     are not usable."""
     if m > 256 or device.type != "cuda" or not usable(device.index or 0):
         return {}

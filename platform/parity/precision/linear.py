@@ -107,8 +107,8 @@ def select_path(weights: str, activations: str, device: torch.device, in_feature
                 return "int8_simulated"
             from parity.precision import int8_triton
             return "int8_triton" if int8_triton.usable(device.index or 0) else "int8_mm_cuda"
-        # On CPU torch._int_mm is exact but was 3-4x slower than even an emulated bf16 GEMM on an AVX2
-        # machine (bench_precision_linear); exact float32 GEMMs over K-chunks give the same integers faster.
+        # On CPU torch._int_mm is exact but slower than even an emulated bf16 GEMM on AVX2 machines
+        # (docs/CPU_PERFORMANCE.md); exact float32 GEMMs over K-chunks give the same integers faster.
         return "int8_simulated"
     aligned = device.type != "cuda" or (in_features % 16 == 0 and out_features % 16 == 0)
     if aligned and _scaled_mm_works(device.type, device.index if device.type == "cuda" else None):

@@ -4,7 +4,7 @@
 `generate`, without a KV cache: every step re-runs the whole left-padded sequence. That is slow for
 long responses and fine for held-out validation on small batches; the rollout engines are the fast
 path. Draws are per row from seeded generators, so results do not depend on batch composition; rows, left
-padding and seeds are parity.rollout.layout's (the engines' layout, seeds in a namespace of their own).
+padding and seeds are parity.core.layout's (the engines' layout, seeds in a namespace of their own).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from parity.rollout.base import SamplingSpec
-from parity.rollout.layout import Responses, layout_batch, positions
+from parity.core.layout import Responses, layout_batch, positions
+from parity.core.sampling import SamplingSpec
 from parity.types import RolloutBatch
 
 

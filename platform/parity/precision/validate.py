@@ -32,10 +32,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from parity.core.sampling import SamplingSpec
 from parity.errors import ParityError
 from parity.precision.reports import HISTORY_DIR, LATEST_STEM, REPORT_KIND, reports_of
 from parity.precision.sampler import ModelSampler, response_logprobs
-from parity.rollout.base import SamplingSpec
 from parity.types import RolloutBatch
 
 AccuracyFn = Callable[[list[str], list[str]], list[float]]

@@ -11,10 +11,29 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+ANSWER_PREFIX = "countdown:"  # a reference answer `countdown:3,5,7=22`: the numbers and the target
 MAX_CHARS = 256
 MAX_DEPTH = 16
 MAX_DIGITS = 6
 _LATEX = (("\\times", "*"), ("\\cdot", "*"), ("\\div", "/"), ("\\left", ""), ("\\right", ""), ("×", "*"), ("÷", "/"))
+
+
+def encode_answer(numbers: list[int] | tuple[int, ...], target: int) -> str:
+    return f"{ANSWER_PREFIX}{','.join(str(n) for n in numbers)}={target}"
+
+
+def decode_answer(answer: str) -> tuple[list[int], int]:
+    """(numbers, target) of a `countdown:a,b,c=t` reference; ValueError naming the text otherwise."""
+    if not answer.startswith(ANSWER_PREFIX):
+        raise ValueError(f"not a countdown reference: {answer[:60]!r}")
+    body = answer[len(ANSWER_PREFIX):]
+    nums, sep, target = body.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return [int(x) for x in nums.split(",")], int(target)
+    except ValueError:
+        raise ValueError(f"malformed countdown reference {answer[:60]!r}; expected countdown:3,5,7=22") from None
 
 
 class CountdownParseError(ValueError):

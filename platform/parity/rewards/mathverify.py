@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from parity.data.countdown import ANSWER_PREFIX as COUNTDOWN_PREFIX
-from parity.data.countdown import decode_answer as decode_countdown
+from parity.rewards.countdown import ANSWER_PREFIX as COUNTDOWN_PREFIX
+from parity.rewards.countdown import check as check_countdown
+from parity.rewards.countdown import decode_answer as decode_countdown
 from parity.rewards.extract import last_boxed
 
 # Statuses of a graded item. Only "correct" scores 1.0.
@@ -96,13 +97,11 @@ def _grade_unprotected(response: str, answer: str, max_answer_chars: int) -> Gra
 
 
 def _grade_countdown(extracted: str, answer: str) -> GradeResult:
-    from parity.rewards.countdown import check
-
     try:
         numbers, target = decode_countdown(answer)
     except ValueError:
         return GradeResult(0.0, extracted, BAD_GOLD)
-    ok, status = check(extracted, numbers, target)
+    ok, status = check_countdown(extracted, numbers, target)
     return GradeResult(1.0 if ok else 0.0, extracted, {"correct": CORRECT, "wrong": WRONG, "too_long": TOO_LONG}
                        .get(status, UNPARSABLE))
 

@@ -1,58 +1,25 @@
-"""Rollout engines behind one interface (parity.rollout.base.Engine)."""
+"""Rollout engines behind one interface (parity.core.sampling.Engine)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from parity.rollout.base import Engine, SamplingSpec
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def _cpu_has_native_bf16() -> bool:
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def compute_dtype(cfg: Any, device: torch.device) -> torch.dtype:
-    """The dtype of trainer forwards and engine weights (model.dtype; auto picks bf16 where it is native, or what
-    PARITY_AUTO_DTYPE says)."""
-    from parity.config.validate import forced_auto_dtype
-
-    name = cfg.model.dtype
-    if name == "auto":
-        name = forced_auto_dtype() or ("bfloat16" if device.type == "cuda" or _cpu_has_native_bf16() else "float32")
-    return torch.bfloat16 if name == "bfloat16" else torch.float32
-
-
-def is_perturbed(precision: Any) -> bool:
-    from parity.precision.perturbation import is_perturbed as perturbed
-    return perturbed(precision)
+from parity.core.device import compute_dtype, resolve_device
+from parity.core.sampling import Engine, SamplingSpec
+from parity.cpu_lanes import check_lanes
+from parity.precision.config import resolve_precision
+from parity.precision.perturbation import Perturbation, is_perturbed, load_reference, perturbation_of
 
 
 def rollout_precision(cfg: Any) -> Any:
     """The rollout's precision: the seed block's `actor_rollout_ref.rollout` when it sets a quantization,
     else `rollout.precision` (parity.precision.config resolves both)."""
-    try:
-        from parity.precision.config import resolve_precision
-    except ImportError:
-        return cfg.rollout.precision
     return resolve_precision(cfg)
 
 
 def engine_lanes(cfg: Any) -> int:
     """rollout.cpu_lanes, checked (parity.cpu_lanes)."""
-    from parity.cpu_lanes import check_lanes
     return check_lanes(cfg.rollout.cpu_lanes, "rollout.cpu_lanes")
 
 
@@ -75,7 +42,6 @@ def build_engine(cfg: Any, model_dir: str | Path, precision: Any = None, referen
     else:
         raise ValueError(f"config key `rollout.name`: unknown engine {cfg.rollout.name!r}; known: torch, vllm")
     if reference_dir is not None and is_perturbed(precision):
-        from parity.precision.perturbation import Perturbation, load_reference, perturbation_of
         from parity.rollout.perturbed import PerturbedEngine
 
         theta0 = load_reference(reference_dir)
@@ -90,4 +56,5 @@ def sampling_spec(cfg: Any, seed: int) -> SamplingSpec:
                         topk_logprobs=r.topk_logprobs, seed=seed)
 
 
-__all__ = ["Engine", "SamplingSpec", "build_engine", "sampling_spec", "resolve_device", "compute_dtype"]
+__all__ = ["Engine", "SamplingSpec", "build_engine", "sampling_spec", "resolve_device", "compute_dtype", "is_perturbed",
+           "rollout_precision", "engine_lanes"]

@@ -2,7 +2,7 @@
 
 TorchEngine.generate dispatches here on CUDA (see `supports`) through the CudaDecoder it owns
 (`engine.cuda_decoder`), which holds the compiled functions, the static cache and the captured graphs; the batch
-layout (rows, left padding, seeds, masks, positions) is the plain loop's, from parity.rollout.layout. What differs
+layout (rows, left padding, seeds, masks, positions) is the plain loop's, from parity.core.layout. What differs
 from the plain loop, and why:
 
 - The KV cache is one preallocated [B, n_kv, S, D] pair per layer (S = prompt + new tokens rounded up to
@@ -56,7 +56,10 @@ from typing import Any
 
 import torch
 
-from parity.rollout.base import SamplingSpec
+from parity.core.fast_compile import raise_recompile_limit
+from parity.core.layout import key_slots, layout_batch, positions, prefill_mask
+from parity.core.sampling import SamplingSpec
+from parity.precision.linear import QuantLinear
 from parity.rollout.decode_layers import (  # noqa: F401  (tests and benchmarks import some here)
     _decode_attention,
     _linear,
@@ -72,7 +75,6 @@ from parity.rollout.decode_layers import (  # noqa: F401  (tests and benchmarks 
     _rms,
     _rope,
 )
-from parity.rollout.layout import key_slots, layout_batch, positions, prefill_mask
 from parity.rollout.sampling import _cdf_block, sample_inverse_cdf  # noqa: F401  (tests and benchmarks import them here)
 from parity.types import RolloutBatch
 
@@ -108,7 +110,6 @@ _FUSED_PRE = False
 def supports(engine: Any) -> bool:
     """Dense Qwen3-style layers (q/k norms, SiLU-gated MLP, Linear or QuantLinear projections) without
     routing capture; MoE blocks route data-dependently (not capturable) and take the plain loop."""
-    from parity.precision.linear import QuantLinear
     cfg = engine.model.config
     if engine.recorder is not None or getattr(cfg, "num_experts", 0) or getattr(cfg, "hidden_act", "") != "silu":
         return False
@@ -373,7 +374,6 @@ class CudaDecoder:
         if not want:
             return fns
         if self._decode_fns is None:
-            from parity.training.fast_compile import raise_recompile_limit
             raise_recompile_limit(64)  # one specialisation per attended length L and per engine's weight formats
             self._decode_fns = tuple(torch.compile(f, dynamic=False, fullgraph=True) for f in fns)
         return self._decode_fns

@@ -25,6 +25,7 @@ import os
 
 import torch
 
+from parity.precision.kv import make_kv_codec
 from parity.precision.kv_packed import (
     KIND_INT4,
     KIND_RAW,
@@ -314,7 +315,6 @@ def usable(device_index: int, kind: str, hadamard: bool, head_dim: int, dtype: t
         unusable_reason = (f"no Triton, no CUDA, PARITY_KV_PACKED=0, or head_dim {head_dim} not a power of two "
                            f"in 32..256")
         return False
-    from parity.precision.kv import make_kv_codec
     try:
         reason = self_check(make_kv_codec(kind, head_dim, hadamard=hadamard), dtype,
                             torch.device("cuda", device_index))

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
+from parity.core.sampling import SamplingSpec
 from parity.precision.perturbation import Perturbation
-from parity.rollout.base import SamplingSpec
 from parity.types import RolloutBatch
 
 

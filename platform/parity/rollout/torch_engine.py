@@ -9,7 +9,7 @@ of our own (so the KV cache, its low-precision format and the sampling are ours 
 
 Randomness is per row: row r of prompt p draws from a generator seeded by (spec.seed, prompt id, sample
 index), so a batch is identical however prompts are sharded over workers (the rows, left padding, seeds, masks
-and positions are parity.rollout.layout's, shared with the CUDA decode path and the validation sampler).
+and positions are parity.core.layout's, shared with the CUDA decode path and the validation sampler).
 On CUDA, `generate` hands dense models to the fast path the engine owns (`cuda_decoder`, rollout/cuda_decode.py).
 """
 
@@ -25,10 +25,13 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 from transformers.models.qwen3.modeling_qwen3 import rotate_half  # the model's own rope helper
 
+from parity.core.layout import Responses, key_slots, layout_batch, positions, prefill_mask
+from parity.core.sampling import SamplingSpec
 from parity.cpu_lanes import in_lane, run_in_lanes
-from parity.rollout.base import SamplingSpec
+from parity.moe.capture import RoutingRecorder
+from parity.moe.codec import RoutingBatch
+from parity.precision.apply import kv_codec_for_model, load_weights_, quantize_model_
 from parity.rollout.cuda_decode import CudaDecoder
-from parity.rollout.layout import Responses, key_slots, layout_batch, positions, prefill_mask
 from parity.types import RolloutBatch
 
 
@@ -62,17 +65,14 @@ class TorchEngine:
             self._apply_precision(precision)
         self.recorder = None
         if capture_routing:
-            from parity.moe.capture import RoutingRecorder  # MoE only: hooks on the routers
             self.recorder = RoutingRecorder(self.model)
         self.cuda_decoder = CudaDecoder(self)  # allocates nothing until a CUDA call takes the fast path
 
     def _apply_precision(self, precision: Any) -> None:
         if precision.weights != "bf16" or precision.activations != "bf16":
-            from parity.precision.apply import quantize_model_
             info = quantize_model_(self.model, precision)
             self.linear_path, self.quantized = str(info.get("path", info)), True
         if precision.kv_cache != "bf16":
-            from parity.precision.apply import kv_codec_for_model
             self.kv_codec = kv_codec_for_model(self.model, precision)
 
     def describe(self) -> dict:
@@ -188,7 +188,7 @@ class TorchEngine:
                            lanes: int) -> RolloutBatch:
         """The prompts in contiguous shards, one lane each, every shard left-padded to the call's longest prompt, the
         shards' batches concatenated (each row's randomness is its own: the rows are those of one call)."""
-        from parity.distributed.sharding import global_spec, merge_batches, shard_prompts  # pure: no Ray
+        from parity.rollout.sharding import global_spec, merge_batches, shard_prompts  # pure: no Ray
 
         ids = list(range(len(prompt_token_ids))) if prompt_ids is None else list(prompt_ids)
         shared = global_spec(spec, prompt_token_ids)
@@ -237,7 +237,6 @@ class TorchEngine:
             self.recorder.stop()
         batch = lay.batch_of(out, meta={"engine": self.name, **self.describe()})
         if routing is not None:
-            from parity.moe.codec import RoutingBatch
             batch.routed_experts = RoutingBatch.from_steps([r.cpu() for r in routing], batch.response_lengths().tolist(),
                                                            num_experts=self.model.config.num_experts)
         return batch
@@ -245,7 +244,6 @@ class TorchEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
         t0 = time.perf_counter()
         if self.quantized:
-            from parity.precision.apply import load_weights_
             load_weights_(self.model, ((k, v.to(self.device)) for k, v in named_tensors))
         else:
             params = dict(self.model.named_parameters())

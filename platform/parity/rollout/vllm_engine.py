@@ -31,10 +31,12 @@ from typing import Any
 
 import torch
 
+from parity.core.layout import BatchLayout, layout_batch
+from parity.core.sampling import SamplingSpec
 from parity.errors import ParityError
+from parity.moe.codec import RoutingBatch
+from parity.precision.export import export_compressed_tensors
 from parity.rollout import compute_dtype, resolve_device
-from parity.rollout.base import SamplingSpec
-from parity.rollout.layout import BatchLayout, layout_batch
 from parity.rollout.vllm_options import VllmOptions, resolve_vllm_options
 from parity.types import RolloutBatch
 
@@ -113,8 +115,6 @@ class VllmEngine:
         if not self.opts.quantized or _is_compressed_tensors(model_dir):
             return model_dir
         from transformers import AutoModelForCausalLM
-
-        from parity.precision.export import export_compressed_tensors
 
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
         out = self._workdir / "checkpoint"
@@ -236,8 +236,6 @@ class VllmEngine:
             meta={**self.describe(), "generate_s": gen_s,
                   "logprobs_renormalised_over_top_p": spec.top_p < 1.0 and spec.temperature > 0})
         if self.capture_routing:
-            from parity.moe.codec import RoutingBatch
-
             batch.routed_experts = RoutingBatch.from_responses(routing, num_experts=int(self.num_experts))
         return batch
 
@@ -270,8 +268,6 @@ class VllmEngine:
     def _rebuild(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Write the new weights as a quantized checkpoint and restart vLLM on it (the fallback route)."""
         from transformers import AutoModelForCausalLM
-
-        from parity.precision.export import export_compressed_tensors
 
         model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32)
         params = dict(model.named_parameters())

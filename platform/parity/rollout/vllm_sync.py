@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from parity.precision.formats import quantize_rowwise
+
 
 def pack_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> bytes:
     """safetensors bytes: tensors cross vLLM's RPC (msgpack) to another process only as bytes."""
@@ -73,8 +75,6 @@ def requantize_into_model(model: torch.nn.Module, new: dict[str, torch.Tensor], 
     """Load HF-named full-precision tensors into a compressed-tensors W8A8 model (module docstring)."""
     from torch.nn import Parameter
     from vllm.utils.torch_utils import set_default_torch_dtype
-
-    from parity.precision.formats import quantize_rowwise
 
     new = dict(new)
     packed = dict(getattr(model, "packed_modules_mapping", {}) or {})

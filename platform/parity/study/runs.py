@@ -8,15 +8,21 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from parity.config import load_config
+from parity.errors import ParityError
+from parity.study.members import RunSpec
+from parity.training.warm_start import prepare_model as prepare_start_model
 
 # per-step metrics kept in study.json (the rest stay in each run's metrics.jsonl)
 CURVE_KEYS = ("reward/mean", "mismatch/abs_prob_diff_mean", "mismatch/k3_kl", "drift/delta_cosine",
@@ -27,17 +33,6 @@ CURVE_KEYS = ("reward/mean", "mismatch/abs_prob_diff_mean", "mismatch/k3_kl", "d
               "correction/adv_shift_mean", "correction/mis_seq_masked_frac", "correction/is_weight_mean",
               "mismatch/k3_kl", "adv/abs_mean", "perf/step_s", "perf/rollout_s", "perf/train_s")
 EVAL_KEYS = ("eval/accuracy", "eval/accuracy_unquantized")  # (+ heldout_unquantized: the one of the two that is exact)
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    name: str  # the run's folder under <outputs>/runs (trainer.run_name)
-    arm: str
-    seed: int
-    overrides: tuple[str, ...]
-    # what the arm varies, for tables and legends: source (bf16 | sigma=0.02 fixed | int8+int4kv ...), correction,
-    # objective (grpo | reinforce_raw), optimizer
-    labels: dict = field(default_factory=dict)
 
 
 def late_mean(values: list[float], frac: float = 0.1) -> float | None:
@@ -92,7 +87,7 @@ def read_run(spec: RunSpec, run_dir: Path, seconds: float | None = None) -> dict
 
 
 def _overrides(spec: RunSpec, outputs_dir: str) -> list[str]:
-    return [f"outputs_dir={outputs_dir}", *spec.overrides, f"trainer.run_name={spec.name}"]
+    return [f"outputs_dir={outputs_dir}", *spec.override_list()]
 
 
 def _failed(spec: RunSpec, error: str, log: Path | None = None) -> dict:
@@ -109,26 +104,22 @@ def check_finished_matches(spec: RunSpec, run_dir: Path) -> None:
         return
     ran = json.loads(summary.read_text()).get("steps")
     if ran is not None and int(ran) != int(want[-1]):
-        from parity.errors import ParityError
         raise ParityError(f"run {run_dir} finished with {ran} steps, this study asks for {want[-1]} "
                           "(trainer.total_steps): pass --tag NAME to keep both, or --outputs-dir elsewhere")
 
 
-def run_one(spec: RunSpec, outputs_dir: str, env: dict, log_dir: Path, in_process: bool = False) -> dict:
-    """Train one run (unless its folder already holds a finished one) and read it back. `in_process`: in this
-    process (one import of torch for all runs: the form for runs one at a time), else as a subprocess."""
+def run_one(spec: RunSpec, outputs_dir: str, env: dict, log_dir: Path,
+            train: Callable[[Any], dict] | None = None) -> dict:
+    """Train one run (unless its folder already holds a finished one) and read it back: in this process with
+    `train(cfg)` when given (the command's training entry; one import of torch for all runs: the form for runs one
+    at a time), else as a `python -m parity train` subprocess."""
     run_dir = Path(outputs_dir) / "runs" / spec.name
     t0 = time.time()
     if not (run_dir / "summary.json").is_file():
         if run_dir.exists():  # a run that died half-way: start it again from scratch
-            import shutil
             shutil.rmtree(run_dir)
         log = log_dir / f"{spec.name}.log"
-        if in_process:
-            import traceback
-
-            from parity.config import load_config
-            from parity.training.loop import train
+        if train is not None:
             try:
                 train(load_config(_overrides(spec, outputs_dir)))
             except Exception as e:  # one failed run must not stop the study
@@ -144,9 +135,10 @@ def run_one(spec: RunSpec, outputs_dir: str, env: dict, log_dir: Path, in_proces
 
 
 def run_all(specs: list[RunSpec], outputs_dir: str, concurrency: int, threads_per_run: int, log_dir: Path,
-            on_done: Callable[[dict, int, int, float], None] | None = None, extra_env: dict | None = None) -> list[dict]:
-    """Every spec, `concurrency` at a time (subprocesses; one at a time runs in this process); results in the
-    order of `specs`."""
+            on_done: Callable[[dict, int, int, float], None] | None = None, extra_env: dict | None = None,
+            train: Callable[[Any], dict] | None = None) -> list[dict]:
+    """Every spec, `concurrency` at a time (subprocesses; one at a time runs in this process through `train`
+    when given); results in the order of `specs`."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads_per_run), MKL_NUM_THREADS=str(threads_per_run),
                PYTHONUNBUFFERED="1", **(extra_env or {}))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -154,7 +146,7 @@ def run_all(specs: list[RunSpec], outputs_dir: str, concurrency: int, threads_pe
     out: dict[int, dict] = {}
     if concurrency <= 1:
         for i, s in enumerate(specs):
-            out[i] = run_one(s, outputs_dir, env, log_dir, in_process=True)
+            out[i] = run_one(s, outputs_dir, env, log_dir, train=train)
             if on_done is not None:
                 on_done(out[i], len(out), len(specs), time.time() - t0)
         return [out[i] for i in range(len(specs))]
@@ -171,10 +163,7 @@ def run_all(specs: list[RunSpec], outputs_dir: str, concurrency: int, threads_pe
 def prepare_model(base: list[str], outputs_dir: str, env_threads: int, in_process: bool = False) -> dict:
     """Build the shared warm start once, before the runs start (every run would otherwise race to build it)."""
     if in_process:
-        from parity.config import load_config
-        from parity.models.prepare import prepare_model as prepare
-
-        return prepare(load_config([f"outputs_dir={outputs_dir}", *base]))
+        return prepare_start_model(load_config([f"outputs_dir={outputs_dir}", *base]))
     env = dict(os.environ, OMP_NUM_THREADS=str(env_threads), PYTHONUNBUFFERED="1")
     p = subprocess.run([sys.executable, "-m", "parity", "prepare", f"outputs_dir={outputs_dir}", *base],
                        env=env, capture_output=True, text=True)

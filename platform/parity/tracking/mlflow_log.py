@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from parity.core.secrets import mask_params, mask_url
 from parity.tracking.naming import EXPERIMENT_KIND_TAG, TRAINING_EXPERIMENT, TRAINING_VIEW_TAG, training_view
-from parity.tracking.secrets import mask_params, mask_url
 
 log = logging.getLogger(__name__)
 PARAM_BATCH = 100  # MLflow accepts at most 100 params per log_batch call

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
+from parity.core.secrets import mask_url
 from parity.errors import ParityError
-from parity.tracking.secrets import mask_url
 
 KEY = "eval.registered_model"
 

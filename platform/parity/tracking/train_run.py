@@ -19,16 +19,15 @@ from pathlib import Path
 from typing import Any
 
 from parity.config import flatten
+from parity.core.secrets import mask_url, masked_config_yaml
 from parity.errors import ParityError
 from parity.tracking import mlflow_log, naming
-from parity.tracking.secrets import mask_url, masked_config_yaml
+from parity.training.loop import run_dir_of
 
 
 def tracked_train(cfg: Any, train_fn: Callable[[Any, list], dict]) -> dict:
     """train_fn(cfg, callbacks) -> summary, with the MLflow run around it; the summary gains
     mlflow_run_id, mlflow_experiment_id and mlflow_unwritten_metrics."""
-    from parity.training.loop import run_dir_of
-
     t = cfg.tracking
     uri = str(t.tracking_uri)
     if not mlflow_log.reachable(uri, timeout_s=2.0):

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from parity.core.sampling import Engine, SamplingSpec
 from parity.data.arithmetic import Problem
 from parity.data.prompts import render_prompt
-from parity.rollout.base import Engine, SamplingSpec
+from parity.data.tasks import heldout_problems
+from parity.rollout import compute_dtype, engine_lanes, is_perturbed, resolve_device, rollout_precision
+from parity.rollout.torch_engine import TorchEngine
 
 
 def heldout_accuracy(engine: Engine, tok: Any, problems: list[Problem], template: str, grader: Any,
@@ -42,8 +45,6 @@ def eval_settings(cfg: Any) -> dict:
 def changes_numerics(precision: Any) -> bool:
     """Whether a rollout precision changes any number the engine computes (weights, activations or KV cache,
     or a perturbation of the weights)."""
-    from parity.rollout import is_perturbed
-
     return (any(str(getattr(precision, k, "bf16")) != "bf16" for k in ("weights", "activations", "kv_cache"))
             or is_perturbed(precision))
 
@@ -55,9 +56,6 @@ class HeldOut:
     trainer.eval_through_rollout=false then only the latter."""
 
     def __init__(self, cfg: Any, tok: Any, grader: Any, start_dir: str) -> None:
-        from parity.data.tasks import heldout_problems
-        from parity.rollout import compute_dtype, engine_lanes, resolve_device, rollout_precision
-
         self.tok, self.grader, self.template = tok, grader, cfg.data.prompt_template
         self.max_new_tokens = int(cfg.rollout.max_new_tokens)
         self.problems = heldout_problems(cfg, cfg.trainer.eval_problems)
@@ -65,7 +63,6 @@ class HeldOut:
         self.through_rollout = bool(cfg.trainer.eval_through_rollout)
         self.plain: Any = None
         if cfg.trainer.eval_unquantized and cfg.trainer.eval_every and changes_numerics(rollout_precision(cfg)):
-            from parity.rollout.torch_engine import TorchEngine
             device = resolve_device(cfg.trainer.device)
             self.plain = TorchEngine(start_dir, device=str(device), dtype=compute_dtype(cfg, device),
                                      cpu_lanes=engine_lanes(cfg))

@@ -9,18 +9,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from parity.rollout.base import SamplingSpec
+from parity.core.device import resolve_device
+from parity.core.sampling import SamplingSpec
+from parity.rollout import build_engine
+from parity.rollout.perturbed import PerturbedEngine
 from parity.training.checkpoint import CheckpointManager, read_state, set_rng_state, training_state
 from parity.training.runner import RolloutResult, Sides
+from parity.training.trainer import Trainer
 from parity.types import RolloutBatch
 
 
 def sync_engine(engine: Any, named: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
     """Load trainer weights `version` steps in into an engine; a perturbed engine's draw follows that step count
     (also in a restarted worker, which starts again from the run's starting weights)."""
-    from parity.rollout.perturbed import PerturbedEngine
-
     if isinstance(engine, PerturbedEngine):
         return engine.update_weights(named, syncs=version)
     return engine.update_weights(named)
@@ -76,13 +79,12 @@ class LocalRollout:
 class LocalLearner:
     """A Trainer on the run's starting weights; on resume, the checkpoint's trainer state and RNG restored."""
 
-    def __init__(self, cfg: Any, base_dir: str, resume_from: Any, tok: Any, device: torch.device) -> None:
-        from transformers import AutoModelForCausalLM
-
-        from parity.training.trainer import Trainer
-
+    def __init__(self, cfg: Any, base_dir: str, resume_from: Any, tok: Any, device: torch.device,
+                 measured_discrepancy: float | None = None) -> None:
         model = AutoModelForCausalLM.from_pretrained(str(resume_from or base_dir), dtype=torch.float32)
-        self.trainer, self.tok = Trainer(model, cfg, device, reference_dir=str(base_dir)), tok
+        self.trainer = Trainer(model, cfg, device, reference_dir=str(base_dir),
+                               measured_discrepancy=measured_discrepancy)
+        self.tok = tok
         if resume_from is not None:
             state = read_state(resume_from)
             self.trainer.load_state_dict(state["trainer"])
@@ -103,18 +105,12 @@ class LocalLearner:
     def save(self, ckpts: CheckpointManager, step: int, data_state: dict) -> None:
         ckpts.save(step, self.trainer.model, self.tok, training_state(step, self.trainer, data_state))
 
-    def tolerance(self) -> dict:
-        return {"value": self.trainer.corrections.tolerance, "source": self.trainer.tolerance_source}
-
 
 @contextlib.contextmanager
-def local_runner(cfg: Any, base_dir: str, run: Any) -> Iterator[Sides]:
-    from transformers import AutoTokenizer
-
-    from parity.rollout import build_engine, resolve_device
-
+def local_runner(cfg: Any, base_dir: str, run: Any, measured_discrepancy: float | None = None) -> Iterator[Sides]:
     device = resolve_device(cfg.trainer.device)
-    learner = LocalLearner(cfg, base_dir, run.resume_from, AutoTokenizer.from_pretrained(base_dir), device)
+    learner = LocalLearner(cfg, base_dir, run.resume_from, AutoTokenizer.from_pretrained(base_dir), device,
+                           measured_discrepancy)
     # the engine starts from the trainer's weights (re-quantized where its precision says so)
     engine = build_engine(cfg, run.resume_from or base_dir, reference_dir=base_dir, syncs=run.start_step)
     try:

@@ -1,11 +1,13 @@
 """The RL loop, top to bottom, for every runner: rollout -> grade -> learner step -> weight sync -> (eval,
 checkpoint, log).
 
-A runner supplies the two sides (parity.training.runner): in this process (parity.training.local), or over Ray
-actors when distributed.enabled=true (parity.distributed.driver). Everything else is here once: the run folder
-(parity.training.run_folder), the data stream and prompt truncation, grading, held-out evaluation, the collapse
-alarm, the step's metrics. With distributed.off_policy_overlap the rollout of step t+1 is submitted before the
-learner's step t, so it is sampled with weights one update old (perf/staleness = 1)."""
+A runner supplies the two sides (parity.training.runner): in this process (parity.training.local, the default),
+or over Ray actors (parity.distributed.driver.ray_runner; the command layer, parity.commands.train, picks it when
+distributed.enabled=true). Everything else is here once: the run folder (parity.training.run_folder), the data
+stream and prompt truncation, grading, held-out evaluation, the collapse alarm, the correction tolerance resolved
+once for the run (parity.training.tolerance), the step's metrics. With distributed.off_policy_overlap the rollout
+of step t+1 is submitted before the learner's step t, so it is sampled with weights one update old
+(perf/staleness = 1)."""
 
 from __future__ import annotations
 
@@ -20,13 +22,19 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 from tqdm import tqdm
+from transformers import AutoConfig, AutoTokenizer
 
-from parity.data.prompts import render_prompt
+from parity.data.prompts import build_train_stream, render_prompt
+from parity.errors import ParityError
+from parity.rewards.grader import GraderPool
 from parity.rollout import sampling_spec
 from parity.training.collapse import CollapseAlarm
 from parity.training.heldout import HeldOut
+from parity.training.local import local_runner
 from parity.training.run_folder import MetricsLog, RunFolder, run_dir_of, safe_run_name
 from parity.training.runner import LearnerSide, RolloutSide
+from parity.training.tolerance import ToleranceSetting, tolerance_setting
+from parity.training.warm_start import prepare_model
 
 log = logging.getLogger(__name__)
 
@@ -36,25 +44,25 @@ class Callback(Protocol):
 
 
 def train(cfg: Any, callbacks: list[Callback] | None = None, runner: Callable | None = None) -> dict:
-    """One RL run; returns its summary. `runner` (default: by distributed.enabled) builds the two sides."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    from parity.data.prompts import build_train_stream
-    from parity.models.prepare import prepare_model
-    from parity.rewards.grader import GraderPool
-
+    """One RL run; returns its summary. `runner` builds the two sides: this process's by default, the Ray runner
+    (parity.distributed.driver.ray_runner) when the caller passes it."""
+    if runner is None and cfg.distributed.enabled:
+        raise ParityError("config key `distributed.enabled`: the Ray runner is chosen by the command layer; run "
+                          "`python -m parity train` (parity.commands.train.train), or pass "
+                          "runner=parity.distributed.driver.ray_runner")
     seed = int(cfg.trainer.seed)
     random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
     run = RunFolder(cfg)
     run.callbacks = list(callbacks or [])
     base = str(prepare_model(cfg)["model_dir"])
+    tolerance = tolerance_setting(cfg)
     tok = AutoTokenizer.from_pretrained(base)
     stream = build_train_stream(cfg.data, seed=seed)
     if run.data_state is not None:
         stream.load_state_dict(run.data_state)
     # long prompts (MATH with the tiny model's 256 positions) keep their end, where the question is
     max_prompt = AutoConfig.from_pretrained(base).max_position_embeddings - cfg.rollout.max_new_tokens
-    with (runner or default_runner(cfg))(cfg, base, run) as sides, \
+    with (runner or local_runner)(cfg, base, run, tolerance.measured) as sides, \
             GraderPool(workers=cfg.eval.grade_workers, timeout_s=cfg.eval.grade_timeout_s) as grader:
         data = Data(tok, stream, cfg.data.prompt_template, max_prompt, grader)
         heldout = HeldOut(cfg, tok, grader, str(run.resume_from or base))
@@ -62,24 +70,15 @@ def train(cfg: Any, callbacks: list[Callback] | None = None, runner: Callable | 
             alarm = rl_loop(cfg, data, sides.rollout, sides.learner, heldout, run)
         finally:
             heldout.close()
-        outcome = {"collapse_step": alarm.fired_at, "tolerance": sides.learner.tolerance()}
+        outcome = {"collapse_step": alarm.fired_at, "tolerance": tolerance_in_force(tolerance, run.metrics.read())}
     return run.finish(int(cfg.trainer.total_steps), sides.summary, outcome)
 
 
-def default_runner(cfg: Any) -> Callable:
-    """The in-process runner, or the Ray runner with distributed.enabled=true."""
-    if cfg.distributed.enabled:
-        from parity.distributed.driver import ray_runner  # lazy: Ray only when asked for
-        return ray_runner
-    from parity.training.local import local_runner
-    return local_runner
-
-
-def train_distributed(cfg: Any, callbacks: list[Callback] | None = None) -> dict:
-    """The RL loop with the Ray runner whatever distributed.enabled says (what `python -m parity train
-    distributed.enabled=true` runs)."""
-    from parity.distributed.driver import ray_runner
-    return train(cfg, callbacks, runner=ray_runner)
+def tolerance_in_force(setting: ToleranceSetting, rows: list[dict]) -> dict:
+    """The summary's `tolerance`: the last value the steps logged (an auto tolerance measured over the first steps
+    is known from then on), else the one the run started with; and where it came from."""
+    logged = next((r["correction/tolerance"] for r in reversed(rows) if "correction/tolerance" in r), None)
+    return {"value": setting.value if logged is None else logged, "source": setting.source}
 
 
 def rl_loop(cfg: Any, data: Data, rollout: RolloutSide, learner: LearnerSide, heldout: HeldOut,
@@ -174,4 +173,4 @@ def encode_prompts(tok: Any, template: str, problems: list, max_prompt: int) -> 
     return out, cut
 
 
-__all__ = ["train", "train_distributed", "rl_loop", "Callback", "MetricsLog", "RunFolder", "run_dir_of", "safe_run_name", "encode_prompts"]
+__all__ = ["train", "rl_loop", "Callback", "MetricsLog", "RunFolder", "run_dir_of", "safe_run_name", "encode_prompts"]

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from parity.core.secrets import masked_config_yaml
 from parity.errors import ParityError
 from parity.paths import plain_name
 from parity.training.checkpoint import CheckpointManager, read_state
@@ -57,8 +58,6 @@ class RunFolder:
     `data_state` the training stream's position saved with it."""
 
     def __init__(self, cfg: Any) -> None:
-        from parity.tracking.secrets import masked_config_yaml
-
         self.t_start = time.time()
         self.dir = run_dir_of(cfg)
         self.ckpts = CheckpointManager(self.dir, keep=cfg.trainer.keep_checkpoints)

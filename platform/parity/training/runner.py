@@ -2,8 +2,10 @@
 
 Two runners implement them: parity.training.local (one engine and one Trainer in this process) and
 parity.distributed.driver (rollout worker actors and trainer actors over Ray). A runner is a context manager
-`runner(cfg, base_dir, run) -> Sides`: it builds both sides from the run's starting point (the prepared model,
-or the checkpoint `run.resume_from` with the learner's state restored), and tears them down on exit.
+`runner(cfg, base_dir, run, measured_discrepancy) -> Sides`: it builds both sides from the run's starting point
+(the prepared model, or the checkpoint `run.resume_from` with the learner's state restored; the learner's
+corrections take `measured_discrepancy`, what the validate stage measured for tolerance=auto, or None), and tears
+them down on exit.
 
 Weights pass from the learner to the rollout side as an opaque handle (`LearnerSide.publish`): a generator of
 named tensors in one process, an object-store reference or a pending collective broadcast over Ray. Only the
@@ -17,7 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
-from parity.rollout.base import SamplingSpec
+from parity.core.sampling import SamplingSpec
 from parity.training.checkpoint import CheckpointManager
 from parity.types import RolloutBatch
 
@@ -68,10 +70,6 @@ class LearnerSide(Protocol):
 
     def save(self, ckpts: CheckpointManager, step: int, data_state: dict) -> None:
         """A checkpoint after `step` steps: weights, trainer state, RNG, and `data_state` (the stream's position)."""
-        ...
-
-    def tolerance(self) -> dict:
-        """The correction tolerance in force and where it came from (the summary's `tolerance`)."""
         ...
 
 

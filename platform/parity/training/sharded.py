@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parity.algorithms.mismatch import StepMetrics
+from parity.core.device import compute_dtype
 from parity.errors import ParityError
 from parity.training.trainer import Trainer, position_ids
 from parity.types import RolloutBatch
@@ -84,11 +85,10 @@ def _full(t: Any) -> Any:
 
 
 class ShardedTrainer(Trainer):
-    def __init__(self, model: nn.Module, cfg: Any, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, cfg: Any, device: torch.device,
+                 measured_discrepancy: float | None = None) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FSDPModule, fully_shard
-
-        from parity.rollout import compute_dtype
 
         if not dist.is_initialized():
             raise ParityError("the sharded trainer needs a torch.distributed process group (parity.distributed "
@@ -108,7 +108,7 @@ class ShardedTrainer(Trainer):
                 m.set_gradient_divide_factor(1.0)  # sum, not mean: each rank's loss already has the global scale
                 m.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no AVG / PREMUL_SUM)
                 m.set_reduce_scatter_unused_params(True)  # an MoE expert no row of this rank used still pairs up
-        super().__init__(model, cfg, device)  # AdamW over the sharded parameters
+        super().__init__(model, cfg, device, measured_discrepancy=measured_discrepancy)  # AdamW over the shards
         self._batch: RolloutBatch | None = None
 
     def _lanes_mode(self) -> int:

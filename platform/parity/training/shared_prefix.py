@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen3.modeling_qwen3 import rotate_half  # the model's own rope helper
 
-from parity.rollout.layout import positions, prefill_mask
+from parity.core.layout import positions, prefill_mask
 
 SUPPORTED = ("qwen3", "qwen3_moe")
 

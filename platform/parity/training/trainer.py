@@ -19,10 +19,16 @@ from parity.algorithms.aggregation import loss_denominators
 from parity.algorithms.corrections import build_corrections
 from parity.algorithms.corrections.base import token_rows
 from parity.algorithms.drift import drift_metrics
+from parity.algorithms.logprobs import chunked_token_logprobs
 from parity.algorithms.mismatch import StepMetrics
 from parity.algorithms.objective import Objective
+from parity.core.device import compute_dtype
+from parity.core.fast_compile import compile_decoder_layers_
+from parity.cpu_lanes import check_lanes, in_lane, run_in_lanes, split_rows
 from parity.errors import ParityError
-from parity.rollout import compute_dtype
+from parity.moe.replay import replayed_routing, rollout_replay_inputs, routing_disagreement_metrics
+from parity.precision.config import resolve_precision
+from parity.precision.perturbation import DriftProbe
 from parity.training.shared_prefix import shared_prefix_hidden
 from parity.types import RolloutBatch
 
@@ -58,9 +64,11 @@ def check_token_ids(batch: RolloutBatch, vocab: int) -> bool:
 
 class Trainer:
     def __init__(self, model: torch.nn.Module, cfg: Any, device: torch.device,
-                 reference_dir: str | None = None) -> None:
+                 reference_dir: str | None = None, measured_discrepancy: float | None = None) -> None:
         """`reference_dir`: the run's starting model (theta_0); with a rollout perturbation on, each step then
-        reports drift/delta_cosine, how far the policy moved along the sampler's bias."""
+        reports drift/delta_cosine, how far the policy moved along the sampler's bias. `measured_discrepancy`: the
+        validate stage's mean |p_train - p_inf| for algorithm.correction.tolerance=auto (parity.training.tolerance),
+        None to measure it over the first steps."""
         self.model, self.cfg, self.device = model.to(device), cfg, device
         self.alg, self.tcfg = cfg.algorithm, cfg.trainer
         self.compute_dtype = compute_dtype(cfg, device)
@@ -70,7 +78,7 @@ class Trainer:
         fused = device.type == "cuda" and all(p.is_floating_point() for p in params)
         self.optimizer = torch.optim.AdamW(params, lr=self.tcfg.lr, betas=tuple(self.tcfg.betas),
                                            weight_decay=self.tcfg.weight_decay, **({"fused": True} if fused else {}))
-        self.corrections = build_corrections(self.alg.correction, measured_discrepancy=self._validated_discrepancy())
+        self.corrections = build_corrections(self.alg.correction, measured_discrepancy=measured_discrepancy)
         self.objective = Objective(self.alg, self.corrections)  # policy loss and aggregation resolved once
         self.bad_steps = 0  # consecutive non-finite steps
         self.skipped_steps = 0
@@ -80,29 +88,13 @@ class Trainer:
         if self.tcfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         if self.tcfg.compile_layers:
-            from parity.training.fast_compile import compile_decoder_layers_
             mode = str(self.tcfg.compile_mode)
             compile_decoder_layers_(self.model, mode=None if mode == "default" else mode)
         self.routing_replay = bool(cfg.algorithm.routing_replay)
         self.rl_steps = 0  # RL steps taken (= weight syncs the rollout engine has had when the next batch is sampled)
         self.drift_probe = None
         if reference_dir is not None:
-            from parity.precision.perturbation import DriftProbe
-            from parity.rollout import rollout_precision
-            self.drift_probe = DriftProbe.from_precision(rollout_precision(cfg), reference_dir, device)
-
-    def _validated_discrepancy(self) -> float | None:
-        """For algorithm.correction.tolerance=auto: the mismatch the validate stage measured for this rollout
-        precision (None: the first steps measure it); `tolerance_source` says which."""
-        self.tolerance_source = None
-        if str(self.alg.correction.tolerance).strip().lower() != "auto":
-            return None
-        from parity.precision.validate import validated_discrepancy
-        from parity.rollout import rollout_precision
-        found = validated_discrepancy(self.cfg, rollout_precision(self.cfg))
-        n = int(self.alg.correction.tolerance_steps)
-        self.tolerance_source = found[1] if found else f"first {n} steps"
-        return found[0] if found else None
+            self.drift_probe = DriftProbe.from_precision(resolve_precision(cfg), reference_dir, device)
 
     def _shared_prefix_mode(self) -> bool:
         """trainer.shared_prefix: auto = on CPU; off wherever the decoder layers' own forward must run (gradient
@@ -116,7 +108,6 @@ class Trainer:
 
     def _lanes_mode(self) -> int:
         """trainer.cpu_lanes on a CPU trainer whose forward is the trainer's own (parity.cpu_lanes); 1 elsewhere."""
-        from parity.cpu_lanes import check_lanes
         n = check_lanes(getattr(self.tcfg, "cpu_lanes", 1), "trainer.cpu_lanes")
         if self.device.type != "cpu" or self.tcfg.gradient_checkpointing or self.tcfg.compile_layers:
             return 1
@@ -132,7 +123,6 @@ class Trainer:
         once for its responses where trainer.shared_prefix is on, parity.training.shared_prefix). With CPU lanes the
         rows run in lanes: under autograd the result is a leaf per lane, and `_lane_backward` (after the loss's
         backward) carries each lane's gradient through its own forward."""
-        from parity.cpu_lanes import in_lane, run_in_lanes, split_rows
         parts = split_rows(mb.group_ids, self.lanes) if self.lanes > 1 and mb.routed_experts is None else []
         if len(parts) < 2 or in_lane():
             return self._hidden(mb)
@@ -151,7 +141,6 @@ class Trainer:
     def _lane_backward(self) -> None:
         """The parameters' gradients of the lanes' forwards (from their leaves' gradients, which the loss's backward
         filled), computed in the lanes and added to .grad in lane order (deterministic whatever lane ends first)."""
-        from parity.cpu_lanes import run_in_lanes
         graphs, self._lane_graphs = self._lane_graphs, []
         params = [p for p in self.model.parameters() if p.requires_grad]
         for pairs in graphs:
@@ -196,8 +185,6 @@ class Trainer:
 
     @torch.no_grad()
     def logprobs(self, mb: RolloutBatch) -> torch.Tensor:
-        from parity.algorithms.logprobs import chunked_token_logprobs
-
         def head(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             b, R, H = h.shape
             lp = chunked_token_logprobs(h.reshape(b * R, H), w, mb.responses.to(self.device).reshape(b * R, 1),
@@ -209,7 +196,6 @@ class Trainer:
         """MoE routing replay (R3): force the rollout's experts on the positions that predict response tokens."""
         if mb.routed_experts is None:
             return contextlib.nullcontext()
-        from parity.moe.replay import replayed_routing, rollout_replay_inputs, routing_disagreement_metrics
         ids, mask = rollout_replay_inputs(mb.routed_experts, mb.response_mask, mb.prompts.shape[1],
                                           device=self.device, model=self.model)
         if not self._r3_metrics:  # telemetry on the step's first micro-batch: two extra no-grad forwards

@@ -18,7 +18,6 @@ import torch
 
 from parity.algorithms.mismatch import StepMetrics
 from parity.algorithms.registry import Registry
-from parity.config.schema import add_correction_section
 from parity.types import RolloutBatch
 
 KEY = "algorithm.correction"
@@ -157,7 +156,8 @@ class Correction:
 
 
 class CorrectionRegistry(Registry[type[Correction]]):
-    """Registry of correction classes; a registration also declares the correction's config section."""
+    """Registry of correction classes; a registration also declares the correction's config section, which the
+    config (parity.config.load_registries) adds to the schema's `algorithm.correction`."""
 
     def register(self, name: str, config: type | None = None,  # type: ignore[override]
                  config_key: str | None = None) -> Callable[[type[Correction]], type[Correction]]:
@@ -170,8 +170,11 @@ class CorrectionRegistry(Registry[type[Correction]]):
                 raise TypeError(f"correction {name!r}: {cls!r} is not a Correction subclass")
             if name in self:
                 raise ValueError(f"correction {name!r} is registered twice")
-            if key is not None:  # the config schema grows by this section
-                add_correction_section(key, config)  # type: ignore[arg-type]
+            if config is not None and not dataclasses.is_dataclass(config):
+                raise TypeError(f"the config of correction {name!r} must be a dataclass, got {config!r}")
+            have = self.sections().get(key) if key is not None else None
+            if have is not None and have is not config:
+                raise ValueError(f"algorithm.correction.{key} is already the section of {have!r}")
             cls.name, cls.config_key, cls.config_cls = name, key, config
             return Registry.register(self, name)(cls)
 

@@ -15,6 +15,7 @@ from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
+from parity.core.secrets import mask_url
 from parity.tracking.registry import migrate
 from parity.tracking.registry.models import (
     Baseline,
@@ -26,7 +27,6 @@ from parity.tracking.registry.models import (
     Stage,
     utcnow,
 )
-from parity.tracking.secrets import mask_url
 
 log = logging.getLogger(__name__)
 

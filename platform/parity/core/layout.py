@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from parity.rollout.base import SamplingSpec
+from parity.core.sampling import SamplingSpec
 from parity.types import RolloutBatch
 
 

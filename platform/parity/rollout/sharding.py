@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from parity.rollout.base import SamplingSpec
+from parity.core.sampling import SamplingSpec
 from parity.types import RolloutBatch
 
 
