@@ -25,11 +25,12 @@ setup: .venv/.stamp
 # rollout in INT8 W8A8 + INT4 per-token-head KV (the torch engine's numerics; quantize and validate run), score
 # centering on the rollout's top-64 as the correction (REINFORCE loss, as in its derivation), 40 RL steps, then
 # the held-out task and the first 8 problems of each of the six benchmarks (eval=quick), then registration;
-# within 12 minutes on 2 cores (the 1,000-step warm start is most of it). EXTRA: overrides added to those
+# within 12 minutes on 2 cores (a 700-step warm start, most of the time; docs/ORCHESTRATION.md has the figures). EXTRA: overrides added to those
 # (`make run EXTRA="trainer.total_steps=100"`); `make run OVERRIDES=` = the BF16 default experiment, 100 steps.
 CHAIN := +precision=w8a8_int8_kv_int4 algorithm.correction.name=score_centering algorithm.policy_loss=reinforce \
 	rollout.topk_logprobs=64 eval=quick
-OVERRIDES ?= $(CHAIN) trainer.total_steps=40 trainer.eval_every=20 trainer.checkpoint_every=20 $(EXTRA)
+OVERRIDES ?= $(CHAIN) model.warm_start.steps=700 trainer.total_steps=40 trainer.eval_every=20 \
+	trainer.checkpoint_every=20 $(EXTRA)
 run: setup
 	$(PY) scripts/run_local.py run $(OVERRIDES)
 
