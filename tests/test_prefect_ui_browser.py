@@ -39,6 +39,7 @@ def test_prefect_ui_lists_the_deployments(prefect_services, tmp_path):
     deps = {name: api(f"{api_url}/deployments/name/{name}") for name in DEPLOYMENTS}
     flows = {name: api(f"{api_url}/flows/{d['flow_id']}")["name"] for name, d in deps.items()}
     want = {name: (f"/deployments/deployment/{d['id']}", name.split("/")[1]) for name, d in deps.items()}
+    flow_links = {name: (f"/flows/flow/{d['flow_id']}", flows[name]) for name, d in deps.items()}
 
     profile = tmp_path / "chromium-profile"
     chrome = subprocess.Popen([chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "about:blank"],
@@ -60,7 +61,8 @@ def test_prefect_ui_lists_the_deployments(prefect_services, tmp_path):
             while True:
                 links = [tuple(x) for x in cdp.eval(LINKS_JS) or []]
                 text = cdp.eval(TEXT_JS) or ""
-                if all(w in links for w in want.values()) or "Can't connect" in text:
+                # the deployments' links, and their flows' links beside them (drawn a moment later)
+                if all(w in links for w in [*want.values(), *flow_links.values()]) or "Can't connect" in text:
                     break
                 assert time.monotonic() < deadline, f"the deployments did not appear; the page reads:\n{text[:2000]}"
                 time.sleep(1.0)
@@ -76,5 +78,5 @@ def test_prefect_ui_lists_the_deployments(prefect_services, tmp_path):
     for name, link in want.items():
         assert link in links, (name, links)
         # the flow's own link beside it, by the flow's name
-        assert (f"/flows/flow/{deps[name]['flow_id']}", flows[name]) in links, (name, links)
+        assert flow_links[name] in links, (name, links)
     assert "At 02:00 AM every day" in text
