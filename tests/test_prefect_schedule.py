@@ -66,6 +66,9 @@ def test_interval_deployment_runs_from_its_schedule(prefect_services, tmp_path):
         done = _wait_for("a Completed run created by the scheduler",
                          lambda: [r for r in _runs(api_url, dep_id, ["COMPLETED"]) if r["auto_scheduled"]],
                          timeout_s=240)
+        # read its log while the serving process still runs: the run's last log batch is shipped after it ends,
+        # and stopping the process group first can drop it
+        logs, line = flow_run_line(api_url, done[0]["id"], PROBE_LINE, timeout_s=120)
     finally:
         stop_process(proc.pid)
         if dep_id is not None:  # its future runs would never be picked up now
@@ -74,7 +77,6 @@ def test_interval_deployment_runs_from_its_schedule(prefect_services, tmp_path):
     assert fr["created_by"]["type"] == "SCHEDULE"  # nobody asked for it: the schedule did
     assert fr["state"]["name"] == "Completed"
     assert datetime.fromisoformat(fr["start_time"]) >= datetime.fromisoformat(fr["expected_start_time"])
-    logs, line = flow_run_line(api_url, fr["id"], PROBE_LINE)
     assert line is not None, logs
 
 
