@@ -27,7 +27,8 @@ class CheckpointWriteError(ParityError, OSError):
     """A checkpoint could not be written (a full disk, a file-size limit, an I/O error); earlier ones are intact."""
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """sha256 of a file, read in 1 MiB blocks."""
     h = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -65,7 +66,7 @@ class CheckpointManager:
             if tokenizer is not None:
                 tokenizer.save_pretrained(str(tmp))
             torch.save(state, tmp / "state.pt")
-            manifest = {"step": step, "files": {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}}
+            manifest = {"step": step, "files": {p.name: file_sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}}
             (tmp / "MANIFEST.json").write_text(json.dumps(manifest, indent=1))
             for p in tmp.iterdir():
                 with p.open("rb") as f:
@@ -111,7 +112,7 @@ class CheckpointManager:
             p = path / name
             if not p.is_file():
                 return f"{name} missing"
-            if _sha256(p) != digest:
+            if file_sha256(p) != digest:
                 return f"{name} checksum mismatch"
         return None
 

@@ -5,7 +5,6 @@ A Hugging Face checkpoint (model.source=hf or model.path) is used as it is."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -20,6 +19,7 @@ from parity.models.tiny import build_tiny_model, count_params
 from parity.rewards.grader import GraderPool
 from parity.rollout import engine_lanes
 from parity.rollout.torch_engine import TorchEngine
+from parity.training.checkpoint import file_sha256
 from parity.training.heldout import eval_settings, heldout_accuracy
 from parity.training.sft import warm_start
 
@@ -37,14 +37,6 @@ def prepare_model(cfg: Any) -> dict:
         info = json.loads(done.read_text())
         return {"model_dir": str(target), "cached": True, **info}
     return _build_tiny(cfg, target)
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _build_tiny(cfg: Any, target: Path) -> dict:
@@ -69,7 +61,7 @@ def _build_tiny(cfg: Any, target: Path) -> dict:
     engine.close()
     info = {"params": count_params(model), "vocab": len(tok), "task": task.name,
             # whether two builds of one recipe (another machine, another job) made the same weights
-            "weights_sha256": _file_sha256(tmp / "model.safetensors"),
+            "weights_sha256": file_sha256(tmp / "model.safetensors"),
             "warm_start_steps": ws.steps, "final_sft_loss": losses[-1] if losses else None,
             "heldout_accuracy": acc, "heldout_problems": len(problems),
             "heldout_temperature": float(cfg.trainer.eval_temperature), "heldout_samples": int(cfg.trainer.eval_samples), "seconds": round(time.time() - t0, 1)}

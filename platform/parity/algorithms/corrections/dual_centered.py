@@ -130,7 +130,7 @@ class DualCentered(Correction):
                 self.calibration += self._hist
                 if self.steps + 1 >= self.cfg.calibration_steps:
                     self.c = histogram_quantile(self.calibration, self.cfg.quantile)
-            elif self.c is not None and math.isfinite(mean_gap):
+            elif math.isfinite(mean_gap):  # a non-finite step (skipped by the trainer) leaves lambda
                 self.lam = min(max(self.lam + self.cfg.eta * (mean_gap - self.c) / self.c, 0.0), self.cfg.lambda_max)
         if self.c is not None:
             out["correction/dual_c"] = self.c
