@@ -411,6 +411,7 @@ def report_rows(folder: str, report: dict, file: str = "") -> list[dict[str, Any
     if isinstance(report.get("thresholds"), dict):
         row.update(_scalars(report["thresholds"], "threshold."))
     row["file"] = file
+    row["created_at"] = created  # to the microsecond: two validations within one second still sort right
     return [row]
 
 
@@ -420,7 +421,8 @@ def validation_history(rows: Sequence[dict[str, Any]]) -> pd.DataFrame:
     d = pd.DataFrame(list(rows))
     if d.empty:
         return d
-    d = d.sort_values(["validated", "file"], ascending=False, kind="stable").reset_index(drop=True)
+    d = d.sort_values(["created_at", "file"], ascending=False, kind="stable").reset_index(drop=True)
+    d = d.drop(columns="created_at")
     key = d["checkpoint"].astype(str) + "|" + d["precision"].astype(str) + "|" + d["spec"].astype(str)
     d.insert(3, "latest", ~key.duplicated(keep="first"))
     return d

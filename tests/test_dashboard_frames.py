@@ -243,7 +243,7 @@ def test_report_rows_and_validation_history():
     assert row == {"validated": "2026-12-02 10:15:30", "checkpoint": "m-W8A8-INT8", "precision": "int8+int4kv",
                    "spec": "wint8-aint8-kvint4_per_token_head", "engine": "torch", "verdict": "FAILED",
                    "passed": False, "failures": "k3_kl 0.02 > 0.01", "abs_prob_diff_mean": 0.01, "accuracy_drop": None,
-                   "threshold.max_k3_kl": 0.01, "file": "a.json"}
+                   "threshold.max_k3_kl": 0.01, "file": "a.json", "created_at": rep["created_at"]}
     older = frames.report_rows("m-W8A8-INT8", {**rep, "created_at": "2026-12-01T09:00:00+00:00", "passed": True,
                                                "failures": []}, "b.json")[0]
     legacy = frames.report_rows("m-W8A8-INT8", {"quant": {"weights": "int8", "activations": "int8", "kv_cache": "bf16"},
@@ -252,6 +252,20 @@ def test_report_rows_and_validation_history():
     h = frames.validation_history([older, legacy, row])
     assert h["file"].tolist() == ["a.json", "b.json", "validation.json"]
     assert h["latest"].tolist() == [True, False, True] and h["verdict"].tolist() == ["FAILED", "passed", "passed"]
+    assert "created_at" not in h.columns
+
+
+def test_two_validations_in_one_second_list_the_later_first():
+    """Reports of one second are named `<spec>-<time>.json` then `<spec>-<time>-2.json`; the name sorts the first
+    after the second, so the history orders by the microsecond time the report carries."""
+    rep = {"quant": {"weights": "int8", "activations": "int8", "kv_cache": "int4_per_token_head"},
+           "precision_spec": "s", "metrics": {}, "failures": []}
+    first = frames.report_rows("ck", {**rep, "created_at": "2026-12-02T10:15:30.100000+00:00", "passed": True},
+                               "s-20261202-101530.json")[0]
+    second = frames.report_rows("ck", {**rep, "created_at": "2026-12-02T10:15:30.900000+00:00", "passed": False},
+                                "s-20261202-101530-2.json")[0]
+    h = frames.validation_history([first, second])
+    assert h["verdict"].tolist() == ["FAILED", "passed"] and h["latest"].tolist() == [True, False]
 
 
 def test_readonly_url_never_creates_and_refuses_writes(tmp_path):
