@@ -32,6 +32,8 @@ _PRECISION_KEYS = re.compile(r"^rollout\.precision\.(weights|activations|kv_cach
                              r"^actor_rollout_ref\.rollout\.(quantization|engine_kwargs\.vllm\.kv_cache_dtype)$")
 _UNSET = ("", "None", "null", "none")
 SEED_KEY = "trainer.seed"
+# the mismatch dial's Delta seed: unset, it follows trainer.seed (the loaded config records the value it took)
+DIAL_SEED_KEY = "rollout.precision.perturbation.seed"
 
 
 def param(params: dict[str, str], key: str, default: str = "") -> str:
@@ -315,6 +317,8 @@ def differing_keys(params_by_run: dict[str, dict[str, str]]) -> list[str]:
     if len(params_by_run) < 2:
         return []
     keys = sorted({k for p in params_by_run.values() for k in p if not _NOT_LABEL.search(k)})
+    if all(param(p, DIAL_SEED_KEY) in ("", param(p, SEED_KEY, "0")) for p in params_by_run.values()):
+        keys = [k for k in keys if k != DIAL_SEED_KEY]  # it is the run's seed: told apart as `seed`, or grouped
     out = [k for k in keys if not _PRECISION_KEYS.search(k)
            and len({str(p.get(k, MISSING)) for p in params_by_run.values()}) > 1]
     if len({precision_short(p) for p in params_by_run.values()}) > 1:

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from omegaconf import OmegaConf
 from prefect import flow
 
-from parity.config import load_config
+from parity.config import load_config, with_values
 from parity.errors import ParityError
 from parity.tracking import mlflow_log, naming
 from tasks import publish
@@ -76,13 +75,12 @@ def eval_config(cfg: Any, spec: str) -> Any:
     from parity.precision.config import parse_spec
 
     p = parse_spec(spec)
-    c = cfg.copy()
-    for key in ("weights", "activations", "kv_cache", "kv_hadamard"):
-        OmegaConf.update(c, f"rollout.precision.{key}", p[key])
-    OmegaConf.update(c, "rollout.precision.perturbation.sigma", 0.0)
+    values: dict[str, Any] = {f"rollout.precision.{key}": p[key]
+                              for key in ("weights", "activations", "kv_cache", "kv_hadamard")}
+    values["rollout.precision.perturbation.sigma"] = 0.0
     for key in ("quantization", "quantization_config_file", "engine_kwargs.vllm.kv_cache_dtype"):
-        OmegaConf.update(c, f"actor_rollout_ref.rollout.{key}", None)  # the seed block would choose again
-    return c
+        values[f"actor_rollout_ref.rollout.{key}"] = None  # the seed block would choose again
+    return with_values(cfg, values)
 
 
 def evaluate_model(ref: PipelineRef, cfg: Any, model: dict, spec: str) -> dict[str, int]:

@@ -9,10 +9,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from omegaconf import OmegaConf
 from prefect import flow
 
-from parity.config import load_config
+from parity.config import ParityConfig, load_config, with_values
 from parity.tracking import naming
 from parity.tracking.naming import headline_metrics
 from tasks import publish
@@ -31,16 +30,16 @@ from tasks.stages import (
 FLOW_NAME = "train-and-eval"
 
 
-def compose(overrides: list[str], extra_config_dir: str | None = None) -> OmegaConf:
+def compose(overrides: list[str], extra_config_dir: str | None = None) -> ParityConfig:
     """The run gets its own run name unless the overrides choose one, so pipelines never collide."""
     cfg = load_config(overrides, extra_config_dir=extra_config_dir)
     if not any(o.lstrip("+~").startswith("trainer.run_name=") for o in overrides):
-        OmegaConf.update(cfg, "trainer.run_name", f"{cfg.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}-"
-                                                  f"{time.time_ns() % 10**6:06d}")
+        cfg = with_values(cfg, {"trainer.run_name": f"{cfg.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}-"
+                                                    f"{time.time_ns() % 10**6:06d}"})
     return cfg
 
 
-def run_stages(ref: PipelineRef, cfg: OmegaConf) -> dict:
+def run_stages(ref: PipelineRef, cfg: ParityConfig) -> dict:
     c = plain(cfg)
     r = ref.as_dict()
     with stage(ref, "prepare") as st:

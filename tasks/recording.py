@@ -13,9 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
-from parity.config import flatten
+from parity.config import ParityConfig, as_plain, flatten, from_plain
 from parity.tracking import mlflow_log, naming
 from parity.tracking.registry import Registry
 from parity.tracking.secrets import mask_url, masked_config_yaml
@@ -70,7 +68,7 @@ def _flow_run_id() -> str | None:
         return None
 
 
-def open_pipeline(flow: str, cfg: DictConfig, overrides: list[str], title: str | None = None,
+def open_pipeline(flow: str, cfg: ParityConfig, overrides: list[str], title: str | None = None,
                   sweep: str | None = None, facts: dict | None = None) -> PipelineRef:
     """Registry row + MLflow parent run named `title` (by default what the config runs: naming.run_title; `#2`,
     `#3` appended when the experiment already has a run of that name) in the MLflow experiment
@@ -193,17 +191,17 @@ def _jsonable(x: Any) -> Any:
     return json.loads(json.dumps(x, default=str))
 
 
-_TYPED: dict[str, DictConfig] = {}
+_TYPED: dict[str, ParityConfig] = {}
 _TYPED_MAX = 8
 
 
-def as_config(cfg: dict | DictConfig) -> DictConfig:
-    """A task's config (passed as a resolved plain dict so it serialises) back as a typed DictConfig.
+def as_config(cfg: dict | ParityConfig) -> ParityConfig:
+    """A task's config (passed as a resolved plain dict so it serialises) back as the schema's dataclasses.
 
-    Merging into the structured schema costs 0.2-0.5 s on two busy cores and every task (and cache-key
-    function) of a pipeline does it for the same dict, so the typed result is kept per content digest and
-    each caller gets its own deep copy (~15 ms), free to modify."""
-    if isinstance(cfg, DictConfig):
+    Checking it against the schema costs 0.2-0.5 s on two busy cores and every task (and cache-key function) of a
+    pipeline does it for the same dict, so the typed result is kept per content digest and each caller gets its
+    own deep copy, free to modify."""
+    if not isinstance(cfg, dict):
         return cfg
     import copy
     import hashlib
@@ -212,17 +210,12 @@ def as_config(cfg: dict | DictConfig) -> DictConfig:
     key = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=repr).encode()).hexdigest()
     typed = _TYPED.get(key)
     if typed is None:
-        from parity.config import load_registries
-        from parity.config.schema import ParityConfig
-
-        # the registered corrections' sections are part of the schema (and the config may name more modules)
-        load_registries(modules=list(cfg.get("algorithm", {}).get("correction", {}).get("modules") or []))
-        typed = OmegaConf.merge(OmegaConf.structured(ParityConfig), cfg)  # type: ignore[assignment]
+        typed = from_plain(cfg)
         if len(_TYPED) >= _TYPED_MAX:
             _TYPED.pop(next(iter(_TYPED)))
         _TYPED[key] = typed
     return copy.deepcopy(typed)
 
 
-def plain(cfg: DictConfig) -> dict:
-    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+def plain(cfg: ParityConfig) -> dict:
+    return as_plain(cfg)

@@ -138,12 +138,12 @@ def validate_task(cfg: dict, quantized: dict) -> dict:
 
 def _train_retry_resumes(cfg: Any) -> Any:
     """A retried train continues its own run from the latest checkpoint instead of starting over."""
-    from omegaconf import OmegaConf
     from prefect.runtime import task_run
 
+    from parity.config import with_values
+
     if int(task_run.run_count or 1) > 1:
-        cfg = cfg.copy()
-        OmegaConf.update(cfg, "trainer.resume", True)
+        cfg = with_values(cfg, {"trainer.resume": True})
     return cfg
 
 
@@ -184,15 +184,12 @@ def train_task(cfg: dict, tracking_uri: str | None = None, mlflow_run_id: str | 
 
 @task(name="evaluate", retries=1, retry_delay_seconds=5, retry_condition_fn=_transient)
 def evaluate_task(cfg: dict, model_path: str) -> dict:
-    from omegaconf import OmegaConf
-
     from parity.commands import evaluate as evaluate_cmd
+    from parity.config import with_values
     from parity.tracking.regression import evaluation_settings
 
-    c = as_config(cfg).copy()
-    OmegaConf.update(c, "eval.model_path", str(model_path))
-    OmegaConf.update(c, "eval.run_name", None)
-    OmegaConf.update(c, "eval.registered_model", None)
+    c = with_values(as_config(cfg), {"eval.model_path": str(model_path), "eval.run_name": None,
+                                     "eval.registered_model": None})
     t0 = time.perf_counter()
     out = dict(evaluate_cmd.run(c))
     # the precision it ran in and what decides its scores, recorded with each result (the regression check's reuse)

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from omegaconf import open_dict
+from omegaconf import OmegaConf, open_dict
 
 from parity.config import ConfigError, check_config, load_config, open_groups
 from parity.config.keys import schema_keys
@@ -75,11 +75,15 @@ def test_a_composed_config_with_an_unknown_key_is_refused() -> None:
     """The walk over a composed config (keys that came from a config file or an open_dict edit)."""
     cfg = load_config([])
     check_config(cfg)
-    with open_dict(cfg.rollout.precision):
-        cfg.rollout.precision.kv_cache_typo = "int8"
+    cfg.rollout.precision.kv_cache_typo = "int8"  # the typed config: an attribute the schema lacks
     with pytest.raises(ConfigError, match=r"^unknown config key `rollout.precision.kv_cache_typo`; did you mean "
                                           r"rollout.precision.kv_cache\?$"):
         check_config(cfg)
+    composed = OmegaConf.structured(type(load_config([])))
+    with open_dict(composed.rollout.precision):
+        composed.rollout.precision.kv_cache_typo = "int8"
+    with pytest.raises(ConfigError, match=r"^unknown config key `rollout.precision.kv_cache_typo`"):
+        check_config(composed)
 
 
 def test_groups_of_a_users_config_folder_are_groups(tmp_path: Path) -> None:
@@ -110,8 +114,8 @@ def test_valid_keys_and_open_groups_come_from_the_schema() -> None:
     for group in open_groups():  # each open group's default is a mapping, and the docs name it
         node = load_config([])
         for part in group.split("."):
-            node = node[part]
-        assert hasattr(node, "keys"), group
+            node = getattr(node, part)
+        assert isinstance(node, dict), group
     doc = (REPO / "docs" / "CONFIGURATION.md").read_text()
     missing = [g for g in open_groups() if f"`{g}`" not in doc]
     assert not missing, f"open groups not documented in docs/CONFIGURATION.md: {missing}"

@@ -122,7 +122,7 @@ def float64_norms(monkeypatch):
 def test_trainer_step_in_lanes_equals_one_pass_float64(quick_cfg, prepared_model):
     """One trainer step in float64 from the same weights with 1, 2 and 3 lanes (micro-batches of 4 rows over 3
     prompt groups, so lanes cut inside micro-batches and gradients accumulate over them), shared prefix on and off."""
-    from parity.training.trainer import Trainer
+    from parity.training.trainer import build_trainer
 
     batch = _batch()
     batch.rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0])
@@ -132,7 +132,7 @@ def test_trainer_step_in_lanes_equals_one_pass_float64(quick_cfg, prepared_model
             model = _model("qwen3")
             cfg = quick_cfg("model.dtype=float32", f"trainer.shared_prefix={prefix}", "trainer.micro_batch_size=4",
                             f"trainer.cpu_lanes={lanes}")
-            tr = Trainer(model, cfg, torch.device("cpu"))
+            tr = build_trainer(model, cfg, torch.device("cpu"))
             tr.compute_dtype = torch.float64
             tr._autocast = contextlib.nullcontext  # type: ignore[method-assign]
             assert tr.lanes == lanes
@@ -147,10 +147,10 @@ def test_trainer_step_in_lanes_equals_one_pass_float64(quick_cfg, prepared_model
 
 
 def test_lanes_are_off_where_the_trainer_does_not_run_its_own_forward(quick_cfg, prepared_model):
-    from parity.training.trainer import Trainer
+    from parity.training.trainer import build_trainer
 
-    assert Trainer(_model("qwen3"), quick_cfg(), torch.device("cpu")).lanes == 2  # the default
-    assert Trainer(_model("qwen3"), quick_cfg("trainer.gradient_checkpointing=true"), torch.device("cpu")).lanes == 1
+    assert build_trainer(_model("qwen3"), quick_cfg(), torch.device("cpu")).lanes == 2  # the default
+    assert build_trainer(_model("qwen3"), quick_cfg("trainer.gradient_checkpointing=true"), torch.device("cpu")).lanes == 1
 
 
 def test_shared_prefill_batch_does_not_depend_on_the_sharding(prepared_model):

@@ -151,6 +151,12 @@ def test_config_labels_name_what_differs():
     assert frames.config_labels(runs, titles) == {"a": "none / seed 0", "b": "none / seed 1", "c": "tis / seed 0",
                                                   "d": "tis / seed 1"}
     assert frames.config_labels(runs, titles, group_seeds=True) == {"a": "none", "b": "none", "c": "tis", "d": "tis"}
+    # the dial's seed, recorded as the run's seed it followed, is the seed: not a key of its own
+    dial = {k: {**p, "rollout.precision.perturbation.seed": p["trainer.seed"]} for k, p in runs.items()}
+    assert frames.differing_keys(dial) == ["algorithm.correction.name", "trainer.seed"]
+    assert frames.config_labels(dial, titles, group_seeds=True) == {"a": "none", "b": "none", "c": "tis", "d": "tis"}
+    fixed = {**dial, "d": {**dial["d"], "rollout.precision.perturbation.seed": "7"}}  # set apart from trainer.seed
+    assert "rollout.precision.perturbation.seed" in frames.differing_keys(fixed)
     # precision keys fold into one label; other keys by their last name (or more where two would read the same)
     prec = {"a": _params(), "b": _params(rollout__precision__weights="int8", rollout__precision__activations="int8",
                                          trainer__lr="1e-05", algorithm__correction__tis__C="5.0")}

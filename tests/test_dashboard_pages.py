@@ -7,6 +7,7 @@ test session. The pages on a real sweep's stores: tests/test_dashboard_sweep.py.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
@@ -32,7 +33,7 @@ def _evaluate(cfg, reg, c, exp, parent: str, pid: int, ckpt: str, precision: str
     from parity.commands import evaluate as evaluate_cmd
     from parity.tracking import mlflow_log
 
-    ecfg = cfg.copy()
+    ecfg = copy.deepcopy(cfg)
     e = ecfg.eval
     e.suite, e.limit, e.k, e.temperature, e.bootstrap, e.model_path = ["arithmetic"], 24, 2, 1.0, 200, ckpt
     e.out_dir = str(Path(cfg.outputs_dir) / "eval" / f"{cfg.trainer.run_name}-{precision}-20261129-000000")
@@ -66,7 +67,7 @@ def _validation_report(cfg, model_dir: str) -> dict | None:
     from parity.data.prompts import render_prompt
     from parity.rollout import build_engine
 
-    qcfg = cfg.copy()
+    qcfg = copy.deepcopy(cfg)
     qcfg.rollout.precision.weights = qcfg.rollout.precision.activations = "int8"
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

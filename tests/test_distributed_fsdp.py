@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from omegaconf import OmegaConf
 from safetensors.torch import load_file
+
+from parity.config import as_plain, from_plain
 
 # float32 rounding: reductions summed in another order (over ranks, over shards) differ by a few ulps
 RTOL, ATOL = 2e-5, 2e-7
@@ -61,9 +62,9 @@ def _make_batch(cfg, model_dir: Path):
 def _single(cfg, model_dir: Path, batch, steps: int = 1, state: dict | None = None):
     from transformers import AutoModelForCausalLM
 
-    from parity.training.trainer import Trainer
+    from parity.training.trainer import build_trainer
 
-    tr = Trainer(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), cfg, torch.device("cpu"))
+    tr = build_trainer(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), cfg, torch.device("cpu"))
     if state is not None:
         tr.load_state_dict(state)
     metrics = [tr.step(batch) for _ in range(steps)]
@@ -87,7 +88,7 @@ def _rank_main(rank: int, world: int, port: int, plain_cfgs: dict, model_dir: st
     results: dict = {}
     try:
         for name, plain in plain_cfgs.items():
-            cfg = OmegaConf.create(plain)
+            cfg = from_plain(plain)
             tr = ShardedTrainer(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), cfg,
                                 torch.device("cpu"))
             m = tr.step(batch)
@@ -150,7 +151,7 @@ def test_two_gloo_ranks_match_the_single_process_trainer(quick_cfg, prepared_mod
     cfgs = {name: quick_cfg(*BASE, *over) for name, over in CASES.items()}
     batch = _make_batch(cfgs["token_mean_dual"], prepared_model)
     out = str(tmp_path / "rank0.pt")
-    plain = {n: OmegaConf.to_container(c, resolve=True) for n, c in cfgs.items()}
+    plain = {n: as_plain(c) for n, c in cfgs.items()}
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

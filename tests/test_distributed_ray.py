@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from safetensors.torch import load_file
+
+from parity.config import as_plain
 
 ray = pytest.importorskip("ray")
 
@@ -39,7 +40,7 @@ def ray_cluster(quick_cfg):
 
 @pytest.fixture(scope="module")
 def workers(ray_cluster, quick_cfg, prepared_model):
-    plain = OmegaConf.to_container(quick_cfg(*DIST), resolve=True)
+    plain = as_plain(quick_cfg(*DIST))
     remote = ray.remote(RolloutWorker).options(num_cpus=1, max_restarts=2, max_task_retries=0)
     ws = [remote.remote(plain, str(prepared_model), 0, 1.0) for _ in range(2)]
     ray.get([w.ready.remote() for w in ws])

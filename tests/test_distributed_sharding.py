@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from parity.config.distributed import check_distributed
+from parity.config.schema import DistributedConfig
 from parity.distributed.cluster import bundles, local_num_cpus
 from parity.distributed.weights import pack_weights, unpack_weights
 from parity.errors import ParityError
@@ -86,7 +86,7 @@ def _dcfg(**kw: object):
     base = {"num_rollout_workers": 2, "rollout_cpus": 1.0, "rollout_gpus": 0.0, "trainer_cpus": 2.0,
             "trainer_gpus": 0.0, "max_worker_restarts": 1, "max_shard_retries": 1, "placement_strategy": "PACK",
             "start_attempts": 1, "num_cpus": None}
-    return OmegaConf.create({**base, **kw})
+    return DistributedConfig(**{**base, **kw})
 
 
 def test_bundles_one_per_worker_then_trainer_and_local_cpus() -> None:

@@ -18,7 +18,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from parity.config import load_config
+from parity.config import compose_config, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKER = REPO / "docker"
@@ -102,7 +102,7 @@ def env_of(service: dict[str, Any]) -> dict[str, str]:
 # ---- the platform reads what compose passes ----------------------------------------------------------
 def env_reads_of_schema() -> dict[str, str]:
     """{ENV_NAME: dotted config key} for every `${oc.env:NAME,...}` in parity's composed (unresolved) config."""
-    cfg = load_config([], validate=False)
+    cfg = compose_config([], validate=False)
     found: dict[str, str] = {}
 
     def walk(node: Any, prefix: str) -> None:
@@ -148,7 +148,10 @@ def test_platform_config_resolves_to_the_values_compose_passes(service: str, mon
         monkeypatch.setenv(k, v)
     cfg = load_config([])
     for name in passed & set(reads):
-        assert OmegaConf.select(cfg, reads[name]) == env[name], f"{service}: {name} -> {reads[name]}"
+        node = cfg
+        for part in reads[name].split("."):
+            node = getattr(node, part)
+        assert node == env[name], f"{service}: {name} -> {reads[name]}"
     # everything a run writes lands on the outputs volume
     outputs = env["PARITY_OUTPUTS"]
     assert cfg.rollout.precision.export_dir.startswith(outputs + "/")

@@ -92,7 +92,7 @@ def test_tolerance_auto_reads_the_validate_report_of_the_same_precision(quick_cf
     from parity.precision.validate import precision_record
     from parity.rollout import rollout_precision
     from parity.training.tolerance import tolerance_setting
-    from parity.training.trainer import Trainer
+    from parity.training.trainer import build_trainer
 
     overrides = ["+precision=w8a8_int8_kv_int4", "algorithm.correction.name=dual",
                  "algorithm.correction.tolerance=auto", "algorithm.correction.tolerance_multiple=2.0",
@@ -102,18 +102,18 @@ def test_tolerance_auto_reads_the_validate_report_of_the_same_precision(quick_cf
                                                       num_attention_heads=2, num_key_value_heads=1, head_dim=16))
     # no report yet: measured over the first steps
     setting = tolerance_setting(cfg)
-    t = Trainer(model, cfg, torch.device("cpu"), measured_discrepancy=setting.measured)
+    t = build_trainer(model, cfg, torch.device("cpu"), measured_discrepancy=setting.measured)
     assert t.corrections.tolerance is None and setting.value is None and setting.source == "first 3 steps"
     report = quantized_checkpoint_dir(cfg, rollout_precision(cfg)) / "validation.json"
     report.parent.mkdir(parents=True)
     report.write_text(json.dumps({"metrics": {"abs_prob_diff_mean": 0.004}, "passed": True,
                                   "precision": precision_record(rollout_precision(cfg))}))
     setting = tolerance_setting(cfg)
-    t = Trainer(model, cfg, torch.device("cpu"), measured_discrepancy=setting.measured)
+    t = build_trainer(model, cfg, torch.device("cpu"), measured_discrepancy=setting.measured)
     assert t.corrections.tolerance == pytest.approx(0.008) and t.corrections.corrections[0].c == pytest.approx(0.008)
     assert setting.source == str(report) and setting.value == pytest.approx(0.008)
     # a report of another precision (no KV quantization) is not this rollout's
     report.write_text(json.dumps({"metrics": {"abs_prob_diff_mean": 0.004}, "passed": True,
                                   "precision": {"weights": "int8", "activations": "int8", "kv_cache": "bf16"}}))
     assert tolerance_setting(cfg).measured is None
-    assert Trainer(model, cfg, torch.device("cpu"), measured_discrepancy=None).corrections.tolerance is None
+    assert build_trainer(model, cfg, torch.device("cpu"), measured_discrepancy=None).corrections.tolerance is None

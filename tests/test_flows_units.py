@@ -72,18 +72,19 @@ def test_read_samples_groups_by_benchmark_and_names_bad_row(tmp_path):
 
 def test_as_config_is_typed_and_each_caller_gets_its_own_copy(tmp_path):
     """The typed config of a task's plain dict is built once per content; callers may modify theirs."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import ConfigAttributeError, ValidationError
-
+    from parity.config import ConfigError, ParityConfig, with_values
     from tasks.recording import as_config, plain
 
     d = plain(compose([f"outputs_dir={tmp_path}", "trainer.total_steps=3"]))
     a, b = as_config(d), as_config(d)
-    OmegaConf.update(a, "eval.model_path", "/x")
+    assert isinstance(a, ParityConfig) and isinstance(a.trainer.total_steps, int)
+    a.eval.model_path = "/x"
     a.trainer.total_steps = 9
     assert b.eval.model_path is None and b.trainer.total_steps == 3 and as_config(d).trainer.total_steps == 3
-    with pytest.raises(ValidationError):
-        b.trainer.total_steps = "many"
-    with pytest.raises(ConfigAttributeError):
-        _ = b.trainer.no_such_key
+    with pytest.raises(ConfigError, match="trainer.total_steps"):
+        with_values(b, {"trainer.total_steps": "many"})
+    with pytest.raises(ConfigError, match="trainer.no_such_key"):
+        with_values(b, {"trainer.no_such_key": 1})
+    with pytest.raises(ConfigError, match="trainer.total_steps"):
+        as_config({**d, "trainer": {**d["trainer"], "total_steps": "many"}})
     assert as_config({**d, "trainer": {**d["trainer"], "total_steps": 4}}).trainer.total_steps == 4

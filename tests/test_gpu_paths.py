@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parity.config.schema import TinyModelConfig
+from parity.config.schema import PrecisionConfig, TinyModelConfig
 from parity.models.tiny import build_tiny_model
 from parity.rollout.base import SamplingSpec
 from parity.rollout.cuda_decode import _decode_attention, fast_generate, sample_inverse_cdf, supports
@@ -154,11 +154,10 @@ def test_stacked_projections_follow_weight_updates(tmp_path, weights):
     """q/k/v and gate/up run as one product each from stacked copies of the weights; a weight sync between
     calls (in place, re-quantizing for INT8) must reach those copies: after it the fast path still gives the plain
     loop's tokens, and the stacked weight equals the modules' weights."""
-    from types import SimpleNamespace
 
     from parity.rollout import cuda_decode as cd
     build_tiny_model("qwen3", TinyModelConfig(), seed=4).save_pretrained(str(tmp_path))
-    prec = None if weights == "bf16" else SimpleNamespace(weights="int8", activations="int8", kv_cache="bf16")
+    prec = None if weights == "bf16" else PrecisionConfig(weights="int8", activations="int8", kv_cache="bf16")
     eng = TorchEngine(tmp_path, dtype=torch.float32, precision=prec)
     spec = SamplingSpec(temperature=0.0, max_new_tokens=12, n=1, seed=2)
     fast_generate(eng, PROMPTS, spec, use_graphs=False)
@@ -204,12 +203,11 @@ def test_cache_write_routes_equal_the_plain_loop(tmp_path, kv_cache, fused_write
     """The decode step writes k/v into the cache inside the pre-attention function (bf16 cache) or after it
     (a low-precision cache's roundtrip in between, or _FUSED_CACHE_WRITE off): both give the plain loop's tokens
     and log-probs; with an INT4 KV cache the fused route is not taken even when switched on."""
-    from types import SimpleNamespace
 
     from parity.rollout import cuda_decode as cd
     monkeypatch.setattr(cd, "_FUSED_CACHE_WRITE", fused_write)
     build_tiny_model("qwen3", TinyModelConfig(), seed=5).save_pretrained(str(tmp_path))
-    prec = None if kv_cache == "bf16" else SimpleNamespace(weights="bf16", activations="bf16", kv_cache=kv_cache)
+    prec = None if kv_cache == "bf16" else PrecisionConfig(weights="bf16", activations="bf16", kv_cache=kv_cache)
     eng = TorchEngine(tmp_path, dtype=torch.float32, precision=prec)
     spec = SamplingSpec(temperature=0.9, top_p=0.8, max_new_tokens=16, n=2, seed=3)
     plain, fast = _both(eng, spec)

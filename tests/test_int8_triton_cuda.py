@@ -5,12 +5,10 @@ log-probs."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
-from parity.config.schema import TinyModelConfig
+from parity.config.schema import PrecisionConfig, TinyModelConfig
 from parity.models.tiny import build_tiny_model
 from parity.rollout.base import SamplingSpec
 
@@ -56,7 +54,7 @@ def test_int8_fast_decode_equals_the_plain_loop(tmp_path, monkeypatch, pin: bool
     monkeypatch.setattr(it, "_PINNED", {})
     torch._dynamo.reset()  # compiled layer functions of the other route must not be reused
     build_tiny_model("qwen3", TinyModelConfig(), seed=4).save_pretrained(str(tmp_path))
-    prec = SimpleNamespace(weights="int8", activations="int8", kv_cache="bf16")
+    prec = PrecisionConfig(weights="int8", activations="int8", kv_cache="bf16")
     eng = TorchEngine(tmp_path, precision=prec, device="cuda", dtype=torch.float32)
     assert eng.linear_path == "int8_triton"
     prompts = [[5, 9, 12, 3, 7], [4, 4], [11, 2, 8, 30, 1, 6, 6, 2]] * 3

@@ -7,12 +7,10 @@ the simulated path's arithmetic: the decode path must give the simulated cache's
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
-from parity.config.schema import TinyModelConfig
+from parity.config.schema import PrecisionConfig, TinyModelConfig
 from parity.models.tiny import build_tiny_model
 from parity.precision.kv import make_kv_codec
 from parity.precision.kv_packed import PackedKVCache, cache_bytes_per_row
@@ -54,7 +52,7 @@ def model_dir(tmp_path_factory):
 
 
 def _engine(model_dir, kind: str, packed: bool) -> TorchEngine:
-    eng = TorchEngine(model_dir, precision=SimpleNamespace(weights="bf16", activations="bf16", kv_cache=kind),
+    eng = TorchEngine(model_dir, precision=PrecisionConfig(weights="bf16", activations="bf16", kv_cache=kind),
                       dtype=torch.float32)
     eng.kv_packed = packed
     return eng

@@ -14,8 +14,6 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -23,6 +21,7 @@ pytest.importorskip("triton")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
+from parity.config.schema import PrecisionConfig  # noqa: E402
 from tests.kv_packed_checks import (  # noqa: E402
     FORMATS,
     SHAPES,
@@ -150,7 +149,7 @@ def _gap(eng, b, temperature: float) -> torch.Tensor:
 def _run_with_engine(model_dir, kind: str, dtype: torch.dtype, packed: bool, spec, compile_layers: bool = False):
     import parity.rollout.cuda_decode as cd
     from parity.rollout.torch_engine import TorchEngine
-    eng = TorchEngine(model_dir, precision=SimpleNamespace(weights="bf16", activations="bf16", kv_cache=kind),
+    eng = TorchEngine(model_dir, precision=PrecisionConfig(weights="bf16", activations="bf16", kv_cache=kind),
                       device="cuda", dtype=dtype)
     eng.cuda_decoder.compile = compile_layers
     keep, cd._PACKED_KV = cd._PACKED_KV, packed

@@ -10,7 +10,6 @@ The interpreter's casts and bf16 dots are patched to round like the GPU (tests/t
 from __future__ import annotations
 
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # Triton fixes interpretation whe
     pytest.skip("set TRITON_INTERPRET=1 before Python starts to run the kernels under Triton's interpreter",
                 allow_module_level=True)
 
+from parity.config.schema import PrecisionConfig
 from tests.kv_packed_checks import FORMATS, SHAPES, attention_bound, check_attention, check_write_and_values  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -74,7 +74,7 @@ def test_decode_path_interpreted_equals_simulated(kind, fused, tmp_path, monkeyp
     from parity.rollout.cuda_decode import fast_generate
     from parity.rollout.torch_engine import TorchEngine
     build_tiny_model("qwen3", TinyModelConfig(), seed=3).save_pretrained(str(tmp_path))
-    eng = TorchEngine(tmp_path, precision=SimpleNamespace(weights="bf16", activations="bf16", kv_cache=kind),
+    eng = TorchEngine(tmp_path, precision=PrecisionConfig(weights="bf16", activations="bf16", kv_cache=kind),
                       dtype=torch.float32)
     prompts = [[5, 9, 12, 3, 7], [4, 4], [11, 2, 8, 30, 1, 6, 6, 2]]
     spec = SamplingSpec(temperature=0.0, max_new_tokens=6, n=2, seed=1)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 
+from parity.config.schema import PrecisionConfig
 from parity.precision import int8_triton
 from parity.precision.apply import QuantExperts, kv_codec_for_model, load_weights_, quantize_model_
 from parity.precision.formats import fake_quantize
@@ -37,7 +38,7 @@ def _ids() -> torch.Tensor:
 
 def test_dense_replacement_leaves_embeddings_head_norms() -> None:
     m = _dense()
-    info = quantize_model_(m, {"weights": "int8", "activations": "int8", "kv_cache": "int4_per_token_head"})
+    info = quantize_model_(m, PrecisionConfig(weights="int8", activations="int8", kv_cache="int4_per_token_head"))
     assert info["quantized_linear"] == 2 * 7 and info["paths"] == {"int8_simulated": 14}
     assert info["kv"]["kind"] == "int4_per_token_head"
     quant = {n for n, mod in m.named_modules() if isinstance(mod, QuantLinear)}
@@ -52,7 +53,7 @@ def test_dense_logits_match_float64_fake_quant_reference() -> None:
     F.linear(fq(x), fq(W)) with fq = per-token / per-channel INT8 quantize-dequantize."""
     base = _dense()
     q = copy.deepcopy(base)
-    quantize_model_(q, {"weights": "int8", "activations": "int8"})
+    quantize_model_(q, PrecisionConfig(weights="int8", activations="int8"))
     ref = copy.deepcopy(base).double()
     for name, mod in ref.named_modules():
         if isinstance(mod, nn.Linear) and ".layers." in name:
@@ -69,7 +70,7 @@ def test_dense_logits_match_float64_fake_quant_reference() -> None:
 
 def test_moe_experts_quantized_router_kept() -> None:
     m = _moe()
-    info = quantize_model_(m, {"weights": "int8", "activations": "int8"})
+    info = quantize_model_(m, PrecisionConfig(weights="int8", activations="int8"))
     assert info["quantized_experts"] == 2 and info["quantized_linear"] == 2 * 4
     mlp = m.model.layers[0].mlp
     assert isinstance(mlp.experts, QuantExperts) and type(mlp.gate).__name__ == "Qwen3MoeTopKRouter"
@@ -81,7 +82,7 @@ def test_moe_experts_quantized_router_kept() -> None:
 def test_moe_weight_only_equals_dequantized_reference(fmt: str) -> None:
     base = _moe()
     q = copy.deepcopy(base)
-    quantize_model_(q, {"weights": fmt, "activations": "bf16"})
+    quantize_model_(q, PrecisionConfig(weights=fmt, activations="bf16"))
     qmax = {"int8": 127, "int4": 7, "int3": 3}[fmt]
     for lq, lb in zip(q.model.layers, base.model.layers):  # codes of the format, one scale per output channel
         for name in ("gate_up_proj", "down_proj"):
@@ -102,14 +103,14 @@ def test_moe_weight_only_equals_dequantized_reference(fmt: str) -> None:
 @pytest.mark.parametrize("build", [_dense, _moe])
 def test_load_weights_equals_quantizing_the_new_weights(build) -> None:  # noqa: ANN001
     engine = build(seed=0)
-    quantize_model_(engine, {"weights": "int8", "activations": "int8"})
+    quantize_model_(engine, PrecisionConfig(weights="int8", activations="int8"))
     trainer = build(seed=1)  # "after an optimizer step": different weights, same names
     load_weights_(engine, ((n, p.detach().to(torch.bfloat16)) for n, p in trainer.named_parameters()))
     expected = copy.deepcopy(trainer)
     with torch.no_grad():  # the parameters only: `.to(bfloat16)` would also round the RoPE buffers
         for prm in expected.parameters():
             prm.copy_(prm.to(torch.bfloat16))
-    quantize_model_(expected, {"weights": "int8", "activations": "int8"})
+    quantize_model_(expected, PrecisionConfig(weights="int8", activations="int8"))
     got, want = engine.state_dict(), expected.state_dict()
     assert got.keys() == want.keys()
     for k in got:
@@ -121,10 +122,10 @@ def test_load_weights_equals_quantizing_the_new_weights(build) -> None:  # noqa:
 def test_load_weights_checkpoint_expert_names() -> None:
     """Per-expert names as save_pretrained writes them land in the fused quantized tensors."""
     engine = _moe(seed=0)
-    quantize_model_(engine, {"weights": "fp8", "activations": "fp8"})
+    quantize_model_(engine, PrecisionConfig(weights="fp8", activations="fp8"))
     trainer = _moe(seed=1)
     expected = copy.deepcopy(trainer)
-    quantize_model_(expected, {"weights": "fp8", "activations": "fp8"})
+    quantize_model_(expected, PrecisionConfig(weights="fp8", activations="fp8"))
     i = 32
 
     def checkpoint_names():
@@ -148,7 +149,7 @@ def test_load_weights_checkpoint_expert_names() -> None:
 
 def test_load_weights_bad_names_and_shapes() -> None:
     m = _dense()
-    quantize_model_(m, {"weights": "int8", "activations": "int8"})
+    quantize_model_(m, PrecisionConfig(weights="int8", activations="int8"))
     with pytest.raises(KeyError, match="model.layers.0.self_attn.qq_proj.weight"):
         load_weights_(m, [("model.layers.0.self_attn.qq_proj.weight", torch.zeros(3))])
     with pytest.raises(ValueError, match=r"shape \(64, 63\)"):
@@ -163,18 +164,18 @@ def test_int4_kv_with_odd_head_dim_model() -> None:
     m.config = Qwen3Config(intermediate_size=32, **COMMON)
     m.config.head_dim = 15
     with pytest.raises(ValueError, match=r"kv_cache='int4_per_token_head' for model with head_dim=15"):
-        quantize_model_(m, {"weights": "int8", "activations": "int8", "kv_cache": "int4_per_token_head"})
-    assert kv_codec_for_model(m, {"kv_cache": "int8"}).kind == "int8"
+        quantize_model_(m, PrecisionConfig(weights="int8", activations="int8", kv_cache="int4_per_token_head"))
+    assert kv_codec_for_model(m, PrecisionConfig(kv_cache="int8")).kind == "int8"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 def test_quantized_model_on_cuda_matches_cpu(fmt: str) -> None:
     m = _dense()
-    quantize_model_(m, {"weights": fmt, "activations": fmt})
+    quantize_model_(m, PrecisionConfig(weights=fmt, activations=fmt))
     ids = _ids()
     cpu = m(ids).logits
-    info = quantize_model_(copy.deepcopy(_moe()).cuda(), {"weights": fmt, "activations": fmt})
+    info = quantize_model_(copy.deepcopy(_moe()).cuda(), PrecisionConfig(weights=fmt, activations=fmt))
     want = ({"int8_triton"} if int8_triton.usable() else {"int8_mm_cuda"}) if fmt == "int8" else {"fp8_scaled_mm"}
     assert set(info["paths"]) == want
     m.cuda()
@@ -190,7 +191,7 @@ def test_int4_activation_logits_match_float64_fake_quant_reference(weights: str)
     reference explains the quantized logits, and the error from bf16 is far larger than at W8A8."""
     base = _dense()
     q = copy.deepcopy(base)
-    info = quantize_model_(q, {"weights": weights, "activations": "int4"})
+    info = quantize_model_(q, PrecisionConfig(weights=weights, activations="int4"))
     assert info["paths"] == {f"w{weights}aint4_simulated": 14}
     ref = copy.deepcopy(base).double()
     for name, mod in ref.named_modules():
@@ -202,5 +203,5 @@ def test_int4_activation_logits_match_float64_fake_quant_reference(weights: str)
     err = (got - want).abs().max()
     assert err < 2e-4, err
     w8a8 = copy.deepcopy(base)
-    quantize_model_(w8a8, {"weights": "int8", "activations": "int8"})
+    quantize_model_(w8a8, PrecisionConfig(weights="int8", activations="int8"))
     assert (bf16 - want).abs().max() > 4 * (bf16 - w8a8(ids).logits.double()).abs().max()

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from parity.config import typed
 from parity.config.schema import ParityConfig, PrecisionConfig
 from parity.precision.config import (
     PrecisionConfigError,
@@ -33,10 +34,12 @@ actor_rollout_ref:
 
 
 def _compose(block: str = SEED_BLOCK, **dotlist: object):
+    """The schema with `block` and `dotlist` on top, typed the way load_config hands it out (the seed block folded
+    into rollout.precision)."""
     cfg = OmegaConf.merge(OmegaConf.structured(ParityConfig), OmegaConf.create(block))
     if dotlist:
         cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"{k}={v}" for k, v in dotlist.items()]))
-    return cfg
+    return typed(cfg)
 
 
 def test_seed_block_resolves_without_env(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -47,7 +50,9 @@ def test_seed_block_resolves_without_env(monkeypatch: pytest.MonkeyPatch) -> Non
     assert (p.weights, p.activations, p.kv_cache) == ("int8", "int8", "int4_per_token_head")
     assert quantization_config_path(cfg) == "outputs/precision_validation/Qwen3.5-9B-W8A8-INT8/config.json"
     assert cfg.actor_rollout_ref.rollout.engine_kwargs.vllm.attention_backend == "TRITON_ATTN"
-    OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
+    # folded once at load: rollout.precision itself holds the formats the block selects
+    assert (cfg.rollout.precision.weights, cfg.rollout.precision.kv_cache) == ("int8", "int4_per_token_head")
+    assert typed(OmegaConf.structured(cfg)).rollout.precision == cfg.rollout.precision  # folding again: no change
 
 
 def test_seed_block_resolves_with_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -60,7 +65,7 @@ def test_seed_block_resolves_with_env(monkeypatch: pytest.MonkeyPatch, tmp_path:
 
 
 def test_own_keys_and_defaults() -> None:
-    cfg = OmegaConf.structured(ParityConfig)
+    cfg = typed(OmegaConf.structured(ParityConfig))
     p = resolve_precision(cfg)
     assert (p.weights, p.activations, p.kv_cache) == ("bf16", "bf16", "bf16")
     cfg = _compose("{}", **{"rollout.precision.weights": "fp8", "rollout.precision.activations": "fp8",

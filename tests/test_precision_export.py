@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 
 import parity.precision.linear as linear_mod
+from parity.config.schema import PrecisionConfig
 from parity.precision.apply import QuantExperts, quantize_model_
 from parity.precision.export import (
     checkpoint_dir_name,
@@ -82,7 +83,7 @@ def test_checkpoint_tensors_are_the_simulated_codes(tmp_path: Path, fmt: str) ->
     cfg_file = export_compressed_tensors(base, tmp_path, fmt, fmt)
     state = load_compressed_checkpoint_state(tmp_path)
     q = copy.deepcopy(base)
-    quantize_model_(q, {"weights": fmt, "activations": fmt})
+    quantize_model_(q, PrecisionConfig(weights=fmt, activations=fmt))
     expected = q.state_dict()
     assert set(state) == set(expected)
     for k, v in expected.items():
@@ -97,7 +98,7 @@ def test_checkpoint_tensors_are_the_simulated_codes(tmp_path: Path, fmt: str) ->
 def test_export_of_quantized_model_is_identical(tmp_path: Path) -> None:
     base = _dense()
     q = copy.deepcopy(base)
-    quantize_model_(q, {"weights": "int8", "activations": "int8"})
+    quantize_model_(q, PrecisionConfig(weights="int8", activations="int8"))
     export_compressed_tensors(base, tmp_path / "a", "int8", "int8")
     export_compressed_tensors(q, tmp_path / "b", "int8", "int8")
     a, b = load_compressed_checkpoint_state(tmp_path / "a"), load_compressed_checkpoint_state(tmp_path / "b")
@@ -112,7 +113,7 @@ def test_fp8_reload_matches_simulated_logits(tmp_path: Path) -> None:
     base = _dense()
     export_compressed_tensors(base, tmp_path, "fp8", "fp8")
     sim = copy.deepcopy(base)
-    quantize_model_(sim, {"weights": "fp8", "activations": "fp8"})
+    quantize_model_(sim, PrecisionConfig(weights="fp8", activations="fp8"))
     with torch.no_grad():
         got, want, bf16 = _reload(tmp_path)(IDS).logits, sim(IDS).logits, base(IDS).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -135,7 +136,7 @@ def test_int8_reload_matches_simulated_logits(tmp_path: Path, monkeypatch: pytes
     export_compressed_tensors(base, tmp_path, "int8", "int8")
     reloaded = _reload(tmp_path)
     sim = copy.deepcopy(base)
-    quantize_model_(sim, {"weights": "int8", "activations": "int8"})
+    quantize_model_(sim, PrecisionConfig(weights="int8", activations="int8"))
     with torch.no_grad():
         got, ours, bf16 = reloaded(IDS).logits, sim(IDS).logits, base(IDS).logits
         monkeypatch.setattr(linear_mod, "quantize_rowwise", _int8_act_127_5)
@@ -156,7 +157,7 @@ def test_moe_checkpoint_uses_per_expert_names(tmp_path: Path, fmt: str) -> None:
     assert (tmp_path / "model.safetensors.index.json").is_file()  # small shards: an index is written
     state = load_compressed_checkpoint_state(tmp_path)
     q = copy.deepcopy(base)
-    quantize_model_(q, {"weights": fmt, "activations": fmt})
+    quantize_model_(q, PrecisionConfig(weights=fmt, activations=fmt))
     ex = q.model.layers[1].mlp.experts
     assert isinstance(ex, QuantExperts)
     pre = "model.layers.1.mlp.experts.3"

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Qwen3Config
 
+from parity.config.schema import PrecisionConfig
 from parity.precision.apply import quantize_model_
 from parity.precision.export import load_compressed_checkpoint_
 from parity.precision.sampler import ModelSampler
@@ -95,7 +96,7 @@ def test_bf16_against_itself_is_a_perfect_match() -> None:
 
 def _quantized_from_checkpoint(base: torch.nn.Module, ckpt: Path) -> torch.nn.Module:
     q = copy.deepcopy(base)
-    quantize_model_(q, {"weights": "int8", "activations": "int8"})
+    quantize_model_(q, PrecisionConfig(weights="int8", activations="int8"))
     load_compressed_checkpoint_(q, ckpt)
     return q
 
@@ -107,7 +108,7 @@ def test_good_checkpoint_passes_broken_one_fails(tmp_path: Path) -> None:
     # a dense quantized model's state dict is the compressed-tensors tensor layout (test_precision_export
     # checks export writes exactly this); writing it directly keeps this file free of that slow import
     sim = copy.deepcopy(base)
-    quantize_model_(sim, {"weights": "int8", "activations": "int8"})
+    quantize_model_(sim, PrecisionConfig(weights="int8", activations="int8"))
     save_file({k: v.contiguous() for k, v in sim.state_dict().items()}, str(good / "model.safetensors"))
     rep = validate_precision(base, _quantized_from_checkpoint(base, good), PROMPTS, ValidationThresholds(), **KW,
                              enforce=True)
@@ -138,7 +139,7 @@ def test_engine_path_agrees_with_model_path() -> None:
     full distributions, kl_exact is not reported."""
     base = _model()
     q = copy.deepcopy(base)
-    quantize_model_(q, {"weights": "fp8", "activations": "fp8"})
+    quantize_model_(q, PrecisionConfig(weights="fp8", activations="fp8"))
     as_model = validate_precision(base, q, PROMPTS, **KW)["metrics"]
     as_engine = validate_precision(base, ModelSampler(q, 0, 1), PROMPTS, **KW)["metrics"]
     assert as_engine["kl_exact"] is None and as_model["kl_exact"] is not None

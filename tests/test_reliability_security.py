@@ -215,9 +215,8 @@ EVIL = "x'); DROP TABLE pipelines; -- \" OR 1=1"
 def test_sql_goes_through_bound_parameters(quick_cfg, mlflow_store, tmp_path):
     import ast
 
-    from omegaconf import OmegaConf
-
     from dashboards import mlflow_sql
+    from parity.config import with_values
     from parity.tracking import mlflow_log
     from parity.tracking.registry import Registry
     from tasks.recording import close_pipeline, open_pipeline, stage
@@ -229,7 +228,7 @@ def test_sql_goes_through_bound_parameters(quick_cfg, mlflow_store, tmp_path):
 
     uri, reg_url = mlflow_store, f"sqlite:///{tmp_path}/registry.db"
     cfg = quick_cfg(f"tracking.tracking_uri={uri}", f"tracking.registry_url={reg_url}")
-    OmegaConf.update(cfg, "trainer.run_name", EVIL)
+    cfg = with_values(cfg, {"trainer.run_name": EVIL})
     ref = open_pipeline("train-and-eval", cfg, [f"trainer.run_name={EVIL}"])
     with stage(ref, EVIL) as st:
         st.done({"note": EVIL})
@@ -295,11 +294,10 @@ def _page_bytes(at) -> bytes:
 
 def test_secrets_stay_out_of_logs_mlflow_params_and_the_dashboard(quick_cfg, mlflow_store, tmp_path, caplog,
                                                                   monkeypatch):
-    from omegaconf import OmegaConf
     from streamlit.testing.v1 import AppTest
 
     from dashboards import data
-    from parity.config import flatten, to_yaml
+    from parity.config import flatten, to_yaml, with_values
     from parity.tracking import mlflow_log
     from parity.tracking.mlflow_log import MlflowCallback
     from parity.tracking.registry import Registry, RegistryError
@@ -311,7 +309,7 @@ def test_secrets_stay_out_of_logs_mlflow_params_and_the_dashboard(quick_cfg, mlf
     http = f"http://parity:{SECRET}@127.0.0.1:{port}"
     uri = mlflow_store  # holds the other tests' runs too: none may show a secret
     cfg = quick_cfg(f"tracking.tracking_uri={uri}")
-    OmegaConf.update(cfg, "tracking.registry_url", pg)
+    cfg = with_values(cfg, {"tracking.registry_url": pg})
     with caplog.at_level(logging.DEBUG):
         c = mlflow_log.client(uri)
         run_id = mlflow_log.start_run(c, mlflow_log.experiment_id(c, "secrets", mlflow_log.default_artifact_dir(uri)),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
+from parity.config import with_values
 from parity.tracking.secrets import MASK, is_secret_key, mask_params, masked_config_yaml
 
 SECRET = "s3cr3t-pw-4711"
@@ -42,7 +43,7 @@ def test_the_run_folder_config_holds_no_registry_password(quick_cfg) -> None:
     from parity.training.loop import run_dir_of, train
 
     cfg = quick_cfg("trainer.run_name=secrets-run", "trainer.total_steps=1", "trainer.checkpoint_every=0")
-    OmegaConf.update(cfg, "tracking.registry_url", f"postgresql+psycopg://parity:{SECRET}@127.0.0.1:1/reg")
+    cfg = with_values(cfg, {"tracking.registry_url": f"postgresql+psycopg://parity:{SECRET}@127.0.0.1:1/reg"})
     train(cfg)
     text = (run_dir_of(cfg) / "config.yaml").read_text()
     assert SECRET not in text and f"parity:{MASK}@127.0.0.1" in text

@@ -112,7 +112,7 @@ def test_not_applicable_cases_fall_back():
 
 def test_trainer_step_same_with_and_without_shared_prefix(quick_cfg, prepared_model):
     """One trainer step in float64 from the same weights: loss, gradient norm and every updated weight agree."""
-    from parity.training.trainer import Trainer
+    from parity.training.trainer import build_trainer
 
     batch = _batch()
     batch.rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0])
@@ -120,7 +120,7 @@ def test_trainer_step_same_with_and_without_shared_prefix(quick_cfg, prepared_mo
     for mode in ("on", "off"):
         model = _model("qwen3")
         cfg = quick_cfg("model.dtype=float32", f"trainer.shared_prefix={mode}", "trainer.micro_batch_size=4")
-        tr = Trainer(model, cfg, torch.device("cpu"))
+        tr = build_trainer(model, cfg, torch.device("cpu"))
         tr.compute_dtype = torch.float64  # the head and the forward in float64 too (no autocast, no cast)
         tr._autocast = contextlib.nullcontext  # type: ignore[method-assign]
         assert tr.shared_prefix == (mode == "on")

@@ -17,7 +17,7 @@ pytest.importorskip("vllm")
 
 from parity.rollout import build_engine  # noqa: E402
 from parity.rollout.base import SamplingSpec  # noqa: E402
-from parity.training.trainer import Trainer  # noqa: E402
+from parity.training.trainer import build_trainer  # noqa: E402
 from tests.conftest import TEST_DTYPE  # noqa: E402
 
 TEMP = 0.7  # != 1 so raw (pre-temperature) log-probs would fail the comparison
@@ -56,7 +56,7 @@ def batch(engine):
 
 
 def _trainer(cfg, model):
-    return Trainer(copy.deepcopy(model), cfg, torch.device("cpu"))
+    return build_trainer(copy.deepcopy(model), cfg, torch.device("cpu"))
 
 
 def test_batch_layout_matches_the_contract(batch, engine):

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import pytest
-from omegaconf import OmegaConf
 
+from parity.config.schema import ParityConfig, PrecisionConfig, VllmEngineKwargs
 from parity.rollout.vllm_options import LOGPROBS_MODE, VllmConfigError, resolve_vllm_options
 
 
 def _cfg(**vllm):
-    return OmegaConf.create({"actor_rollout_ref": {"rollout": {"engine_kwargs": {"vllm": vllm}}}})
+    cfg = ParityConfig()
+    cfg.actor_rollout_ref.rollout.engine_kwargs.vllm = VllmEngineKwargs(**vllm)
+    return cfg
 
 
 def _prec(weights="bf16", activations="bf16", kv_cache="bf16"):
-    return OmegaConf.create({"weights": weights, "activations": activations, "kv_cache": kv_cache})
+    return PrecisionConfig(weights=weights, activations=activations, kv_cache=kv_cache)
 
 
 def test_defaults_ask_for_the_trainers_logprob_definition():
@@ -72,3 +74,4 @@ def test_routing_capture_refused_on_cpu_naming_the_key(quick_cfg, tmp_path):
     cfg = quick_cfg("rollout.name=vllm", "rollout.capture_routing=true")
     with pytest.raises(ParityError, match=r"rollout\.capture_routing.*cpu"):
         VllmEngine(cfg, tmp_path)  # refused before the model folder is read
+

@@ -108,6 +108,7 @@ def _run_hydra(cmd: str, rest: list[str]) -> None:
         config_dir,
         normalize_overrides,
         register_schema,
+        typed,
         validate_config,
     )
 
@@ -127,7 +128,7 @@ def _run_hydra(cmd: str, rest: list[str]) -> None:
             check_config(cfg)
             validate_config(cfg)
             module = importlib.import_module(f"parity.commands.{cmd}")  # after composition: `--cfg job` stays fast
-            result = module.run(cfg)
+            result = module.run(typed(cfg))
         except (ConfigError, ParityError, FileNotFoundError) as e:
             _fail(str(e))
         _emit(result)

@@ -81,7 +81,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, model_
     from parity.rollout.base import SamplingSpec
     from parity.rollout.torch_engine import TorchEngine
     from parity.training.sharded import ShardedTrainer
-    from parity.training.trainer import Trainer
+    from parity.training.trainer import build_trainer
 
     cuda = args.device == "cuda"
     if cuda:
@@ -114,7 +114,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, model_
     wb = WeightBroadcast("127.0.0.1", wport[0], rank, 2, backend, timeout_s=600)
     trainer = engine = None
     if rank == 0:
-        trainer = Trainer(load(), cfg, device)
+        trainer = build_trainer(load(), cfg, device)
         meta = [(n, tuple(p.shape), str(trainer.compute_dtype).removeprefix("torch."))
                 for n, p in trainer.model.named_parameters()]
     else:

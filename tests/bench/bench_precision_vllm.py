@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from parity.config.schema import PrecisionConfig
+
 
 def _build(out: Path) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, Qwen3Config
@@ -90,7 +92,7 @@ def main() -> dict:
     seqs = [(p, r) for p, r, _ in samples]
     vllm_logp = torch.tensor([x for _, _, lps in samples for x in lps])
     sim = copy.deepcopy(model)
-    quantize_model_(sim, {"weights": "int8", "activations": "int8"})
+    quantize_model_(sim, PrecisionConfig(weights="int8", activations="int8"))
     refs = {"bf16": _teacher_forced_logp(model, seqs), "sim_127": _teacher_forced_logp(sim, seqs)}
     orig = linear_mod.quantize_rowwise
 

@@ -34,6 +34,8 @@ from gpu_bench_common import (
     timed,
 )
 
+from parity.config.schema import PrecisionConfig
+
 # label, weights (= activations), KV cache kind, packed cache
 ROWS = [("bf16", "bf16", "bf16", True), ("int8_w8a8", "int8", "bf16", True),
         ("int8_w8a8_int4kv", "int8", "int4_per_token_head", True),
@@ -109,7 +111,7 @@ def kv_rows(d: str, reps: int, rows: list | None = None, budget_batches: bool = 
         row: dict = {}
         out[label] = row
         # no EOS (id -1 is never sampled): every row decodes all 256 tokens, at batch 240 as at 64
-        eng = TorchEngine(d, precision=SimpleNamespace(weights=wa, activations=wa, kv_cache=kv), device="cuda",
+        eng = TorchEngine(d, precision=PrecisionConfig(weights=wa, activations=wa, kv_cache=kv), device="cuda",
                           dtype=torch.bfloat16, eos_token_id=-1)
         if packed and kv != "bf16":
             # the kernels' self-check (codes and values bit for bit, attention to rounding) reported, but the

@@ -123,13 +123,13 @@ def _trainer(d: str, corr: str, topk: int, comp: bool | str, ckpt: bool = False)
     from transformers import AutoModelForCausalLM
 
     from parity.config import load_config
-    from parity.training.trainer import Trainer
+    from parity.training.trainer import build_trainer
     cfg = load_config(["trainer.micro_batch_size=8", "model.dtype=bfloat16", "trainer.device=cuda",
                        "algorithm.policy_loss=reinforce", f"algorithm.correction.name={corr}",
                        f"rollout.topk_logprobs={topk}", f"trainer.gradient_checkpointing={str(ckpt).lower()}",
                        f"trainer.compile_layers={str(bool(comp)).lower()}",
                        f"trainer.compile_mode={comp if isinstance(comp, str) else 'default'}"])
-    return Trainer(AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32), cfg, torch.device("cuda"))
+    return build_trainer(AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32), cfg, torch.device("cuda"))
 
 
 def interleaved_sc_ab(d: str, comp: bool, out: dict, rounds: int = 9) -> None:

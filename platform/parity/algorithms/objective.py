@@ -1,7 +1,8 @@
 """The RL objective of one micro-batch: the single entry point the trainer calls.
 
     objective = Objective(cfg.algorithm, corrections)   # once: the policy loss and aggregation looked up, checked
-    loss = objective(hidden, lm_head.weight, mb, adv, old_lp, T, denom, metrics)
+    loss = objective(hidden, lm_head.weight, batch=mb, advantages=adv, old_logprobs=old_lp, temperature=T,
+                     denom=denom, metrics=metrics)
     loss.backward()          # once per micro-batch; the sum over micro-batches is the mini-batch loss
 
 `rl_objective(...)` is the same as one call of a fresh Objective (tests, benchmarks).
@@ -75,7 +76,7 @@ class Objective:
         if self.chunk < 1:
             raise ValueError(f"algorithm.logprob_chunk_size must be >= 1, got {self.chunk}")
 
-    def __call__(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, batch: RolloutBatch,
+    def __call__(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, *, batch: RolloutBatch,
                  advantages: torch.Tensor, old_logprobs: torch.Tensor | None, temperature: float,
                  denom: LossDenominators, metrics: StepMetrics, rows: torch.Tensor | None = None,
                  ids_checked: bool = False) -> torch.Tensor:
@@ -151,5 +152,6 @@ def rl_objective(hidden: torch.Tensor, lm_head_weight: torch.Tensor, batch: Roll
                  ids_checked: bool = False) -> torch.Tensor:
     """One micro-batch's loss under a configuration resolved for this call alone: Objective(alg_cfg,
     corrections)(...); a trainer builds its Objective once."""
-    return Objective(alg_cfg, corrections)(hidden, lm_head_weight, batch, advantages, old_logprobs, temperature,
-                                           denom, metrics, rows=rows, ids_checked=ids_checked)
+    return Objective(alg_cfg, corrections)(hidden, lm_head_weight, batch=batch, advantages=advantages,
+                                           old_logprobs=old_logprobs, temperature=temperature, denom=denom,
+                                           metrics=metrics, rows=rows, ids_checked=ids_checked)

@@ -18,9 +18,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Any
-
-from omegaconf import DictConfig
+from typing import TYPE_CHECKING
 
 from parity.errors import ParityError
 from parity.evaluation.runner import evaluate
@@ -29,6 +27,9 @@ from parity.rollout import build_engine
 from parity.tracking.registered import resolve_registered_model
 from parity.training.checkpoint import CheckpointManager
 from parity.training.warm_start import prepare_model
+
+if TYPE_CHECKING:
+    from parity.config.schema import ParityConfig
 
 GROUPS = ["eval", "model", "rollout", "precision"]
 KEYS = [
@@ -75,18 +76,18 @@ def newest_run(runs_dir: Path) -> tuple[Path, Path]:
                       f"under {runs_dir}")
 
 
-def resolve_eval_model(cfg: Any) -> tuple[Path | str, str]:
+def resolve_eval_model(cfg: ParityConfig) -> tuple[Path | str, str]:
     """(model folder or hub id, how it was chosen)."""
     model, chosen, _ = resolve_eval_model_info(cfg)
     return model, chosen
 
 
-def resolve_eval_model_info(cfg: Any) -> tuple[Path | str, str, dict | None]:
+def resolve_eval_model_info(cfg: ParityConfig) -> tuple[Path | str, str, dict | None]:
     """(model folder or hub id, how it was chosen, the registered model's name/version/source or None)."""
     e = cfg.eval
-    registered = e.get("registered_model")
+    registered = e.registered_model
     if registered not in (None, ""):
-        others = [k for k in ("model_path", "run_name") if e.get(k)]
+        others = [k for k in ("model_path", "run_name") if getattr(e, k)]
         if others:
             raise ParityError(f"config key `eval.registered_model`: set it or `eval.{others[0]}`, not both")
 
@@ -116,7 +117,7 @@ def resolve_eval_model_info(cfg: Any) -> tuple[Path | str, str, dict | None]:
     return Path(prepare_model(cfg)["model_dir"]), "prepared default", None
 
 
-def _out_dir(cfg: Any, model: Path | str, registered: dict | None = None) -> Path:
+def _out_dir(cfg: ParityConfig, model: Path | str, registered: dict | None = None) -> Path:
     if cfg.eval.out_dir:
         return inside_outputs(cfg.eval.out_dir, cfg.outputs_dir, "eval.out_dir")
     if registered is not None:
@@ -128,7 +129,7 @@ def _out_dir(cfg: Any, model: Path | str, registered: dict | None = None) -> Pat
     return Path(cfg.outputs_dir) / "eval" / f"{label}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def run(cfg: DictConfig) -> dict:
+def run(cfg: ParityConfig) -> dict:
     from transformers import AutoTokenizer
 
     model, chosen, registered = resolve_eval_model_info(cfg)

@@ -10,10 +10,12 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-
-from omegaconf import DictConfig
+from typing import TYPE_CHECKING
 
 from parity.config import repo_root
+
+if TYPE_CHECKING:
+    from parity.config.schema import ParityConfig
 
 GROUPS = ["experiment", "model", "rollout", "precision", "algorithm", "eval"]
 KEYS = [
@@ -36,7 +38,7 @@ def _overrides() -> list[str]:
         return []
 
 
-def run(cfg: DictConfig) -> dict:
+def run(cfg: ParityConfig) -> dict:
     os.environ.setdefault("PREFECT_HOME", str(Path(str(cfg.outputs_dir)).resolve() / "prefect"))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     if str(repo_root()) not in sys.path:  # flows/ and tasks/ live beside platform/, not in the package

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
+from typing import TYPE_CHECKING
 
 from parity.training.warm_start import prepare_model
+
+if TYPE_CHECKING:
+    from parity.config.schema import ParityConfig
 
 GROUPS = ["model", "data"]
 KEYS = [
@@ -20,5 +23,5 @@ EXAMPLES = [
 ]
 
 
-def run(cfg: DictConfig) -> dict:
+def run(cfg: ParityConfig) -> dict:
     return {"command": "prepare", **prepare_model(cfg)}

@@ -13,8 +13,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-
-from omegaconf import DictConfig
+from typing import TYPE_CHECKING
 
 from parity.precision.config import PrecisionConfigError, resolve_precision
 from parity.precision.export import (
@@ -23,6 +22,9 @@ from parity.precision.export import (
     quantized_checkpoint_dir,  # noqa: F401  (its home before; tasks import it here)
 )
 from parity.training.warm_start import prepare_model
+
+if TYPE_CHECKING:
+    from parity.config.schema import ParityConfig
 
 GROUPS = ["precision", "model"]
 KEYS = [
@@ -36,7 +38,7 @@ EXAMPLES = [
 ]
 
 
-def run(cfg: DictConfig) -> dict:
+def run(cfg: ParityConfig) -> dict:
     from transformers import AutoModelForCausalLM
 
     precision = resolve_precision(cfg)

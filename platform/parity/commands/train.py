@@ -6,14 +6,15 @@ without it nothing is written outside outputs/runs/<run_name>."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
-
-from omegaconf import DictConfig
+from typing import TYPE_CHECKING, Any
 
 from parity.distributed.driver import ray_runner
 from parity.tracking.train_run import tracked_train
 from parity.training.local import local_runner
 from parity.training.loop import train as run_loop
+
+if TYPE_CHECKING:
+    from parity.config.schema import ParityConfig
 
 GROUPS = ["experiment", "model", "rollout", "precision", "algorithm", "data", "trainer", "distributed"]
 KEYS = [
@@ -37,18 +38,18 @@ EXAMPLES = [
 ]
 
 
-def runner_of(cfg: Any) -> Callable:
+def runner_of(cfg: ParityConfig) -> Callable:
     """The runner of the RL loop that distributed.enabled asks for: Ray actors, or this process."""
     return ray_runner if cfg.distributed.enabled else local_runner
 
 
-def train(cfg: Any, callbacks: list[Any] | None = None) -> dict:
+def train(cfg: ParityConfig, callbacks: list[Any] | None = None) -> dict:
     """The RL loop (parity.training.loop.train) with the runner distributed.enabled asks for; what this command
     and the pipeline's train stage run."""
     return run_loop(cfg, callbacks, runner=runner_of(cfg))
 
 
-def run(cfg: DictConfig) -> dict:
+def run(cfg: ParityConfig) -> dict:
     if cfg.tracking.enabled:
         return {"command": "train", **tracked_train(cfg, train)}
     return {"command": "train", **train(cfg, [])}

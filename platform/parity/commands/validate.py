@@ -14,9 +14,7 @@ with a non-zero exit naming it, so a pipeline stops before training on a broken 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
-from omegaconf import DictConfig
+from typing import TYPE_CHECKING, Any
 
 from parity.data.prompts import build_train_stream, render_prompt
 from parity.data.tasks import synthetic_task
@@ -39,6 +37,9 @@ from parity.rewards.grader import grade_answer
 from parity.rollout import build_engine, compute_dtype, is_perturbed, resolve_device
 from parity.training.warm_start import prepare_model
 
+if TYPE_CHECKING:
+    from parity.config.schema import ParityConfig, PrecisionConfig
+
 GROUPS = ["precision", "model", "rollout"]
 KEYS = [
     "rollout.precision.validation.num_prompts, .samples_per_prompt, .max_new_tokens: the held-out check",
@@ -50,7 +51,7 @@ EXAMPLES = [
 ]
 
 
-def heldout_prompts(cfg: Any, n: int, seed: int) -> list[tuple[str, str]]:
+def heldout_prompts(cfg: ParityConfig, n: int, seed: int) -> list[tuple[str, str]]:
     """(prompt text, reference answer): the synthetic task's test split, or problems of the configured data
     (the quantization is calibration-free, so any prompts are held out from it)."""
     if cfg.data.name in ("arithmetic", "countdown"):
@@ -60,7 +61,7 @@ def heldout_prompts(cfg: Any, n: int, seed: int) -> list[tuple[str, str]]:
     return [(render_prompt(cfg.data.prompt_template, p.problem), p.answer) for p in problems]
 
 
-def _quant_side(cfg: Any, source: Path, ckpt_dir: Path, precision: Any) -> Any:
+def _quant_side(cfg: ParityConfig, source: Path, ckpt_dir: Path, precision: PrecisionConfig) -> Any:
     if is_perturbed(precision):  # the rollout's perturbation (theta_0 + Delta, then quantized) is what is validated
         return build_engine(cfg, ckpt_dir if cfg.rollout.name == "vllm" else source, precision, reference_dir=source)
     if cfg.rollout.name == "vllm":
@@ -74,7 +75,7 @@ def _grade(texts: list[str], answers: list[str]) -> list[float]:
     return [grade_answer(t, a)[0] for t, a in zip(texts, answers)]
 
 
-def run(cfg: DictConfig) -> dict:
+def run(cfg: ParityConfig) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

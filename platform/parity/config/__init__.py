@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from parity.config.keys import REMOVED, check_config, check_overrides, open_groups, unknown_key_message
 from parity.config.schema import CorrectionConfig, ParityConfig, add_correction_section
+from parity.config.seed_block import fold_seed_block
 from parity.config.validate import ConfigError, validate_config
 
 _STORED: tuple[str, ...] | None = None  # the correction sections of the schema stored with Hydra
@@ -104,8 +109,16 @@ def check_keys(overrides: list[str], extra_config_dirs: list[str | Path] = ()) -
 
 
 def load_config(overrides: list[str] | None = None, extra_config_dir: str | None = None,
-                validate: bool = True) -> DictConfig:
-    """Compose the config the way `python -m parity <command>` does (Hydra compose API), for flows and tests."""
+                validate: bool = True) -> ParityConfig:
+    """Compose the config the way `python -m parity <command>` does (Hydra compose API), for flows and tests:
+    checked, validated, and returned as the schema's dataclasses (`typed`)."""
+    return typed(compose_config(overrides, extra_config_dir, validate))
+
+
+def compose_config(overrides: list[str] | None = None, extra_config_dir: str | None = None,
+                   validate: bool = True) -> DictConfig:
+    """load_config before `typed`: the composed DictConfig, checked and validated, its interpolations (such as
+    `${oc.env:PARITY_OUTPUTS,outputs}`) still unresolved, for what inspects the config's sources."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -128,6 +141,64 @@ def load_config(overrides: list[str] | None = None, extra_config_dir: str | None
     return cfg
 
 
+def typed(cfg: DictConfig) -> ParityConfig:
+    """A composed config as the schema's dataclasses, every interpolation resolved and the seed block's precision
+    folded into `rollout.precision` (parity.config.seed_block): what library code takes."""
+    return fold_seed_block(OmegaConf.to_object(cfg))  # type: ignore[arg-type]
+
+
+def from_plain(plain: Mapping[str, Any]) -> ParityConfig:
+    """A config sent as a plain resolved mapping (to a Ray actor, a Prefect task) back as the schema's
+    dataclasses, its values checked against the schema's types; the registered corrections' sections (and those
+    of the modules it names) are part of that schema."""
+    correction = dict(dict(plain.get("algorithm") or {}).get("correction") or {})
+    from omegaconf.errors import OmegaConfBaseException
+
+    load_registries(modules=[str(m) for m in correction.get("modules") or []])
+    # A section registered where the config was built by a module this process does not import (a correction
+    # defined beside the code that built it, not named in algorithm.correction.modules) is not part of this
+    # process's schema; it is unused unless its correction is selected, and then building the stack names it.
+    known = {f.name for f in dataclasses.fields(CorrectionConfig)}
+    foreign = [k for k, v in correction.items() if k not in known and isinstance(v, Mapping)]
+    if foreign:
+        algorithm = {**dict(plain["algorithm"]), "correction": {k: v for k, v in correction.items() if k not in foreign}}
+        plain = {**dict(plain), "algorithm": algorithm}
+    try:
+        return typed(OmegaConf.merge(OmegaConf.structured(ParityConfig), dict(plain)))  # type: ignore[arg-type]
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        raise ConfigError(f"config key `{key}`: {str(e).splitlines()[0]}" if key else str(e).splitlines()[0]) from None
+
+
+def as_plain(cfg: ParityConfig | DictConfig | Any) -> dict[str, Any]:
+    """The config (or one section) as plain dicts and lists: what crosses a process boundary or is written out."""
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        return dataclasses.asdict(cfg)
+    if isinstance(cfg, DictConfig):
+        return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    return copy.deepcopy(dict(cfg))
+
+
+def with_values(cfg: ParityConfig, values: Mapping[str, Any]) -> ParityConfig:
+    """A copy of `cfg` with the dotted keys of `values` set (`{"trainer.resume": True}`), each value checked
+    against (and converted to) the schema's type; a key the schema lacks or a value of the wrong type is a
+    ConfigError naming the key. The original is left as it was."""
+    out = copy.deepcopy(cfg)
+    for dotted, value in values.items():
+        *parents, last = dotted.split(".")
+        node: Any = out
+        for part in parents:
+            node = node[part] if isinstance(node, dict) else getattr(node, part, None)
+            if node is None:
+                raise ConfigError(unknown_key_message(dotted))
+        if isinstance(node, dict):
+            node[last] = value
+        elif dataclasses.is_dataclass(node) and last in {f.name for f in dataclasses.fields(node)}:
+            setattr(node, last, _checked(node, last, dotted, value))
+        else:
+            raise ConfigError(unknown_key_message(dotted))
+    return out
+
 def _refuse_removed_key(error: BaseException) -> None:
     """A config file that sets a removed key fails in Hydra's composition (the schema lacks the key): raise the
     error that names the key's new spelling instead, with the file Hydra names."""
@@ -141,11 +212,26 @@ def _refuse_removed_key(error: BaseException) -> None:
         raise ConfigError(f"{where}: {unknown_key_message(full_key)}") from None
 
 
-def to_yaml(cfg: DictConfig) -> str:
-    return OmegaConf.to_yaml(cfg, resolve=True)
+def _checked(node: Any, key: str, dotted: str, value: Any) -> Any:
+    """`value` as the schema's field `key` of the section `node` takes it (OmegaConf's conversions: "3" for an
+    int, 1 for a float), or a ConfigError naming `dotted`."""
+    from omegaconf.errors import ValidationError
+
+    if dataclasses.is_dataclass(value) or isinstance(value, dict | list):
+        return value
+    check = OmegaConf.structured(type(node))
+    try:
+        check[key] = value
+    except ValidationError as e:
+        raise ConfigError(f"config key `{dotted}`: {str(e).splitlines()[0]}") from None
+    return OmegaConf.to_container(check, resolve=False)[key]  # a '${' in a string is text here, not a reference
 
 
-def flatten(cfg: DictConfig) -> dict[str, object]:
+def to_yaml(cfg: ParityConfig | DictConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.create(as_plain(cfg), flags={"allow_objects": True}))
+
+
+def flatten(cfg: ParityConfig | DictConfig) -> dict[str, object]:
     """Resolved config as dotted keys (for MLflow params)."""
     out: dict[str, object] = {}
 
@@ -156,9 +242,9 @@ def flatten(cfg: DictConfig) -> dict[str, object]:
         else:
             out[prefix] = node
 
-    walk(OmegaConf.to_container(cfg, resolve=True), "")
+    walk(as_plain(cfg), "")
     return out
 
 
-__all__ = ["ConfigError", "load_config", "validate_config", "register_schema", "load_registries", "config_dir",
+__all__ = ["ConfigError", "ParityConfig", "load_config", "compose_config", "typed", "from_plain", "as_plain", "with_values", "validate_config", "register_schema", "load_registries", "config_dir",
            "flatten", "to_yaml", "check_keys", "check_config", "open_groups", "normalize_overrides", "default_groups"]

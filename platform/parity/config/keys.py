@@ -216,17 +216,21 @@ def check_overrides(overrides: Iterable[str], search_dirs: Iterable[Path]) -> No
 
 
 def check_config(cfg: Any) -> None:
-    """Refuse a composed config holding a key the schema does not have (ConfigError, one line)."""
+    """Refuse a composed config (a DictConfig, or the typed one with an attribute set that the schema lacks)
+    holding a key the schema does not have (ConfigError, one line)."""
     from omegaconf import DictConfig
+
+    def items(node: Any) -> Iterable[tuple[str, Any]]:
+        return node.items_ex(resolve=False) if isinstance(node, DictConfig) else vars(node).items()
 
     def walk(node: Any, cls: type, prefix: str) -> None:
         fields = _fields(cls)
-        for name, child in node.items_ex(resolve=False):
+        for name, child in items(node):
             key = f"{prefix}{name}"
             if name not in fields:
                 raise ConfigError(unknown_key_message(key))
             kind = fields[name]
-            if dataclasses.is_dataclass(kind) and isinstance(child, DictConfig):
+            if dataclasses.is_dataclass(kind) and (isinstance(child, DictConfig) or dataclasses.is_dataclass(child)):
                 walk(child, kind, f"{key}.")
 
     walk(cfg, _root(), "")

@@ -51,6 +51,11 @@ def mask_tree(node: Any, key: str = "") -> Any:
 
 def masked_config_yaml(cfg: Any) -> str:
     """The resolved config as YAML, secrets masked: what run folders and MLflow artifacts store."""
+    import dataclasses
+
     from omegaconf import OmegaConf
-    tree = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else cfg
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        tree = dataclasses.asdict(cfg)  # the typed config (parity.config.load_config)
+    else:
+        tree = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else cfg
     return OmegaConf.to_yaml(OmegaConf.create(mask_tree(tree)))

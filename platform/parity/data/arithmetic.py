@@ -7,7 +7,10 @@ from __future__ import annotations
 import hashlib
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from parity.config.schema import ArithmeticConfig
 
 TEST_BUCKETS = 10  # 1 in 10 problem texts is reserved for the test split
 
@@ -42,14 +45,14 @@ def make_problem(rng: random.Random, level: int, ops: list[str]) -> tuple[str, i
     raise ValueError(f"config key `data.arithmetic.ops`: unknown operation {op!r}; known: + - *")
 
 
-def _levels(cfg: Any) -> list[int]:
+def _levels(cfg: ArithmeticConfig) -> list[int]:
     lo, hi = int(cfg.min_level), int(cfg.max_level)
     if not 1 <= lo <= hi <= 6:
         raise ValueError(f"config keys `data.arithmetic.min_level/max_level`: need 1 <= min <= max <= 6, got {lo}, {hi}")
     return list(range(lo, hi + 1))
 
 
-def arithmetic_problems(split: str, n: int, cfg: Any, seed_offset: int = 0) -> list[Problem]:
+def arithmetic_problems(split: str, n: int, cfg: ArithmeticConfig, seed_offset: int = 0) -> list[Problem]:
     """`n` distinct problems of `split` ('train' or 'test'), deterministic in (cfg.seed, seed_offset)."""
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
@@ -73,7 +76,7 @@ def arithmetic_problems(split: str, n: int, cfg: Any, seed_offset: int = 0) -> l
 class ArithmeticStream:
     """Endless deterministic stream of train problems; its position is part of the checkpoint."""
 
-    def __init__(self, cfg: Any, seed: int = 0) -> None:
+    def __init__(self, cfg: ArithmeticConfig, seed: int = 0) -> None:
         self.cfg, self.seed, self.position = cfg, seed, 0
         self._levels, self._ops = _levels(cfg), list(cfg.ops)
 

@@ -23,10 +23,13 @@ from __future__ import annotations
 import hashlib
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from parity.data.arithmetic import Problem
 from parity.errors import DataError
+
+if TYPE_CHECKING:
+    from parity.config.schema import CountdownConfig
 from parity.rewards.countdown import ANSWER_PREFIX, decode_answer, encode_answer  # noqa: F401  (the task's answers)
 
 TEST_BUCKETS = 10
@@ -143,7 +146,7 @@ class Rules:
     min_attempts: int  # = max_attempts unless the teacher's budget is drawn (data.countdown.min_attempts)
 
 
-def rules(cfg: Any) -> Rules:
+def rules(cfg: CountdownConfig) -> Rules:
     """`cfg` (data.countdown, a config or any object with its keys) checked and as plain values."""
     if isinstance(cfg, Rules):
         return cfg
@@ -172,7 +175,7 @@ def rules(cfg: Any) -> Rules:
                  max_attempts=most, min_attempts=least)
 
 
-def draw_problem(rng: random.Random, cfg: Any) -> tuple[list[int], int]:
+def draw_problem(rng: random.Random, cfg: CountdownConfig) -> tuple[list[int], int]:
     """Numbers of a random level and the value of a random combination of them as the target (so a solution
     exists), redrawn until the target lies in [min_target, max_target]."""
     r = rules(cfg)
@@ -194,7 +197,7 @@ def _problem(split: str, index: int, numbers: list[int], target: int) -> Problem
                    answer=encode_answer(numbers, target))
 
 
-def countdown_problems(split: str, n: int, cfg: Any, seed_offset: int = 0) -> list[Problem]:
+def countdown_problems(split: str, n: int, cfg: CountdownConfig, seed_offset: int = 0) -> list[Problem]:
     """`n` distinct problems of `split` ('train' or 'test'), deterministic in (cfg.seed, seed_offset)."""
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
@@ -223,7 +226,7 @@ def problem_numbers(p: Problem) -> tuple[list[int], int]:
 class CountdownStream:
     """Endless deterministic stream of train problems; its position is part of the checkpoint."""
 
-    def __init__(self, cfg: Any, seed: int = 0) -> None:
+    def __init__(self, cfg: CountdownConfig, seed: int = 0) -> None:
         self.cfg, self.seed, self.position = rules(cfg), seed, 0
 
     def take(self, n: int) -> list[Problem]:
@@ -243,7 +246,7 @@ class CountdownStream:
         self.position = int(state["position"])
 
 
-def countdown_demonstration(p: Problem, cfg: Any, rng: random.Random) -> Trace:
+def countdown_demonstration(p: Problem, cfg: CountdownConfig, rng: random.Random) -> Trace:
     """The teacher's trace for `p`; with data.countdown.min_attempts set, its attempt budget is first drawn
     uniformly from [min_attempts, max_attempts] (one draw of `rng`, only then: a fixed budget keeps the draws of
     the traces it always wrote)."""

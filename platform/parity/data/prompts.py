@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from parity.data.arithmetic import ArithmeticStream, Problem
 from parity.data.countdown import CountdownStream
 from parity.errors import DataError
+
+if TYPE_CHECKING:
+    from parity.config.schema import DataConfig
 
 
 def render_prompt(template: str, problem: str) -> str:
@@ -84,7 +87,7 @@ class ListStream:
         self.position = int(state["position"])
 
 
-def build_train_stream(data_cfg: Any, seed: int = 0) -> ArithmeticStream | CountdownStream | ListStream:
+def build_train_stream(data_cfg: DataConfig, seed: int = 0) -> ArithmeticStream | CountdownStream | ListStream:
     if data_cfg.name in ("arithmetic", "countdown"):
         from parity.data.tasks import synthetic_task
 

@@ -14,11 +14,21 @@ from __future__ import annotations
 import functools
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
+from parity.config import as_plain
 from parity.data.arithmetic import ArithmeticStream, Problem, arithmetic_problems, teacher_answer
 from parity.data.countdown import CountdownStream, Rules, countdown_demonstration, countdown_problems, rules
 from parity.errors import DataError
+
+if TYPE_CHECKING:
+    from parity.config.schema import (
+        ArithmeticConfig,
+        CountdownConfig,
+        DataConfig,
+        ParityConfig,
+        WarmStartConfig,
+    )
 
 SYNTHETIC = ("arithmetic", "countdown")
 KNOWN = (*SYNTHETIC, "math_train", "jsonl")
@@ -29,8 +39,8 @@ class SyntheticTask:
     """A generated task: its train stream, its disjoint test split and its warm-start teacher."""
 
     name: str
-    cfg: Any  # data.<name>
-    teacher: Any = None  # model.warm_start (teacher_error / teacher_error_rate of arithmetic)
+    cfg: ArithmeticConfig | CountdownConfig  # data.<name>
+    teacher: WarmStartConfig | None = None  # model.warm_start (teacher_error / teacher_error_rate of arithmetic)
 
     @functools.cached_property
     def _rules(self) -> Rules:  # data.countdown as plain values (read for every demonstration)
@@ -53,13 +63,10 @@ class SyntheticTask:
 
     def config_payload(self) -> dict:
         """What of the task determines a warm-started model (part of the prepared model's cache key)."""
-        from omegaconf import OmegaConf
-
-        cfg = OmegaConf.to_container(self.cfg, resolve=True) if OmegaConf.is_config(self.cfg) else vars(self.cfg)
-        return {"task": self.name, self.name: cfg}
+        return {"task": self.name, self.name: as_plain(self.cfg)}
 
 
-def synthetic_task(data_cfg: Any, warm_start: Any = None) -> SyntheticTask:
+def synthetic_task(data_cfg: DataConfig, warm_start: WarmStartConfig | None = None) -> SyntheticTask:
     """The task that generates the embedded model's warm start and held-out problems: data.name when it is a
     generator, else arithmetic (a dataset such as math_train brings no teacher and no test split)."""
     name = str(data_cfg.name)
@@ -69,6 +76,6 @@ def synthetic_task(data_cfg: Any, warm_start: Any = None) -> SyntheticTask:
     return SyntheticTask(name, getattr(data_cfg, name), warm_start)
 
 
-def heldout_problems(cfg: Any, n: int) -> list[Problem]:
+def heldout_problems(cfg: ParityConfig, n: int) -> list[Problem]:
     """The held-out problems a run's `eval/accuracy` is measured on (the task's disjoint test split)."""
     return synthetic_task(cfg.data).test_problems(n)

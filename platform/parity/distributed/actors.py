@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from parity.config import ParityConfig, from_plain
 from parity.distributed.cluster import NO_MULTICAST, weight_sync
 from parity.distributed.weight_broadcast import WeightBroadcast, free_port, node_address
 from parity.distributed.weights import pack_weights, unpack_weights
@@ -37,20 +38,19 @@ from parity.rollout import build_engine, resolve_device
 from parity.training.checkpoint import CheckpointManager, read_state, set_rng_state, training_state
 from parity.training.local import sync_engine
 from parity.training.sharded import GatheredModel, ShardedTrainer
-from parity.training.trainer import Trainer
+from parity.training.trainer import build_trainer
 
 
 def _threads(cpus: float) -> None:
     torch.set_num_threads(max(1, int(cpus)))
 
 
-def _cfg(cfg: Any) -> Any:
-    from omegaconf import OmegaConf
-    return OmegaConf.create(cfg) if isinstance(cfg, dict) else cfg
+def _cfg(cfg: ParityConfig | dict) -> ParityConfig:
+    return from_plain(cfg) if isinstance(cfg, dict) else cfg
 
 
 class RolloutWorker:
-    def __init__(self, cfg: Any, model_dir: str, version: int, cpus: float = 1.0, base_dir: str | None = None) -> None:
+    def __init__(self, cfg: ParityConfig, model_dir: str, version: int, cpus: float = 1.0, base_dir: str | None = None) -> None:
         """`base_dir`: the run's starting model, theta_0 of a rollout perturbation (parity.rollout.perturbed)."""
         _threads(cpus)
         self.cfg = _cfg(cfg)
@@ -102,7 +102,7 @@ def resolve_backend(name: str, device: torch.device) -> str:
 
 
 class TrainerWorker:
-    def __init__(self, cfg: Any, base_dir: str, resume_from: str | None, cpus: float = 1.0, rank: int = 0,
+    def __init__(self, cfg: ParityConfig, base_dir: str, resume_from: str | None, cpus: float = 1.0, rank: int = 0,
                  world: int = 1, measured_discrepancy: float | None = None) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -126,7 +126,7 @@ class TrainerWorker:
 
     def _build(self, model: Any) -> None:
         if self.world == 1:  # routing replay (R3) happens inside the Trainer's step when the batch carries routing
-            self.trainer = Trainer(model, self.cfg, self.device, reference_dir=self.base_dir,
+            self.trainer = build_trainer(model, self.cfg, self.device, reference_dir=self.base_dir,
                                    measured_discrepancy=self.measured_discrepancy)
         else:
             self.trainer = ShardedTrainer(model, self.cfg, self.device, self.measured_discrepancy)

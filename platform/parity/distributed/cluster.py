@@ -12,10 +12,13 @@ import math
 import os
 import tempfile
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from parity.config.distributed import check_distributed, trainer_workers
 from parity.errors import ParityError
+
+if TYPE_CHECKING:
+    from parity.config.schema import DistributedConfig
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +26,7 @@ log = logging.getLogger(__name__)
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def bundles(dcfg: Any) -> list[dict[str, float]]:
+def bundles(dcfg: DistributedConfig) -> list[dict[str, float]]:
     """One bundle per rollout worker, then one per trainer worker (rank 0 first); zero GPU counts are left out
     (a CPU node has none). With GPUs each trainer worker's bundle holds whole GPUs of its own, so the rollout
     workers' GPUs are others."""
@@ -36,9 +39,9 @@ def bundles(dcfg: Any) -> list[dict[str, float]]:
             + [bundle(dcfg.trainer_cpus, dcfg.trainer_gpus) for _ in range(trainer_workers(dcfg))])
 
 
-def weight_sync(dcfg: Any) -> str:
+def weight_sync(dcfg: DistributedConfig) -> str:
     """object_store or broadcast (auto = object_store: the path run end to end on every machine so far)."""
-    mode = str(dcfg.get("weight_sync", "auto"))
+    mode = str(dcfg.weight_sync)
     return "object_store" if mode == "auto" else mode
 
 
@@ -81,12 +84,12 @@ def _patched_env(set_vars: dict[str, str], unset: tuple[str, ...]) -> Iterator[N
                 os.environ[k] = v
 
 
-def local_num_cpus(dcfg: Any) -> int:
+def local_num_cpus(dcfg: DistributedConfig) -> int:
     return int(dcfg.num_cpus) if dcfg.num_cpus else max(1, math.ceil(sum(b["CPU"] for b in bundles(dcfg))))
 
 
 @contextlib.contextmanager
-def ray_session(dcfg: Any) -> Iterator[dict]:
+def ray_session(dcfg: DistributedConfig) -> Iterator[dict]:
     """Connect (or start) Ray for the duration of the block; yields a description of the cluster."""
     import ray
 
@@ -144,12 +147,12 @@ def _is_loopback(address: str) -> bool:
     return address.rsplit(":", 1)[0].strip("[]") in ("127.0.0.1", "localhost", "::1")
 
 
-def _start_local(ray: Any, dcfg: Any, common: dict) -> None:
+def _start_local(ray: Any, dcfg: DistributedConfig, common: dict) -> None:
     with _loopback_node():
         _start_local_attempts(ray, dcfg, common)
 
 
-def _start_local_attempts(ray: Any, dcfg: Any, common: dict) -> None:
+def _start_local_attempts(ray: Any, dcfg: DistributedConfig, common: dict) -> None:
     last: Exception | None = None
     for attempt in range(1, int(dcfg.start_attempts) + 1):
         try:
@@ -165,7 +168,7 @@ def _start_local_attempts(ray: Any, dcfg: Any, common: dict) -> None:
                       f"(config key `distributed.start_attempts`): {last}")
 
 
-def placement(dcfg: Any, timeout_s: float = 300.0) -> Any:
+def placement(dcfg: DistributedConfig, timeout_s: float = 300.0) -> Any:
     """Reserve every actor's resources at once, so a run never starts with only part of its workers."""
     import ray
     from ray.util.placement_group import placement_group

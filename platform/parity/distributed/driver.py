@@ -14,10 +14,9 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from omegaconf import OmegaConf
-
+from parity.config import as_plain
 from parity.config.distributed import trainer_workers
 from parity.distributed.actors import RolloutWorker, TrainerWorker
 from parity.distributed.cluster import in_bundle, placement, ray_session, weight_sync
@@ -26,6 +25,9 @@ from parity.distributed.weights import unpack_weights
 from parity.training.checkpoint import CheckpointManager
 from parity.training.loop import Callback, train
 from parity.training.runner import Sides
+
+if TYPE_CHECKING:
+    from parity.config.schema import ParityConfig
 
 log = logging.getLogger(__name__)
 
@@ -71,13 +73,13 @@ class TrainerGroup:
             ray.kill(a)
 
 
-def start_actors(cfg: Any, pg: Any, base_dir: str, start_dir: str, resume_from: str | None,
+def start_actors(cfg: ParityConfig, pg: Any, base_dir: str, start_dir: str, resume_from: str | None,
                  start_step: int, measured_discrepancy: float | None = None) -> tuple[TrainerGroup, list[Any]]:
     """Rollout worker i in bundle i, trainer rank r in the bundle after them; the rollout workers restart on their
     own (not with weight_sync=broadcast: a restarted worker cannot rejoin the weight group)."""
     import ray
 
-    d, plain = cfg.distributed, OmegaConf.to_container(cfg, resolve=True)
+    d, plain = cfg.distributed, as_plain(cfg)
     world, sync, timeout = trainer_workers(d), weight_sync(d), float(d.init_timeout_s)
     # named after the run: a second driver of the same run in the same namespace fails fast instead of
     # training alongside, and operators (and tests) can find a worker with ray.get_actor
@@ -109,7 +111,7 @@ def start_actors(cfg: Any, pg: Any, base_dir: str, start_dir: str, resume_from: 
 
 
 @contextlib.contextmanager
-def ray_runner(cfg: Any, base_dir: str, run: Any, measured_discrepancy: float | None = None) -> Iterator[Sides]:
+def ray_runner(cfg: ParityConfig, base_dir: str, run: Any, measured_discrepancy: float | None = None) -> Iterator[Sides]:
     """A Ray session (joined or started), the placement group and the actors for the duration of the run."""
     import ray
     from transformers import AutoTokenizer
@@ -136,6 +138,6 @@ def ray_runner(cfg: Any, base_dir: str, run: Any, measured_discrepancy: float | 
 __all__ = ["ray_runner", "start_actors", "TrainerGroup"]
 
 
-def train_distributed(cfg: Any, callbacks: list[Callback] | None = None) -> dict:
+def train_distributed(cfg: ParityConfig, callbacks: list[Callback] | None = None) -> dict:
     """The RL loop with the Ray runner whatever distributed.enabled says."""
     return train(cfg, callbacks, runner=ray_runner)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from parity.core.sampling import SamplingSpec
 from parity.distributed.weights import pack_weights
@@ -22,6 +22,9 @@ from parity.errors import ParityError
 from parity.rollout.sharding import Shard, global_spec, merge_batches, shard_prompts
 from parity.training.runner import RolloutResult
 from parity.types import RolloutBatch
+
+if TYPE_CHECKING:
+    from parity.config.schema import DistributedConfig
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +50,7 @@ class Broadcast:
 class RolloutPool:
     name = "ray"
 
-    def __init__(self, workers: list[Any], pad_token_id: int, dcfg: Any, version: int = 0) -> None:
+    def __init__(self, workers: list[Any], pad_token_id: int, dcfg: DistributedConfig, version: int = 0) -> None:
         self.workers = workers
         self.pad_token_id = pad_token_id
         self.max_retries = int(dcfg.max_shard_retries)

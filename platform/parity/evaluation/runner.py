@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from parity.config.schema import DataConfig, EvalConfig
 from parity.core.sampling import Engine, SamplingSpec
 from parity.data.arithmetic import Problem
 from parity.data.benchmarks import BENCHMARKS, SYNTHETIC, load_benchmark
@@ -45,30 +46,24 @@ class BenchmarkSettings:
     hub: dict = field(default_factory=dict)
 
 
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    if cfg is None:
-        return default
-    v = cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
-    return default if v is None else v
-
-
-def benchmark_settings(eval_cfg: Any, name: str, default_template: str) -> BenchmarkSettings:
+def benchmark_settings(eval_cfg: EvalConfig, name: str, default_template: str) -> BenchmarkSettings:
     """Global eval sampling keys with `eval.benchmarks.<name>` on top; every value range-checked,
     every error naming its key."""
-    over = dict(_get(eval_cfg, "benchmarks", {}) or {}).get(name) or {}
+    over = dict(eval_cfg.benchmarks or {}).get(name) or {}
     unknown = sorted(set(over) - set(_SAMPLING_KEYS) - set(_HUB_KEYS))
     if unknown:
         raise ParityError(f"config key `eval.benchmarks.{name}.{unknown[0]}`: unknown; known: "
                           f"{', '.join(_SAMPLING_KEYS + _HUB_KEYS)}")
 
-    def pick(key: str, default: Any = None) -> tuple[Any, str]:
+    def pick(key: str) -> tuple[Any, str]:
         if key in over and over[key] is not None:
             return over[key], f"eval.benchmarks.{name}.{key}"
-        return _get(eval_cfg, key, default), f"eval.{key}"
+        return getattr(eval_cfg, key), f"eval.{key}"
 
-    (temp, kt), (top_p, kp) = pick("temperature", 0.0), pick("top_p", 1.0)
-    (mnt, km), (k, kk), (limit, kl) = pick("max_new_tokens", 16), pick("k", 1), pick("limit")
-    template, kt2 = pick("prompt_template", default_template)
+    (temp, kt), (top_p, kp) = pick("temperature"), pick("top_p")
+    (mnt, km), (k, kk), (limit, kl) = pick("max_new_tokens"), pick("k"), pick("limit")
+    template, kt2 = pick("prompt_template")
+    template = default_template if template is None else template
     _require(float(temp) >= 0, kt, f"must be >= 0, got {temp}")
     _require(0 < float(top_p) <= 1, kp, f"must be in (0, 1], got {top_p}")
     _require(int(mnt) >= 1, km, f"must be >= 1, got {mnt}")
@@ -129,23 +124,22 @@ def decode_responses(tokenizer: Any, batch: Any) -> list[str]:
     return tokenizer.batch_decode(rows, skip_special_tokens=True)
 
 
-def _load(settings: BenchmarkSettings, eval_cfg: Any, data_cfg: Any) -> list[Problem]:
-    return load_benchmark(settings.name, datasets_dir=_get(data_cfg, "datasets_dir"),
-                          source=str(_get(eval_cfg, "source", "local")), limit=settings.limit,
-                          arithmetic_cfg=_get(data_cfg, "arithmetic"), hub=settings.hub,
-                          countdown_cfg=_get(data_cfg, "countdown"))
+def _load(settings: BenchmarkSettings, eval_cfg: EvalConfig, data_cfg: DataConfig) -> list[Problem]:
+    return load_benchmark(settings.name, datasets_dir=data_cfg.datasets_dir, source=str(eval_cfg.source),
+                          limit=settings.limit, arithmetic_cfg=data_cfg.arithmetic, hub=settings.hub,
+                          countdown_cfg=data_cfg.countdown)
 
 
 def run_benchmark(engine: Engine, tokenizer: Any, grader: Any, settings: BenchmarkSettings, problems: list[Problem],
-                  context: int | None, eval_cfg: Any, sink: Any) -> dict:
+                  context: int | None, eval_cfg: EvalConfig, sink: Any) -> dict:
     """Generate, grade and store one benchmark; returns its grid of grades and bookkeeping."""
     budget, new_tokens = token_budget(context, settings.max_new_tokens)
-    chat = bool(_get(eval_cfg, "chat_template", False))
+    chat = bool(eval_cfg.chat_template)
     encoded = [left_truncate(encode_prompt(tokenizer, settings.prompt_template.format(problem=p.problem), chat),
                              budget) for p in problems]
     k = settings.k
-    per_call = max(1, int(_get(eval_cfg, "batch_size", 256)) // k)
-    seed = int(_get(eval_cfg, "seed", 0)) + zlib.crc32(settings.name.encode()) % (1 << 30)
+    per_call = max(1, int(eval_cfg.batch_size) // k)
+    seed = int(eval_cfg.seed) + zlib.crc32(settings.name.encode()) % (1 << 30)
     spec = SamplingSpec(temperature=settings.temperature, top_p=settings.top_p, max_new_tokens=new_tokens, n=k,
                         seed=seed)
     correct = np.zeros((len(problems), k), dtype=np.float64)
@@ -178,8 +172,8 @@ def run_benchmark(engine: Engine, tokenizer: Any, grader: Any, settings: Benchma
             "max_new_tokens": new_tokens, "prompt_budget": budget}
 
 
-def evaluate(engine: Engine, tokenizer: Any, suite: list[str], eval_cfg: Any, out_dir: str | Path, *,
-             data_cfg: Any = None, grader: Any = None, progress: bool = True, model_info: dict | None = None) -> dict:
+def evaluate(engine: Engine, tokenizer: Any, suite: list[str], eval_cfg: EvalConfig, out_dir: str | Path, *,
+             data_cfg: DataConfig | None = None, grader: Any = None, progress: bool = True, model_info: dict | None = None) -> dict:
     """Evaluate `engine` on `suite`; writes <out_dir>/samples.jsonl, metrics.json and table.md and
     returns {'benchmarks': {name: row}, 'macro': ..., 'table': markdown, ...}. `model_info` (which model
     was evaluated: its folder, how it was chosen, the registered name and version) is kept as 'model'."""
@@ -190,13 +184,14 @@ def evaluate(engine: Engine, tokenizer: Any, suite: list[str], eval_cfg: Any, ou
         if name not in BENCHMARKS and name not in SYNTHETIC:
             raise ParityError(f"config key `eval.suite`: unknown benchmark {name!r}; known: "
                               + ", ".join([*BENCHMARKS, *SYNTHETIC]))
-    for name in dict(_get(eval_cfg, "benchmarks", {}) or {}):
+    data_cfg = DataConfig() if data_cfg is None else data_cfg
+    for name in dict(eval_cfg.benchmarks or {}):
         if name not in BENCHMARKS and name not in SYNTHETIC:
             raise ParityError(f"config key `eval.benchmarks.{name}`: unknown benchmark")
-    n_boot, level = int(_get(eval_cfg, "bootstrap", 1000)), float(_get(eval_cfg, "ci_level", 0.95))
+    n_boot, level = int(eval_cfg.bootstrap), float(eval_cfg.ci_level)
     _require(n_boot >= 1, "eval.bootstrap", f"must be >= 1, got {n_boot}")
     _require(0 < level < 1, "eval.ci_level", f"must be in (0, 1), got {level}")
-    default_template = str(_get(eval_cfg, "prompt_template", None) or _get(data_cfg, "prompt_template", DEFAULT_TEMPLATE))
+    default_template = str(eval_cfg.prompt_template or data_cfg.prompt_template or DEFAULT_TEMPLATE)
     settings = {name: benchmark_settings(eval_cfg, name, default_template) for name in suite}
     problems = {name: _load(settings[name], eval_cfg, data_cfg) for name in suite}  # bad data fails before sampling
 
@@ -204,10 +199,10 @@ def evaluate(engine: Engine, tokenizer: Any, suite: list[str], eval_cfg: Any, ou
     out.mkdir(parents=True, exist_ok=True)
     own_grader = grader is None
     if own_grader:
-        grader = GraderPool(workers=int(_get(eval_cfg, "grade_workers", 2)),
-                            timeout_s=float(_get(eval_cfg, "grade_timeout_s", 5.0)))
+        grader = GraderPool(workers=int(eval_cfg.grade_workers),
+                            timeout_s=float(eval_cfg.grade_timeout_s))
     stats_before = dict(grader.stats.as_dict()) if hasattr(grader, "stats") else {}
-    context = engine_context_length(engine, tokenizer, _get(eval_cfg, "max_model_len"))
+    context = engine_context_length(engine, tokenizer, eval_cfg.max_model_len)
     t0 = time.time()
     rows: dict[str, dict] = {}
     estimates: dict[str, dict] = {}
@@ -217,7 +212,7 @@ def evaluate(engine: Engine, tokenizer: Any, suite: list[str], eval_cfg: Any, ou
                 st = settings[name]
                 t = time.time()
                 res = run_benchmark(engine, tokenizer, grader, st, problems[name], context, eval_cfg, sink)
-                est = benchmark_metrics(res["correct"], res["answers"], n_boot, level, seed=int(_get(eval_cfg, "seed", 0)))
+                est = benchmark_metrics(res["correct"], res["answers"], n_boot, level, seed=int(eval_cfg.seed))
                 estimates[name] = est
                 rows[name] = {
                     "problems": len(problems[name]), "k": st.k,

@@ -12,11 +12,11 @@ import random
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
+from parity.config import as_plain
 from parity.data.prompts import render_prompt
 from parity.data.tasks import synthetic_task
 from parity.errors import ParityError
@@ -24,16 +24,19 @@ from parity.models.tiny import config_hash
 from parity.models.tokenizer import build_bpe_tokenizer, build_char_tokenizer
 from parity.paths import plain_name
 
+if TYPE_CHECKING:
+    from parity.config.schema import ParityConfig
+
 log = logging.getLogger(__name__)
 PREPARE_VERSION = 2  # bump when the warm-start recipe changes, so caches are rebuilt
 
 
-def task_of(cfg: Any) -> Any:
+def task_of(cfg: ParityConfig) -> Any:
     """The synthetic task the tiny model is warm-started on (arithmetic, countdown)."""
     return synthetic_task(cfg.data, cfg.model.warm_start)
 
 
-def tokenizer_payload(cfg: Any) -> dict | None:
+def tokenizer_payload(cfg: ParityConfig) -> dict | None:
     """What a BPE tokenizer is a function of (None for the character tokenizer)."""
     if str(cfg.model.tokenizer) == "char":
         return None
@@ -42,11 +45,11 @@ def tokenizer_payload(cfg: Any) -> dict | None:
             **task_of(cfg).config_payload()}
 
 
-def tiny_model_dir(cfg: Any) -> Path:
+def tiny_model_dir(cfg: ParityConfig) -> Path:
     payload = {"v": PREPARE_VERSION, "arch": cfg.model.arch,
-               "tiny": OmegaConf.to_container(cfg.model.tiny, resolve=True),
-               "warm_start": OmegaConf.to_container(cfg.model.warm_start, resolve=True),
-               "arith": OmegaConf.to_container(cfg.data.arithmetic, resolve=True),
+               "tiny": as_plain(cfg.model.tiny),
+               "warm_start": as_plain(cfg.model.warm_start),
+               "arith": as_plain(cfg.data.arithmetic),
                "template": cfg.data.prompt_template}
     task = task_of(cfg)
     if task.name != "arithmetic":  # (the arithmetic default keeps the cache key it always had)
@@ -56,7 +59,7 @@ def tiny_model_dir(cfg: Any) -> Path:
     return Path(cfg.outputs_dir) / "models" / f"{plain_name(cfg.model.name, 'model.name')}-{config_hash(payload)}"
 
 
-def resolve_model_dir(cfg: Any) -> Path | str:
+def resolve_model_dir(cfg: ParityConfig) -> Path | str:
     """Where the run's starting weights are, without building anything."""
     if cfg.model.source == "hf":
         path = cfg.model.path
@@ -76,7 +79,7 @@ def resolve_model_dir(cfg: Any) -> Path | str:
     return tiny_model_dir(cfg)
 
 
-def tokenizer_corpus(cfg: Any) -> list[str]:
+def tokenizer_corpus(cfg: ParityConfig) -> list[str]:
     """The BPE's training texts: rendered prompts and the teacher's responses of train problems (a stream
     seed of their own, so the corpus is not the warm start's batches)."""
     task = task_of(cfg)
@@ -85,7 +88,7 @@ def tokenizer_corpus(cfg: Any) -> list[str]:
     return [render_prompt(cfg.data.prompt_template, p.problem) + task.demonstration(p, rng) for p in problems]
 
 
-def prepare_tokenizer(cfg: Any) -> Any:
+def prepare_tokenizer(cfg: ParityConfig) -> Any:
     """The run's tokenizer (character-level, or the cached BPE trained on the task's corpus)."""
     payload = tokenizer_payload(cfg)
     if payload is None:

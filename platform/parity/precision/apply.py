@@ -12,11 +12,11 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 from torch import nn
 
+from parity.config.schema import PrecisionConfig
 from parity.precision.formats import FP8_DTYPE, dequantize, quantize_rowwise
 from parity.precision.kv import KVCodec, make_kv_codec
 from parity.precision.linear import QuantLinear, check_formats, quant_linear_forward, select_path
@@ -151,27 +151,21 @@ def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
 
-def _get(precision: Any, key: str, default: str = "bf16") -> str:
-    v = precision.get(key, default) if isinstance(precision, dict) else getattr(precision, key, default)
-    return str(v if v is not None else default)
-
-
-def kv_codec_for_model(model: nn.Module, precision: Any, hadamard: bool = True) -> KVCodec:
+def kv_codec_for_model(model: nn.Module, precision: PrecisionConfig) -> KVCodec:
     """The KV codec for this model's head size (an int4 cache with an odd head_dim raises here)."""
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kind = _get(precision, "kv_cache")
+    kind = str(precision.kv_cache)
     try:
-        return make_kv_codec(kind, int(head_dim), hadamard=bool(getattr(precision, "kv_hadamard", hadamard)))
+        return make_kv_codec(kind, int(head_dim), hadamard=bool(precision.kv_hadamard))
     except ValueError as e:
         raise ValueError(f"precision.kv_cache={kind!r} for model with head_dim={head_dim}: {e}") from e
 
 
-def quantize_model_(model: nn.Module, precision: Any) -> dict:
+def quantize_model_(model: nn.Module, precision: PrecisionConfig) -> dict:
     """Replace the decoder layers' Linear layers (and fused experts) by quantized ones, in place.
-    `precision` has weights / activations / kv_cache (PrecisionConfig, a DictConfig node or a dict).
     Returns a description: formats, kernel paths with counts, number of layers replaced."""
-    weights, activations = _get(precision, "weights"), _get(precision, "activations")
+    weights, activations = str(precision.weights), str(precision.activations)
     check_formats(weights, activations)
     kv = kv_codec_for_model(model, precision) if hasattr(model, "config") else None
     paths: Counter[str] = Counter()
@@ -189,7 +183,7 @@ def quantize_model_(model: nn.Module, precision: Any) -> dict:
                 paths[new.path_gate_up] += 1
                 paths[new.path_down] += 1
             _set_submodule(model, name, new)
-    return {"weights": weights, "activations": activations, "kv_cache": kv.kind if kv else _get(precision, "kv_cache"),
+    return {"weights": weights, "activations": activations, "kv_cache": kv.kind if kv else str(precision.kv_cache),
             "kv": kv.describe() if kv else None, "paths": dict(paths), "quantized_linear": n_linear,
             "quantized_experts": n_experts, "path": paths.most_common(1)[0][0] if paths else "bf16",
             "kept_bf16": "embeddings, lm_head, norms, routers"}

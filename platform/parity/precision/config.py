@@ -1,12 +1,8 @@
-"""Resolve the rollout precision from the config, and read the quantized checkpoint's config file.
+"""The rollout precision of a loaded config, checked, and the quantized checkpoint's config file.
 
-Two ways to ask for a precision, both in the same config:
-- `rollout.precision.{weights, activations, kv_cache}` (Parity's own keys);
-- the verl-style seed block `actor_rollout_ref.rollout` (DESIGN.md, Precision): `quantization: int8`
-  selects W8A8 INT8, `fp8` W8A8 FP8, and `engine_kwargs.vllm.kv_cache_dtype` the KV cache (vLLM's
-  names: int4_per_token_head, int8_per_token_head, fp8, fp8_per_token_head, auto).
-When the seed block sets something, it wins over a default `rollout.precision`; a non-default
-`rollout.precision` that contradicts it is an error naming both keys.
+`rollout.precision.{weights, activations, kv_cache}` name the formats; the seed experiments' verl-style block
+`actor_rollout_ref.rollout` is an input alias of them, folded in once when the config loads
+(parity.config.seed_block), so nothing here reads it for the formats.
 
 `quantization_config_file` is the config.json of the quantized checkpoint that `python -m parity
 quantize` writes (outputs/precision_validation/<model>-W8A8-INT8/config.json): the Hugging Face
@@ -23,87 +19,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from parity.config.schema import PerturbationConfig, PrecisionConfig
-from parity.errors import ParityError
+from parity.config.schema import ParityConfig, PrecisionConfig
+from parity.config.seed_block import SEED
+from parity.errors import PrecisionConfigError
 from parity.precision.formats import ACTIVATION_FORMATS, WEIGHT_FORMATS
 from parity.precision.kv import KV_KINDS
 
-# seed block `quantization` -> (weights, activations)
-QUANTIZATION_NAMES: dict[str, tuple[str, str]] = {
-    "int8": ("int8", "int8"), "w8a8_int8": ("int8", "int8"), "int8_w8a8": ("int8", "int8"),
-    "fp8": ("fp8", "fp8"), "w8a8_fp8": ("fp8", "fp8"), "fp8_dynamic": ("fp8", "fp8"),
-    "int8_weight_only": ("int8", "bf16"), "w8a16_int8": ("int8", "bf16"),
-    "fp8_weight_only": ("fp8", "bf16"), "w8a16_fp8": ("fp8", "bf16"),
-    "none": ("bf16", "bf16"), "bf16": ("bf16", "bf16"),
-}
-# vLLM's kv_cache_dtype -> our KV kind
-VLLM_KV_DTYPES: dict[str, str] = {
-    "auto": "bf16", "bfloat16": "bf16", "bf16": "bf16",
-    "int8_per_token_head": "int8", "int8": "int8",
-    "int4_per_token_head": "int4_per_token_head",
-    "fp8": "fp8", "fp8_e4m3": "fp8", "fp8_per_token_head": "fp8_per_token_head",
-}
 # our KV kind -> the kv_cache_dtype the vLLM engine passes
 KV_TO_VLLM: dict[str, str] = {"bf16": "auto", "int8": "int8_per_token_head", "fp8": "fp8",
                               "fp8_per_token_head": "fp8_per_token_head",
                               "int4_per_token_head": "int4_per_token_head"}
 
-SEED = "actor_rollout_ref.rollout"
 
-
-class PrecisionConfigError(ParityError, ValueError):
-    """A precision setting or the quantized checkpoint's config file is wrong; the message names it."""
-
-
-def _get(node: Any, key: str, default: Any = None) -> Any:
-    if node is None:
-        return default
-    if isinstance(node, dict):
-        return node.get(key, default)
-    try:
-        return node.get(key, default)  # DictConfig
-    except AttributeError:
-        return getattr(node, key, default)
-
-
-def _seed_formats(seed: Any) -> tuple[str, str] | None:
-    q = _get(seed, "quantization")
-    if q is None:
-        return None
-    name = str(q).lower()
-    if name not in QUANTIZATION_NAMES:
-        raise PrecisionConfigError(f"config key `{SEED}.quantization`: unknown quantization {q!r}; known: "
-                                   f"{', '.join(QUANTIZATION_NAMES)}")
-    return QUANTIZATION_NAMES[name]
-
-
-def _seed_kv(seed: Any) -> str | None:
-    kv = _get(_get(_get(seed, "engine_kwargs"), "vllm"), "kv_cache_dtype")
-    if kv is None:
-        return None
-    if str(kv) not in VLLM_KV_DTYPES:
-        raise PrecisionConfigError(f"config key `{SEED}.engine_kwargs.vllm.kv_cache_dtype`: unsupported KV cache "
-                                   f"dtype {kv!r}; known: {', '.join(VLLM_KV_DTYPES)}")
-    return VLLM_KV_DTYPES[str(kv)]
-
-
-def _merge(key: str, own: str, seed_value: str | None, seed_key: str) -> str:
-    if seed_value is None or own == seed_value:
-        return own
-    if own != "bf16":
-        raise PrecisionConfigError(f"config keys `rollout.precision.{key}`={own!r} and `{seed_key}` (which selects "
-                                   f"{seed_value!r}) disagree; set only one of them")
-    return seed_value
-
-
-def head_dim_from_config(cfg: Any) -> int | None:
+def head_dim_from_config(cfg: ParityConfig) -> int | None:
     """head_dim of the tiny model from the config (None when the model is an HF checkpoint: its head
     size is known only once loaded, where `kv_codec_for_model` checks it)."""
-    model = _get(cfg, "model")
-    if _get(model, "source", "tiny") != "tiny":
+    if cfg.model.source != "tiny":
         return None
-    tiny = _get(model, "tiny")
-    hd = _get(tiny, "head_dim")
+    hd = cfg.model.tiny.head_dim
     return int(hd) if hd else None
 
 
@@ -113,39 +46,22 @@ def check_kv_head_dim(kv_cache: str, head_dim: int | None, key: str = "model.tin
                                    "4-bit values per byte and needs an even head size")
 
 
-def resolve_precision(cfg: Any) -> Any:
-    """The rollout precision (a PrecisionConfig) selected by `cfg` (see module docstring)."""
-    # lazily: the schema lives in parity.config, whose package imports hydra
-
-    own = _get(_get(cfg, "rollout"), "precision")
-    weights = str(_get(own, "weights", "bf16"))
-    activations = str(_get(own, "activations", "bf16"))
-    kv = str(_get(own, "kv_cache", "bf16"))
-    for key, value, known in (("weights", weights, WEIGHT_FORMATS), ("activations", activations, ACTIVATION_FORMATS),
-                              ("kv_cache", kv, KV_KINDS)):
+def resolve_precision(cfg: ParityConfig) -> PrecisionConfig:
+    """The rollout precision of a loaded config (the seed block already folded in), its formats checked; a
+    PrecisionConfigError names the key at fault."""
+    p = cfg.rollout.precision
+    for key, known in (("weights", WEIGHT_FORMATS), ("activations", ACTIVATION_FORMATS), ("kv_cache", KV_KINDS)):
+        value = getattr(p, key)
         if value not in known:
             raise PrecisionConfigError(f"config key `rollout.precision.{key}`: unknown value {value!r}; "
                                        f"known: {', '.join(known)}")
-    seed = _get(_get(cfg, "actor_rollout_ref"), "rollout")
-    formats = _seed_formats(seed)
-    if formats is not None:
-        weights = _merge("weights", weights, formats[0], f"{SEED}.quantization")
-        activations = _merge("activations", activations, formats[1], f"{SEED}.quantization")
-    kv = _merge("kv_cache", kv, _seed_kv(seed), f"{SEED}.engine_kwargs.vllm.kv_cache_dtype")
-    check_kv_head_dim(kv, head_dim_from_config(cfg))
-    extra: dict[str, Any] = {k: _get(own, k) for k in ("kv_hadamard",) if _get(own, k) is not None}
-    p = _get(own, "perturbation")
-    if p is not None:  # the mismatch dial (parity.precision.perturbation) travels with the formats it composes with
-        dial = {k: _get(p, k, getattr(PerturbationConfig, k)) for k in ("sigma", "mode", "seed")}
-        if dial["seed"] is None:  # unset: Delta follows the run's seed, so seeds draw independent biases
-            dial["seed"] = int(_get(_get(cfg, "trainer"), "seed", 0) or 0)
-        extra["perturbation"] = PerturbationConfig(**dial)
-    return PrecisionConfig(weights=weights, activations=activations, kv_cache=kv, **extra)
+    check_kv_head_dim(str(p.kv_cache), head_dim_from_config(cfg))
+    return p
 
 
-def quantization_config_path(cfg: Any) -> str | None:
+def quantization_config_path(cfg: ParityConfig) -> str | None:
     """The seed block's quantization_config_file, interpolations (${oc.env:SC_INT8_CONFIG,...}) resolved."""
-    return _get(_get(_get(cfg, "actor_rollout_ref"), "rollout"), "quantization_config_file")
+    return cfg.actor_rollout_ref.rollout.quantization_config_file
 
 
 @dataclass
@@ -233,12 +149,12 @@ def precision_spec(weights: str, activations: str, kv_cache: str, *, kv_hadamard
     return base
 
 
-def spec_of(precision: Any) -> str:
+def spec_of(precision: PrecisionConfig) -> str:
     """precision_spec of a resolved precision (resolve_precision)."""
     from parity.precision.perturbation import perturbation_of
 
     return precision_spec(str(precision.weights), str(precision.activations), str(precision.kv_cache),
-                          kv_hadamard=bool(getattr(precision, "kv_hadamard", True)),
+                          kv_hadamard=bool(precision.kv_hadamard),
                           perturbation_sigma=perturbation_of(precision)[0])
 
 

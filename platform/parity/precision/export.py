@@ -21,7 +21,7 @@ import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import save_file
@@ -30,6 +30,9 @@ from torch import nn
 from parity.precision.apply import QuantExperts, _quantizable
 from parity.precision.formats import quantize_rowwise
 from parity.precision.linear import QuantLinear
+
+if TYPE_CHECKING:
+    from parity.config.schema import ParityConfig, PrecisionConfig
 
 EXPORTABLE = {("int8", "int8"): "int-quantized", ("fp8", "fp8"): "float-quantized",
               ("fp8", "bf16"): "float-quantized"}
@@ -45,7 +48,7 @@ def checkpoint_dir_name(model_name: str, weights: str, activations: str) -> str:
     return f"{base}-W8A{a_bits}-{weights.upper()}"
 
 
-def quantized_checkpoint_dir(cfg: Any, precision: Any) -> Path:
+def quantized_checkpoint_dir(cfg: ParityConfig, precision: PrecisionConfig) -> Path:
     """Where `quantize` writes (and `validate` reads) the rollout's checkpoint: the folder of the seed block's
     quantization_config_file when set, else <rollout.precision.export_dir>/<model>-W8A8-INT8 (and siblings)."""
     from parity.precision.config import quantization_config_path

@@ -18,25 +18,21 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
+
+from parity.config.schema import PrecisionConfig
 
 MODES = ("fixed", "redraw")
 
 
-def _get(node: Any, key: str, default: Any) -> Any:
-    if node is None:
-        return default
-    if isinstance(node, dict):
-        return node.get(key, default)
-    return getattr(node, key, default)
-
-
-def perturbation_of(precision: Any) -> tuple[float, str, int]:
-    """(sigma, mode, seed) of a precision's `perturbation` section; ValueError naming the key if invalid."""
-    p = _get(precision, "perturbation", None)
-    sigma, mode, seed = float(_get(p, "sigma", 0.0)), str(_get(p, "mode", "fixed")), _get(p, "seed", 0)
+def perturbation_of(precision: PrecisionConfig | None) -> tuple[float, str, int]:
+    """(sigma, mode, seed) of a precision's `perturbation` section (none: no perturbation); ValueError naming the
+    key if invalid."""
+    if precision is None:
+        return 0.0, "fixed", 0
+    p = precision.perturbation
+    sigma, mode, seed = float(p.sigma), str(p.mode), p.seed
     if seed is None:  # null follows trainer.seed, which parity.precision.config.resolve_precision fills in
         if sigma > 0.0:
             raise ValueError("config key `rollout.precision.perturbation.seed` is null (= trainer.seed) here: pass "
@@ -51,7 +47,7 @@ def perturbation_of(precision: Any) -> tuple[float, str, int]:
     return sigma, mode, seed
 
 
-def is_perturbed(precision: Any) -> bool:
+def is_perturbed(precision: PrecisionConfig) -> bool:
     return perturbation_of(precision)[0] > 0.0
 
 
@@ -80,7 +76,7 @@ class Perturbation:
         self._cache: dict[tuple[str, str], torch.Tensor] = {}  # fixed: the one draw, per device it is used on
 
     @classmethod
-    def from_precision(cls, precision: Any, model_dir: str | Path) -> Perturbation | None:
+    def from_precision(cls, precision: PrecisionConfig, model_dir: str | Path) -> Perturbation | None:
         """The run's perturbation, or None when sigma is 0 (then nothing is loaded or touched)."""
         sigma, mode, seed = perturbation_of(precision)
         return cls(load_reference(model_dir), sigma, mode, seed) if sigma > 0 else None
@@ -127,7 +123,7 @@ class DriftProbe:
         self.theta0 = {n: t.to(device) for n, t in reference.items()}
 
     @classmethod
-    def from_precision(cls, precision: Any, model_dir: str | Path, device: torch.device) -> DriftProbe | None:
+    def from_precision(cls, precision: PrecisionConfig, model_dir: str | Path, device: torch.device) -> DriftProbe | None:
         sigma, mode, seed = perturbation_of(precision)
         if sigma <= 0:
             return None

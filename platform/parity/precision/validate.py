@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -37,6 +37,9 @@ from parity.errors import ParityError
 from parity.precision.reports import HISTORY_DIR, LATEST_STEM, REPORT_KIND, reports_of
 from parity.precision.sampler import ModelSampler, response_logprobs
 from parity.types import RolloutBatch
+
+if TYPE_CHECKING:
+    from parity.config.schema import ParityConfig, PrecisionConfig, PrecisionValidationConfig
 
 AccuracyFn = Callable[[list[str], list[str]], list[float]]
 
@@ -55,9 +58,8 @@ class ValidationThresholds:
     max_accuracy_drop: float | None = None
 
     @classmethod
-    def from_config(cls, node: Any) -> ValidationThresholds:
-        get = node.get if hasattr(node, "get") else lambda k, d=None: getattr(node, k, d)
-        return cls(**{f.name: get(f.name, f.default) for f in fields(cls)})
+    def from_config(cls, node: PrecisionValidationConfig) -> ValidationThresholds:
+        return cls(**{f.name: getattr(node, f.name) for f in fields(cls)})
 
 
 # threshold field -> (metric key, "max" or "min")
@@ -250,7 +252,7 @@ def record_report(report: dict, checkpoint_dir: str | Path, spec: str, now: date
             "latest_md": latest_md}
 
 
-def precision_record(precision: Any) -> dict:
+def precision_record(precision: PrecisionConfig) -> dict:
     """The rollout precision as a validation report records it (formats and the perturbation dial)."""
     from parity.precision.perturbation import perturbation_of
 
@@ -262,7 +264,7 @@ def precision_record(precision: Any) -> dict:
     return rec
 
 
-def validated_discrepancy(cfg: Any, precision: Any) -> tuple[float, str] | None:
+def validated_discrepancy(cfg: ParityConfig, precision: PrecisionConfig) -> tuple[float, str] | None:
     """(mean |p_train - p_inf|, report path) that the latest `validate` of this rollout precision measured, or
     None when no report exists for it (algorithm.correction.tolerance=auto then measures the first steps
     instead). Reports written for another precision (other formats, another perturbation) are not used."""

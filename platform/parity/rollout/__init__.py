@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from parity.core.device import compute_dtype, resolve_device
 from parity.core.sampling import Engine, SamplingSpec
@@ -11,19 +11,22 @@ from parity.cpu_lanes import check_lanes
 from parity.precision.config import resolve_precision
 from parity.precision.perturbation import Perturbation, is_perturbed, load_reference, perturbation_of
 
+if TYPE_CHECKING:
+    from parity.config.schema import ParityConfig, PrecisionConfig
 
-def rollout_precision(cfg: Any) -> Any:
+
+def rollout_precision(cfg: ParityConfig) -> Any:
     """The rollout's precision: the seed block's `actor_rollout_ref.rollout` when it sets a quantization,
     else `rollout.precision` (parity.precision.config resolves both)."""
     return resolve_precision(cfg)
 
 
-def engine_lanes(cfg: Any) -> int:
+def engine_lanes(cfg: ParityConfig) -> int:
     """rollout.cpu_lanes, checked (parity.cpu_lanes)."""
     return check_lanes(cfg.rollout.cpu_lanes, "rollout.cpu_lanes")
 
 
-def build_engine(cfg: Any, model_dir: str | Path, precision: Any = None, reference_dir: str | Path | None = None,
+def build_engine(cfg: ParityConfig, model_dir: str | Path, precision: PrecisionConfig | None = None, reference_dir: str | Path | None = None,
                  syncs: int = 0) -> Engine:
     """The configured rollout engine on the weights in `model_dir`. With `rollout.precision.perturbation.sigma`
     > 0 and `reference_dir` (theta_0: the run's starting model) given, the engine samples with theta + Delta
@@ -50,7 +53,7 @@ def build_engine(cfg: Any, model_dir: str | Path, precision: Any = None, referen
     return engine
 
 
-def sampling_spec(cfg: Any, seed: int) -> SamplingSpec:
+def sampling_spec(cfg: ParityConfig, seed: int) -> SamplingSpec:
     r = cfg.rollout
     return SamplingSpec(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens, n=r.n,
                         topk_logprobs=r.topk_logprobs, seed=seed)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 from transformers.models.qwen3.modeling_qwen3 import rotate_half  # the model's own rope helper
 
+from parity.config.schema import PrecisionConfig
 from parity.core.layout import Responses, key_slots, layout_batch, positions, prefill_mask
 from parity.core.sampling import SamplingSpec
 from parity.cpu_lanes import in_lane, run_in_lanes
@@ -39,7 +40,7 @@ class TorchEngine:
     name = "torch"
     PREFILL_CHUNK = 4  # shared prefill: distinct prompts per prompt forward (a fixed shape; see _prefill)
     fast_decode = True  # CUDA only: self.cuda_decoder (static KV cache, CUDA graphs); False = plain loop
-    def __init__(self, model_dir: str | Path, precision: Any = None, device: str = "cpu",
+    def __init__(self, model_dir: str | Path, precision: PrecisionConfig | None = None, device: str = "cpu",
                  dtype: torch.dtype = torch.bfloat16, pad_token_id: int | None = None,
                  eos_token_id: int | None = None, capture_routing: bool = False, share_prefill: bool = True,
                  cpu_lanes: int = 1) -> None:
@@ -68,7 +69,7 @@ class TorchEngine:
             self.recorder = RoutingRecorder(self.model)
         self.cuda_decoder = CudaDecoder(self)  # allocates nothing until a CUDA call takes the fast path
 
-    def _apply_precision(self, precision: Any) -> None:
+    def _apply_precision(self, precision: PrecisionConfig) -> None:
         if precision.weights != "bf16" or precision.activations != "bf16":
             info = quantize_model_(self.model, precision)
             self.linear_path, self.quantized = str(info.get("path", info)), True

@@ -27,7 +27,7 @@ import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,13 +40,8 @@ from parity.rollout import compute_dtype, resolve_device
 from parity.rollout.vllm_options import VllmOptions, resolve_vllm_options
 from parity.types import RolloutBatch
 
-
-def _cfg_get(node: Any, key: str, default: Any) -> Any:
-    try:
-        value = node.get(key, default)
-    except AttributeError:
-        value = getattr(node, key, default)
-    return default if value is None else value
+if TYPE_CHECKING:
+    from parity.config.schema import ParityConfig, PrecisionConfig
 
 
 def routing_capture_supported() -> tuple[bool, str]:
@@ -71,7 +66,7 @@ def _is_compressed_tensors(model_dir: Path) -> bool:
 class VllmEngine:
     name = "vllm"
 
-    def __init__(self, cfg: Any, model_dir: str | Path, precision: Any = None) -> None:
+    def __init__(self, cfg: ParityConfig, model_dir: str | Path, precision: PrecisionConfig | None = None) -> None:
         r = cfg.rollout
         device = resolve_device(cfg.trainer.device)
         self.dtype = compute_dtype(cfg, device)
@@ -79,16 +74,16 @@ class VllmEngine:
         self.opts: VllmOptions = resolve_vllm_options(cfg, precision, dtype_name, str(device))
         self.precision = precision
         self.model_dir = Path(model_dir)
-        self.capture_routing = bool(_cfg_get(r, "capture_routing", False))
+        self.capture_routing = bool(r.capture_routing)
         if self.capture_routing:
             ok, why = routing_capture_supported()
             if not ok:
                 raise ParityError(f"config key `rollout.capture_routing`=true with rollout.name=vllm: {why}; use "
                                   "rollout.name=torch, the routed-expert capture path on this device")
-        self.in_process = bool(_cfg_get(r, "vllm_in_process", True))
+        self.in_process = bool(r.vllm_in_process)
         if self.in_process:  # must be set before vLLM builds its engine core
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        self.quantized_sync = str(_cfg_get(r, "vllm_quantized_sync", "requantize"))
+        self.quantized_sync = str(r.vllm_quantized_sync)
         if self.quantized_sync not in ("requantize", "rebuild"):
             raise ParityError(f"config key `rollout.vllm_quantized_sync`: {self.quantized_sync!r}; "
                               "known: requantize, rebuild")
@@ -106,8 +101,8 @@ class VllmEngine:
     # ---- start / stop ----
 
     @staticmethod
-    def _scratch(cfg: Any) -> str:
-        base = Path(str(_cfg_get(cfg, "outputs_dir", "outputs"))) / "tmp"
+    def _scratch(cfg: ParityConfig) -> str:
+        base = Path(str(cfg.outputs_dir)) / "tmp"
         base.mkdir(parents=True, exist_ok=True)
         return str(base)
 
@@ -121,10 +116,9 @@ class VllmEngine:
         export_compressed_tensors(model, out, self.opts.weights, self.opts.activations, source_dir=model_dir)
         return out
 
-    def _llm_kwargs(self, cfg: Any) -> dict[str, Any]:
+    def _llm_kwargs(self, cfg: ParityConfig) -> dict[str, Any]:
         r = cfg.rollout
-        kw = {"tokenizer": str(self.model_dir), "seed": int(_cfg_get(r, "seed", 0)),
-              "enforce_eager": bool(_cfg_get(r, "vllm_enforce_eager", True)),
+        kw = {"tokenizer": str(self.model_dir), "seed": int(r.seed), "enforce_eager": bool(r.vllm_enforce_eager),
               "max_model_len": int(r.max_model_len), "gpu_memory_utilization": float(r.gpu_memory_utilization),
               "max_logprobs": max(128, int(r.topk_logprobs)), **self.opts.llm_kwargs()}
         if self.capture_routing:

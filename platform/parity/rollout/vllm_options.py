@@ -16,9 +16,13 @@ asked; its KV cache accepts auto, fp8 (e4m3/e5m2) and the per-token-head int4/in
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from parity.config.schema import PrecisionConfig
 from parity.errors import ParityError
+
+if TYPE_CHECKING:
+    from parity.config.schema import ParityConfig
 
 SEED_VLLM = "actor_rollout_ref.rollout.engine_kwargs.vllm"
 # our KV kind -> vLLM kv_cache_dtype (rollout.precision.kv_cache)
@@ -63,36 +67,26 @@ class VllmOptions:
         return {**kw, **self.extra}
 
 
-def _get(node: Any, *path: str, default: Any = None) -> Any:
-    for key in path:
-        if node is None:
-            return default
-        try:
-            node = node.get(key, None) if hasattr(node, "get") else getattr(node, key, None)
-        except (AttributeError, KeyError):
-            return default
-    return default if node is None else node
-
-
 def _device_kind(device: str) -> str:
     return "cuda" if str(device).startswith("cuda") else "cpu"
 
 
-def resolve_vllm_options(cfg: Any, precision: Any, dtype: str, device: str) -> VllmOptions:
-    """Options for this config on this device; raises VllmConfigError naming the key it refuses."""
-    weights = str(_get(precision, "weights", default="bf16"))
-    activations = str(_get(precision, "activations", default="bf16"))
-    kv_kind = str(_get(precision, "kv_cache", default="bf16"))
+def resolve_vllm_options(cfg: ParityConfig, precision: PrecisionConfig | None, dtype: str,
+                         device: str) -> VllmOptions:
+    """Options for this config on this device (no precision: BF16); raises VllmConfigError naming the key it
+    refuses."""
+    precision = PrecisionConfig() if precision is None else precision
+    weights, activations, kv_kind = str(precision.weights), str(precision.activations), str(precision.kv_cache)
     if (weights, activations) != ("bf16", "bf16") and (weights, activations) not in QUANTIZED_FORMATS:
         raise VllmConfigError(f"config key `rollout.precision`: vLLM loads W={weights} A={activations} from no "
                               "checkpoint format; supported: W8A8 INT8, W8A8 FP8, W8A16 FP8 (compressed-tensors)")
-    seed = _get(cfg, *SEED_VLLM.split("."))
-    kv = _get(seed, "kv_cache_dtype")
+    seed = cfg.actor_rollout_ref.rollout.engine_kwargs.vllm
+    kv = seed.kv_cache_dtype
     kv = str(kv) if kv is not None else KV_KIND_TO_VLLM.get(kv_kind)
     if kv is None:
         raise VllmConfigError(f"config key `rollout.precision.kv_cache`: {kv_kind!r} has no vLLM KV cache dtype")
     opts = VllmOptions(dtype=dtype, weights=weights, activations=activations, kv_cache_dtype=kv,
-                       attention_backend=_get(seed, "attention_backend"), linear_backend=_get(seed, "linear_backend"),
+                       attention_backend=seed.attention_backend, linear_backend=seed.linear_backend,
                        device=_device_kind(device))
     check_device_support(opts)
     return opts

@@ -9,8 +9,11 @@ stage run. Pure functions of the config (no MLflow import): the dashboard reads 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
+
+if TYPE_CHECKING:
+    from parity.config.schema import ParityConfig, PrecisionConfig
 
 # What kind of experiment this is, in MLflow's own tag: its UI before 3.17 (and other MLflow front ends) open an
 # experiment of this kind on its runs table. MLflow 3.17's UI no longer reads it: a switch of its own (GenAI |
@@ -41,17 +44,6 @@ IDENTITY_KEYS = (
 )
 _KV_SHORT = {"int4_per_token_head": "int4", "int8": "int8", "int8_per_token_head": "int8", "fp8": "fp8",
              "fp8_per_token_head": "fp8-pth"}
-
-
-def _get(node: Any, dotted: str, default: Any = None) -> Any:
-    for part in dotted.split("."):
-        if node is None:
-            return default
-        try:
-            node = node.get(part) if hasattr(node, "get") else getattr(node, part, None)
-        except Exception:  # a DictConfig key the schema does not know
-            return default
-    return default if node is None else node
 
 
 def _number(v: Any) -> float | None:
@@ -85,15 +77,14 @@ def precision_of_spec(spec: Any) -> str:
     return precision_short(p["weights"], p["activations"], p["kv_cache"], p["sigma"])
 
 
-def precision_of(cfg: Any) -> str:
+def precision_of(cfg: ParityConfig) -> str:
     from parity.precision.config import resolve_precision
 
     p = resolve_precision(cfg)
-    return precision_short(p.weights, p.activations, p.kv_cache,
-                           _get(cfg, "rollout.precision.perturbation.sigma"))
+    return precision_short(p.weights, p.activations, p.kv_cache, p.perturbation.sigma)
 
 
-def label(experiment: Any, precision: Any, correction: Any, seed: Any) -> str:
+def label(experiment: Any, precision: PrecisionConfig, correction: Any, seed: Any) -> str:
     """THE label of what a run trained: `<experiment> / <precision> / <correction> / seed <n>`, e.g.
     `arith_tiny / int8+int4kv / score_centering / seed 0`. MLflow run names, the model versions' tags and every
     page of the dashboard (Runs, Compare, Benchmarks, Regression, Precision) label a trained model with it."""
@@ -108,15 +99,14 @@ FACT_TAGS = {"experiment": "parity.experiment", "precision": "parity.precision",
              "seed": "parity.seed", "run_name": "parity.run_name"}
 
 
-def facts_of(cfg: Any) -> dict[str, str]:
+def facts_of(cfg: ParityConfig) -> dict[str, str]:
     """What a config trains, as the label's parts (and the precision's full spec and the run folder's name): what
     the registry keeps with each model artifact and the MLflow runs and model versions carry as tags."""
     from parity.precision.config import resolve_precision, spec_of
 
-    return {"experiment": str(_get(cfg, "experiment_name", "")), "precision": precision_of(cfg),
-            "precision_spec": spec_of(resolve_precision(cfg)),
-            "correction": str(_get(cfg, "algorithm.correction.name", "none")),
-            "seed": str(_get(cfg, "trainer.seed", 0)), "run_name": str(_get(cfg, "trainer.run_name", ""))}
+    return {"experiment": str(cfg.experiment_name), "precision": precision_of(cfg),
+            "precision_spec": spec_of(resolve_precision(cfg)), "correction": str(cfg.algorithm.correction.name),
+            "seed": str(cfg.trainer.seed), "run_name": str(cfg.trainer.run_name)}
 
 
 def label_of(facts: dict[str, Any]) -> str:
@@ -128,7 +118,7 @@ def facts_of_tags(tags: dict[str, str]) -> dict[str, str]:
     return {k: tags[t] for k, t in FACT_TAGS.items() if tags.get(t) not in (None, "")}
 
 
-def run_title(cfg: Any) -> str:
+def run_title(cfg: ParityConfig) -> str:
     """What a pipeline or training run ran: label() of its config."""
     return label_of(facts_of(cfg))
 
@@ -154,7 +144,7 @@ def unique_run_name(client: Any, experiment_id: str, name: str) -> str:
     return name if n == 1 else f"{name} #{n}"
 
 
-def run_tags(cfg: Any) -> dict[str, str]:
+def run_tags(cfg: ParityConfig) -> dict[str, str]:
     return tags_of(facts_of(cfg))
 
 

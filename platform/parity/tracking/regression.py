@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from parity.config import as_plain
+
 
 @dataclass(frozen=True)
 class PairedComparison:
@@ -86,11 +88,9 @@ def evaluation_settings(cfg) -> str:
     import hashlib
     import json
 
-    from omegaconf import OmegaConf
-
     from parity.precision.config import resolve_precision, spec_of
 
-    ev = OmegaConf.to_container(cfg.eval, resolve=True)
+    ev = as_plain(cfg.eval)
     payload = {"eval": {k: v for k, v in ev.items() if k not in _NOT_SETTINGS},
                "prompt_template": str(cfg.data.prompt_template), "engine": str(cfg.rollout.name),
                "precision": spec_of(resolve_precision(cfg)), "dtype": str(cfg.model.dtype)}

@@ -16,7 +16,7 @@ import tempfile
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from parity.config import flatten
 from parity.core.secrets import mask_url, masked_config_yaml
@@ -24,8 +24,11 @@ from parity.errors import ParityError
 from parity.tracking import mlflow_log, naming
 from parity.training.loop import run_dir_of
 
+if TYPE_CHECKING:
+    from parity.config.schema import ParityConfig
 
-def tracked_train(cfg: Any, train_fn: Callable[[Any, list], dict]) -> dict:
+
+def tracked_train(cfg: ParityConfig, train_fn: Callable[[Any, list], dict]) -> dict:
     """train_fn(cfg, callbacks) -> summary, with the MLflow run around it; the summary gains
     mlflow_run_id, mlflow_experiment_id and mlflow_unwritten_metrics."""
     t = cfg.tracking

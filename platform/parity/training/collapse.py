@@ -5,7 +5,10 @@ function of the reward series, so a resumed run rebuilds it from its metrics log
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from parity.config.schema import ParityConfig
 
 
 class CollapseAlarm:
@@ -20,7 +23,7 @@ class CollapseAlarm:
         self.fired_at: int | None = None
 
     @classmethod
-    def from_config(cls, cfg: Any) -> CollapseAlarm:
+    def from_config(cls, cfg: ParityConfig) -> CollapseAlarm:
         c = cfg.trainer.collapse
         return cls(float(c.fraction), int(c.patience))
 

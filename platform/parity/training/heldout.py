@@ -8,7 +8,7 @@ measured sampled: greedy decoding of a search trace repeats its likeliest attemp
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from parity.core.sampling import Engine, SamplingSpec
 from parity.data.arithmetic import Problem
@@ -16,6 +16,9 @@ from parity.data.prompts import render_prompt
 from parity.data.tasks import heldout_problems
 from parity.rollout import compute_dtype, engine_lanes, is_perturbed, resolve_device, rollout_precision
 from parity.rollout.torch_engine import TorchEngine
+
+if TYPE_CHECKING:
+    from parity.config.schema import ParityConfig, PrecisionConfig
 
 
 def heldout_accuracy(engine: Engine, tok: Any, problems: list[Problem], template: str, grader: Any,
@@ -36,13 +39,13 @@ def heldout_accuracy(engine: Engine, tok: Any, problems: list[Problem], template
     return correct / max(1, len(problems) * samples)
 
 
-def eval_settings(cfg: Any) -> dict:
+def eval_settings(cfg: ParityConfig) -> dict:
     """heldout_accuracy's sampling keywords from trainer.eval_temperature / eval_samples."""
     return {"temperature": float(cfg.trainer.eval_temperature), "samples": int(cfg.trainer.eval_samples),
             "seed": int(cfg.trainer.seed) + 7}
 
 
-def changes_numerics(precision: Any) -> bool:
+def changes_numerics(precision: PrecisionConfig) -> bool:
     """Whether a rollout precision changes any number the engine computes (weights, activations or KV cache,
     or a perturbation of the weights)."""
     return (any(str(getattr(precision, k, "bf16")) != "bf16" for k in ("weights", "activations", "kv_cache"))
@@ -55,7 +58,7 @@ class HeldOut:
     dtype, in this process (what training did to the policy apart from what deploying it quantized costs); with
     trainer.eval_through_rollout=false then only the latter."""
 
-    def __init__(self, cfg: Any, tok: Any, grader: Any, start_dir: str) -> None:
+    def __init__(self, cfg: ParityConfig, tok: Any, grader: Any, start_dir: str) -> None:
         self.tok, self.grader, self.template = tok, grader, cfg.data.prompt_template
         self.max_new_tokens = int(cfg.rollout.max_new_tokens)
         self.problems = heldout_problems(cfg, cfg.trainer.eval_problems)

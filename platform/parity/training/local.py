@@ -6,7 +6,7 @@ import contextlib
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -17,8 +17,11 @@ from parity.rollout import build_engine
 from parity.rollout.perturbed import PerturbedEngine
 from parity.training.checkpoint import CheckpointManager, read_state, set_rng_state, training_state
 from parity.training.runner import RolloutResult, Sides
-from parity.training.trainer import Trainer
+from parity.training.trainer import build_trainer
 from parity.types import RolloutBatch
+
+if TYPE_CHECKING:
+    from parity.config.schema import ParityConfig
 
 
 def sync_engine(engine: Any, named: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
@@ -79,10 +82,10 @@ class LocalRollout:
 class LocalLearner:
     """A Trainer on the run's starting weights; on resume, the checkpoint's trainer state and RNG restored."""
 
-    def __init__(self, cfg: Any, base_dir: str, resume_from: Any, tok: Any, device: torch.device,
+    def __init__(self, cfg: ParityConfig, base_dir: str, resume_from: Any, tok: Any, device: torch.device,
                  measured_discrepancy: float | None = None) -> None:
         model = AutoModelForCausalLM.from_pretrained(str(resume_from or base_dir), dtype=torch.float32)
-        self.trainer = Trainer(model, cfg, device, reference_dir=str(base_dir),
+        self.trainer = build_trainer(model, cfg, device, reference_dir=str(base_dir),
                                measured_discrepancy=measured_discrepancy)
         self.tok = tok
         if resume_from is not None:
@@ -107,7 +110,7 @@ class LocalLearner:
 
 
 @contextlib.contextmanager
-def local_runner(cfg: Any, base_dir: str, run: Any, measured_discrepancy: float | None = None) -> Iterator[Sides]:
+def local_runner(cfg: ParityConfig, base_dir: str, run: Any, measured_discrepancy: float | None = None) -> Iterator[Sides]:
     device = resolve_device(cfg.trainer.device)
     learner = LocalLearner(cfg, base_dir, run.resume_from, AutoTokenizer.from_pretrained(base_dir), device,
                            measured_discrepancy)

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -36,6 +36,9 @@ from parity.training.runner import LearnerSide, RolloutSide
 from parity.training.tolerance import ToleranceSetting, tolerance_setting
 from parity.training.warm_start import prepare_model
 
+if TYPE_CHECKING:
+    from parity.config.schema import ParityConfig
+
 log = logging.getLogger(__name__)
 
 
@@ -43,7 +46,7 @@ class Callback(Protocol):
     def on_step(self, step: int, metrics: dict[str, float]) -> None: ...
 
 
-def train(cfg: Any, callbacks: list[Callback] | None = None, runner: Callable | None = None) -> dict:
+def train(cfg: ParityConfig, callbacks: list[Callback] | None = None, runner: Callable | None = None) -> dict:
     """One RL run; returns its summary. `runner` builds the two sides: this process's by default, the Ray runner
     (parity.distributed.driver.ray_runner) when the caller passes it."""
     if runner is None and cfg.distributed.enabled:
@@ -81,7 +84,7 @@ def tolerance_in_force(setting: ToleranceSetting, rows: list[dict]) -> dict:
     return {"value": setting.value if logged is None else logged, "source": setting.source}
 
 
-def rl_loop(cfg: Any, data: Data, rollout: RolloutSide, learner: LearnerSide, heldout: HeldOut,
+def rl_loop(cfg: ParityConfig, data: Data, rollout: RolloutSide, learner: LearnerSide, heldout: HeldOut,
             run: RunFolder) -> CollapseAlarm:
     tc, overlap = cfg.trainer, bool(cfg.distributed.off_policy_overlap)
     alarm = CollapseAlarm.from_config(cfg)

@@ -10,12 +10,15 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from parity.core.secrets import masked_config_yaml
 from parity.errors import ParityError
 from parity.paths import plain_name
 from parity.training.checkpoint import CheckpointManager, read_state
+
+if TYPE_CHECKING:
+    from parity.config.schema import ParityConfig
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +28,7 @@ def safe_run_name(name: str) -> str:
     return plain_name(name, "trainer.run_name")
 
 
-def run_dir_of(cfg: Any) -> Path:
+def run_dir_of(cfg: ParityConfig) -> Path:
     return Path(cfg.outputs_dir) / "runs" / safe_run_name(str(cfg.trainer.run_name))
 
 
@@ -57,7 +60,7 @@ class RunFolder:
     `resume_from` is the checkpoint folder to continue from (None: a fresh run), `start_step` its step and
     `data_state` the training stream's position saved with it."""
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: ParityConfig) -> None:
         self.t_start = time.time()
         self.dir = run_dir_of(cfg)
         self.ckpts = CheckpointManager(self.dir, keep=cfg.trainer.keep_checkpoints)

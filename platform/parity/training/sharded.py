@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,9 @@ from parity.core.device import compute_dtype
 from parity.errors import ParityError
 from parity.training.trainer import Trainer, position_ids
 from parity.types import RolloutBatch
+
+if TYPE_CHECKING:
+    from parity.config.schema import ParityConfig
 
 
 class PolicyRoot(nn.Module):
@@ -85,7 +88,7 @@ def _full(t: Any) -> Any:
 
 
 class ShardedTrainer(Trainer):
-    def __init__(self, model: nn.Module, cfg: Any, device: torch.device,
+    def __init__(self, model: nn.Module, cfg: ParityConfig, device: torch.device,
                  measured_discrepancy: float | None = None) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -110,9 +113,6 @@ class ShardedTrainer(Trainer):
                 m.set_reduce_scatter_unused_params(True)  # an MoE expert no row of this rank used still pairs up
         super().__init__(model, cfg, device, measured_discrepancy=measured_discrepancy)  # AdamW over the shards
         self._batch: RolloutBatch | None = None
-
-    def _lanes_mode(self) -> int:
-        return 1  # the policy runs inside the FSDP root's forward, whose hooks gather and reduce the weights
 
     # ---- the policy runs inside the FSDP root's forward ----
 

@@ -6,11 +6,14 @@ checkpoint), or, without such a report, measured by the corrections over the fir
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from parity.algorithms.corrections.stack import resolve_tolerance
 from parity.precision.config import resolve_precision
 from parity.precision.validate import validated_discrepancy
+
+if TYPE_CHECKING:
+    from parity.config.schema import ParityConfig
 
 
 @dataclass(frozen=True)
@@ -20,7 +23,7 @@ class ToleranceSetting:
     source: str | None  # the report's path, "first N steps", or None for a configured number
 
 
-def tolerance_setting(cfg: Any) -> ToleranceSetting:
+def tolerance_setting(cfg: ParityConfig) -> ToleranceSetting:
     c = cfg.algorithm.correction
     if str(c.tolerance).strip().lower() != "auto":
         return ToleranceSetting(None, resolve_tolerance(c.tolerance), None)

@@ -3,14 +3,19 @@
 fp32 master weights, BF16 compute (autocast) when model.dtype=bfloat16. Per RL step: advantages from the
 batch's rewards; for each mini-batch the loss denominators are fixed once (so the gradient does not depend on
 the micro-batch split), micro-batches accumulate gradients, then clip and AdamW. A non-finite loss or gradient
-skips the optimizer step, is counted, and `max_bad_steps` in a row stop the run."""
+skips the optimizer step, is counted, and `max_bad_steps` in a row stop the run.
+
+One class per way the policy's forward and backward run, over the one `Trainer.step`: `Trainer` on one device,
+`LaneTrainer` on CPU lanes (parity.cpu_lanes), `parity.training.sharded.ShardedTrainer` over FSDP ranks;
+`build_trainer` picks the first two from the config and the device."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,6 +36,9 @@ from parity.precision.config import resolve_precision
 from parity.precision.perturbation import DriftProbe
 from parity.training.shared_prefix import shared_prefix_hidden
 from parity.types import RolloutBatch
+
+if TYPE_CHECKING:
+    from parity.config.schema import ParityConfig
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +71,11 @@ def check_token_ids(batch: RolloutBatch, vocab: int) -> bool:
 
 
 class Trainer:
-    def __init__(self, model: torch.nn.Module, cfg: Any, device: torch.device,
+    """The policy on one device; its subclasses change where the forward and backward run, not the step."""
+
+    lanes = 1  # CPU lanes the micro-batches run in (LaneTrainer)
+
+    def __init__(self, model: torch.nn.Module, cfg: ParityConfig, device: torch.device,
                  reference_dir: str | None = None, measured_discrepancy: float | None = None) -> None:
         """`reference_dir`: the run's starting model (theta_0); with a rollout perturbation on, each step then
         reports drift/delta_cosine, how far the policy moved along the sampler's bias. `measured_discrepancy`: the
@@ -83,8 +95,6 @@ class Trainer:
         self.bad_steps = 0  # consecutive non-finite steps
         self.skipped_steps = 0
         self.shared_prefix = self._shared_prefix_mode()
-        self.lanes = self._lanes_mode()
-        self._lane_graphs: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # forwards whose backward is pending
         if self.tcfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         if self.tcfg.compile_layers:
@@ -106,13 +116,6 @@ class Trainer:
             return False
         return mode in ("on", "true") or self.device.type == "cpu"
 
-    def _lanes_mode(self) -> int:
-        """trainer.cpu_lanes on a CPU trainer whose forward is the trainer's own (parity.cpu_lanes); 1 elsewhere."""
-        n = check_lanes(getattr(self.tcfg, "cpu_lanes", 1), "trainer.cpu_lanes")
-        if self.device.type != "cpu" or self.tcfg.gradient_checkpointing or self.tcfg.compile_layers:
-            return 1
-        return n
-
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.compute_dtype == torch.float32:
             return contextlib.nullcontext()
@@ -120,43 +123,12 @@ class Trainer:
 
     def response_hidden(self, mb: RolloutBatch) -> torch.Tensor:
         """Final-norm hidden states at the positions that predict each response token: [b, R, H] (each prompt computed
-        once for its responses where trainer.shared_prefix is on, parity.training.shared_prefix). With CPU lanes the
-        rows run in lanes: under autograd the result is a leaf per lane, and `_lane_backward` (after the loss's
-        backward) carries each lane's gradient through its own forward."""
-        parts = split_rows(mb.group_ids, self.lanes) if self.lanes > 1 and mb.routed_experts is None else []
-        if len(parts) < 2 or in_lane():
-            return self._hidden(mb)
-        grad = torch.is_grad_enabled()  # grad mode and autocast are per thread: the lanes take the caller's
+        once for its responses where trainer.shared_prefix is on, parity.training.shared_prefix)."""
+        return self._hidden(mb)
 
-        def lane(rows: slice) -> torch.Tensor:
-            with torch.set_grad_enabled(grad):
-                return self._hidden(mb.select(torch.arange(rows.start, rows.stop)))
-        hs = run_in_lanes(lane, parts)
-        if not grad:
-            return torch.cat(hs)
-        leaves = [h.detach().requires_grad_() for h in hs]
-        self._lane_graphs.append(list(zip(hs, leaves)))
-        return torch.cat(leaves)
-
-    def _lane_backward(self) -> None:
-        """The parameters' gradients of the lanes' forwards (from their leaves' gradients, which the loss's backward
-        filled), computed in the lanes and added to .grad in lane order (deterministic whatever lane ends first)."""
-        graphs, self._lane_graphs = self._lane_graphs, []
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        for pairs in graphs:
-            def back(pair: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
-                h, leaf = pair
-                if leaf.grad is None:
-                    return (None,) * len(params)
-                return torch.autograd.grad(h, params, leaf.grad, allow_unused=True)
-            grads = run_in_lanes(back, pairs)
-            for i, p in enumerate(params):
-                total = None
-                for g in grads:
-                    if g[i] is not None:
-                        total = g[i] if total is None else total + g[i]
-                if total is not None:
-                    p.grad = total if p.grad is None else p.grad.add_(total)
+    def _after_backward(self) -> None:
+        """After each micro-batch's loss.backward(), inside its routing-replay block: where a mode's forward left
+        gradient work of its own (LaneTrainer)."""
 
     def _hidden(self, mb: RolloutBatch) -> torch.Tensor:
         if self.shared_prefix and mb.routed_experts is None:
@@ -224,7 +196,6 @@ class Trainer:
 
     def step(self, batch: RolloutBatch) -> dict[str, float]:
         self.model.train()
-        self._lane_graphs = []  # (a step that raised may have left forwards behind)
         adv = compute_advantages(self.alg.adv_estimator, batch.rewards.float(), batch.group_ids,
                                  norm_by_std=self.alg.norm_adv_by_std)
         metrics = StepMetrics()
@@ -252,13 +223,13 @@ class Trainer:
                     rows = token_rows(host_mb.response_mask.bool()).to(self.device)
                     adv_mb = adv[micro].to(self.device)
                     old_mb = None if old is None else old[micro].to(self.device)
+                    head = functools.partial(self.objective, batch=mb, advantages=adv_mb, old_logprobs=old_mb,
+                                             temperature=self.temperature, denom=denom, metrics=metrics, rows=rows,
+                                             ids_checked=ids_checked)
                     with self._routing(mb, metrics):
-                        loss = self.policy_forward(mb, lambda h, w, mb=mb, denom=denom, rows=rows, adv_mb=adv_mb,
-                                                   old_mb=old_mb: self.objective(
-                                                       h, w, mb, adv_mb, old_mb, self.temperature, denom, metrics,
-                                                       rows=rows, ids_checked=ids_checked))
+                        loss = self.policy_forward(mb, head)
                         loss.backward()  # inside the replay block: checkpointed recomputation replays too
-                        self._lane_backward()
+                        self._after_backward()
                     total += float(loss.detach())
                 total, gn = self._reduce_and_clip(total)
                 if not (torch.isfinite(gn) and torch.isfinite(torch.tensor(total))):
@@ -318,3 +289,76 @@ class Trainer:
         self.corrections.load_state_dict(state["corrections"])
         self.bad_steps, self.skipped_steps = state["bad_steps"], state["skipped_steps"]
         self.rl_steps = int(state.get("rl_steps", 0))  # checkpoints written before the counter existed: 0
+
+
+class LaneTrainer(Trainer):
+    """The CPU trainer whose micro-batches run in `trainer.cpu_lanes` threads (parity.cpu_lanes): the rows split at
+    prompt-group boundaries, each lane's forward and backward on its own, the gradients added in lane order."""
+
+    def __init__(self, model: torch.nn.Module, cfg: ParityConfig, device: torch.device, lanes: int,
+                 reference_dir: str | None = None, measured_discrepancy: float | None = None) -> None:
+        super().__init__(model, cfg, device, reference_dir=reference_dir, measured_discrepancy=measured_discrepancy)
+        self.lanes = lanes
+        self._lane_graphs: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # forwards whose backward is pending
+
+    def response_hidden(self, mb: RolloutBatch) -> torch.Tensor:
+        """The rows run in lanes: under autograd the result is a leaf per lane, and `_after_backward` (after the
+        loss's backward) carries each lane's gradient through its own forward. A batch with routing replay, or one
+        split into fewer than two groups, runs as one."""
+        parts = split_rows(mb.group_ids, self.lanes) if mb.routed_experts is None else []
+        if len(parts) < 2 or in_lane():
+            return self._hidden(mb)
+        grad = torch.is_grad_enabled()  # grad mode and autocast are per thread: the lanes take the caller's
+
+        def lane(rows: slice) -> torch.Tensor:
+            with torch.set_grad_enabled(grad):
+                return self._hidden(mb.select(torch.arange(rows.start, rows.stop)))
+        hs = run_in_lanes(lane, parts)
+        if not grad:
+            return torch.cat(hs)
+        leaves = [h.detach().requires_grad_() for h in hs]
+        self._lane_graphs.append(list(zip(hs, leaves)))
+        return torch.cat(leaves)
+
+    def _after_backward(self) -> None:
+        """The parameters' gradients of the lanes' forwards (from their leaves' gradients, which the loss's backward
+        filled), computed in the lanes and added to .grad in lane order (deterministic whatever lane ends first)."""
+        graphs, self._lane_graphs = self._lane_graphs, []
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for pairs in graphs:
+            def back(pair: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
+                h, leaf = pair
+                if leaf.grad is None:
+                    return (None,) * len(params)
+                return torch.autograd.grad(h, params, leaf.grad, allow_unused=True)
+            grads = run_in_lanes(back, pairs)
+            for i, p in enumerate(params):
+                total = None
+                for g in grads:
+                    if g[i] is not None:
+                        total = g[i] if total is None else total + g[i]
+                if total is not None:
+                    p.grad = total if p.grad is None else p.grad.add_(total)
+
+    def step(self, batch: RolloutBatch) -> dict[str, float]:
+        self._lane_graphs = []  # (a step that raised may have left forwards behind)
+        return super().step(batch)
+
+
+def trainer_lanes(cfg: ParityConfig, device: torch.device) -> int:
+    """trainer.cpu_lanes (checked) where the trainer's own forward runs on the CPU; 1 on other devices and where the
+    decoder layers' own forward must run (gradient checkpointing, compiled layers)."""
+    n = check_lanes(cfg.trainer.cpu_lanes, "trainer.cpu_lanes")
+    if device.type != "cpu" or cfg.trainer.gradient_checkpointing or cfg.trainer.compile_layers:
+        return 1
+    return n
+
+
+def build_trainer(model: torch.nn.Module, cfg: ParityConfig, device: torch.device, reference_dir: str | None = None,
+                  measured_discrepancy: float | None = None) -> Trainer:
+    """The single-process trainer for this config and device: LaneTrainer where CPU lanes apply, else Trainer."""
+    lanes = trainer_lanes(cfg, device)
+    if lanes > 1:
+        return LaneTrainer(model, cfg, device, lanes, reference_dir=reference_dir,
+                           measured_discrepancy=measured_discrepancy)
+    return Trainer(model, cfg, device, reference_dir=reference_dir, measured_discrepancy=measured_discrepancy)

@@ -11,7 +11,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from parity.core.device import compute_dtype, resolve_device
 from parity.models.prepare import prepare_tokenizer, resolve_model_dir, task_of
@@ -23,10 +23,13 @@ from parity.training.checkpoint import file_sha256
 from parity.training.heldout import eval_settings, heldout_accuracy
 from parity.training.sft import warm_start
 
+if TYPE_CHECKING:
+    from parity.config.schema import ParityConfig
+
 log = logging.getLogger(__name__)
 
 
-def prepare_model(cfg: Any) -> dict:
+def prepare_model(cfg: ParityConfig) -> dict:
     """The run's starting model: {"model_dir", "cached", ...the warm start's record (prepare.json)}."""
     target = resolve_model_dir(cfg)
     if cfg.model.source == "hf" or cfg.model.path:
@@ -39,7 +42,7 @@ def prepare_model(cfg: Any) -> dict:
     return _build_tiny(cfg, target)
 
 
-def _build_tiny(cfg: Any, target: Path) -> dict:
+def _build_tiny(cfg: ParityConfig, target: Path) -> dict:
     t0 = time.time()
     device = resolve_device(cfg.trainer.device)
     ws = cfg.model.warm_start
