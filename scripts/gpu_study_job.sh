@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One job of the GPU study on a CUDA machine without the project's environment (docs/study/collapse_study.md,
-# "GPU jobs"): the pure-Python packages travel in .gpucarry/site (hydra, omegaconf, antlr4, math_verify,
+# One job of the GPU study on a CUDA machine without the project's environment (docs/study/grpo_study.md,
+# "Reproducing"): the pure-Python packages travel in .gpucarry/site (hydra, omegaconf, antlr4, math_verify,
 # latex2sympy2_extended with their dist-info, copied from .venv). The warm start is built in the job, or restored
 # from the pieces in WARM_IMPORT (a folder of warm.tar.part*; scripts/warm_start_pieces.py); WARM_EXPORT=1 rounds
 # a freshly built one to bfloat16 and writes its pieces to $OUT, so later jobs start from the same weights. Then

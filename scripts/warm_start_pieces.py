@@ -1,5 +1,5 @@
 """Carry a prepared (warm-started) model between jobs of a machine that keeps nothing, in pieces small enough to
-travel (docs/study/collapse_study.md, "GPU jobs").
+travel (docs/study/grpo_study.md, "Reproducing").
 
     python scripts/warm_start_pieces.py export MODEL_DIR OUT_DIR   # round the weights to bfloat16 in place, then
                                                                    # write OUT_DIR/warm.tar.part00, part01, ...

