@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     problems = build_train_stream(cfg.data, seed=a.seed + 7919).take(a.prompts)
     ids = [tok(render_prompt(cfg.data.prompt_template, p.problem))["input_ids"] for p in problems]
     device = resolve_device(cfg.trainer.device)
-    dtype = compute_dtype(cfg, device)
+    dtype = compute_dtype(cfg.model.dtype, device)
     train = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
     spec = SamplingSpec(temperature=float(cfg.rollout.temperature), max_new_tokens=int(cfg.rollout.max_new_tokens),
                         n=a.samples, seed=a.seed)

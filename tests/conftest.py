@@ -55,13 +55,12 @@ def test_dtype():
 
 
 def _dtypes_line() -> str:
-    from types import SimpleNamespace
 
     import torch
 
     from parity.rollout import compute_dtype
 
-    auto = str(compute_dtype(SimpleNamespace(model=SimpleNamespace(dtype="auto")), torch.device("cpu")))
+    auto = str(compute_dtype("auto", torch.device("cpu")))
     how = "PARITY_AUTO_DTYPE" if os.environ.get("PARITY_AUTO_DTYPE") else "this CPU"
     return (f"parity: numerical tests check model.dtype={TEST_DTYPE} (PARITY_TEST_DTYPE); "
             f"model.dtype=auto resolves to {auto.removeprefix('torch.')} ({how})")

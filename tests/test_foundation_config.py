@@ -121,13 +121,13 @@ def test_auto_dtype_follows_the_switch_and_a_pinned_dtype_stays(monkeypatch, tmp
     assert auto.model.dtype == "auto"
     for forced in ("bfloat16", "float32"):
         monkeypatch.setenv("PARITY_AUTO_DTYPE", forced)
-        assert compute_dtype(auto, cpu) == getattr(torch, forced)
-        assert compute_dtype(pinned, cpu) == torch.float32
+        assert compute_dtype(auto.model.dtype, cpu) == getattr(torch, forced)
+        assert compute_dtype(pinned.model.dtype, cpu) == torch.float32
     monkeypatch.setenv("PARITY_AUTO_DTYPE", "bf16")
     with pytest.raises(ConfigError, match="PARITY_AUTO_DTYPE.*'bf16'"):
         load_config([])
     with pytest.raises(ConfigError, match="PARITY_AUTO_DTYPE"):
-        compute_dtype(auto, cpu)
+        compute_dtype(auto.model.dtype, cpu)
     out = subprocess.run([sys.executable, "-m", "parity", "train", f"outputs_dir={tmp_path}"], capture_output=True,
                          text=True, timeout=120, env={**os.environ, "PARITY_AUTO_DTYPE": "bf16"})
     assert out.returncode != 0 and "PARITY_AUTO_DTYPE" in out.stderr and "Traceback" not in out.stderr

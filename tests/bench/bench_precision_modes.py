@@ -47,7 +47,7 @@ def main(overrides: list[str]) -> list[dict]:
     v = cfg.rollout.precision.validation
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     device = resolve_device(cfg.trainer.device)
-    dtype = compute_dtype(cfg, device)
+    dtype = compute_dtype(cfg.model.dtype, device)
     bf16 = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
     problems = heldout_prompts(cfg, int(v.num_prompts), int(v.seed))
     prompts = [tok(text)["input_ids"] for text, _ in problems]

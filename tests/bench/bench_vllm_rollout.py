@@ -100,7 +100,7 @@ def main() -> dict:
             f"rollout.n={n}"]
     cfg = load_config([*base, "rollout.name=vllm"])
     model_dir = prepare_model(cfg)["model_dir"]
-    dtype = compute_dtype(cfg, torch.device("cpu"))
+    dtype = compute_dtype(cfg.model.dtype, torch.device("cpu"))
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     problems = build_train_stream(cfg.data, seed=int(cfg.trainer.seed)).take(n_prompts)
     prompts, _ = encode_prompts(tok, cfg.data.prompt_template, problems, 256 - tokens)

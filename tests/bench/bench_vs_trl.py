@@ -130,7 +130,7 @@ def worker_floor(a: argparse.Namespace) -> dict:
         lines += [json.dumps({"prompt": render_prompt(cfg.data.prompt_template, p.problem), "answer": p.answer})
                   for p in problems]
     Path(a.prompts).write_text("\n".join(lines) + "\n")
-    dtype = compute_dtype(cfg, torch.device("cpu"))
+    dtype = compute_dtype(cfg.model.dtype, torch.device("cpu"))
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     gen = torch.Generator().manual_seed(0)
     V, B, R = model.config.vocab_size, PROMPTS * N_RESP, a.tokens
@@ -174,7 +174,7 @@ def worker_parity(a: argparse.Namespace) -> dict:
         phases = {k: r[f"perf/{k}"] for k in ("rollout_s", "grade_s", "train_s", "sync_s")}
         steps.append({"step": r["step"], "end": r["end"], "step_s": dt, **phases,
                       "other_s": dt - sum(phases.values()), "reward": r.get("reward/mean")})
-    return {"peer": "parity", "dtype": str(compute_dtype(cfg, torch.device("cpu"))).replace("torch.", ""),
+    return {"peer": "parity", "dtype": str(compute_dtype(cfg.model.dtype, torch.device("cpu"))).replace("torch.", ""),
             "threads": torch.get_num_threads(), "startup_s": round(rows[0]["end"] - t0, 2), "steps": steps}
 
 

@@ -14,15 +14,13 @@ telemetry into `metrics`."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from parity.algorithms.aggregation import AGGREGATIONS, LossDenominators, aggregate_loss
 from parity.algorithms.corrections import CorrectionContext, CorrectionStack
 from parity.algorithms.corrections.base import gather_rows, scatter_rows, token_rows
 from parity.algorithms.logprobs import chunked_token_logprobs
-from parity.algorithms.losses import get_policy_loss
+from parity.algorithms.losses import AlgorithmSettings, get_policy_loss
 from parity.algorithms.mismatch import StepMetrics, record_mismatch
 from parity.types import RolloutBatch
 
@@ -67,12 +65,12 @@ class Objective:
     corrections checked against the policy loss and `algorithm.logprob_chunk_size` checked, once; each call is
     one micro-batch's scalar loss."""
 
-    def __init__(self, alg_cfg: Any, corrections: CorrectionStack) -> None:
+    def __init__(self, alg_cfg: AlgorithmSettings, corrections: CorrectionStack) -> None:
         self.alg_cfg, self.corrections = alg_cfg, corrections
         self.policy_loss = get_policy_loss(str(alg_cfg.policy_loss))
         corrections.check(policy_loss=str(alg_cfg.policy_loss))
         self.aggregate = AGGREGATIONS.get(str(alg_cfg.loss_agg_mode))
-        self.chunk = int(getattr(alg_cfg, "logprob_chunk_size", 1024))
+        self.chunk = int(alg_cfg.logprob_chunk_size)
         if self.chunk < 1:
             raise ValueError(f"algorithm.logprob_chunk_size must be >= 1, got {self.chunk}")
 
@@ -147,7 +145,8 @@ class Objective:
 
 
 def rl_objective(hidden: torch.Tensor, lm_head_weight: torch.Tensor, batch: RolloutBatch, advantages: torch.Tensor,
-                 old_logprobs: torch.Tensor | None, temperature: float, corrections: CorrectionStack, alg_cfg: Any,
+                 old_logprobs: torch.Tensor | None, temperature: float, corrections: CorrectionStack,
+                 alg_cfg: AlgorithmSettings,
                  denom: LossDenominators, metrics: StepMetrics, rows: torch.Tensor | None = None,
                  ids_checked: bool = False) -> torch.Tensor:
     """One micro-batch's loss under a configuration resolved for this call alone: Objective(alg_cfg,

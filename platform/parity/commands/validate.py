@@ -88,7 +88,7 @@ def run(cfg: ParityConfig) -> dict:
     source = Path(prepare_model(cfg)["model_dir"])
     tok = AutoTokenizer.from_pretrained(str(source))
     device = resolve_device(cfg.trainer.device)
-    bf16 = AutoModelForCausalLM.from_pretrained(str(source), dtype=compute_dtype(cfg, device)).to(device).eval()
+    bf16 = AutoModelForCausalLM.from_pretrained(str(source), dtype=compute_dtype(cfg.model.dtype, device)).to(device).eval()
     problems = heldout_prompts(cfg, int(v.num_prompts), int(v.seed))
     prompts = [tok(text)["input_ids"] for text, _ in problems]
     quant = _quant_side(cfg, source, info.checkpoint_dir, precision)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import torch
 
@@ -37,10 +36,9 @@ def forced_auto_dtype() -> str | None:
     return value or None
 
 
-def compute_dtype(cfg: Any, device: torch.device) -> torch.dtype:
-    """The dtype of trainer forwards and engine weights (model.dtype; auto picks bf16 where it is native, or what
-    PARITY_AUTO_DTYPE says)."""
-    name = cfg.model.dtype
+def compute_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The dtype of trainer forwards and engine weights on `device` for `model.dtype`=`name` (auto picks bf16 where
+    it is native, or what PARITY_AUTO_DTYPE says)."""
     if name == "auto":
         name = forced_auto_dtype() or ("bfloat16" if device.type == "cuda" or _cpu_has_native_bf16() else "float32")
     return torch.bfloat16 if name == "bfloat16" else torch.float32

@@ -36,7 +36,7 @@ def build_engine(cfg: ParityConfig, model_dir: str | Path, precision: PrecisionC
     if cfg.rollout.name == "torch":
         from parity.rollout.torch_engine import TorchEngine
         engine: Engine = TorchEngine(model_dir, precision=precision, device=str(device),
-                                     dtype=compute_dtype(cfg, device), capture_routing=bool(cfg.rollout.capture_routing),
+                                     dtype=compute_dtype(cfg.model.dtype, device), capture_routing=bool(cfg.rollout.capture_routing),
                                      share_prefill=bool(cfg.rollout.shared_prefill),
                                      cpu_lanes=engine_lanes(cfg))
     elif cfg.rollout.name == "vllm":

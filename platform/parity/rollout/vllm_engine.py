@@ -69,7 +69,7 @@ class VllmEngine:
     def __init__(self, cfg: ParityConfig, model_dir: str | Path, precision: PrecisionConfig | None = None) -> None:
         r = cfg.rollout
         device = resolve_device(cfg.trainer.device)
-        self.dtype = compute_dtype(cfg, device)
+        self.dtype = compute_dtype(cfg.model.dtype, device)
         dtype_name = "bfloat16" if self.dtype == torch.bfloat16 else "float32"
         self.opts: VllmOptions = resolve_vllm_options(cfg, precision, dtype_name, str(device))
         self.precision = precision

@@ -67,7 +67,7 @@ class HeldOut:
         self.plain: Any = None
         if cfg.trainer.eval_unquantized and cfg.trainer.eval_every and changes_numerics(rollout_precision(cfg)):
             device = resolve_device(cfg.trainer.device)
-            self.plain = TorchEngine(start_dir, device=str(device), dtype=compute_dtype(cfg, device),
+            self.plain = TorchEngine(start_dir, device=str(device), dtype=compute_dtype(cfg.model.dtype, device),
                                      cpu_lanes=engine_lanes(cfg))
 
     def accuracy(self, engine: Engine) -> float:

@@ -104,7 +104,7 @@ class ShardedTrainer(Trainer):
         mesh = init_device_mesh(device.type, (self.world,))
         for layer in decoder_layers(model):
             fully_shard(layer, mesh=mesh)
-        self.root = PolicyRoot(model, compute_dtype(cfg, device))
+        self.root = PolicyRoot(model, compute_dtype(cfg.model.dtype, device))
         fully_shard(self.root, mesh=mesh)
         for m in self.root.modules():
             if isinstance(m, FSDPModule):

@@ -83,7 +83,7 @@ class Trainer:
         None to measure it over the first steps."""
         self.model, self.cfg, self.device = model.to(device), cfg, device
         self.alg, self.tcfg = cfg.algorithm, cfg.trainer
-        self.compute_dtype = compute_dtype(cfg, device)
+        self.compute_dtype = compute_dtype(cfg.model.dtype, device)
         self.temperature = float(cfg.rollout.temperature)
         params = list(self.model.parameters())
         # CUDA: one fused AdamW kernel over all parameters instead of a dozen multi-tensor passes

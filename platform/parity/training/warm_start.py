@@ -52,7 +52,7 @@ def _build_tiny(cfg: ParityConfig, target: Path) -> dict:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     tok.save_pretrained(str(tmp))
-    dtype = compute_dtype(cfg, device)
+    dtype = compute_dtype(cfg.model.dtype, device)
     task = task_of(cfg)
     problems = task.test_problems(int(ws.eval_problems))  # a task that cannot give them fails before the warm start
     losses = warm_start(model, tok, task, cfg.data.prompt_template, ws, dtype, device)
