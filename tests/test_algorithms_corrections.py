@@ -13,10 +13,15 @@ from omegaconf import OmegaConf
 from parity.algorithms import StepMetrics, build_corrections, loss_denominators, rl_objective
 from parity.algorithms.corrections import CorrectionContext
 from parity.algorithms.corrections.dual import dual_update
-from parity.config.schema import AlgorithmConfig, CorrectionConfig
+from parity.config.schema import AlgorithmConfig, parity_schema
 from parity.types import RolloutBatch
 
 NAN = float("nan")
+
+
+def correction_config(**kw: object):
+    """`algorithm.correction` of the loaded schema: CorrectionConfig with the registered corrections' sections."""
+    return type(parity_schema()().algorithm.correction)(**kw)
 
 
 def close(t: torch.Tensor, expected: list[list[float]]) -> bool:
@@ -33,7 +38,7 @@ def ctx_from_ratios(ratios: list[list[float]], q: float = 0.5) -> CorrectionCont
 
 
 def single(name: str, **section: object):
-    cfg = CorrectionConfig(name=name)
+    cfg = correction_config(name=name)
     for k, v in section.items():
         setattr(getattr(cfg, name.replace("seq_", "")), k, v)
     return build_corrections(cfg).corrections[0]
@@ -102,7 +107,7 @@ def _objective(stack, batch, old, adv, metrics):
 
 @pytest.mark.parametrize("discrepancy", ["seq_mean", "token_mean"])
 def test_dual_advantage_shift_and_lambda_update_by_hand(discrepancy: str) -> None:
-    cfg = CorrectionConfig(name="dual")
+    cfg = correction_config(name="dual")
     cfg.dual.discrepancy = discrepancy
     stack = build_corrections(cfg)
     # delta = |p_train - p_inf|: [[0.1, 0.05], [0.0, pad]]
@@ -128,7 +133,7 @@ def test_dual_advantage_shift_and_lambda_update_by_hand(discrepancy: str) -> Non
 
 
 def test_dual_c_of_its_own_wins_over_the_tolerance() -> None:
-    cfg = CorrectionConfig(name="dual", tolerance=0.05)
+    cfg = correction_config(name="dual", tolerance=0.05)
     stack = build_corrections(cfg)
     assert stack.corrections[0].c == 0.05 and stack.tolerance == 0.05
     cfg.dual.c = 0.0037
@@ -136,7 +141,7 @@ def test_dual_c_of_its_own_wins_over_the_tolerance() -> None:
 
 
 def test_tolerance_auto_measures_the_first_steps_then_holds() -> None:
-    cfg = CorrectionConfig(name="dual", tolerance="auto", tolerance_multiple=2.0, tolerance_steps=2)
+    cfg = correction_config(name="dual", tolerance="auto", tolerance_multiple=2.0, tolerance_steps=2)
     stack = build_corrections(cfg)
     dual = stack.corrections[0]
     assert stack.tolerance is None and dual.c is None
@@ -162,12 +167,12 @@ def test_tolerance_auto_measures_the_first_steps_then_holds() -> None:
 
 
 def test_tolerance_auto_takes_a_validated_discrepancy_and_refuses_nonsense() -> None:
-    cfg = CorrectionConfig(name="dual", tolerance="auto", tolerance_multiple=1.5)
+    cfg = correction_config(name="dual", tolerance="auto", tolerance_multiple=1.5)
     stack = build_corrections(cfg, measured_discrepancy=0.004)
     assert stack.tolerance == pytest.approx(0.006) and stack.corrections[0].c == pytest.approx(0.006)
     with pytest.raises(ValueError, match="algorithm.correction.tolerance"):
-        build_corrections(CorrectionConfig(name="dual", tolerance="often"))
-    cfg = CorrectionConfig(name="dual")
+        build_corrections(correction_config(name="dual", tolerance="often"))
+    cfg = correction_config(name="dual")
     cfg.dual.discrepancy = "median"
     with pytest.raises(ValueError, match="algorithm.correction.dual.discrepancy"):
         build_corrections(cfg)
@@ -176,7 +181,7 @@ def test_tolerance_auto_takes_a_validated_discrepancy_and_refuses_nonsense() -> 
 def test_dual_lambda_clamps() -> None:
     assert dual_update(0.1, mean_delta=0.0, c=0.5, eta=1.0, lambda_max=10.0) == 0.0
     assert dual_update(0.1, mean_delta=5.0, c=0.0, eta=1.0, lambda_max=0.2) == 0.2
-    cfg = CorrectionConfig(name="dual")
+    cfg = correction_config(name="dual")
     cfg.dual.c, cfg.dual.lambda_max = 0.0, 0.25
     stack = build_corrections(cfg)
     batch, old, adv = _dual_batch([[0.9]], [[0.1]], [1.0])
@@ -187,7 +192,7 @@ def test_dual_lambda_clamps() -> None:
 
 
 def test_dual_state_survives_checkpoint_exactly() -> None:
-    cfg = CorrectionConfig(name="tis+dual")
+    cfg = correction_config(name="tis+dual")
     cfg.dual.eta = 0.37
     stack = build_corrections(cfg)
     batch, old, adv = _dual_batch([[0.5, 0.9], [0.2, NAN]], [[0.41, 0.95], [0.23, NAN]], [1.0, -1.0])
@@ -207,7 +212,7 @@ def test_dual_state_survives_checkpoint_exactly() -> None:
 
 
 def test_build_accepts_dictconfig_and_composes() -> None:
-    dc = OmegaConf.structured(CorrectionConfig(name="score_centering + tis"))
+    dc = OmegaConf.structured(correction_config(name="score_centering + tis"))
     stack = build_corrections(dc, policy_loss="reinforce", topk_logprobs=8)
     assert stack.names == ["score_centering", "tis"] and stack.needs_topk and stack.is_weight is not None
     assert build_corrections(OmegaConf.create({"name": "none"})).names == ["none"]
@@ -235,7 +240,7 @@ def test_bad_configs_name_the_key(cfg: dict, kwargs: dict, match: str) -> None:
 
 def test_score_centering_errors_at_run_time() -> None:
     batch, old, adv = _dual_batch([[0.5]], [[0.4]], [1.0])
-    stack = build_corrections(CorrectionConfig(name="score_centering"))
+    stack = build_corrections(correction_config(name="score_centering"))
     with pytest.raises(ValueError, match="score_centering but the batch has no top-K log-probs"):
         _objective(stack, batch, old, adv, StepMetrics())
     hidden = torch.zeros(1, 1, 2, requires_grad=True)
@@ -255,7 +260,7 @@ def test_dual_centered_shift_is_the_group_standardised_gap_by_hand() -> None:
     |p_train - p_inf|: computed in float64 by hand. The shift sums to zero over each group (no push on the sampled
     tokens on average), a response alone in its group is not shifted, and the logged ratio mean |shift| / mean |A|
     is the one of the hand computation."""
-    cfg = CorrectionConfig(name="dual_centered")
+    cfg = correction_config(name="dual_centered")
     cfg.dual_centered.c = 0.05
     cfg.dual_centered.lambda0 = 0.5
     stack = build_corrections(cfg)
@@ -294,7 +299,7 @@ def test_dual_centered_tolerance_is_a_quantile_of_the_first_steps_gaps() -> None
     against that c, and a resumed correction carries c and lambda."""
     import numpy as np
 
-    cfg = CorrectionConfig(name="dual_centered")
+    cfg = correction_config(name="dual_centered")
     cfg.dual_centered.calibration_steps = 2
     cfg.dual_centered.quantile = 0.5
     stack = build_corrections(cfg)
@@ -321,7 +326,7 @@ def test_dual_centered_tolerance_is_a_quantile_of_the_first_steps_gaps() -> None
 
 def test_dual_centered_config_errors_name_the_key() -> None:
     for key, value in (("quantile", 1.5), ("c", -1.0), ("calibration_steps", 0), ("lambda0", 5.0)):
-        cfg = CorrectionConfig(name="dual_centered")
+        cfg = correction_config(name="dual_centered")
         setattr(cfg.dual_centered, key, value)
         with pytest.raises(ValueError, match=f"algorithm.correction.dual_centered.{key}"):
             build_corrections(cfg)

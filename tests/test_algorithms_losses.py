@@ -15,7 +15,7 @@ from parity.algorithms import (
     loss_denominators,
     rl_objective,
 )
-from parity.config.schema import AlgorithmConfig
+from parity.config.schema import AlgorithmConfig, parity_schema
 from parity.types import RolloutBatch
 
 B, R, H, V, T = 8, 6, 5, 19, 0.9
@@ -108,7 +108,7 @@ def test_old_logprobs_none_means_ratio_one() -> None:
 @pytest.mark.parametrize("name", ["none", "tis", "icepop", "mis", "dual"])
 def test_objective_is_micro_batch_invariant(name: str) -> None:
     batch, hidden, weight, old = make_problem(2)
-    cfg = AlgorithmConfig(loss_agg_mode="seq-mean-token-mean")
+    cfg = type(parity_schema()().algorithm)(loss_agg_mode="seq-mean-token-mean")  # with the corrections' sections
     cfg.correction.name = name
     cfg.correction.mis.threshold = 0.02
     adv = compute_advantages("grpo", batch.rewards, batch.group_ids)

@@ -17,8 +17,14 @@ from parity.algorithms import (
     build_corrections,
     get_policy_loss,
 )
-from parity.config import ConfigError, load_config
-from parity.config.schema import CorrectionConfig, add_correction_section
+from parity.config import ConfigError, load_config, schema
+from parity.config.schema import (
+    CORRECTION_KEYS,
+    CorrectionConfig,
+    add_correction_section,
+    correction_sections,
+    parity_schema,
+)
 
 
 def _compose_error(*overrides: str) -> str:
@@ -61,21 +67,24 @@ def test_sections_are_declared_once() -> None:
     with pytest.raises(TypeError, match="must be a dataclass"):
         add_correction_section("other", dict)
     add_correction_section("tis", CORRECTIONS.sections()["tis"])  # the same dataclass again: nothing changes
-    assert "other" not in CorrectionConfig.__dataclass_fields__
+    assert "other" not in correction_sections() and "other" not in parity_schema().__dataclass_fields__
+    # declaring sections derives a schema; the classes of schema.py stay as written
+    assert set(CorrectionConfig.__dataclass_fields__) == set(CORRECTION_KEYS)
+    grown = parity_schema()().algorithm.correction
+    assert isinstance(grown, CorrectionConfig) and grown.tis == CORRECTIONS.sections()["tis"]()
+    assert parity_schema() is parity_schema()  # one class per set of sections
     with pytest.raises(ValueError, match="correction 'tis' is registered twice"):
         CORRECTIONS.register("tis")(CORRECTIONS.get("none"))
 
 
 def test_a_correction_registered_after_composing_is_composable(monkeypatch) -> None:
     """A registration after the schema was stored with Hydra (a notebook importing its own module late) is seen by
-    the next composition. The registry and CorrectionConfig are restored after the test."""
+    the next composition. The registry and the declared sections are restored after the test."""
     from parity.algorithms.corrections import Correction
 
     load_config([])
     monkeypatch.setattr(CORRECTIONS, "_items", dict(CORRECTIONS._items))
-    for attr in ("__init__", "__repr__", "__eq__", "__dataclass_fields__", "__dataclass_params__", "__match_args__",
-                 "__annotations__"):
-        monkeypatch.setattr(CorrectionConfig, attr, CorrectionConfig.__dict__[attr])
+    monkeypatch.setattr(schema, "_SECTIONS", dict(schema._SECTIONS))
 
     @dataclass
     class LateConfig:
@@ -132,3 +141,18 @@ def test_a_config_sent_with_a_section_this_process_lacks_still_loads() -> None:
     plain["trainer"]["lrr"] = 1.0
     with pytest.raises(ConfigError, match="trainer.lrr"):
         from_plain(plain)
+
+
+def test_a_loaded_config_pickles_and_copies() -> None:
+    """The loaded config's classes are derived in each process from what it registered (parity_schema), so pickling
+    carries its values and the loader rebuilds it; copies stay field by field."""
+    import copy
+    import pickle
+
+    cfg = load_config(["algorithm.correction.name=dual", "algorithm.correction.dual.eta=2.5", "trainer.lr=3e-4"])
+    for node in (cfg, cfg.algorithm, cfg.algorithm.correction):
+        back = pickle.loads(pickle.dumps(node))
+        assert back == node and type(back) is type(node)
+    deep = copy.deepcopy(cfg)
+    deep.algorithm.correction.dual.eta = 1.0
+    assert cfg.algorithm.correction.dual.eta == 2.5 and type(deep) is type(cfg)

@@ -62,11 +62,11 @@ def test_the_section_is_in_the_schema_and_checked(quick_cfg) -> None:
     from hydra.errors import ConfigCompositionException
 
     from parity.config import ConfigError
-    from parity.config.schema import CorrectionConfig
+    from parity.config.schema import parity_schema
 
     assert CORRECTIONS.get("drop_rare") is DropRare and DropRare.config_key == "drop_rare"
-    cfg = quick_cfg(*RECIPE)  # composing adds the registered sections to the schema
-    assert CorrectionConfig().drop_rare == DropRareConfig()
+    cfg = quick_cfg(*RECIPE)  # composing declares the registered sections: the schema carries them
+    assert parity_schema()().algorithm.correction.drop_rare == DropRareConfig()
     assert cfg.algorithm.correction.drop_rare.min_prob == MIN_PROB
     for bad, key in [("algorithm.correction.drop_rare.min_probb=0.1", "min_probb"),
                      ("algorithm.correction.drop_rare.min_prob=often", "min_prob")]:

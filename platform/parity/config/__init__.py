@@ -13,16 +13,16 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from parity.config.keys import REMOVED, check_config, check_overrides, open_groups, unknown_key_message
-from parity.config.schema import CorrectionConfig, ParityConfig, add_correction_section
+from parity.config.schema import ParityConfig, add_correction_section, correction_sections, parity_schema
 from parity.config.seed_block import fold_seed_block
 from parity.config.validate import ConfigError, validate_config
 
-_STORED: tuple[str, ...] | None = None  # the correction sections of the schema stored with Hydra
+_STORED: type | None = None  # the schema stored with Hydra
 
 
 def load_registries(overrides: list[str] | None = None, modules: list[str] | None = None) -> None:
-    """Import the registries whose entries extend the schema, then add every registered correction's section to
-    `algorithm.correction` (importing parity.algorithms.corrections registers the built-in ones; `modules` and the
+    """Import the registries whose entries extend the schema, then declare every registered correction's section of
+    `algorithm.correction` (parity_schema then carries them; importing parity.algorithms.corrections registers the built-in ones; `modules` and the
     modules an `algorithm.correction.modules=[...]` override names register theirs, so the same overrides can set
     their sections)."""
     # torch: the registries are torch modules, and importing parity.config (the dashboard, flows, the CLI's help)
@@ -48,15 +48,16 @@ def _override_modules(overrides: list[str]) -> list[str]:
 
 
 def register_schema(overrides: list[str] | None = None) -> None:
-    """Store ParityConfig with Hydra as `parity_schema`, again whenever a registration added a section since."""
+    """Store the schema (ParityConfig with the registered sections) with Hydra as `parity_schema`, again whenever a
+    registration added a section since."""
     global _STORED
     load_registries(overrides)
-    sections = tuple(CorrectionConfig.__dataclass_fields__)
-    if sections != _STORED:
+    schema = parity_schema()
+    if schema is not _STORED:
         from hydra.core.config_store import ConfigStore  # lazy: the numerical core runs without hydra
 
-        ConfigStore.instance().store(name="parity_schema", node=ParityConfig)
-        _STORED = sections
+        ConfigStore.instance().store(name="parity_schema", node=schema)
+        _STORED = schema
 
 
 def repo_root() -> Path:
@@ -158,13 +159,12 @@ def from_plain(plain: Mapping[str, Any]) -> ParityConfig:
     # A section registered where the config was built by a module this process does not import (a correction
     # defined beside the code that built it, not named in algorithm.correction.modules) is not part of this
     # process's schema; it is unused unless its correction is selected, and then building the stack names it.
-    known = {f.name for f in dataclasses.fields(CorrectionConfig)}
-    foreign = [k for k, v in correction.items() if k not in known and isinstance(v, Mapping)]
+    foreign = [k for k, v in correction.items() if k not in correction_sections() and isinstance(v, Mapping)]
     if foreign:
         algorithm = {**dict(plain["algorithm"]), "correction": {k: v for k, v in correction.items() if k not in foreign}}
         plain = {**dict(plain), "algorithm": algorithm}
     try:
-        return typed(OmegaConf.merge(OmegaConf.structured(ParityConfig), dict(plain)))  # type: ignore[arg-type]
+        return typed(OmegaConf.merge(OmegaConf.structured(parity_schema()), dict(plain)))  # type: ignore[arg-type]
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
         raise ConfigError(f"config key `{key}`: {str(e).splitlines()[0]}" if key else str(e).splitlines()[0]) from None

@@ -71,17 +71,17 @@ def _fields(cls: type) -> dict[str, Any]:
 
 
 def _root() -> type:
-    from parity.config.schema import ParityConfig
+    from parity.config.schema import parity_schema
 
-    return ParityConfig
+    return parity_schema()
 
 
 def _sections() -> tuple[str, ...]:
-    """The fields of algorithm.correction: they grow as corrections register (their sections), so the key lists
-    below are cached per set of sections."""
-    from parity.config.schema import CorrectionConfig
+    """The sections of algorithm.correction: they grow as corrections register, so the key lists below are cached
+    per set of sections."""
+    from parity.config.schema import correction_sections
 
-    return tuple(CorrectionConfig.__dataclass_fields__)
+    return tuple(correction_sections())
 
 
 def schema_keys() -> tuple[str, ...]:

@@ -4,7 +4,9 @@ Range checks that types cannot express live in `validate()` (parity.config.valid
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -210,9 +212,9 @@ class ActorRolloutRefConfig:
 @dataclass
 class CorrectionConfig:
     """`algorithm.correction`. Its sections (`tis`, `dual`, ...) are not listed here: each registered correction
-    adds the config dataclass declared beside it as the field `<config key>` (parity.algorithms.corrections;
-    `add_correction_section`), so the structured schema carries exactly the registered sections and refuses an
-    unknown key or a wrong type inside any of them, naming the key."""
+    declares the config dataclass beside it (parity.algorithms.corrections), and `parity_schema` derives the schema
+    that carries exactly the registered sections as fields `<config key>` (this class is not changed), so the
+    structured schema refuses an unknown key or a wrong type inside any of them, naming the key."""
 
     name: str = "none"  # registered names joined by '+', e.g. score_centering+tis
     # c of the mismatch telemetry's over-tolerance fraction and of the dual: a number (0.0037 = DC-GRPO's for
@@ -230,24 +232,85 @@ class CorrectionConfig:
 CORRECTION_KEYS = tuple(f.name for f in dataclasses.fields(CorrectionConfig))
 
 
+# the sections the registries declared, in registration order: key -> dataclass
+_SECTIONS: dict[str, type] = {}
+
+
 def add_correction_section(key: str, section: type) -> None:
-    """Add `key: section = section()` to CorrectionConfig in place: the class object stays the one AlgorithmConfig
-    and ParityConfig hold, so every schema built from them from now on has the section. Registering the same
-    dataclass under a key twice is a no-op (corrections may share a section, e.g. tis and seq_tis)."""
+    """Declare `key: section` a section of `algorithm.correction` for the schemas `parity_schema` derives from now
+    on. Declaring the same dataclass under a key twice is a no-op (corrections may share a section, e.g. tis and
+    seq_tis)."""
     if not dataclasses.is_dataclass(section):
         raise TypeError(f"the config of correction section {key!r} must be a dataclass, got {section!r}")
     if key in CORRECTION_KEYS:
         raise ValueError(f"algorithm.correction.{key} is CorrectionConfig's own key, not a correction's section")
-    have = CorrectionConfig.__dataclass_fields__.get(key)
-    if have is not None:
-        if have.default_factory is not section:
-            raise ValueError(f"algorithm.correction.{key} is already the section of {have.default_factory!r}")
-        return
-    grown = dataclasses.make_dataclass("CorrectionConfig", [(key, section, field(default_factory=section))],
-                                       bases=(CorrectionConfig,))
-    for attr in ("__init__", "__repr__", "__eq__", "__dataclass_fields__", "__dataclass_params__", "__match_args__"):
-        setattr(CorrectionConfig, attr, grown.__dict__[attr])
-    CorrectionConfig.__annotations__ = {**CorrectionConfig.__annotations__, key: section}
+    have = _SECTIONS.get(key)
+    if have is not None and have is not section:
+        raise ValueError(f"algorithm.correction.{key} is already the section of {have!r}")
+    _SECTIONS[key] = section
+
+
+def correction_sections() -> dict[str, type]:
+    """The declared sections (key -> dataclass), in declaration order."""
+    return dict(_SECTIONS)
+
+
+def parity_schema() -> type[ParityConfig]:
+    """The schema of a loaded config: ParityConfig whose `algorithm.correction` carries the declared sections."""
+    return _schema(tuple(_SECTIONS.items()))
+
+
+@functools.cache
+def _schema(sections: tuple[tuple[str, type], ...]) -> type[ParityConfig]:
+    """Subclasses of CorrectionConfig, AlgorithmConfig and ParityConfig (same names, same other fields) made once
+    per set of sections; the classes above stay as written."""
+    if not sections:
+        return ParityConfig
+    correction = dataclasses.make_dataclass(
+        "CorrectionConfig", [(k, s, field(default_factory=s)) for k, s in sections], bases=(CorrectionConfig,))
+    algorithm = dataclasses.make_dataclass(
+        "AlgorithmConfig", [("correction", correction, field(default_factory=correction))], bases=(AlgorithmConfig,))
+    root = dataclasses.make_dataclass(
+        "ParityConfig", [("algorithm", algorithm, field(default_factory=algorithm))], bases=(ParityConfig,))
+    for path, cls in (("algorithm.correction", correction), ("algorithm", algorithm), ("", root)):
+        cls.__module__ = __name__
+        cls.__doc__ = f"{cls.__bases__[0].__doc__ or ''} (with the sections {', '.join(k for k, _ in sections)})"
+        cls.__reduce__ = functools.partialmethod(_reduce, path)  # type: ignore[assignment]
+        cls.__copy__, cls.__deepcopy__ = _copy, _deepcopy  # type: ignore[attr-defined]
+    return root
+
+
+def _copy(obj: Any) -> Any:
+    new = object.__new__(type(obj))
+    new.__dict__.update(obj.__dict__)
+    return new
+
+
+def _deepcopy(obj: Any, memo: dict) -> Any:
+    """Field by field, as for any dataclass (pickling's reduction, above, goes through the loader)."""
+    new = object.__new__(type(obj))
+    memo[id(obj)] = new
+    for k, v in obj.__dict__.items():
+        setattr(new, k, copy.deepcopy(v, memo))
+    return new
+
+
+def _reduce(obj: Any, path: str) -> tuple:
+    """Pickle a config of a derived schema as its values: the class is made in each process from what that process
+    registered, so it cannot be looked up by name."""
+    return _unpickle, (path, dataclasses.asdict(obj))
+
+
+def _unpickle(path: str, values: dict) -> Any:
+    from parity.config import from_plain  # the package's loader: this module is imported by it
+
+    plain: dict = values
+    for part in reversed([p for p in path.split(".") if p]):
+        plain = {part: plain}
+    node: Any = from_plain(plain)
+    for part in (p for p in path.split(".") if p):
+        node = getattr(node, part)
+    return node
 
 
 @dataclass
@@ -432,4 +495,4 @@ class ParityConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
 
-__all__ = ["ParityConfig", "MISSING"]
+__all__ = ["ParityConfig", "MISSING", "add_correction_section", "correction_sections", "parity_schema"]
