@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -159,8 +160,8 @@ def test_study_runs_are_the_member_expansion_of_its_arms(monkeypatch, tmp_path) 
 
     seen = []
 
-    def spy(arms, seeds, common, run_name, labels=None):
-        specs = members.expand(arms, seeds, common, run_name, labels)
+    def spy(arms, seeds, common, run_name, labels=None, **kw):
+        specs = members.expand(arms, seeds, common, run_name, labels, **kw)
         seen.extend(specs)
         raise SystemExit(0)  # stop before anything trains
 
@@ -171,6 +172,35 @@ def test_study_runs_are_the_member_expansion_of_its_arms(monkeypatch, tmp_path) 
                                                 ("study-laptop-bf16-none-grpo-s1", 1)]
     assert seen[0].overrides[0] == "experiment=countdown_tiny" and seen[0].overrides[-1] == "trainer.seed=0"
     assert seen[0].labels == {"source": "bf16", "correction": "none", "objective": "grpo", "extra": ""}
+
+
+def test_gpu_preset_core_arms_run_five_seeds_each_seed_from_its_own_warm_start(monkeypatch, tmp_path) -> None:
+    """The long-horizon preset: the three core arms on seeds 0-4, the other 13 on 0-2, and every run's warm start
+    follows its seed (model.warm_start.seed), so seeds share nothing."""
+    import parity.commands.study as cmd
+    from parity.study import members
+
+    seen = []
+
+    def spy(*a, **kw):
+        seen.extend(members.expand(*a, **kw))
+        raise SystemExit(0)
+
+    monkeypatch.setattr(cmd, "expand", spy)
+    with pytest.raises(SystemExit):
+        cmd.main(["--preset", "gpu", "--outputs-dir", str(tmp_path)])
+    by_arm: dict = {}
+    for s in seen:
+        by_arm.setdefault(s.arm, []).append(s.seed)
+        assert f"trainer.seed={s.seed}" in s.overrides and f"model.warm_start.seed={s.seed}" in s.overrides
+        assert "trainer.total_steps=150" in s.overrides and "trainer.micro_batch_size=32" in s.overrides
+    core = ["bf16 / none / grpo", "w4a4+int4kv / none / grpo", "w4a4+int4kv / score_centering / grpo"]
+    assert len(by_arm) == 16 and all(by_arm[a] == [0, 1, 2, 3, 4] for a in core)
+    assert all(v == [0, 1, 2] for a, v in by_arm.items() if a not in core) and len(seen) == 3 * 5 + 13 * 3
+    seen.clear()
+    with pytest.raises(SystemExit):  # one part: one seed's arms
+        cmd.main(["--preset", "gpu", "--seeds", "3", "--outputs-dir", str(tmp_path)])
+    assert sorted(s.arm for s in seen) == sorted(core)
 
 
 def test_gains_at_the_common_step_by_hand() -> None:
@@ -226,3 +256,32 @@ def test_grpo_laptop_quick_study_with_the_duals(tmp_path) -> None:
     assert merged["runs"] == 1
     assert [r["arm"] for r in json.loads((tmp_path / "merged" / "study.json").read_text())["runs"]] == [
         "w4a4+int4kv / dual_centered / grpo"]
+
+
+def test_deployed_model_evaluated_at_its_steps_and_the_larger_final_evaluation(tmp_path) -> None:
+    """With eval_through_rollout=false the rollout's own format (the deployed model) is still measured at the steps
+    trainer.eval_deployed_every names and at the last, the exact engine at every evaluation; the last step adds the
+    larger evaluation through both; every run records its rollout path, code version and warm-start digest."""
+    from parity.commands.study import main
+
+    out = tmp_path / "study"
+    res = main(["--preset", "laptop", "--quick", "--arms", "w4a4+int4kv / none", "--steps", "3", "--extra",
+                "trainer.eval_deployed_every=2 trainer.final_eval_problems=12", "--outputs-dir",
+                str(tmp_path / "outputs"), "--out", str(out)])
+    assert res["failed"] == 0 and res["runs"] == 1
+    (run,) = json.loads((out / "study.json").read_text())["runs"]
+    assert [s for s, _ in run["evals"]["eval/accuracy_unquantized"]] == [0, 1, 2, 3]
+    assert [s for s, _ in run["evals"]["eval/accuracy"]] == [0, 2, 3]  # step 0, the multiple of 2, the last
+    assert [s for s, _ in run["evals"]["eval/final_accuracy"]] == [3]
+    assert [s for s, _ in run["evals"]["eval/final_accuracy_unquantized"]] == [3]
+    # 12 problems x the quick form's one greedy sample: a multiple of 1/12
+    assert run["heldout_large_final"] * 12 == pytest.approx(round(run["heldout_large_final"] * 12))
+    assert run["heldout_large_deployed_final"] == run["evals"]["eval/final_accuracy"][0][1]
+    path = run["rollout_path"]
+    assert path["engine"] == "torch" and path["decode_path"] == "plain_loop" and path["kv_cache"] == "int4_per_token_head"
+    assert path["weights"] == "int4" and run["rollout_paths"] is None
+    summary = json.loads((tmp_path / "outputs" / "runs" / run["name"] / "summary.json").read_text())
+    prep = json.loads((Path(summary["run_dir"]).parents[1] / "models").joinpath(
+        next(p.name for p in (tmp_path / "outputs" / "models").iterdir()), "prepare.json").read_text())
+    assert run["start_weights_sha256"] == prep["weights_sha256"] and len(prep["weights_sha256"]) == 64
+    assert run["code_version"] is None or len(run["code_version"].split("+")[0]) == 40

@@ -61,6 +61,9 @@ def _parser() -> argparse.ArgumentParser:
                         "0/1 reward, no baseline)")
     p.add_argument("--extra", default="", help="more Hydra overrides for every run, space-separated")
     p.add_argument("--tag", default="", help="a word in every run name (studies that differ only in --extra)")
+    p.add_argument("--mps", choices=["auto", "on", "off"], default="auto",
+                   help="CUDA MPS for runs several at a time on one GPU, so that their kernels run side by side "
+                        "(auto: where nvidia-cuda-mps-control and a GPU exist; parity.study.mps)")
     p.add_argument("--figures-only", action="store_true", help="rewrite study.md and the figures from study.json")
     p.add_argument("--collect", action="store_true", help="read the runs' folders as they are (unfinished ones "
                    "marked partial) into study.json, the table and the figures, without training")
@@ -191,7 +194,11 @@ def main(argv: list[str]) -> dict:
     base += a.extra.split()
     topk = min(preset.topk, 64) if a.quick else preset.topk  # quick variants run tiny vocabularies (99 characters)
     specs = expand([(x.name, x.overrides(topk)) for x in arms], seeds, base,
-                   lambda arm, s: _run_name(a.preset, a.tag, arm, s, a.quick), {x.name: x.labels() for x in arms})
+                   lambda arm, s: _run_name(a.preset, a.tag, arm, s, a.quick), {x.name: x.labels() for x in arms},
+                   seed_overrides=preset.seed_overrides,
+                   arm_seeds={x.name: x.seeds for x in arms if x.seeds is not None})
+    if not specs:
+        raise ValueError(f"no run: none of the selected arms runs seeds {seeds}")
     out.mkdir(parents=True, exist_ok=True)
     if a.collect:
         prev = json.loads((out / "study.json").read_text()) if (out / "study.json").is_file() else {}
@@ -213,9 +220,19 @@ def main(argv: list[str]) -> dict:
     t0 = time.time()
     print(f"study {a.preset}/{a.stage}: {len(specs)} runs ({len(arms)} arms x {len(seeds)} seeds), {steps} steps, "
           f"{concurrency} at a time; preparing the warm start", flush=True)
-    prep = prepare_model(base, a.outputs_dir, max(threads, min(os.cpu_count() or 1, 8)), in_process=concurrency <= 1)
-    print(f"study: model {prep.get('model_dir')} (held-out {prep.get('heldout_accuracy')}) after "
-          f"{time.time() - t0:.0f} s", flush=True)
+    # the warm start of every seed (one for all when the preset's seeds share it), before the runs start: the runs
+    # would otherwise race to build it
+    preps: dict = {}
+    for seed in sorted({s.seed for s in specs}, key=lambda x: -1 if x is None else x):
+        extra = [o.format(seed=seed) for o in preset.seed_overrides] if seed is not None else []
+        key = " ".join(extra)
+        if key not in preps:
+            preps[key] = prepare_model([*base, *extra], a.outputs_dir, max(threads, min(os.cpu_count() or 1, 8)),
+                                       in_process=concurrency <= 1)
+            preps[key]["seed"] = seed if extra else None
+            print(f"study: model {preps[key].get('model_dir')} (held-out {preps[key].get('heldout_accuracy')}, "
+                  f"sha256 {str(preps[key].get('weights_sha256'))[:12]}) after {time.time() - t0:.0f} s", flush=True)
+    prep = next(iter(preps.values())) if len(preps) == 1 else {"per_seed": list(preps.values())}
     study = {"preset": a.preset, "stage": a.stage, "quick": a.quick, "note": preset.note,
              "command": "python -m parity study " + " ".join(shlex.quote(x) for x in argv),
              "date": time.strftime("%Y-%m-%d"), "host": _host(), "steps": steps, "seeds": seeds,
@@ -231,7 +248,14 @@ def main(argv: list[str]) -> dict:
             f"{r['heldout_initial']} -> {r['heldout_final']}, collapse {r['collapse_step']}")
         print(f"[{elapsed:6.0f} s {k}/{n}] {r['arm']} seed {r['seed']}: {brief}", flush=True)
 
-    study["runs"] = run_all(specs, a.outputs_dir, concurrency, threads, out / "logs", done, preset.env, train=train)
+    from parity.study.mps import MpsDaemon, child_env
+
+    on_gpu = any(o == "trainer.device=cuda" for o in base)
+    with MpsDaemon(a.mps if on_gpu and concurrency > 1 else "off") as mps:
+        study["mps"] = mps.status
+        print(f"study: MPS {mps.status}", flush=True)
+        study["runs"] = run_all(specs, a.outputs_dir, concurrency, threads, out / "logs", done,
+                                {**preset.env, **child_env(mps)}, train=train)
     study["wall_s"] = round(time.time() - t0, 1)
     figs = write_outputs(study, out)
     print((out / "study.md").read_text(), flush=True)

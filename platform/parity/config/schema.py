@@ -364,6 +364,14 @@ class TrainerConfig:
     # false: with eval_unquantized and such a rollout, evaluate only the trainer's weights on the plain engine (a
     # study that compares trained weights needs no second generation through the rollout engine)
     eval_through_rollout: bool = True
+    # with eval_through_rollout=false: still evaluate through the rollout engine (the deployed model: the trained
+    # weights in the rollout's own format) at every evaluation whose step is a multiple of this, and at the last
+    # step; 0 = never
+    eval_deployed_every: int = 0
+    # at the last step, also held-out accuracy on this many problems (x eval_samples) through the rollout engine
+    # (`eval/final_accuracy`) and, for a rollout that changes the numerics, the plain engine
+    # (`eval/final_accuracy_unquantized`): the larger sample where arms' differences are decided; 0 = off
+    final_eval_problems: int = 0
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     max_bad_steps: int = 3  # consecutive non-finite steps before the run stops

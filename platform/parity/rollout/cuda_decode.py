@@ -223,6 +223,24 @@ def _int8_triton_shapes(layers: list) -> list[tuple[int, int]]:
     return out
 
 
+def kv_kernel_meta(packed: Any) -> dict:
+    """The decode attention's kernel for a packed cache (rotated int4 with its launch configuration, or the
+    dequantizing kernel) and whether the fused pre-attention kernel feeds it; nothing for a plain or simulated
+    cache (the batched-matmul attention)."""
+    if packed is None:
+        return {}
+    from parity.rollout import pre_attention
+    from parity.rollout.decode_attention import int4_rotated
+
+    rotated = int4_rotated(packed)
+    kernel = {"name": "int4_rotated" if rotated else "packed_dequant",
+              "fused_pre_attention": bool(_FUSED_PRE and pre_attention.usable(packed))}
+    if rotated:
+        from parity.rollout.int4_attention import CONFIG
+        kernel["config"] = dict(CONFIG)
+    return {"kv_kernel": kernel}
+
+
 def attended_length(start: int, t: int, S: int) -> int:
     """Cache slots a decode step of response token t reads: slot start + t and all before it, rounded up to
     _L_BUCKET (so a few captured graphs serve a whole call), at most S."""
@@ -313,7 +331,8 @@ class CudaDecoder:
                   "decode_path": ("cuda_graph" if use_graphs else "static_cache_eager")
                   + ("+inductor_layers" if compile_layers else ""),
                   "kv_cache_layout": ("packed" if "packed" in st.extras else
-                                      "plain" if eng.kv_codec is None else "simulated")})
+                                      "plain" if eng.kv_codec is None else "simulated"),
+                  **kv_kernel_meta(st.extras.get("packed"))})
 
     def _state_for(self, key: tuple, B: int, S: int, R: int, K: int, dtype: torch.dtype, use_graphs: bool,
                    compile_layers: bool) -> DecodeState:

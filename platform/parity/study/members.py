@@ -34,13 +34,19 @@ def correction_arm(correction: str) -> tuple[str, list[str]]:
 
 def expand(arms: Iterable[tuple[str, Sequence[str]]], seeds: Sequence[int] | None, common: Sequence[str],
            run_name: Callable[[str, int | None], str],
-           labels: Mapping[str, dict] | None = None) -> list[RunSpec]:
-    """Every (arm name, arm overrides) once per seed, arm-major; once with seed None when `seeds` is empty."""
+           labels: Mapping[str, dict] | None = None, seed_overrides: Sequence[str] = (),
+           arm_seeds: Mapping[str, Sequence[int]] | None = None) -> list[RunSpec]:
+    """Every (arm name, arm overrides) once per seed, arm-major; once with seed None when `seeds` is empty.
+    `seed_overrides` follow trainer.seed, "{seed}" replaced by the seed (e.g. the warm start's own seed);
+    `arm_seeds` restricts an arm to those of `seeds` it names."""
     out = []
     for arm, overrides in arms:
+        allowed = None if arm_seeds is None or arm not in arm_seeds else {int(x) for x in arm_seeds[arm]}
         for s in seeds or [None]:
             seed = None if s is None else int(s)
-            tail = () if seed is None else (f"trainer.seed={seed}",)
+            if seed is not None and allowed is not None and seed not in allowed:
+                continue
+            tail = () if seed is None else (f"trainer.seed={seed}", *(o.format(seed=seed) for o in seed_overrides))
             out.append(RunSpec(run_name(arm, seed), arm, seed, (*common, *overrides, *tail),
                                dict((labels or {}).get(arm, {}))))
     return out

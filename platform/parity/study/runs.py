@@ -32,7 +32,8 @@ CURVE_KEYS = ("reward/mean", "mismatch/abs_prob_diff_mean", "mismatch/k3_kl", "d
               "correction/dual_delta_mean", "correction/dual_c", "correction/shift_over_adv",
               "correction/adv_shift_mean", "correction/mis_seq_masked_frac", "correction/is_weight_mean",
               "mismatch/k3_kl", "adv/abs_mean", "perf/step_s", "perf/rollout_s", "perf/train_s")
-EVAL_KEYS = ("eval/accuracy", "eval/accuracy_unquantized")  # (+ heldout_unquantized: the one of the two that is exact)
+# (+ heldout_unquantized: the one of the first two that is exact); the final_* pair: the larger last evaluation
+EVAL_KEYS = ("eval/accuracy", "eval/accuracy_unquantized", "eval/final_accuracy", "eval/final_accuracy_unquantized")
 
 
 def late_mean(values: list[float], frac: float = 0.1) -> float | None:
@@ -81,9 +82,19 @@ def read_run(spec: RunSpec, run_dir: Path, seconds: float | None = None) -> dict
             if curves["mismatch/abs_prob_diff_mean"] else None,
             "delta_cosine_final": cos[-1] if cos else None,
             "seconds": seconds if seconds is not None else summary.get("seconds"), "engine": summary.get("engine"),
+            # the larger last evaluation: the trained weights on an exact engine, and in the rollout's format
+            "heldout_large_final": _last(evals.get("eval/final_accuracy_unquantized") or
+                                         evals.get("eval/final_accuracy")),
+            "heldout_large_deployed_final": _last(evals.get("eval/final_accuracy")),
+            "rollout_path": summary.get("rollout_path"), "rollout_paths": summary.get("rollout_paths"),
+            "code_version": summary.get("code_version"), "start_weights_sha256": summary.get("start_weights_sha256"),
             "partial": partial,
             "step_seconds": statistics.median(r["perf/step_s"] for r in steps if "perf/step_s" in r)
             if any("perf/step_s" in r for r in steps) else None}
+
+
+def _last(series: list | None) -> float | None:
+    return series[-1][1] if series else None
 
 
 def _overrides(spec: RunSpec, outputs_dir: str) -> list[str]:

@@ -56,31 +56,44 @@ class HeldOut:
     """`eval/accuracy` through the rollout side; with trainer.eval_unquantized and a rollout precision that
     changes the numerics, also `eval/accuracy_unquantized`: the learner's weights on a torch engine in the compute
     dtype, in this process (what training did to the policy apart from what deploying it quantized costs); with
-    trainer.eval_through_rollout=false then only the latter."""
+    trainer.eval_through_rollout=false then only the latter, except at the steps trainer.eval_deployed_every names
+    and the last one (the deployed model). With trainer.final_eval_problems, the last step also measures both on
+    that many problems (`eval/final_accuracy`, `eval/final_accuracy_unquantized`)."""
 
     def __init__(self, cfg: ParityConfig, tok: Any, grader: Any, start_dir: str) -> None:
         self.tok, self.grader, self.template = tok, grader, cfg.data.prompt_template
         self.max_new_tokens = int(cfg.rollout.max_new_tokens)
         self.problems = heldout_problems(cfg, cfg.trainer.eval_problems)
+        n_final = int(cfg.trainer.final_eval_problems)
+        self.final_problems = heldout_problems(cfg, n_final) if n_final > 0 else []
         self.settings = eval_settings(cfg)
         self.through_rollout = bool(cfg.trainer.eval_through_rollout)
+        self.deployed_every = int(cfg.trainer.eval_deployed_every)
         self.plain: Any = None
         if cfg.trainer.eval_unquantized and cfg.trainer.eval_every and changes_numerics(rollout_precision(cfg)):
             device = resolve_device(cfg.trainer.device)
             self.plain = TorchEngine(start_dir, device=str(device), dtype=compute_dtype(cfg.model.dtype, device),
                                      cpu_lanes=engine_lanes(cfg))
 
-    def accuracy(self, engine: Engine) -> float:
-        return heldout_accuracy(engine, self.tok, self.problems, self.template, self.grader, self.max_new_tokens,
-                                **self.settings)
+    def accuracy(self, engine: Engine, problems: list[Problem] | None = None) -> float:
+        return heldout_accuracy(engine, self.tok, self.problems if problems is None else problems, self.template,
+                                self.grader, self.max_new_tokens, **self.settings)
 
-    def evaluate(self, rollout: Engine, learner: Any) -> dict[str, float]:
+    def deployed_due(self, step: int, final: bool) -> bool:
+        """Whether the evaluation of `step` also measures the rollout engine when eval_through_rollout is off."""
+        return self.plain is not None and self.deployed_every > 0 and (final or step % self.deployed_every == 0)
+
+    def evaluate(self, rollout: Engine, learner: Any, step: int = 0, final: bool = False) -> dict[str, float]:
         out = {}
-        if self.plain is None or self.through_rollout:
+        if self.plain is None or self.through_rollout or self.deployed_due(step, final):
             out["eval/accuracy"] = self.accuracy(rollout)
         if self.plain is not None:
             self.plain.update_weights(learner.weights())
             out["eval/accuracy_unquantized"] = self.accuracy(self.plain)
+        if final and self.final_problems:
+            out["eval/final_accuracy"] = self.accuracy(rollout, self.final_problems)
+            if self.plain is not None:
+                out["eval/final_accuracy_unquantized"] = self.accuracy(self.plain, self.final_problems)
         return out
 
     def close(self) -> None:

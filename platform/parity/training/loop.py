@@ -57,7 +57,8 @@ def train(cfg: ParityConfig, callbacks: list[Callback] | None = None, runner: Ca
     random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
     run = RunFolder(cfg)
     run.callbacks = list(callbacks or [])
-    base = str(prepare_model(cfg)["model_dir"])
+    start = prepare_model(cfg)
+    base = str(start["model_dir"])
     tolerance = tolerance_setting(cfg)
     tok = AutoTokenizer.from_pretrained(base)
     stream = build_train_stream(cfg.data, seed=seed)
@@ -73,7 +74,8 @@ def train(cfg: ParityConfig, callbacks: list[Callback] | None = None, runner: Ca
             alarm = rl_loop(cfg, data, sides.rollout, sides.learner, heldout, run)
         finally:
             heldout.close()
-        outcome = {"collapse_step": alarm.fired_at, "tolerance": tolerance_in_force(tolerance, run.metrics.read())}
+        outcome = {"collapse_step": alarm.fired_at, "tolerance": tolerance_in_force(tolerance, run.metrics.read()),
+                   "start_weights_sha256": start.get("weights_sha256")}
     return run.finish(int(cfg.trainer.total_steps), sides.summary, outcome)
 
 
@@ -89,6 +91,7 @@ def rl_loop(cfg: ParityConfig, data: Data, rollout: RolloutSide, learner: Learne
     tc, overlap = cfg.trainer, bool(cfg.distributed.off_policy_overlap)
     alarm = CollapseAlarm.from_config(cfg)
     alarm.replay(run.metrics.read())  # a resumed run's alarm state is that of its logged rewards
+    paths = run.rollout_paths
 
     def launch(step: int) -> Launched:
         problems, ids, n_cut = data.prompts(tc.prompts_per_step)
@@ -97,13 +100,14 @@ def rl_loop(cfg: ParityConfig, data: Data, rollout: RolloutSide, learner: Learne
                         time.perf_counter())
 
     if run.start_step == 0:
-        run.emit(0, heldout.evaluate(rollout, learner))
+        run.emit(0, heldout.evaluate(rollout, learner, 0, final=tc.total_steps == 0))
     pending = launch(run.start_step) if run.start_step < tc.total_steps else None
     for step in tqdm(range(run.start_step, tc.total_steps), desc=f"train {run.dir.name}", unit="step",
                      initial=run.start_step, total=tc.total_steps, mininterval=2.0):
         t0 = time.perf_counter()
         result = rollout.collect(pending.handle)  # type: ignore[union-attr]  (launched before every step)
         t_roll = time.perf_counter()
+        paths.see(result.batch)
         this, pending = pending, (launch(step + 1) if overlap and step + 1 < tc.total_steps else None)
         batch = data.grade(result.batch, this.problems)
         t_grade = time.perf_counter()
@@ -121,7 +125,7 @@ def rl_loop(cfg: ParityConfig, data: Data, rollout: RolloutSide, learner: Learne
                         **rollout.step_metrics()})
         done = step + 1
         if tc.eval_every and (done % tc.eval_every == 0 or done == tc.total_steps):
-            metrics.update(heldout.evaluate(rollout, learner))
+            metrics.update(heldout.evaluate(rollout, learner, done, final=done == tc.total_steps))
         due = tc.checkpoint_every and (done % tc.checkpoint_every == 0 or done == tc.total_steps)
         run.emit(done, metrics, partial(learner.save, run.ckpts, done, this.data_state) if due else None)
         if pending is None and done < tc.total_steps:

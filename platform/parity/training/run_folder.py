@@ -54,6 +54,48 @@ class MetricsLog:
         return [json.loads(ln) for ln in self.path.read_text().splitlines() if ln.strip()]
 
 
+# what a rollout batch's meta says about the path that computed it (engine, linear product, decode loop, KV cache
+# layout and its attention kernel): recorded in summary.json, since two routes to one format can differ in numbers
+PATH_KEYS = ("engine", "device", "dtype", "linear_path", "weights", "activations", "kv_cache", "decode_path",
+             "kv_cache_layout", "kv_kernel")
+
+
+class RolloutPaths:
+    """The distinct rollout paths a run's batches took, in order of first use (one, unless a fallback such as a
+    failed compilation changed it mid-run)."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict] = []
+
+    def see(self, batch: Any) -> None:
+        meta = getattr(batch, "meta", None) or {}
+        path = {k: meta[k] for k in PATH_KEYS if k in meta}
+        path.setdefault("decode_path", "plain_loop" if meta.get("engine") == "torch" else meta.get("engine"))
+        if path not in self.seen:
+            self.seen.append(path)
+
+
+def code_version() -> str | None:
+    """The commit the run's code is at: PARITY_COMMIT if set (a copy of the tree without .git), else git's HEAD
+    (with "+dirty" when tracked files differ from it); None when neither is known."""
+    import os
+    import subprocess
+
+    if os.environ.get("PARITY_COMMIT"):
+        return os.environ["PARITY_COMMIT"]
+    root = Path(__file__).resolve().parents[3]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10)
+        if head.returncode:
+            return None
+        dirty = subprocess.run(["git", "-C", str(root), "diff", "--quiet", "HEAD", "--"], capture_output=True,
+                               timeout=10).returncode
+        return head.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
 class RunFolder:
     """Opened once a run: writes config.yaml, refuses or resumes, cuts the metrics log back to the resumed step.
 
@@ -78,6 +120,7 @@ class RunFolder:
         self.metrics = MetricsLog(self.dir / "metrics.jsonl")
         self.metrics.truncate_after(self.start_step)
         self.callbacks: list[Any] = []
+        self.rollout_paths = RolloutPaths()
 
     def emit(self, step: int, metrics: dict[str, float], checkpoint: Any = None) -> None:
         """Step `step`'s row: the metrics log first, then `checkpoint()` if given, then every callback (e.g.
@@ -103,11 +146,18 @@ class RunFolder:
                "final_accuracy": last("eval/accuracy"), "final_reward": last("reward/mean"),
                "final_mismatch": last("mismatch/abs_prob_diff_mean"),
                "latest_checkpoint": str(self.ckpts.list()[-1]) if self.ckpts.list() else None,
-               "seconds": round(time.time() - self.t_start, 1), **outcome}
+               "seconds": round(time.time() - self.t_start, 1), "code_version": code_version(), **outcome}
+        if self.rollout_paths.seen:
+            out["rollout_path"] = self.rollout_paths.seen[0]
+            if len(self.rollout_paths.seen) > 1:
+                out["rollout_paths"] = self.rollout_paths.seen
         if "eval/accuracy_unquantized" in first:
             out["initial_accuracy_unquantized"] = first["eval/accuracy_unquantized"]
         if last("eval/accuracy_unquantized") is not None:
             out["final_accuracy_unquantized"] = last("eval/accuracy_unquantized")
+        for key in ("eval/final_accuracy", "eval/final_accuracy_unquantized"):
+            if last(key) is not None:
+                out[key.split("/", 1)[1].replace("final_accuracy", "large_final_accuracy")] = last(key)
         (self.dir / "summary.json").write_text(json.dumps(out, indent=1, default=str))
         return out
 

@@ -1,0 +1,194 @@
+"""Study throughput on one GPU, two trees side by side in one job: the same runs (the `gpu` study preset's arms,
+one seed, the same steps and evaluations, from one warm start), first with an earlier tree's code as the study ran
+them (every run its own process, the GPU time-sliced between them), then with this tree's (the same processes
+under CUDA MPS, parity.study.mps). It prints and writes run-steps per second of each and their ratio, and checks
+that the numbers did not move: every run's step-0 row (held-out accuracy of the warm start) and step-1 row (one
+rollout batch from fixed weights and seed, one trainer step on it) against the same run's under the other code.
+
+    python3 tests/bench/gpu_study_throughput.py --old OLD_TREE/platform --model-dir MODEL \\
+        --steps 20 --eval-every 10 --out OUT.json
+
+OLD_TREE is a checkout of the earlier commit (`git archive <commit> platform | tar -x -C OLD_TREE`); MODEL a
+prepared warm start (`python -m parity prepare ...`, the preset's base). Each phase gets its own Inductor and
+Triton caches, so neither starts from the other's compiled kernels. Run-steps per second: all runs' RL steps over
+the phase's wall time from the first launch to the last exit (start-up, compilation and evaluations included), and
+over the window in which the runs made the middle 80% of their steps (`steady`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "platform"))
+
+from parity.study.mps import MpsDaemon, child_env  # noqa: E402
+from parity.study.presets import PRESETS  # noqa: E402
+
+# the preset's base keys that the earlier tree also knows (the new evaluation keys are left out of both phases)
+NEW_KEYS = ("trainer.eval_deployed_every", "trainer.final_eval_problems")
+
+
+def run_list(preset_name: str, seed: int, steps: int, eval_every: int, model_dir: str, arms: str) -> list[dict]:
+    preset = PRESETS[preset_name]
+    base = [f"experiment={preset.experiment}", *(o for o in preset.base if not o.startswith(NEW_KEYS)),
+            f"trainer.total_steps={steps}", f"trainer.eval_every={eval_every}", f"model.path={model_dir}",
+            f"trainer.seed={seed}"]
+    words = [w for w in arms.split(",") if w]
+    out = []
+    for i, a in enumerate(preset.arms):
+        if words and not any(w in a.name for w in words):
+            continue
+        out.append({"arm": a.name, "name": f"tp-{i:02d}-s{seed}",
+                    "overrides": [*base, *a.overrides(preset.topk), f"trainer.run_name=tp-{i:02d}-s{seed}"]})
+    return out
+
+
+def gpu_sample() -> tuple[float, float] | None:
+    try:
+        p = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu,memory.used", "--format=csv,noheader,nounits"],
+                           capture_output=True, text=True, timeout=10)
+        util, mem = p.stdout.strip().splitlines()[0].split(",")
+        return float(util), float(mem)
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
+
+
+def steps_done(metrics: Path) -> int:
+    if not metrics.is_file():
+        return 0
+    return sum(1 for ln in metrics.read_text().splitlines() if '"reward/mean"' in ln)
+
+
+def phase(name: str, pythonpath: str, runs: list[dict], work: Path, timeout_s: float, mps_mode: str) -> dict:
+    """All `runs` at once, each a `python -m parity train` process with this phase's code."""
+    out_dir = work / name
+    shutil.rmtree(out_dir, ignore_errors=True)
+    (out_dir / "logs").mkdir(parents=True)
+    env = dict(os.environ, PYTHONPATH=pythonpath, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True", TOKENIZERS_PARALLELISM="false",
+               TORCHINDUCTOR_CACHE_DIR=str(out_dir / "inductor"), TRITON_CACHE_DIR=str(out_dir / "triton"))
+    with MpsDaemon(mps_mode, pipe_dir=str(work / "mps-pipe"), log_dir=str(work / "mps-log")) as mps:
+        env.update(child_env(mps))
+        t0 = time.time()
+        procs = []
+        for r in runs:
+            log = (out_dir / "logs" / f"{r['name']}.log").open("w")
+            procs.append((r, subprocess.Popen([sys.executable, "-m", "parity", "train", f"outputs_dir={out_dir}",
+                                               *r["overrides"]], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                              cwd=str(ROOT))))
+        timeline, gpu, server = [], [], None
+        while any(p.poll() is None for _, p in procs) and time.time() - t0 < timeout_s:
+            time.sleep(2.0)
+            done = sum(steps_done(out_dir / "runs" / r["name"] / "metrics.jsonl") for r in runs)
+            timeline.append((round(time.time() - t0, 2), done))
+            if len(timeline) % 3 == 0 and (g := gpu_sample()) is not None:
+                gpu.append(g)
+            if server is None and mps.status.get("used"):
+                q = subprocess.run(["nvidia-cuda-mps-control"], input="get_server_list\n", text=True,
+                                   capture_output=True, env=dict(os.environ, **mps.env()))
+                server = q.stdout.strip() or None
+        for _, p in procs:
+            if p.poll() is None:
+                p.kill()
+        wall = time.time() - t0
+        mps_status = dict(mps.status, server_pid=server)
+    results = []
+    for r, p in procs:
+        run_dir = out_dir / "runs" / r["name"]
+        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()] \
+            if (run_dir / "metrics.jsonl").is_file() else []
+        steps = [x for x in rows if "reward/mean" in x]
+        summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
+        med = {k: statistics.median(x[k] for x in steps if k in x) if any(k in x for x in steps) else None
+               for k in ("perf/step_s", "perf/rollout_s", "perf/train_s")}
+        results.append({"arm": r["arm"], "name": r["name"], "returncode": p.returncode, "steps": len(steps),
+                        "rows": {str(x["step"]): x for x in rows if x["step"] in (0, 1)},
+                        "median": med, "rollout_path": summary.get("rollout_path"),
+                        "log_tail": None if p.returncode == 0 else
+                        (out_dir / "logs" / f"{r['name']}.log").read_text()[-1500:]})
+    total = sum(x["steps"] for x in results)
+    lo, hi = 0.1 * total, 0.9 * total
+    t_lo = next((t for t, d in timeline if d >= lo), None)
+    t_hi = next((t for t, d in timeline if d >= hi), None)
+    steady = (hi - lo) / (t_hi - t_lo) if t_lo is not None and t_hi is not None and t_hi > t_lo else None
+    return {"name": name, "pythonpath": pythonpath, "mps": mps_status, "wall_s": round(wall, 1), "run_steps": total,
+            "run_steps_per_s": total / wall, "steady_run_steps_per_s": steady, "timeline": timeline,
+            "gpu_util_mean": statistics.fmean(g[0] for g in gpu) if gpu else None,
+            "gpu_mem_peak_mib": max(g[1] for g in gpu) if gpu else None, "runs": results}
+
+
+def compare_rows(old: dict, new: dict) -> dict:
+    """Step 0 and step 1 of each run, old against new, every logged number but timings."""
+    out = []
+    for ro, rn in zip(old["runs"], new["runs"], strict=True):
+        for step in ("0", "1"):
+            a, b = ro["rows"].get(step), rn["rows"].get(step)
+            if a is None or b is None:
+                out.append({"arm": ro["arm"], "step": step, "missing": True})
+                continue
+            keys = sorted(k for k in set(a) | set(b) if not k.startswith("perf/"))
+            diff = {k: [a.get(k), b.get(k)] for k in keys if a.get(k) != b.get(k)}
+            out.append({"arm": ro["arm"], "step": step, "keys": len(keys), "equal": len(keys) - len(diff),
+                        "differ": diff})
+    return {"checks": out, "all_equal": all(not c.get("missing") and not c["differ"] for c in out)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--old", required=True, help="the earlier tree's platform/ folder")
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--preset", default="gpu")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--arms", default="", help="only arms whose name contains one of these comma-separated words")
+    ap.add_argument("--work", default="/tmp/study_throughput")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds a phase may take")
+    ap.add_argument("--old-commit", default=None)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    site = os.environ.get("PARITY_CARRY_SITE", str(ROOT / ".gpucarry" / "site"))
+    runs = run_list(a.preset, a.seed, a.steps, a.eval_every, a.model_dir, a.arms)
+    record = {"date": time.strftime("%Y-%m-%d"), "command": " ".join([Path(sys.executable).name, *sys.argv]),
+              "hardware": {"gpu": (subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                                                  capture_output=True, text=True).stdout.strip()),
+                           "cpus": os.cpu_count()},
+              "old_commit": a.old_commit, "new_commit": os.environ.get("PARITY_COMMIT"),
+              "runs": [{"arm": r["arm"], "overrides": r["overrides"]} for r in runs]}
+    out = Path(a.out)
+    work = Path(a.work)
+    old = phase("old", f"{a.old}:{site}", runs, work, a.timeout, "off")
+    record["old"] = old
+    out.write_text(json.dumps(record, indent=1, default=str))
+    print(f"old: {old['run_steps']} run-steps in {old['wall_s']} s = {old['run_steps_per_s']:.2f}/s "
+          f"(steady {old['steady_run_steps_per_s']})", flush=True)
+    new = phase("new", f"{ROOT / 'platform'}:{site}", runs, work, a.timeout, "auto")
+    record["new"] = new
+    record["ratio"] = new["run_steps_per_s"] / old["run_steps_per_s"]
+    if old["steady_run_steps_per_s"] and new["steady_run_steps_per_s"]:
+        record["steady_ratio"] = new["steady_run_steps_per_s"] / old["steady_run_steps_per_s"]
+    record["fixed_inputs"] = compare_rows(old, new)
+    out.write_text(json.dumps(record, indent=1, default=str))
+    print(f"new: {new['run_steps']} run-steps in {new['wall_s']} s = {new['run_steps_per_s']:.2f}/s "
+          f"(steady {new['steady_run_steps_per_s']}); MPS {new['mps']}", flush=True)
+    print(f"ratio {record['ratio']:.2f} (steady {record.get('steady_ratio')}); fixed inputs equal: "
+          f"{record['fixed_inputs']['all_equal']}", flush=True)
+    for c in record["fixed_inputs"]["checks"]:
+        if c.get("missing") or c.get("differ"):
+            print("  differs:", c["arm"], "step", c["step"], json.dumps(c.get("differ"))[:300], flush=True)
+    for ph in (old, new):
+        for r in ph["runs"]:
+            if r["returncode"] != 0:
+                print(f"  {ph['name']} {r['arm']} exit {r['returncode']}: {(r['log_tail'] or '')[-300:]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
