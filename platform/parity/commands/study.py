@@ -26,6 +26,7 @@ from typing import Any
 
 from parity.paths import plain_name
 from parity.study.members import expand
+from parity.study.mps import MpsDaemon, child_env
 from parity.study.presets import OBJECTIVES, PRESETS, QUICK
 from parity.study.report import arm_rows, common_eval_step, figures, gains_at, gains_table, table
 
@@ -247,8 +248,6 @@ def main(argv: list[str]) -> dict:
             f"reward {r['initial_reward']:.3f} -> {r['final_reward']:.3f}, held-out "
             f"{r['heldout_initial']} -> {r['heldout_final']}, collapse {r['collapse_step']}")
         print(f"[{elapsed:6.0f} s {k}/{n}] {r['arm']} seed {r['seed']}: {brief}", flush=True)
-
-    from parity.study.mps import MpsDaemon, child_env
 
     on_gpu = any(o == "trainer.device=cuda" for o in base)
     with MpsDaemon(a.mps if on_gpu and concurrency > 1 else "off") as mps:
