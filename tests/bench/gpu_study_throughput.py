@@ -125,6 +125,33 @@ def phase(name: str, pythonpath: str, runs: list[dict], work: Path, timeout_s: f
             "gpu_mem_peak_mib": max(g[1] for g in gpu) if gpu else None, "runs": results}
 
 
+def solo(runs: list[dict], arms: str, site: str, work: Path, out: Path, record: dict) -> None:
+    """Each named arm alone on the GPU (this tree's code, no other run, no MPS), evaluation off: the floor of a
+    run's step time that the side-by-side phases are measured against."""
+    words = [w.strip() for w in arms.split(",") if w.strip()]
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'platform'}:{site}", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               TOKENIZERS_PARALLELISM="false", TORCHINDUCTOR_CACHE_DIR=str(work / "new" / "inductor"),
+               TRITON_CACHE_DIR=str(work / "new" / "triton"))
+    rows = []
+    for r in runs:
+        if not any(r["arm"].startswith(w) for w in words):
+            continue
+        t0 = time.time()
+        p = subprocess.run([sys.executable, "-m", "parity", "train", f"outputs_dir={work / 'solo'}", *r["overrides"],
+                            "trainer.eval_every=0"], env=env, capture_output=True, text=True, cwd=str(ROOT))
+        metrics = work / "solo" / "runs" / r["name"] / "metrics.jsonl"
+        steps = [json.loads(x) for x in metrics.read_text().splitlines()] if p.returncode == 0 else []
+        steps = [{k: v for k, v in x.items() if k.startswith("perf/") or k in ("step", "response/length_mean")}
+                 for x in steps if "reward/mean" in x][1:]  # step 1 includes the graphs' capture
+        rows.append({"arm": r["arm"], "returncode": p.returncode, "wall_s_with_start_up": round(time.time() - t0, 1),
+                     "steps": steps, "log_tail": None if p.returncode == 0 else p.stderr[-1500:],
+                     "median": {k: statistics.median(x[k] for x in steps) if steps else None
+                                for k in ("perf/step_s", "perf/rollout_s", "perf/train_s")}})
+        print(rows[-1]["arm"], rows[-1]["returncode"], rows[-1]["median"], flush=True)
+    record["solo"] = rows
+    out.write_text(json.dumps(record, indent=1, default=str))
+
+
 def compare_rows(old: dict, new: dict) -> dict:
     """Step 0 and step 1 of each run, old against new, every logged number but timings."""
     out = []
@@ -143,7 +170,7 @@ def compare_rows(old: dict, new: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--old", required=True, help="the earlier tree's platform/ folder")
+    ap.add_argument("--old", help="the earlier tree's platform/ folder (not needed with --solo)")
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--preset", default="gpu")
     ap.add_argument("--seed", type=int, default=0)
@@ -153,6 +180,8 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/study_throughput")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds a phase may take")
     ap.add_argument("--old-commit", default=None)
+    ap.add_argument("--solo", default="", help="instead of the two phases: each arm whose name starts with one of "
+                    "these comma-separated prefixes alone on the GPU, evaluation off")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     site = os.environ.get("PARITY_CARRY_SITE", str(ROOT / ".gpucarry" / "site"))
@@ -165,6 +194,11 @@ def main() -> None:
               "runs": [{"arm": r["arm"], "overrides": r["overrides"]} for r in runs]}
     out = Path(a.out)
     work = Path(a.work)
+    if a.solo:
+        solo(runs, a.solo, site, work, out, record)
+        return
+    if not a.old:
+        ap.error("--old is needed for the side-by-side phases")
     old = phase("old", f"{a.old}:{site}", runs, work, a.timeout, "off")
     record["old"] = old
     out.write_text(json.dumps(record, indent=1, default=str))
