@@ -285,3 +285,53 @@ def test_deployed_model_evaluated_at_its_steps_and_the_larger_final_evaluation(t
         next(p.name for p in (tmp_path / "outputs" / "models").iterdir()), "prepare.json").read_text())
     assert run["start_weights_sha256"] == prep["weights_sha256"] and len(prep["weights_sha256"]) == 64
     assert run["code_version"] is None or len(run["code_version"].split("+")[0]) == 40
+
+
+def test_lost_the_gain_by_hand() -> None:
+    """The rule written in docs/study/grpo_study.md before the long-horizon arms ran, on curves worked by hand."""
+    from parity.study.report import arm_lost_gain_step, lost_gain_step, lost_gain_tables
+
+    curve = [[0, .30], [10, .34], [20, .38], [30, .40], [40, .36], [50, .30], [60, .28]]
+    # three-evaluation means ending at 20..60: .340, .3733, .380, .3533, .3133. At 30 the best earlier mean's gain
+    # is .04 (threshold .30 + .02); at 40 .0733 (.3367); at 50 .08 (.34); at 60 .08 (.34) and .3133 <= .34: lost.
+    assert lost_gain_step(curve) == 60
+    # the same fall with a best gain under 3 points: never had a gain to lose
+    assert lost_gain_step([[0, .30], [10, .31], [20, .32], [30, .33], [40, .30], [50, .28], [60, .27]]) is None
+    # a fall before step 30 is not read: .30, .40, .40 then .30 at 30 -> means .3667 (20), .3667 (30) > .30 + .0333
+    assert lost_gain_step([[0, .30], [10, .40], [20, .40], [30, .30]]) is None
+    # no step 0 (a run whose start was not evaluated): no rule
+    assert lost_gain_step([[10, .30], [20, .40], [30, .20]]) is None
+    # the arm's rule reads the seeds' mean curve at the steps all seeds have
+    rs = [{"arm": "w / none", "seed": s, "labels": {"source": "w", "correction": "none"}, "collapse_step": None,
+           "evals": {"heldout_unquantized": [[st, v + d] for st, v in curve]}} for s, d in ((0, -.01), (1, .01))]
+    assert arm_lost_gain_step(rs) == 60
+    assert "at step 60, where the uncorrected arm w / none lost its gain" in lost_gain_tables(rs)
+
+
+def test_early_warning_leads_and_false_alarms_by_hand() -> None:
+    """A signal's onset: the 3-step mean departs from steps 1-10 by more than 4 of their standard deviations."""
+    from parity.study.report import early_warning, early_warning_table, signal_onset
+
+    base = [[s, 0.010 + (0.001 if s % 2 else -0.001)] for s in range(1, 11)]  # mean .010, sd .001054
+    rising = base + [[11, .010], [12, .020], [13, .020], [14, .020], [15, .020]]
+    # 3-step means: step 11 .0100, 12 (.009 + .010 + .020)/3 = .0130 (2.8 sd), 13 (.010 + .020 + .020)/3 = .0167
+    # (6.3 sd): the onset is step 13
+    assert signal_onset(rising) == 13
+    assert signal_onset(base + [[11, .0105], [12, .0110]]) is None
+    # a flat zero baseline (a truncated fraction of 0): any move is an onset (the floor only keeps sd > 0)
+    assert signal_onset([[1, 0.0], [2, 0.0], [3, 0.0], [11, 1e-9]]) == 11
+    assert signal_onset([[1, 0.0], [2, 0.0], [3, 0.0], [11, 0.3]]) == 11
+    assert signal_onset(base[:2]) is None  # a series shorter than its baseline
+
+    def run(name, k3, collapse):
+        return {"name": name, "arm": name, "seed": 0, "labels": {}, "collapse_step": collapse,
+                "curves": {"mismatch/k3_kl": k3}}
+
+    runs = [run("a", rising, 20), run("b", rising, 12), run("c", base + [[11, .010], [12, .010]], None),
+            run("d", rising, None), run("e", base, 30)]
+    ew = early_warning(runs)["mismatch/k3_kl"]
+    # a: alarm at 20, onset 13 -> lead 7; b: onset 13 after the alarm at 12 -> none; e: no onset -> none
+    assert ew["leads"] == {"a": 7, "b": None, "e": None} and ew["lead_mean"] == 7
+    assert ew["false_alarms"] == ["d"] and ew["runs_without_alarm"] == 2 and not ew["led_every_collapse"]
+    assert "| k3 | 1/3 | 7.0 | 1/2 |" in early_warning_table(runs)
+    assert early_warning_table([run("c", base, None)]) == ""

@@ -28,7 +28,18 @@ from parity.paths import plain_name
 from parity.study.members import expand
 from parity.study.mps import MpsDaemon, child_env
 from parity.study.presets import OBJECTIVES, PRESETS, QUICK
-from parity.study.report import arm_rows, common_eval_step, figures, gains_at, gains_table, table
+from parity.study.report import (
+    arm_rows,
+    common_eval_step,
+    early_warning,
+    early_warning_table,
+    figures,
+    gains_at,
+    gains_table,
+    lost_gain_step,
+    lost_gain_tables,
+    table,
+)
 
 EXAMPLES = [
     "python -m parity study --preset laptop --quick",
@@ -110,7 +121,11 @@ def _error_line(text: str) -> str:
 
 
 def write_outputs(study: dict, out: Path) -> list[str]:
+    for r in study["runs"]:
+        if "error" not in r:
+            r["lost_gain_step"] = lost_gain_step(r.get("evals", {}).get("heldout_unquantized", []))
     study["arms"] = arm_rows(study["runs"])
+    study["early_warning"] = early_warning(study["runs"])
     step = common_eval_step(study["runs"])
     study["gains"] = gains_at(study["runs"], step) if step is not None else []
     (out / "study.json").write_text(json.dumps(study, indent=1, default=str))
@@ -118,7 +133,9 @@ def write_outputs(study: dict, out: Path) -> list[str]:
             f"{study.get('note', '')}\n\nCommand: `{study['command']}`  \nDate: {study['date']}; host: "
             f"{json.dumps(study['host'])}; wall time {study.get('wall_s', 0):.0f} s; {len(study['runs'])} runs, "
             f"{study['steps']} steps each, seeds {study['seeds']}.\n\n")
-    (out / "study.md").write_text(head + table(study["runs"]) + "\n" + gains_table(study["runs"]))
+    (out / "study.md").write_text("\n".join(x for x in (
+        head + table(study["runs"]), gains_table(study["runs"]), lost_gain_tables(study["runs"]),
+        early_warning_table(study["runs"])) if x))
     try:
         return [str(p) for p in figures(study["runs"], out, f"{study['preset']} / {study['stage']}")]
     except ImportError as e:  # matplotlib is not part of the numerical core (a bare GPU image may lack it)

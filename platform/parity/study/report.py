@@ -37,8 +37,11 @@ def arm_rows(results: list[dict]) -> list[dict]:
     rows = []
     for arm, rs in group_by_arm(results).items():
         steps = [r["collapse_step"] for r in rs if r["collapse_step"] is not None]
+        lost = [r["lost_gain_step"] for r in rs if r.get("lost_gain_step") is not None]
         row = {"arm": arm, "labels": rs[0].get("labels", {}), "seeds": sorted(r["seed"] for r in rs),
-               "collapsed": len(steps), "collapse_step_mean": statistics.fmean(steps) if steps else None}
+               "collapsed": len(steps), "collapse_step_mean": statistics.fmean(steps) if steps else None,
+               "lost_gain": len(lost), "lost_gain_step_mean": statistics.fmean(lost) if lost else None,
+               "arm_lost_gain_step": arm_lost_gain_step(rs)}
         for key in ("initial_reward", "final_reward", "peak_reward", "heldout_initial", "heldout_final",
                     "heldout_engine_final", "mismatch_mean", "delta_cosine_final"):
             m, se, n = mean_se([r.get(key) for r in rs])
@@ -92,19 +95,129 @@ def gains_at(results: list[dict], step: int) -> list[dict]:
     return rows
 
 
+# ---- the long horizon's rules (docs/study/grpo_study.md, "what is fixed before its arms run") ---------------
+
+LOST_GAIN_MIN = 0.03  # a run that never gained 3 points over its start never had a gain to lose
+LOST_GAIN_FROM = 30   # the first step at which a loss of the gain is read
+LOST_GAIN_WINDOW = 3  # evaluations averaged (t - 20, t - 10, t at an evaluation every 10 steps)
+
+
+def lost_gain_step(series: list[list[float]], window: int = LOST_GAIN_WINDOW, min_gain: float = LOST_GAIN_MIN,
+                   from_step: int = LOST_GAIN_FROM) -> int | None:
+    """The first evaluation step t >= `from_step` at which the mean of the `window` evaluations ending at t is at
+    or below the step-0 accuracy plus half of the best such mean's gain reached before t, provided that best gain
+    was at least `min_gain`; None if that never happens. `series`: [[step, accuracy], ...] with step 0 in it."""
+    pts = sorted((int(s), float(v)) for s, v in series)
+    if not pts or pts[0][0] != 0:
+        return None
+    start = pts[0][1]
+    best = None
+    for i in range(window - 1, len(pts)):
+        t = pts[i][0]
+        m = statistics.fmean(v for _, v in pts[i - window + 1:i + 1])
+        if t >= from_step and best is not None and best - start >= min_gain and m <= start + 0.5 * (best - start):
+            return t
+        best = m if best is None else max(best, m)
+    return None
+
+
+def arm_curve(runs: list[dict], key: str = "heldout_unquantized") -> list[list[float]]:
+    """The seeds' mean of an evaluation series, at the steps every seed has."""
+    series = [dict((int(s), v) for s, v in r.get("evals", {}).get(key, [])) for r in runs]
+    steps = sorted(set.intersection(*(set(d) for d in series))) if series else []
+    return [[s, statistics.fmean(d[s] for d in series)] for s in steps]
+
+
+def arm_lost_gain_step(runs: list[dict]) -> int | None:
+    """The lost-gain rule on the arm's seed-mean exact-engine held-out curve: the step at which the corrections
+    of that format are compared a second time."""
+    return lost_gain_step(arm_curve(runs))
+
+
+# signals read for an early warning of the collapse alarm: (curve key, what it is)
+WARNING_SIGNALS = (("mismatch/abs_prob_diff_mean", "mean |p - q|"), ("mismatch/k3_kl", "k3"),
+                   ("response/entropy", "entropy"), ("response/length_mean", "length"),
+                   ("response/truncated_frac", "truncated fraction"), ("drift/adv_length_cov", "adv-length cov"))
+ONSET_BASE = 10   # steps 1-10 are a signal's baseline
+ONSET_SMOOTH = 3  # the rolling mean of the last 3 steps is compared with it
+ONSET_Z = 4.0     # an onset: that mean departs from the baseline mean by more than 4 baseline standard deviations
+
+
+def signal_onset(series: list[list[float]], base: int = ONSET_BASE, smooth: int = ONSET_SMOOTH,
+                 z: float = ONSET_Z) -> int | None:
+    """The first step after the baseline (steps 1..`base`) at which the mean of the last `smooth` values departs
+    from the baseline's mean by more than `z` of its standard deviations (either way); None if it never does or
+    the series is shorter than its baseline. The deviation is floored at 1% of |baseline mean| (a near-constant
+    baseline does not turn rounding into onsets) and at 1e-12, so a signal at exactly 0 in its baseline (a
+    truncated fraction) has its onset at its first move: its false-alarm count says whether that is useful."""
+    pts = sorted((int(s), float(v)) for s, v in series if v is not None and math.isfinite(float(v)))
+    head = [v for s, v in pts if s <= base]
+    if len(head) < 3:
+        return None
+    mu, sd = statistics.fmean(head), statistics.stdev(head)
+    sd = max(sd, 0.01 * abs(mu), 1e-12)
+    tail = [(s, v) for s, v in pts if s > base]
+    vals = [v for _, v in pts]
+    for s, _ in tail:
+        i = next(k for k, (t, _) in enumerate(pts) if t == s)
+        m = statistics.fmean(vals[max(0, i - smooth + 1):i + 1])
+        if abs(m - mu) > z * sd:
+            return s
+    return None
+
+
+def early_warning(results: list[dict]) -> dict:
+    """Per signal: its lead in steps over the collapse alarm in each collapsed run (alarm step - onset step;
+    positive = it moved first, None = no onset before the alarm), and its false alarms (runs whose alarm never
+    fired but whose signal had an onset)."""
+    runs = [r for r in results if "error" not in r]
+    out = {}
+    for key, what in WARNING_SIGNALS:
+        leads, false = {}, []
+        for r in runs:
+            onset = signal_onset(r.get("curves", {}).get(key, []))
+            if r.get("collapse_step") is not None:
+                c = int(r["collapse_step"])
+                leads[r["name"]] = c - onset if onset is not None and onset <= c else None
+            elif onset is not None:
+                false.append(r["name"])
+        led = [v for v in leads.values() if v is not None]
+        out[key] = {"signal": what, "leads": leads, "led_every_collapse": bool(leads) and len(led) == len(leads),
+                    "lead_mean": statistics.fmean(led) if led else None, "false_alarms": false,
+                    "runs_without_alarm": sum(1 for r in runs if r.get("collapse_step") is None)}
+    return out
+
+
+def early_warning_table(results: list[dict]) -> str:
+    """The early-warning table in Markdown: empty when no run's alarm fired."""
+    ew = early_warning(results)
+    if not any(v["leads"] for v in ew.values()):
+        return ""
+    lines = [f"Lead of each signal's onset over the collapse alarm (steps; onset: the 3-step mean departs from "
+             f"steps 1-{ONSET_BASE} by > {ONSET_Z:g} s.d.):", "",
+             "| signal | collapsed runs it led | mean lead | false alarms (runs without the alarm) |", "|---|---|---|---|"]
+    for v in ew.values():
+        led = sum(1 for x in v["leads"].values() if x is not None)
+        lead = "—" if v["lead_mean"] is None else f"{v['lead_mean']:.1f}"
+        lines.append(f"| {v['signal']} | {led}/{len(v['leads'])} | {lead} | "
+                     f"{len(v['false_alarms'])}/{v['runs_without_alarm']} |")
+    return "\n".join(lines) + "\n"
+
+
 def _pts(d: dict | None) -> str:
     if not d or d.get("mean") is None:
         return "—"
     return f"{100 * d['mean']:+.1f}" + (f" ± {100 * d['se']:.1f}" if d.get("se") is not None else "")
 
 
-def gains_table(results: list[dict]) -> str:
-    """Held-out accuracy at the last evaluation step every run has, in points: the arms compared at one step."""
-    step = common_eval_step(results)
+def gains_table(results: list[dict], step: int | None = None, why: str = "the last evaluation every run reached") -> str:
+    """Held-out accuracy at `step` (default: the last evaluation step every run has), in points: the arms
+    compared at one step."""
+    step = common_eval_step(results) if step is None else step
     if step is None:
         return ""
     ref = reference_arm(results)
-    lines = [f"Held-out accuracy of the trained weights at step {step}, the last evaluation every run reached "
+    lines = [f"Held-out accuracy of the trained weights at step {step}, {why} "
              f"(points; mean ± s.e. over seeds; reference arm: {ref or '—'}, compared seed by seed):", "",
              "| arm | held-out at step " + str(step) + " | gain over its start | per seed | vs reference (paired) |",
              "|---|---|---|---|---|"]
@@ -116,14 +229,29 @@ def gains_table(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def lost_gain_tables(results: list[dict]) -> str:
+    """The arms compared again at each step where an uncorrected arm's seed-mean curve lost its gain."""
+    parts = []
+    for arm, rs in group_by_arm(results).items():
+        if rs[0].get("labels", {}).get("correction") != "none":
+            continue
+        step = arm_lost_gain_step(rs)
+        if step is not None:
+            parts.append(gains_table(results, step, f"where the uncorrected arm {arm} lost its gain"))
+    return "\n".join(parts)
+
+
 def table(results: list[dict]) -> str:
     """The Markdown table: one row per arm, mean ± s.e. over its seeds."""
     lines = ["| arm | seeds | steps done | reward start → final (peak) | held-out acc, trained weights unquantized: start → final | "
-             "held-out acc, rollout engine | collapsed (mean step) | mean abs(p − q) | drift cos(θ−θ0, Δ) final |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "held-out acc, rollout engine | collapsed (mean step) | lost the gain (mean step) | mean abs(p − q) | "
+             "drift cos(θ−θ0, Δ) final |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for arm, rs in group_by_arm(results).items():
         steps = [r["collapse_step"] for r in rs if r["collapse_step"] is not None]
         collapse = f"{len(steps)}/{len(rs)}" + (f" (step {statistics.fmean(steps):.0f})" if steps else "")
+        lost = [r["lost_gain_step"] for r in rs if r.get("lost_gain_step") is not None]
+        lost_s = f"{len(lost)}/{len(rs)}" + (f" (step {statistics.fmean(lost):.0f})" if lost else "")
         mm = mean_se([r.get("mismatch_mean") for r in rs])[0]
         done = sorted(r.get("steps", 0) for r in rs)
         done_s = f"{done[0]}" if done[0] == done[-1] else f"{done[0]}-{done[-1]}"
@@ -133,12 +261,12 @@ def table(results: list[dict]) -> str:
             f"| {arm} | {len(rs)} | {done_s} | {_fmt([r['initial_reward'] for r in rs])} → {_fmt([r['final_reward'] for r in rs])} "
             f"({_fmt([r['peak_reward'] for r in rs])}) | {_fmt([r['heldout_initial'] for r in rs])} → "
             f"{_fmt([r['heldout_final'] for r in rs])} | {_fmt([r.get('heldout_engine_final') for r in rs])} | "
-            f"{collapse} | {'—' if mm is None else f'{mm:.2e}'} | {_fmt([r.get('delta_cosine_final') for r in rs])} |")
+            f"{collapse} | {lost_s} | {'—' if mm is None else f'{mm:.2e}'} | {_fmt([r.get('delta_cosine_final') for r in rs])} |")
     for r in results:
         if "error" in r:
             last = ([ln for ln in r["error"].strip().splitlines() if ln.strip() and "HYDRA_FULL_ERROR" not in ln]
                     or ["?"])[-1][:140]
-            lines.append(f"| {r['arm']} | seed {r['seed']} failed | | {last} | | | | | |")
+            lines.append(f"| {r['arm']} | seed {r['seed']} failed | | {last} | | | | | | |")
     return "\n".join(lines) + "\n"
 
 
