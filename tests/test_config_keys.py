@@ -17,7 +17,7 @@ from parity.config.keys import schema_keys
 
 REPO = Path(__file__).resolve().parents[1]
 TYPOS = ["trainer.lrr=1", "+trainer.lrr=1", "++trainer.lrr=1"]
-MESSAGE = "unknown config key `trainer.lrr`; did you mean trainer.lr?"
+MESSAGE = "config key `trainer.lrr`: unknown key; did you mean trainer.lr?"
 
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -44,12 +44,12 @@ def test_cli_refuses_a_typo_with_the_same_line(override: str) -> None:
 
 
 @pytest.mark.parametrize(("override", "message"), [
-    ("traner.lr=1", "unknown config key `traner.lr`; did you mean trainer.lr?"),
-    ("model.lr=1", "unknown config key `model.lr`; did you mean model.warm_start.lr or trainer.lr?"),
-    ("modle=hf", "unknown config key or group `modle`; did you mean model?"),
-    ("+algorithm.corection.name=tis", "unknown config key `algorithm.corection.name`; did you mean "
+    ("traner.lr=1", "config key `traner.lr`: unknown key; did you mean trainer.lr?"),
+    ("model.lr=1", "config key `model.lr`: unknown key; did you mean model.warm_start.lr or trainer.lr?"),
+    ("modle=hf", "config key `modle`: unknown key or group; did you mean model?"),
+    ("+algorithm.corection.name=tis", "config key `algorithm.corection.name`: unknown key; did you mean "
                                       "algorithm.correction.name?"),
-    ("trainer.lr.x=1", "unknown config key `trainer.lr.x`: `trainer.lr` is a value, not a group of keys"),
+    ("trainer.lr.x=1", "config key `trainer.lr.x`: unknown key: `trainer.lr` is a value, not a group of keys"),
 ])
 def test_the_message_names_the_closest_keys(override: str, message: str) -> None:
     with pytest.raises(ConfigError) as e:
@@ -60,7 +60,7 @@ def test_the_message_names_the_closest_keys(override: str, message: str) -> None
 def test_no_close_key_lists_the_keys_beside_it() -> None:
     with pytest.raises(ConfigError) as e:
         load_config(["+algorithm.correction.dual.zzz=1"])
-    assert str(e.value) == ("unknown config key `algorithm.correction.dual.zzz`; valid under "
+    assert str(e.value) == ("config key `algorithm.correction.dual.zzz`: unknown key; valid under "
                             "algorithm.correction.dual: c, discrepancy, eta, lambda0, lambda_max")
 
 
@@ -76,13 +76,13 @@ def test_a_composed_config_with_an_unknown_key_is_refused() -> None:
     cfg = load_config([])
     check_config(cfg)
     cfg.rollout.precision.kv_cache_typo = "int8"  # the typed config: an attribute the schema lacks
-    with pytest.raises(ConfigError, match=r"^unknown config key `rollout.precision.kv_cache_typo`; did you mean "
+    with pytest.raises(ConfigError, match=r"^config key `rollout.precision.kv_cache_typo`: unknown key; did you mean "
                                           r"rollout.precision.kv_cache\?$"):
         check_config(cfg)
     composed = OmegaConf.structured(type(load_config([])))
     with open_dict(composed.rollout.precision):
         composed.rollout.precision.kv_cache_typo = "int8"
-    with pytest.raises(ConfigError, match=r"^unknown config key `rollout.precision.kv_cache_typo`"):
+    with pytest.raises(ConfigError, match=r"^config key `rollout.precision.kv_cache_typo`: unknown key"):
         check_config(composed)
 
 
@@ -90,7 +90,7 @@ def test_groups_of_a_users_config_folder_are_groups(tmp_path: Path) -> None:
     (tmp_path / "experiment").mkdir()
     (tmp_path / "experiment" / "mine.yaml").write_text("# @package _global_\ntrainer:\n  lr: 1.0e-4\n")
     assert load_config(["experiment=mine"], extra_config_dir=str(tmp_path)).trainer.lr == 1e-4
-    with pytest.raises(ConfigError, match=r"unknown config key or group `mygroup`"):
+    with pytest.raises(ConfigError, match=r"config key `mygroup`: unknown key or group"):
         load_config(["+mygroup=x"], extra_config_dir=str(tmp_path))
     (tmp_path / "mygroup").mkdir()  # a group of the user's config folder is a group, not a key
     (tmp_path / "mygroup" / "x.yaml").write_text("# @package _global_\nexperiment_name: from_mygroup\n")

@@ -7,8 +7,9 @@ The last stdout line of every command is a one-line JSON summary of its result.
 
 `--help` (alone, or after a command) is answered from the command modules' sources without importing them
 (parity.commands._help); `--help-full` is Hydra's own help page (the whole config), `--hydra-help` Hydra's
-flags. An override naming a key the schema lacks stops the command before Hydra composes
-(parity.config.keys), with the same one-line message whether it was written `a.b=1` or `+a.b=1`."""
+flags. An override naming a key the schema lacks, a value of the wrong type or a path that is not there stops the
+command before Hydra composes and before torch is imported (parity.config.keys), with one line
+`error: config key `KEY`: ...` and exit status 2, whether it was written `a.b=1` or `+a.b=1`."""
 
 from __future__ import annotations
 
@@ -103,6 +104,7 @@ def _split_args(rest: list[str]) -> tuple[list[str], list[str]]:
 def _run_hydra(cmd: str, rest: list[str]) -> None:
     from parity.config import (
         ConfigError,
+        check_command_line,
         check_config,
         check_keys,
         config_dir,
@@ -113,9 +115,11 @@ def _run_hydra(cmd: str, rest: list[str]) -> None:
     )
 
     overrides, dirs = _split_args(rest)
+    overrides = normalize_overrides(overrides)
     try:
-        register_schema(normalize_overrides(overrides))  # modules named by algorithm.correction.modules register first
-        check_keys(normalize_overrides(overrides), dirs)
+        check_command_line(overrides, dirs)  # before torch (the registries import it): a typo is answered at once
+        register_schema(overrides)  # modules named by algorithm.correction.modules register first
+        check_keys(overrides, dirs)  # the keys of the registered corrections' sections too
     except ConfigError as e:
         _fail(str(e))
 

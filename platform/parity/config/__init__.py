@@ -105,8 +105,18 @@ def normalize_overrides(overrides: list[str]) -> list[str]:
 
 def check_keys(overrides: list[str], extra_config_dirs: list[str | Path] = ()) -> None:
     """Refuse an override naming a key the schema lacks (one-line ConfigError: the key and the closest
-    valid keys); group choices are recognised by the folders of the config tree and of `extra_config_dirs`."""
+    valid keys) or setting a value of the wrong type (the key, the type, the value); group choices are recognised
+    by the folders of the config tree and of `extra_config_dirs`."""
     check_overrides(overrides, [config_dir(), *(Path(d) for d in extra_config_dirs)])
+
+
+def check_command_line(overrides: list[str], extra_config_dirs: list[str | Path] = ()) -> None:
+    """What `python -m parity <command>` checks before anything heavy is imported (neither the corrections' registry
+    nor torch): the keys and value types of the overrides, and the files and folders they name that must be there
+    (parity.config.keys.PATH_KEYS); one-line ConfigError `config key `KEY`: ...`. Keys under `algorithm.correction.`
+    wait for `check_keys` after `register_schema`: the registered corrections declare its sections."""
+    check_overrides(overrides, [config_dir(), *(Path(d) for d in extra_config_dirs)], skip=("algorithm.correction.",),
+                    paths=True)
 
 
 def load_config(overrides: list[str] | None = None, extra_config_dir: str | None = None,
@@ -247,4 +257,4 @@ def flatten(cfg: ParityConfig | DictConfig) -> dict[str, object]:
 
 
 __all__ = ["ConfigError", "ParityConfig", "load_config", "compose_config", "typed", "from_plain", "as_plain", "with_values", "validate_config", "register_schema", "load_registries", "config_dir",
-           "flatten", "to_yaml", "check_keys", "check_config", "open_groups", "normalize_overrides", "default_groups"]
+           "flatten", "to_yaml", "check_command_line", "check_keys", "check_config", "open_groups", "normalize_overrides", "default_groups"]

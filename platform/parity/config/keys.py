@@ -23,13 +23,24 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from parity.config.validate import ConfigError
+from parity.errors import ConfigError
 
 _LIST_TYPES = (list, tuple)
 
 # keys the schema no longer has, refused with their new spelling (an old config or command fails naming both)
 REMOVED: dict[str, str] = {
     "rollout.dtype": "`model.dtype`, the one compute dtype of the trainer and the rollout engine",
+}
+
+# names that other tools (or a first guess) give to one of our keys: an unknown key of that name is answered with ours
+ALIASES: dict[str, str] = {
+    "checkpoint": "eval.model_path",
+    "checkpoint_path": "eval.model_path",
+    "ckpt": "eval.model_path",
+    "model_path": "eval.model_path",
+    "learning_rate": "trainer.lr",
+    "max_steps": "trainer.total_steps",
+    "num_steps": "trainer.total_steps",
 }
 
 
@@ -130,7 +141,10 @@ def _children(parent: str) -> list[str]:
 
 
 def unknown_key_message(key: str, groups: Iterable[str] = ()) -> str:
-    """One line naming `key` and the closest valid keys (or, when none is close, the keys beside it).
+    """One line, `config key `KEY`: unknown...`, naming the closest valid keys (or, when none is close, the keys
+    beside it). Close means: a name of the same level a letter or two away, a key elsewhere with the same last name
+    (model.lr -> trainer.lr), a name that other tools use for one of ours (ALIASES: checkpoint -> eval.model_path),
+    and, for a top-level name when none of those is found, a near name anywhere in the schema.
 
     `groups`: config group names (folders of the config tree), valid as top-level names too."""
     if key in REMOVED:
@@ -140,13 +154,19 @@ def unknown_key_message(key: str, groups: Iterable[str] = ()) -> str:
     parent, last, rest = ".".join(bad_parts[:-1]), bad_parts[-1], parts[len(bad_parts):]
     keys = set(schema_keys())
     if parent in keys and _walk_key(parent) is None and not dataclasses.is_dataclass(_kind(parent)):
-        return f"unknown config key `{key}`: `{parent}` is a value, not a group of keys"
+        return f"config key `{key}`: unknown key: `{parent}` is a value, not a group of keys"
     siblings = _children(parent) + ([g for g in groups if g not in keys] if not parent else [])
     tail = ".".join([last, *rest])
-    close = [".".join(filter(None, [parent, s, *rest])) for s in difflib.get_close_matches(last, siblings, 3, 0.7)]
+    close = [ALIASES[last]] if last in ALIASES and not rest else []
+    close += [".".join(filter(None, [parent, s, *rest])) for s in difflib.get_close_matches(last, siblings, 3, 0.7)]
     close += [k for k in sorted(keys) if k.endswith("." + tail) and k not in close]  # model.lr -> trainer.lr
-    what = "config key or group" if not parent and not rest else "config key"
-    msg = f"unknown {what} `{key}`"
+    if not close and not parent:  # a top-level name near one anywhere: temprature -> rollout.temperature
+        names = {k.rsplit(".", 1)[-1] for k in keys}
+        close = [k for n in difflib.get_close_matches(last, names, 3, 0.8) for k in sorted(keys)
+                 if k.rsplit(".", 1)[-1] == n and not rest]
+        close += [k for k in difflib.get_close_matches(key, keys, 3, 0.8) if k not in close]  # trainer_lr
+    what = "unknown key or group" if not parent and not rest else "unknown key"
+    msg = f"config key `{key}`: {what}"
     if close:
         return msg + "; did you mean " + " or ".join(close[:3]) + "?"
     return msg + f"; valid {'under ' + parent if parent else 'at the top level'}: " + ", ".join(sorted(siblings))
@@ -188,8 +208,11 @@ def _is_group(key: str, search_dirs: Iterable[Path]) -> bool:
     return any((Path(d) / rel).is_dir() for d in search_dirs)
 
 
-def check_overrides(overrides: Iterable[str], search_dirs: Iterable[Path]) -> None:
-    """Refuse an override that names a key the schema does not have (ConfigError, one line).
+def check_overrides(overrides: Iterable[str], search_dirs: Iterable[Path], *, skip: tuple[str, ...] = (),
+                    paths: bool = False) -> None:
+    """Refuse an override that names a key the schema does not have, or gives a value of the wrong type for the
+    field it sets (ConfigError, one line: `config key `KEY`: ...`); with `paths`, also one that names a file or
+    folder that is not there (PATH_KEYS). Keys starting with one of `skip` are left out.
 
     Config group choices (`model=hf`, `+precision=w8a8_int8`, `algorithm/correction=...`) are not keys:
     a name that is a folder of one of `search_dirs` is a group. Hydra's own keys (`hydra.*`) and
@@ -207,12 +230,100 @@ def check_overrides(overrides: Iterable[str], search_dirs: Iterable[Path]) -> No
         key = o.key_or_group
         if o.is_hydra_override() or o.type == OverrideType.DEL or o.package is not None or "/" in key:
             continue
-        bad = _walk_key(key)
-        if bad is None:
+        if key.startswith(skip):
             continue
         if _is_group(key, dirs):
             continue
-        raise ConfigError(unknown_key_message(key, _groups(dirs)))
+        if _walk_key(key) is not None:
+            raise ConfigError(unknown_key_message(key, _groups(dirs)))
+        values = _values(o)
+        _check_type(key, values)
+        if paths and key in PATH_KEYS:
+            _check_path(key, values)
+
+
+# keys whose value names a file or folder that must be there: (what it must be, the test), checked on the command
+# line before a command loads its libraries (`eval.model_path`'s run folder is resolved to its latest valid
+# checkpoint by the command itself)
+PATH_KEYS: dict[str, tuple[str, Any]] = {
+    "eval.model_path": ("a checkpoint folder (config.json) or a run folder (checkpoints/)",
+                        lambda p: (p / "config.json").is_file() or (p / "checkpoints").is_dir()),
+    "data.path": ("a JSONL file", lambda p: p.is_file()),
+}
+
+
+def _values(o: Any) -> list[Any]:
+    """The values an override sets: one, or each of a choice or range sweep (`trainer.lr=1e-3,1e-4`); none for an
+    interval or glob sweep, whose values the sweeper picks."""
+    if not o.is_sweep_override():
+        return [o.value()]
+    if o.is_choice_sweep() or o.is_range_sweep():
+        return list(o.sweep_iterator())
+    return []
+
+
+def _leaf(key: str) -> tuple[type, str] | None:
+    """(schema dataclass, field name) when `key` names one value of the schema (not a group of keys, nor a key
+    inside an open group or a list)."""
+    *parents, name = key.split(".")
+    cls: Any = _root()
+    for part in parents:
+        cls = _fields(cls).get(part)
+        if not dataclasses.is_dataclass(cls):
+            return None
+    return (cls, name) if name in _fields(cls) and _fields(cls)[name] in (None, list) else None
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is not None:
+        return f"{typing.get_origin(tp).__name__}[{', '.join(_type_name(a) for a in typing.get_args(tp))}]"
+    return "any value" if tp is Any else getattr(tp, "__name__", str(tp))
+
+
+def _check_type(key: str, values: list[Any]) -> None:
+    """Each value as OmegaConf takes it for the field (the same conversions as Hydra's merge: "3" for an int, 1 for
+    a float), or a ConfigError naming the key, the field's type and the value. An interpolation is left to Hydra."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ValidationError
+
+    leaf = _leaf(key)
+    if leaf is None:
+        return
+    holder = _holder(*leaf)
+    for value in values:
+        if isinstance(value, str) and "${" in value:
+            continue
+        node = OmegaConf.structured(holder)
+        try:
+            node[leaf[1]] = value
+        except ValidationError:
+            got = "null" if value is None else repr(value)
+            raise ConfigError(f"config key `{key}`: expected {_type_name(typing.get_type_hints(leaf[0])[leaf[1]])}, "
+                              f"got {got}") from None
+
+
+@functools.cache
+def _holder(cls: type, name: str) -> type:
+    """A dataclass of the one field `name` of `cls`, of its type: a check costs microseconds, not the whole schema's
+    structured config (~0.2 s for the root)."""
+    from omegaconf import MISSING
+
+    return dataclasses.make_dataclass(f"{cls.__name__}_{name}",
+                                      [(name, typing.get_type_hints(cls)[name], dataclasses.field(default=MISSING))])
+
+
+def _check_path(key: str, values: list[Any]) -> None:
+    what, ok = PATH_KEYS[key]
+    for value in values:
+        if value in (None, "") or "${" in str(value):
+            continue
+        p = Path(str(value)).expanduser()
+        if not p.exists():
+            raise ConfigError(f"config key `{key}`: {p} does not exist (expected {what})")
+        if not ok(p):
+            raise ConfigError(f"config key `{key}`: {p} is not {what}")
 
 
 def check_config(cfg: Any) -> None:
@@ -236,4 +347,4 @@ def check_config(cfg: Any) -> None:
     walk(cfg, _root(), "")
 
 
-__all__ = ["check_config", "check_overrides", "open_groups", "schema_keys", "unknown_key_message"]
+__all__ = ["ALIASES", "PATH_KEYS", "check_config", "check_overrides", "open_groups", "schema_keys", "unknown_key_message"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from parity.config.distributed import check_distributed
-from parity.core.device import forced_auto_dtype
 from parity.errors import ConfigError, ParityError
 
 
@@ -58,6 +57,8 @@ def validate_config(cfg: DictConfig) -> None:
            f"must be in [0, 1], got {ws.teacher_error_rate}")
     _check(cfg.model.dtype in ("auto", "bfloat16", "float32"), "model.dtype",
            f"must be auto, bfloat16 or float32, got {cfg.model.dtype!r}")
+    from parity.core.device import forced_auto_dtype  # torch: importing parity.config must not import it
+
     forced_auto_dtype()
     if a.routing_replay:
         _check(cfg.model.arch == "qwen3_moe" or cfg.model.source == "hf", "algorithm.routing_replay",
