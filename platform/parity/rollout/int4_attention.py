@@ -57,6 +57,11 @@ except ImportError:  # CPU installs
 # only), optionally a register cap ("maxnreg", more programs per SM). tests/bench/gpu_int4_decode_variants.py checks
 # and times the candidates; `CONFIG` is what the decode path launches.
 CONFIG = {"ROWS": 16, "num_warps": 4, "num_stages": 2, "programs_per_sm": 8, "asm": True}
+# The exact route (float32 output) multiplies the codes by a block-diagonal float32 query, whose tiles grow with
+# the column groups R = 16 / G: at G = 1, D = 128 they need 247,808 B of shared memory at ROWS 16 (2 stages) on
+# sm_90, over the H200's 232,448 B, and 189,504 B at ROWS 8 (Triton's compile for sm_90a; checked for every G and
+# D by tests/test_int4_attention_sm90.py). The exact route is the float32 check's, so it takes the smaller tile.
+EXACT_ROWS = 8
 _DEFAULT_SMS = 132
 
 
@@ -166,7 +171,8 @@ def int4_attention(qs: Queries, kc: torch.Tensor, vc: torch.Tensor, kw: torch.Te
     codes kc / vc uint8 [B, n_kv, S, D/2], scale words kw / vw int32 [B, n_kv, S]. Slot j is seen when j <= slot
     (long [1] on the device) and key_ok[b, j]. Returns [B, H * D] in out_dtype (float32: the exact route, else
     the tensor-core route). `out` [B, H, D] of out_dtype is written when given (tests poison it first)."""
-    cfg = {**CONFIG, **(config or {})}
+    exact = out_dtype == torch.float32
+    cfg = {**CONFIG, **({"ROWS": EXACT_ROWS} if exact else {}), **(config or {})}
     B, H, D = qs.rotated.shape
     n_kv, S = kc.shape[1], kc.shape[2]
     G = H // n_kv
@@ -177,7 +183,6 @@ def int4_attention(qs: Queries, kc: torch.Tensor, vc: torch.Tensor, kw: torch.Te
     pm, pl, pu, cnt = workspace.get(B, n_kv, G, D, splits, -(-S // tile), dev)
     _, signs_d, hhalf = constants(D, dev)
     ok = key_ok.view(torch.uint8) if key_ok.dtype == torch.bool else key_ok
-    exact = out_dtype == torch.float32
     qk = scale * math.log2(math.e) / (D if hadamard else 1)
     asm = bool(cfg["asm"]) and dev.type == "cuda" and not exact
     extra = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and dev.type == "cuda" else {}

@@ -1,0 +1,44 @@
+"""The rotated int4 decode attention compiled for the H200 (sm_90a) by Triton's own compiler, no GPU needed: every
+query-group size and head dim the decode path launches fits the device's shared memory with the configuration
+`int4_attention` chooses (the exact float32 route once asked for 247,808 B at G = 1, over the 232,448 B an H200
+block may use; Triton reports that only at launch, on the device). Skipped without Triton (the project's CPU
+environment); it runs with the CUDA tests (docs/PERFORMANCE.md) and wherever Triton is installed."""
+
+from __future__ import annotations
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+import parity.rollout.int4_attention as ia  # noqa: E402
+
+H200_SMEM = 232448  # cudaDevAttrMaxSharedMemoryPerBlockOptin on sm_90 (227 KiB)
+INTS = dict.fromkeys(("L", "S", "n_kv", "H", "split_slots", "n_split", "ok_stride", "cap"), "i32")
+
+
+def shared_bytes(out: str, G: int, D: int, hadamard: bool) -> int:
+    exact = out == "fp32"
+    cfg = {**ia.CONFIG, **({"ROWS": ia.EXACT_ROWS} if exact else {})}  # as int4_attention launches it
+    gp = triton.next_power_of_2(G)
+    const = {"G": G, "GP": gp, "BLOCK_G": max(16, gp), "ROWS": cfg["ROWS"], "D": D, "HADAMARD": hadamard,
+             "EXACT": exact, "ASM": not exact, "ONE_SPLIT": False}
+    sig = {"qr_ptr": "*fp32", "qi_ptr": "*i8", "qc_ptr": "*fp32", "kc_ptr": "*u8", "vc_ptr": "*u8", "ks_ptr": "*i32",
+           "vs_ptr": "*i32", "ok_ptr": "*u8", "slot_ptr": "*i64", "o_ptr": f"*{out}", "pm_ptr": "*fp32",
+           "pl_ptr": "*fp32", "pu_ptr": "*fp32", "cnt_ptr": "*i32", "hp_ptr": "*fp32", "sg_ptr": "*fp32",
+           "qk_scale": "fp32", **INTS, **dict.fromkeys(const, "constexpr")}
+    attrs = {(ia._int4_attn_kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items()
+             if t.startswith("*")}
+    k = triton.compile(ASTSource(fn=ia._int4_attn_kernel, signature=sig, constexprs=const, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+    return k.metadata.shared
+
+
+@pytest.mark.parametrize("out", ["fp32", "bf16"])
+@pytest.mark.parametrize("D", [128, 64])
+@pytest.mark.parametrize("G", [1, 2, 4, 8])
+def test_int4_attention_fits_the_h200_shared_memory(out, D, G):
+    assert shared_bytes(out, G, D, True) <= H200_SMEM
