@@ -61,6 +61,15 @@ def gpu_sample() -> tuple[float, float] | None:
         return None
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a live process so far (its own threads, not its children)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def steps_done(metrics: Path) -> int:
     if not metrics.is_file():
         return 0
@@ -84,11 +93,16 @@ def phase(name: str, pythonpath: str, runs: list[dict], work: Path, timeout_s: f
             procs.append((r, subprocess.Popen([sys.executable, "-m", "parity", "train", f"outputs_dir={out_dir}",
                                                *r["overrides"]], env=env, stdout=log, stderr=subprocess.STDOUT,
                                               cwd=str(ROOT))))
-        timeline, gpu, server = [], [], None
+        timeline, gpu, server, load = [], [], None, []
+        cpu = {r["name"]: None for r, _ in procs}
         while any(p.poll() is None for _, p in procs) and time.time() - t0 < timeout_s:
             time.sleep(2.0)
             done = sum(steps_done(out_dir / "runs" / r["name"] / "metrics.jsonl") for r in runs)
             timeline.append((round(time.time() - t0, 2), done))
+            load.append(round(os.getloadavg()[0], 2))
+            for r, p in procs:  # the last reading before a process exits: its main process's CPU time
+                if p.poll() is None and (c := cpu_seconds(p.pid)) is not None:
+                    cpu[r["name"]] = c
             if len(timeline) % 3 == 0 and (g := gpu_sample()) is not None:
                 gpu.append(g)
             if server is None and mps.status.get("used"):
@@ -110,6 +124,7 @@ def phase(name: str, pythonpath: str, runs: list[dict], work: Path, timeout_s: f
         med = {k: statistics.median(x[k] for x in steps if k in x) if any(k in x for x in steps) else None
                for k in ("perf/step_s", "perf/rollout_s", "perf/train_s")}
         results.append({"arm": r["arm"], "name": r["name"], "returncode": p.returncode, "steps": len(steps),
+                        "cpu_s": cpu[r["name"]],
                         "rows": {str(x["step"]): x for x in rows if x["step"] in (0, 1)},
                         "median": med, "rollout_path": summary.get("rollout_path"),
                         "log_tail": None if p.returncode == 0 else
@@ -121,6 +136,7 @@ def phase(name: str, pythonpath: str, runs: list[dict], work: Path, timeout_s: f
     steady = (hi - lo) / (t_hi - t_lo) if t_lo is not None and t_hi is not None and t_hi > t_lo else None
     return {"name": name, "pythonpath": pythonpath, "mps": mps_status, "wall_s": round(wall, 1), "run_steps": total,
             "run_steps_per_s": total / wall, "steady_run_steps_per_s": steady, "timeline": timeline,
+            "loadavg_1min": load, "cpus": os.cpu_count(),
             "gpu_util_mean": statistics.fmean(g[0] for g in gpu) if gpu else None,
             "gpu_mem_peak_mib": max(g[1] for g in gpu) if gpu else None, "runs": results}
 
