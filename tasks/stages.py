@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -18,6 +21,7 @@ from prefect import task
 from prefect.context import TaskRunContext
 
 from parity.config import ConfigError
+from parity.core.progress import LOGGER as PROGRESS_LOGGER
 from parity.errors import ParityError
 from tasks.recording import as_config
 
@@ -39,6 +43,36 @@ def _transient(task_: Any, task_run: Any, state: Any) -> bool:
     except BaseException:
         return True
     return False
+
+
+class _ToRunLog(logging.Handler):
+    def __init__(self, run_log: Any) -> None:
+        super().__init__(logging.INFO)
+        self.run_log = run_log
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.run_log.info(record.getMessage())
+
+
+@contextmanager
+def progress_in_run_log() -> Iterator[None]:
+    """The library's progress lines (parity.core.progress: the warm start, the RL steps, the evaluation, with an
+    ETA) into this task run's Prefect log, which the run's page and `prefect deployment run ... --watch` (so
+    `make run`'s terminal) show; without it they reach only the serving process's output. Not propagated
+    meanwhile: the run logger prints them to that output already."""
+    from prefect import get_run_logger
+
+    lg = logging.getLogger(PROGRESS_LOGGER)
+    handler, before = _ToRunLog(get_run_logger()), (lg.level, lg.propagate)
+    lg.addHandler(handler)
+    lg.setLevel(logging.INFO)
+    lg.propagate = False
+    try:
+        yield
+    finally:
+        lg.removeHandler(handler)
+        lg.setLevel(before[0])
+        lg.propagate = before[1]
 
 
 def _digest(payload: Any) -> str:
@@ -64,7 +98,8 @@ def prepare_task(cfg: dict) -> dict:
     from parity.training.warm_start import prepare_model
 
     t0 = time.perf_counter()
-    out = prepare_model(as_config(cfg))
+    with progress_in_run_log():
+        out = prepare_model(as_config(cfg))
     return {**out, "lib_seconds": time.perf_counter() - t0}
 
 
@@ -164,7 +199,8 @@ def train_task(cfg: dict, tracking_uri: str | None = None, mlflow_run_id: str | 
                             flush_every_s=float(c.tracking.flush_every_s))
         callbacks.append(cb)
     t0 = time.perf_counter()
-    summary = train(c, callbacks=callbacks)
+    with progress_in_run_log():
+        summary = train(c, callbacks=callbacks)
     # the library's own time: MLflow logging from the callback is orchestration overhead
     summary["mlflow_callback_s"] = cb.seconds if cb is not None else 0.0
     summary["lib_seconds"] = time.perf_counter() - t0 - summary["mlflow_callback_s"]
@@ -191,7 +227,8 @@ def evaluate_task(cfg: dict, model_path: str) -> dict:
     c = with_values(as_config(cfg), {"eval.model_path": str(model_path), "eval.run_name": None,
                                      "eval.registered_model": None})
     t0 = time.perf_counter()
-    out = dict(evaluate_cmd.run(c))
+    with progress_in_run_log():
+        out = dict(evaluate_cmd.run(c))
     # the precision it ran in and what decides its scores, recorded with each result (the regression check's reuse)
     return {**out, "precision": precision_label(c), "settings": evaluation_settings(c),
             "lib_seconds": time.perf_counter() - t0}
