@@ -48,7 +48,6 @@ def test_deployments_keep_the_chain_apart_from_the_overrides():
     from flows.deployments import chain_from_env
     from flows.sweep import sweep_members
     from parity.config import flatten, load_config
-
     from tests.prefect_services import make_run_chain
 
     chain = [*make_run_chain(), "trainer.total_steps=40"]  # the Makefile's, score centering among it

@@ -28,9 +28,10 @@ from tests.prefect_services import api, artifacts_of, flow_run_line
 
 pytestmark = pytest.mark.slow
 PREFECT = str(Path(REPO) / ".venv" / "bin" / "prefect")
-# a progress line (parity.core.progress) as --watch prints it: the stage, done/total, the rate, the elapsed time and
-# the ETA (or `done` on the last line)
-PROGRESS = r"(warm start|train \S+|evaluate): (\d+)/(\d+) (step|problem)s \(\d+%\), [\d.]+ (?:\w+/s|s/\w+), \S+ elapsed, (ETA \S+|done)"
+# a progress line (parity.core.progress) as --watch prints it: the stage, done/total, the ETA (`done` on the last
+# line), the rate, the elapsed time
+PROGRESS = (r"(warm start|train|evaluate): (\d+)/(\d+) (step|problem)s \(\d+%\), (ETA \S+|done), "
+            r"[\d.]+ (?:\w+/s|s/\w+), \S+ elapsed")
 
 
 def _cli(prefect: dict, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:

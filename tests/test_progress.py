@@ -50,22 +50,22 @@ def test_a_line_a_tenth_with_rate_and_eta(lines):
         clock.t += 0.25  # a tenth (70 steps) in 17.5 s, under every_s = 30 s: a line a tenth
         bar.update(1, loss=f"{1.0 - step / 1000:.3f}")
     assert len(lines) == 10
-    assert lines[0] == "warm start: 70/700 steps (10%), 4.00 steps/s, 18s elapsed, ETA 2m38s, loss 0.931"
-    assert lines[4] == "warm start: 350/700 steps (50%), 4.00 steps/s, 1m28s elapsed, ETA 1m28s, loss 0.651"
-    assert lines[-1] == "warm start: 700/700 steps (100%), 4.00 steps/s, 2m55s elapsed, done, loss 0.301"
+    assert lines[0] == "warm start: 70/700 steps (10%), ETA 2m38s, 4.00 steps/s, 18s elapsed, loss 0.931"
+    assert lines[4] == "warm start: 350/700 steps (50%), ETA 1m28s, 4.00 steps/s, 1m28s elapsed, loss 0.651"
+    assert lines[-1] == "warm start: 700/700 steps (100%), done, 4.00 steps/s, 2m55s elapsed, loss 0.301"
 
 
 def test_slow_tenths_get_a_line_every_every_s(lines):
     """A tenth of 35 s: a line every 30 s instead, and none for a tenth done within 15 s after one (no two lines
     5 s apart); a rate under one a second is written as seconds a step."""
     clock = Clock()
-    bar = Progress("train run-a", 700, clock=clock)
+    bar = Progress("train", 700, clock=clock)
     written = []
     for _ in range(700):
         clock.t += 0.5
         if bar.update(1) is not None:
             written.append(bar.done)
-    assert lines[0] == "train run-a: 60/700 steps (9%), 2.00 steps/s, 30s elapsed, ETA 5m20s"
+    assert lines[0] == "train: 60/700 steps (9%), ETA 5m20s, 2.00 steps/s, 30s elapsed"
     gaps = [(b - a) * 0.5 for a, b in zip([0, *written], written[:-1])]  # seconds between lines, the last aside
     assert written[-1] == 700 and all(15 <= g <= 30 for g in gaps), written
     assert written[:5] == [60, 120, 180, 210, 270]  # 210: a tenth 15 s after the time line at 180
@@ -75,17 +75,17 @@ def test_slow_tenths_get_a_line_every_every_s(lines):
     for _ in range(10):
         clock.t += 8.0
         slow.update(4)
-    assert lines[0] == "evaluate: 4/40 problems (10%), 2.0 s/problem, 8s elapsed, ETA 1m12s"
+    assert lines[0] == "evaluate: 4/40 problems (10%), ETA 1m12s, 2.0 s/problem, 8s elapsed"
     assert len(lines) == 10
 
 
 def test_a_resumed_loop_rates_only_its_own_steps(lines):
     clock = Clock()
-    bar = Progress("train run-b", 100, initial=50, clock=clock)
+    bar = Progress("train", 100, initial=50, clock=clock)
     for _ in range(50):
         clock.t += 1.0
         bar.update(1, reward="0.500")
     # 10 steps in 10 s since this process started: 1 step/s, 40 left
-    assert lines[0] == "train run-b: 60/100 steps (60%), 1.00 steps/s, 10s elapsed, ETA 40s, reward 0.500"
-    assert lines[-1].startswith("train run-b: 100/100 steps (100%)") and lines[-1].endswith("done, reward 0.500")
+    assert lines[0] == "train: 60/100 steps (60%), ETA 40s, 1.00 steps/s, 10s elapsed, reward 0.500"
+    assert lines[-1] == "train: 100/100 steps (100%), done, 1.00 steps/s, 50s elapsed, reward 0.500"
     assert len(lines) == 5

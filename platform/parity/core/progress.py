@@ -4,7 +4,7 @@ A line goes to the logger `parity.progress` at INFO each time another tenth of t
 end; where a tenth takes longer than `every_s` seconds, a line every `every_s` seconds instead (a tenth done
 within half of that after such a line adds none). A run writes about a dozen lines, not one a step:
 
-    warm start: 350/700 steps (50%), 2.10 steps/s, 2m47s elapsed, ETA 2m47s, loss 0.412
+    warm start: 350/700 steps (50%), ETA 2m47s, 2.10 steps/s, 2m47s elapsed, loss 0.412
 
 The rate and the ETA count the work done since this process started (a resumed run's earlier steps are not
 part of its rate). The CLI shows these lines through Hydra's logging; a Prefect task forwards them to its run's
@@ -73,13 +73,13 @@ class Progress:
         rate = worked / elapsed if worked > 0 and elapsed > 0 else None
         pct = 100.0 * self.done / self.total if self.total else 100.0
         parts = [f"{self.desc}: {self.done}/{self.total} {self.unit}s ({pct:.0f}%)"]
-        if rate is not None:
-            parts.append(f"{rate:.2f} {self.unit}s/s" if rate >= 1 else f"{1 / rate:.1f} s/{self.unit}")
-        parts.append(f"{duration(elapsed)} elapsed")
         if self.done >= self.total:
             parts.append("done")
         else:
             parts.append(f"ETA {duration((self.total - self.done) / rate)}" if rate else "ETA unknown")
+        if rate is not None:
+            parts.append(f"{rate:.2f} {self.unit}s/s" if rate >= 1 else f"{1 / rate:.1f} s/{self.unit}")
+        parts.append(f"{duration(elapsed)} elapsed")
         parts += [f"{k} {v}" for k, v in self.postfix.items()]
         return ", ".join(parts)
 

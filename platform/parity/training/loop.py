@@ -99,7 +99,7 @@ def rl_loop(cfg: ParityConfig, data: Data, rollout: RolloutSide, learner: Learne
     if run.start_step == 0:
         run.emit(0, heldout.evaluate(rollout, learner, 0, final=tc.total_steps == 0))
     pending = launch(run.start_step) if run.start_step < tc.total_steps else None
-    bar = Progress(f"train {run.dir.name}", int(tc.total_steps), initial=run.start_step)
+    bar = Progress("train", int(tc.total_steps), initial=run.start_step)
     for step in range(run.start_step, tc.total_steps):
         t0 = time.perf_counter()
         result = rollout.collect(pending.handle)  # type: ignore[union-attr]  (launched before every step)
