@@ -27,6 +27,8 @@ setup: .venv/.stamp
 # the held-out task and the first 8 problems of each of the six benchmarks (eval=quick), then registration;
 # within 12 minutes on 2 cores (a 700-step warm start, most of the time; docs/ORCHESTRATION.md has the figures). EXTRA: overrides added to those
 # (`make run EXTRA="trainer.total_steps=100"`); `make run OVERRIDES=` = the BF16 default experiment, 100 steps.
+# The deployments are served with these overrides as their `chain` default, so a later
+# `prefect deployment run train-and-eval/local --params '{"overrides": [...]}'` is this run with that change alone.
 CHAIN := +precision=w8a8_int8_kv_int4 algorithm.correction.name=score_centering algorithm.policy_loss=reinforce \
 	rollout.topk_logprobs=64 eval=quick
 OVERRIDES ?= $(CHAIN) model.warm_start.steps=700 trainer.total_steps=40 trainer.eval_every=20 \

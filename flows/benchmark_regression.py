@@ -160,11 +160,11 @@ def run_regression(overrides: list[str]) -> dict:
 
 
 @flow(name=FLOW_NAME, log_prints=True)
-def benchmark_regression(overrides: list[str] | None = None) -> dict:
-    """Hydra overrides select the model (tracking.model_name), the suite and sampling (eval.*) and the margin
-    (tracking.regression.*). The verdict is published (tasks/publish.py) whether the check passes, finds a
-    regression or cannot run."""
-    overrides = list(overrides or [])
+def benchmark_regression(overrides: list[str] | None = None, chain: list[str] | None = None) -> dict:
+    """Hydra overrides (`chain`, the served deployment's, then `overrides`) select the model (tracking.model_name),
+    the suite and sampling (eval.*) and the margin (tracking.regression.*). The verdict is published
+    (tasks/publish.py) whether the check passes, finds a regression or cannot run."""
+    overrides = [*(chain or []), *(overrides or [])]
     try:
         result = run_regression(overrides)
     except Exception as e:

@@ -31,21 +31,31 @@ def member_overrides(corrections: list[str], overrides: list[str], stamp: str,
     return [m.override_list() for m in expand([correction_arm(c) for c in corrections], seeds, overrides, run_name)]
 
 
+def sweep_members(corrections: list[str] | None, chain: list[str], overrides: list[str], runs: list[list[str]] | None,
+                  seeds: list[int], stamp: str) -> list[list[str]]:
+    """Each member's overrides: `chain`, then `overrides` and the member's correction (and seed); or `chain`, then
+    each of `runs`."""
+    if runs is not None:
+        return [[*chain, *member] for member in runs]
+    if not corrections:
+        raise ValueError("sweep: give `corrections` (with optional `seeds` and common `overrides`) or `runs`")
+    return member_overrides(list(corrections), [*chain, *overrides], stamp, seeds)
+
+
 def dashboard_compare_url(sweep_id: str) -> str:
     return compare_url(os.environ.get("PARITY_DASHBOARD_URL", DEFAULT_DASHBOARD_URL), sweep=sweep_id)
 
 
 @flow(name="sweep", log_prints=True)
 def sweep(corrections: list[str] | None = None, overrides: list[str] | None = None,
-          runs: list[list[str]] | None = None, seeds: list[int] | None = None, name: str | None = None) -> dict:
-    """corrections: e.g. ["none", "tis", "score_centering"] (times `seeds`, e.g. [0, 1]) on top of `overrides`;
-    or explicit `runs`. `name`: the sweep's id (default sweep-<time>)."""
+          runs: list[list[str]] | None = None, seeds: list[int] | None = None, name: str | None = None,
+          chain: list[str] | None = None) -> dict:
+    """corrections: e.g. ["none", "tis", "score_centering"] (times `seeds`, e.g. [0, 1]) on top of `chain` (the
+    served deployment's) and `overrides`; or explicit `runs`, each after `chain`. `name`: the sweep's id (default
+    sweep-<time>)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     sweep_id = name or f"sweep-{stamp}"
-    if runs is None:
-        if not corrections:
-            raise ValueError("sweep: give `corrections` (with optional `seeds` and common `overrides`) or `runs`")
-        runs = member_overrides(list(corrections), list(overrides or []), stamp, list(seeds or []))
+    runs = sweep_members(corrections, list(chain or []), list(overrides or []), runs, list(seeds or []), stamp)
     rows, failed = [], []
     for member in runs:
         state = train_and_eval(overrides=member, sweep=sweep_id, return_state=True)

@@ -21,8 +21,8 @@ from tasks.stages import (
     ValidationFailed,
     evaluate_task,
     precision_label,
-    prepare_task,
-    quantize_task,
+    prepare,
+    quantize,
     train_task,
     validate_task,
 )
@@ -43,10 +43,10 @@ def run_stages(ref: PipelineRef, cfg: ParityConfig) -> dict:
     c = plain(cfg)
     r = ref.as_dict()
     with stage(ref, "prepare") as st:
-        base = st.done(prepare_task(c))
+        base = st.done(prepare(c))
     base_id = record_artifact_task(r, "base", base["model_dir"], "bf16")
     with stage(ref, "quantize") as st:
-        q = quantize_task(c, base["model_dir"])
+        q = quantize(c, base["model_dir"])
         if q.get("skipped"):
             st.skip(q["reason"], q)
         else:
@@ -116,7 +116,9 @@ def run_pipeline(overrides: list[str], extra_config_dir: str | None = None, swee
 
 @flow(name=FLOW_NAME, log_prints=True)
 def train_and_eval(overrides: list[str] | None = None, extra_config_dir: str | None = None,
-                   sweep: str | None = None) -> dict:
-    """Hydra overrides, e.g. ["experiment=arith_tiny", "algorithm.correction.name=tis"]; `sweep` tags the
-    MLflow runs as members of that sweep (the dashboard's Compare page opens on them)."""
-    return run_pipeline(list(overrides or []), extra_config_dir, sweep)
+                   sweep: str | None = None, chain: list[str] | None = None) -> dict:
+    """Hydra overrides `chain` then `overrides`, e.g. ["algorithm.correction.name=tis"] on the served deployment's
+    chain (flows/deployments.py: `make run`'s own overrides), so a run differs from the chain's in what
+    `overrides` names; `sweep` tags the MLflow runs as members of that sweep (the dashboard's Compare page opens
+    on them)."""
+    return run_pipeline([*(chain or []), *(overrides or [])], extra_config_dir, sweep)

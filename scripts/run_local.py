@@ -1,8 +1,10 @@
 """`make run` / `make stop` on the embedded default, and the process plumbing the flow tests share.
 
 run:  start a local Prefect server (127.0.0.1, its database under outputs/prefect), serve the
-      deployments (flows/deployments.py), `prefect deployment run train-and-eval/local`, wait for it,
-      print the result and how to open the MLflow UI and the dashboard.
+      deployments (flows/deployments.py) with the run's overrides as their `chain` default,
+      `prefect deployment run train-and-eval/local` (on that default), wait for it, print the result and how
+      to open the MLflow UI and the dashboard. A later `--params '{"overrides": [...]}'` changes only what it
+      names: the second run is the first with one thing changed.
 stop: stop what `run` started (pid files under outputs/pids), SIGTERM first, then SIGINT/SIGKILL.
 
 Everything it starts binds 127.0.0.1, and every path it writes is under $PARITY_OUTPUTS (default outputs/)."""
@@ -22,6 +24,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
+# the second run `make run` suggests: its own chain with one thing changed
+AGAIN_PARAMS = """--params '{"overrides": ["algorithm.correction.name=tis"]}'"""
 
 
 def outputs_dir() -> Path:
@@ -164,12 +168,12 @@ def run(args: argparse.Namespace) -> int:
     write_pid("prefect-server", server.pid)
     print(f"[run] Prefect server on {api_url} (log {logs / 'prefect-server.log'})", flush=True)
     wait_healthy(api_url, server)
-    serving = start_serving(home, api_url, logs / "serve.log")
+    serving = start_serving(home, api_url, logs / "serve.log",
+                            extra_env={"PARITY_DEPLOYMENT_OVERRIDES": json.dumps(list(args.overrides))})
     write_pid("serve", serving.pid)
     wait_deployment(api_url, "train-and-eval/local", serving)
     print(f"[run] deployments served after {time.monotonic() - t0:.0f} s (log {logs / 'serve.log'})", flush=True)
-    params = json.dumps({"overrides": list(args.overrides)})
-    cmd = [str(Path(PY).parent / "prefect"), "deployment", "run", "train-and-eval/local", "--params", params,
+    cmd = [str(Path(PY).parent / "prefect"), "deployment", "run", "train-and-eval/local",
            "--watch", "--watch-timeout", str(args.timeout)]
     rc = subprocess.call(cmd, env=prefect_env(home, api_url), cwd=str(REPO))
     summary = latest_summary(out)
@@ -183,7 +187,9 @@ def run(args: argparse.Namespace) -> int:
           f"Nightly:      benchmark-regression/nightly, next scheduled run {nightly or 'not listed yet'}\n"
           f"MLflow UI:    make mlflow-ui   then open the link it prints (the runs table, on http://127.0.0.1:5000)\n"
           f"Dashboard:    make dashboard   (streamlit, reads MLflow and {out / 'registry.db'})\n"
-          f"Again:        {cli} deployment run train-and-eval/local --watch",
+          f"Again:        {cli} deployment run train-and-eval/local --watch {AGAIN_PARAMS}\n"
+          f"              (this run with the correction alone changed, on its prepared model: the deployments' "
+          f"`chain` is this run's overrides; `\"chain\": []` starts from the config's defaults instead)",
           flush=True)
     (out / "pids" / "prefect-api-url").write_text(api_url)
     return rc

@@ -1,7 +1,7 @@
 """One Prefect task per stage, each a thin call into parity returning a small serialisable dict.
 
 Retries: only where repeating is safe and can help. prepare and quantize are pure (same inputs, same
-files) and cached on their inputs; evaluate writes a fresh folder each time; train retries once as a
+files) and cached on their inputs (a cached result is used while the folder it names is there: prepare / quantize); evaluate writes a fresh folder each time; train retries once as a
 resume from its latest checkpoint. Errors that a retry cannot fix (bad config, bad data, a failed
 validation) are never retried."""
 
@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -18,6 +21,7 @@ from prefect import task
 from prefect.context import TaskRunContext
 
 from parity.config import ConfigError
+from parity.core.progress import LOGGER as PROGRESS_LOGGER
 from parity.errors import ParityError
 from tasks.recording import as_config
 
@@ -41,21 +45,64 @@ def _transient(task_: Any, task_run: Any, state: Any) -> bool:
     return False
 
 
+class _ToRunLog(logging.Handler):
+    def __init__(self, run_log: Any) -> None:
+        super().__init__(logging.INFO)
+        self.run_log = run_log
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.run_log.info(record.getMessage())
+
+
+@contextmanager
+def progress_in_run_log() -> Iterator[None]:
+    """The library's progress lines (parity.core.progress: the warm start, the RL steps, the evaluation, with an
+    ETA) into this task run's Prefect log, which the run's page and `prefect deployment run ... --watch` (so
+    `make run`'s terminal) show; without it they reach only the serving process's output. Not propagated
+    meanwhile: the run logger prints them to that output already."""
+    from prefect import get_run_logger
+
+    lg = logging.getLogger(PROGRESS_LOGGER)
+    handler, before = _ToRunLog(get_run_logger()), (lg.level, lg.propagate)
+    lg.addHandler(handler)
+    lg.setLevel(logging.INFO)
+    lg.propagate = False
+    try:
+        yield
+    finally:
+        lg.removeHandler(handler)
+        lg.setLevel(before[0])
+        lg.propagate = before[1]
+
+
 def _digest(payload: Any) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
-def _present_or_nonce(key: str, path: Path) -> str:
-    # a cached result that points at a deleted folder must not be reused
-    return key if path.exists() else f"{key}-missing-{time.time_ns()}"
+def _prepare_target(cfg: Any) -> Path:
+    from parity.models.prepare import resolve_model_dir
+
+    return Path(str(resolve_model_dir(cfg)))
 
 
 def _prepare_key(_ctx: TaskRunContext, params: dict[str, Any]) -> str:
-    from parity.models.prepare import resolve_model_dir
+    return f"prepare-{_digest(str(_prepare_target(as_config(params['cfg']))))}"
 
-    cfg = as_config(params["cfg"])
-    target = resolve_model_dir(cfg)
-    return _present_or_nonce(f"prepare-{_digest(str(target))}", Path(str(target)) / "config.json")
+
+def _cached(task_: Any, present: bool, *args: Any) -> dict:
+    """A cached stage task's result. Its cache is read only while the folder its result names is there (else it
+    runs again, `refresh_cache`, and is cached anew under the same key, so the next run with these settings finds
+    it); a result read from the cache was another run's: marked `cached`, with none of that run's seconds."""
+    state = task_.with_options(refresh_cache=not present)(*args, return_state=True)
+    result = state.result()
+    if state.name == "Cached":
+        result = {**result, "cached": True, "lib_seconds": 0.0}
+    return result
+
+
+def prepare(cfg: dict) -> dict:
+    """The starting model (prepare_task), from the cache while its folder is there."""
+    return _cached(prepare_task, (_prepare_target(as_config(cfg)) / "config.json").exists(), cfg)
 
 
 @task(name="prepare", cache_key_fn=_prepare_key, cache_expiration=timedelta(days=30), persist_result=True,
@@ -64,7 +111,8 @@ def prepare_task(cfg: dict) -> dict:
     from parity.training.warm_start import prepare_model
 
     t0 = time.perf_counter()
-    out = prepare_model(as_config(cfg))
+    with progress_in_run_log():
+        out = prepare_model(as_config(cfg))
     return {**out, "lib_seconds": time.perf_counter() - t0}
 
 
@@ -84,18 +132,28 @@ def _quantized_weights(cfg: Any) -> bool:
     return resolve_precision(cfg).weights != "bf16"
 
 
-def _quantize_key(_ctx: TaskRunContext, params: dict[str, Any]) -> str:
+def _quantize_out(cfg: Any) -> Path | None:
+    """The quantized checkpoint's folder; None for BF16 weights (nothing to write)."""
     from parity.commands.quantize import quantized_checkpoint_dir
     from parity.precision.config import resolve_precision
 
+    return Path(quantized_checkpoint_dir(cfg, resolve_precision(cfg))) if _quantized_weights(cfg) else None
+
+
+def _quantize_key(_ctx: TaskRunContext, params: dict[str, Any]) -> str:
     cfg = as_config(params["cfg"])
     model_dir = Path(params["model_dir"])
     stamp = (model_dir / "config.json").stat().st_mtime_ns if (model_dir / "config.json").exists() else 0
-    if not _quantized_weights(cfg):
+    out = _quantize_out(cfg)
+    if out is None:
         return f"quantize-bf16-{_digest([str(model_dir), stamp])}"
-    out = quantized_checkpoint_dir(cfg, resolve_precision(cfg))
-    key = f"quantize-{_digest([str(model_dir), stamp, precision_label(cfg), str(out)])}"
-    return _present_or_nonce(key, out / "config.json")
+    return f"quantize-{_digest([str(model_dir), stamp, precision_label(cfg), str(out)])}"
+
+
+def quantize(cfg: dict, model_dir: str) -> dict:
+    """The rollout's checkpoint (quantize_task), from the cache while its folder is there."""
+    out = _quantize_out(as_config(cfg))
+    return _cached(quantize_task, out is None or (out / "config.json").exists(), cfg, model_dir)
 
 
 @task(name="quantize", cache_key_fn=_quantize_key, cache_expiration=timedelta(days=30), persist_result=True,
@@ -164,7 +222,8 @@ def train_task(cfg: dict, tracking_uri: str | None = None, mlflow_run_id: str | 
                             flush_every_s=float(c.tracking.flush_every_s))
         callbacks.append(cb)
     t0 = time.perf_counter()
-    summary = train(c, callbacks=callbacks)
+    with progress_in_run_log():
+        summary = train(c, callbacks=callbacks)
     # the library's own time: MLflow logging from the callback is orchestration overhead
     summary["mlflow_callback_s"] = cb.seconds if cb is not None else 0.0
     summary["lib_seconds"] = time.perf_counter() - t0 - summary["mlflow_callback_s"]
@@ -191,7 +250,8 @@ def evaluate_task(cfg: dict, model_path: str) -> dict:
     c = with_values(as_config(cfg), {"eval.model_path": str(model_path), "eval.run_name": None,
                                      "eval.registered_model": None})
     t0 = time.perf_counter()
-    out = dict(evaluate_cmd.run(c))
+    with progress_in_run_log():
+        out = dict(evaluate_cmd.run(c))
     # the precision it ran in and what decides its scores, recorded with each result (the regression check's reuse)
     return {**out, "precision": precision_label(c), "settings": evaluation_settings(c),
             "lib_seconds": time.perf_counter() - t0}

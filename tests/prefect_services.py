@@ -2,7 +2,9 @@
 dashboard tests (tests/conftest.py imports the fixtures).
 
 `prefect_services`: a real Prefect server on 127.0.0.1 (its home and database in a temp dir) and the
-deployments served by `python -m flows.deployments`. `sweep_store`: `sweep/local` triggered through the
+deployments served by `python -m flows.deployments`, with `served_chain` as their `chain` default (as `make run`
+serves its own overrides): `prefect deployment run` without `chain` runs on it, and the other tests' runs pass
+`"chain": []` (runs of their own shape, run_deployment). `sweep_store`: `sweep/local` triggered through the
 Prefect REST API with two corrections x two seeds on the quick settings, its rollout in W8A8 INT8 + INT4 KV
 (so each member quantizes, validates, trains and evaluates in the seed's numerics), into its own outputs
 folder, so its MLflow store and registry hold exactly the sweep (the other flow tests write beside it, not into
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import time
 import urllib.error
 import urllib.request
@@ -21,6 +24,7 @@ from typing import Any
 import pytest
 
 from scripts.run_local import (
+    REPO,
     free_port,
     start_server,
     start_serving,
@@ -36,6 +40,24 @@ SWEEP_CORRECTIONS = ["none", "tis"]
 SWEEP_SEEDS = [0, 1]
 SWEEP_PRECISION = ["rollout.precision.weights=int8", "rollout.precision.activations=int8",
                    "rollout.precision.kv_cache=int4_per_token_head"]
+
+
+def make_run_chain() -> list[str]:
+    """The Makefile's CHAIN: the overrides `make run` adds to the embedded default."""
+    text = (REPO / "Makefile").read_text().replace("\\\n", " ")
+    return shlex.split(re.search(r"^CHAIN := (.*)$", text, re.M)[1])
+
+
+def served_chain(root: Path) -> list[str]:
+    """The session's deployments' `chain`: `make run`'s chain (INT8 W8A8 + INT4 KV rollout, score centering, the
+    held-out task and the six benchmarks) on the quick settings, its own warm start (30 steps), a small evaluation
+    (2 problems a benchmark, 8 of the held-out task) and validation, into root/chain."""
+    from tests.conftest import QUICK
+
+    return [f"outputs_dir={root / 'chain'}", *make_run_chain(), *QUICK, "eval.limit=2",
+            "eval.benchmarks.arithmetic.limit=8", "rollout.precision.validation.num_prompts=4",
+            "rollout.precision.validation.samples_per_prompt=1", "rollout.precision.validation.max_new_tokens=8",
+            "tracking.model_name=chain-model"]
 
 
 def api(url: str, method: str = "GET", body: dict | None = None) -> dict | list:
@@ -65,10 +87,11 @@ def sweep_eval(out: Path, prepared_model: Path) -> list[str]:
 
 def run_deployment(api_url: str, name: str, overrides: list[str], timeout_s: float = 600,
                    parameters: dict | None = None) -> dict:
-    """`prefect deployment run NAME` through the REST API, waited for until the flow run is terminal."""
+    """`prefect deployment run NAME` through the REST API, waited for until the flow run is terminal; with
+    `"chain": []` unless `parameters` name one: `overrides` alone make the run."""
     dep = api(f"{api_url}/deployments/name/{name}")
     run = api(f"{api_url}/deployments/{dep['id']}/create_flow_run", "POST",
-              {"parameters": {"overrides": overrides, **(parameters or {})}})
+              {"parameters": {"chain": [], "overrides": overrides, **(parameters or {})}})
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
         fr = api(f"{api_url}/flow_runs/{run['id']}")
@@ -122,7 +145,9 @@ def prefect_services(tmp_path_factory):
     serving = None
     try:
         wait_healthy(api_url, server, timeout_s=300)
-        serving = start_serving(root / "home", api_url, root / "serve.log", extra_env={"PARITY_OUTPUTS": str(out)})
+        serving = start_serving(root / "home", api_url, root / "serve.log",
+                                extra_env={"PARITY_OUTPUTS": str(out),
+                                           "PARITY_DEPLOYMENT_OVERRIDES": json.dumps(served_chain(root))})
         wait_deployment(api_url, "train-and-eval/local", serving, timeout_s=300)
         for name in ("benchmark-regression/nightly", "sweep/local"):
             wait_deployment(api_url, name, serving, timeout_s=60)

@@ -17,7 +17,14 @@ import pytest
 
 from tasks import publish
 from tests.conftest import QUICK
-from tests.prefect_services import SWEEP_CORRECTIONS, SWEEP_MODEL, SWEEP_SEEDS, artifacts_of, flow_run_line
+from tests.prefect_services import (
+    SWEEP_CORRECTIONS,
+    SWEEP_MODEL,
+    SWEEP_SEEDS,
+    artifacts_of,
+    flow_run_line,
+    served_chain,
+)
 from tests.prefect_services import api as _api
 from tests.prefect_services import run_deployment as _run_deployment
 
@@ -44,6 +51,11 @@ def test_deployments_and_schedule(prefect):
     dep = _api(f"{prefect['api']}/deployments/name/benchmark-regression/nightly")
     crons = [s["schedule"].get("cron") for s in dep.get("schedules", [])]
     assert crons == ["0 2 * * *"]
+    # each deployment keeps the chain it was served with apart from the run's own overrides (Prefect's --params
+    # replaces a parameter's whole default: `overrides` given alone leave the chain in place)
+    for name in ("train-and-eval/local", "benchmark-regression/nightly", "sweep/local"):
+        params = _api(f"{prefect['api']}/deployments/name/{name}")["parameters"]
+        assert (params["chain"], params["overrides"]) == (served_chain(prefect["root"]), []), name
 
 
 def test_train_and_eval_completes_then_failed_stage_keeps_earlier_records(prefect):

@@ -42,6 +42,33 @@ def test_sweep_members_one_per_correction():
     assert [m[0] for m in seeded] == ["algorithm.correction.name=none"] * 2 + ["algorithm.correction.name=tis"] * 2
 
 
+def test_deployments_keep_the_chain_apart_from_the_overrides():
+    """A sweep member is the served chain, then the sweep's overrides, then its correction: the chain's own
+    correction is overridden (Hydra: the last value of a key wins) and nothing else of it is lost."""
+    from flows.deployments import chain_from_env
+    from flows.sweep import sweep_members
+    from parity.config import flatten, load_config
+    from tests.prefect_services import make_run_chain
+
+    chain = [*make_run_chain(), "trainer.total_steps=40"]  # the Makefile's, score centering among it
+    (member,) = sweep_members(["tis"], chain, ["trainer.lr=1e-5"], None, [], "S")
+    assert member == [*chain, "trainer.lr=1e-5", "algorithm.correction.name=tis", "trainer.run_name=sweep-S-tis"]
+    a, b = flatten(load_config(chain)), flatten(load_config(member))
+    assert {k for k in a if a[k] != b[k]} == {"algorithm.correction.name", "trainer.lr", "trainer.run_name"}
+    assert b["rollout.precision.kv_cache"] == "int4_per_token_head" and b["trainer.total_steps"] == 40
+    assert sweep_members(None, chain, ["ignored=1"], [["a=1"], ["b=2"]], [], "S") == [[*chain, "a=1"], [*chain, "b=2"]]
+    with pytest.raises(ValueError, match="give `corrections`"):
+        sweep_members([], chain, [], None, [], "S")
+
+    # PARITY_DEPLOYMENT_OVERRIDES: what `make run` writes (JSON), or overrides separated by spaces (docker/.env)
+    assert chain_from_env(json.dumps(["a=1 2", "b=3"])) == ["a=1 2", "b=3"]
+    assert chain_from_env(" model=hf  model.path=Qwen/Qwen3-8B ") == ["model=hf", "model.path=Qwen/Qwen3-8B"]
+    assert chain_from_env(None) == chain_from_env("") == []
+    for bad in ('["a=1", 2]', "[a=1"):
+        with pytest.raises(ValueError, match="PARITY_DEPLOYMENT_OVERRIDES: not a JSON list of strings"):
+            chain_from_env(bad)
+
+
 def test_sweep_prints_the_compare_page_of_its_members(monkeypatch):
     from flows.sweep import dashboard_compare_url
 

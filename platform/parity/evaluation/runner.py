@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from parity.config.schema import DataConfig, EvalConfig
+from parity.core.progress import Progress
 from parity.core.sampling import Engine, SamplingSpec
 from parity.data.arithmetic import Problem
 from parity.data.benchmarks import BENCHMARKS, SYNTHETIC, load_benchmark
@@ -131,8 +132,9 @@ def _load(settings: BenchmarkSettings, eval_cfg: EvalConfig, data_cfg: DataConfi
 
 
 def run_benchmark(engine: Engine, tokenizer: Any, grader: Any, settings: BenchmarkSettings, problems: list[Problem],
-                  context: int | None, eval_cfg: EvalConfig, sink: Any) -> dict:
-    """Generate, grade and store one benchmark; returns its grid of grades and bookkeeping."""
+                  context: int | None, eval_cfg: EvalConfig, sink: Any, bar: Progress | None = None) -> dict:
+    """Generate, grade and store one benchmark; returns its grid of grades and bookkeeping. `bar` counts its
+    problems as each batch is graded."""
     budget, new_tokens = token_budget(context, settings.max_new_tokens)
     chat = bool(eval_cfg.chat_template)
     encoded = [left_truncate(encode_prompt(tokenizer, settings.prompt_template.format(problem=p.problem), chat),
@@ -167,6 +169,8 @@ def run_benchmark(engine: Engine, tokenizer: Any, grader: Any, settings: Benchma
                 "score": res.score, "status": res.status, "response_truncated": bool(batch.truncated[row]),
                 "response_tokens": int(lengths[row]), "prompt_truncated": encoded[pid][1]}) + "\n")
         sink.flush()
+        if bar is not None:
+            bar.update(len(idx), benchmark=settings.name)
     return {"correct": correct, "answers": answers, "statuses": dict(statuses),
             "prompts_truncated": sum(t for _, t in encoded), "responses_truncated": resp_trunc,
             "max_new_tokens": new_tokens, "prompt_budget": budget}
@@ -208,10 +212,11 @@ def evaluate(engine: Engine, tokenizer: Any, suite: list[str], eval_cfg: EvalCon
     estimates: dict[str, dict] = {}
     try:
         with (out / "samples.jsonl").open("w", encoding="utf-8") as sink:
-            for name in _progress(suite, progress):
+            bar = Progress("evaluate", sum(len(problems[name]) for name in suite), "problem") if progress else None
+            for name in suite:
                 st = settings[name]
                 t = time.time()
-                res = run_benchmark(engine, tokenizer, grader, st, problems[name], context, eval_cfg, sink)
+                res = run_benchmark(engine, tokenizer, grader, st, problems[name], context, eval_cfg, sink, bar)
                 est = benchmark_metrics(res["correct"], res["answers"], n_boot, level, seed=int(eval_cfg.seed))
                 estimates[name] = est
                 rows[name] = {
@@ -239,13 +244,3 @@ def evaluate(engine: Engine, tokenizer: Any, suite: list[str], eval_cfg: EvalCon
     (out / "metrics.json").write_text(json.dumps(summary, indent=1, default=str))
     (out / "table.md").write_text(table + "\n")
     return summary
-
-
-def _progress(items: list[str], enabled: bool) -> Any:
-    if not enabled:
-        return items
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return items
-    return tqdm(items, desc="evaluate", unit="benchmark")

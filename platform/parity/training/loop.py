@@ -11,7 +11,6 @@ of step t+1 is submitted before the learner's step t, so it is sampled with weig
 
 from __future__ import annotations
 
-import logging
 import random
 import time
 from collections.abc import Callable
@@ -21,9 +20,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
-from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer
 
+from parity.core.progress import Progress
 from parity.data.prompts import build_train_stream, render_prompt
 from parity.errors import ParityError
 from parity.rewards.grader import GraderPool
@@ -38,8 +37,6 @@ from parity.training.warm_start import prepare_model
 
 if TYPE_CHECKING:
     from parity.config.schema import ParityConfig
-
-log = logging.getLogger(__name__)
 
 
 class Callback(Protocol):
@@ -102,8 +99,8 @@ def rl_loop(cfg: ParityConfig, data: Data, rollout: RolloutSide, learner: Learne
     if run.start_step == 0:
         run.emit(0, heldout.evaluate(rollout, learner, 0, final=tc.total_steps == 0))
     pending = launch(run.start_step) if run.start_step < tc.total_steps else None
-    for step in tqdm(range(run.start_step, tc.total_steps), desc=f"train {run.dir.name}", unit="step",
-                     initial=run.start_step, total=tc.total_steps, mininterval=2.0):
+    bar = Progress("train", int(tc.total_steps), initial=run.start_step)
+    for step in range(run.start_step, tc.total_steps):
         t0 = time.perf_counter()
         result = rollout.collect(pending.handle)  # type: ignore[union-attr]  (launched before every step)
         t_roll = time.perf_counter()
@@ -130,7 +127,7 @@ def rl_loop(cfg: ParityConfig, data: Data, rollout: RolloutSide, learner: Learne
         run.emit(done, metrics, partial(learner.save, run.ckpts, done, this.data_state) if due else None)
         if pending is None and done < tc.total_steps:
             pending = launch(done)
-        log.debug("step %d/%d reward %.3f", done, tc.total_steps, metrics["reward/mean"])
+        bar.update(1, reward=f"{metrics['reward/mean']:.3f}")
     return alarm
 
 

@@ -11,8 +11,8 @@ import threading
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
+from parity.core.progress import Progress
 from parity.data.arithmetic import TEACHER_ERRORS, teacher_answer  # noqa: F401  (re-exported)
 from parity.data.prompts import render_prompt
 from parity.data.tasks import SyntheticTask
@@ -140,9 +140,9 @@ def _warm_start(model: torch.nn.Module, tok: Any, task: SyntheticTask, template:
     producer.start()
     losses: list[float] = []
     pending: list[torch.Tensor] = []  # losses still on the device: read every few steps, not after each one
-    bar = tqdm(range(ws.steps), desc="warm start", unit="step", mininterval=2.0)
+    bar = Progress("warm start", int(ws.steps))
     try:
-        for step in bar:
+        for step in range(ws.steps):
             batch = ready.get()
             if isinstance(batch, BaseException):
                 raise batch
@@ -161,7 +161,7 @@ def _warm_start(model: torch.nn.Module, tok: Any, task: SyntheticTask, template:
             if len(pending) == 25 or step == ws.steps - 1:
                 losses.extend(torch.stack(pending).tolist())
                 pending.clear()
-                bar.set_postfix(loss=f"{losses[-1]:.3f}")
+            bar.update(1, **({"loss": f"{losses[-1]:.3f}"} if losses else {}))
     finally:
         stop.set()
         producer.join(timeout=5)
