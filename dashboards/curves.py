@@ -67,9 +67,9 @@ def ema(values: Sequence[float], weight: float) -> np.ndarray:
 
 
 PLOT_COLUMNS = ["series", "key", "step", "value", "lo", "hi", "n"]
-# a legend label's room under a chart of the two-column grid (a column of a 1400 px page is about 600 px): the short
-# labels of frames.config_labels fit whole in it
-LEGEND_LABEL_PX = 480
+# a legend label's room under a chart of the two-column grid (a chart of a 1400 px page is about 450 px wide): the
+# labels of frames.config_labels (at most frames.MAX_LABEL_CHARS characters) fit whole in it
+LEGEND_LABEL_PX = 420
 
 
 def curves(history: pd.DataFrame, labels: dict[str, str], smoothing: float = 0.0,

@@ -351,6 +351,9 @@ _ORDER = {"experiment_name": 0, "model.name": 1, "model.path": 1, "precision": 2
           SEED_KEY: 9}
 MAX_LABEL_KEYS = 2  # other keys a legend label names, past those the label needs to tell the runs apart ('+3 more')
 LABEL_VALUE_CHARS = 14  # a longer value is cut ('[arithmetic, ai…'): the hover and the table have it whole
+# a label past this many characters drops the keys it names only as extras, the last first: at the legend's 11 px
+# font (about 6.5 px a character) it stays within curves.LEGEND_LABEL_PX
+MAX_LABEL_CHARS = 60
 # a key's name in a label where its last component would not say what it is
 _ABBREV = {"trainer.total_steps": "steps", "model.warm_start.steps": "warm start", "trainer.prompts_per_step": "prompts",
            "rollout.n": "n", "rollout.max_new_tokens": "new tokens", "algorithm.policy_loss": "loss",
@@ -396,19 +399,16 @@ def label_keys(params_by_run: dict[str, dict[str, str]], group_seeds: bool = Fal
         chosen.append(best)
         rest.remove(best)
     extra = [k for k in rest if _rank(k) <= 2][:MAX_LABEL_KEYS - sum(1 for k in chosen if k not in _ORDER)]
-    chosen += extra
+    while extra and max(len(t) for t in _texts(params_by_run, [*chosen, *extra], len(rest) - len(extra))) \
+            > MAX_LABEL_CHARS:
+        extra.pop()
     left = [k for k in rest if k not in extra]
-    return sorted(chosen, key=lambda k: (_ORDER.get(k, 5), _rank(k), k)), left
+    return sorted([*chosen, *extra], key=lambda k: (_ORDER.get(k, 5), _rank(k), k)), left
 
 
-def config_labels(params_by_run: dict[str, dict[str, str]], titles: dict[str, str],
-                  group_seeds: bool = False) -> dict[str, str]:
-    """Legend label of each run, short and distinct: the config keys label_keys picks, 'tis' vs 'none', 'int8'
-    vs 'bf16', 'lr=1e-05', 'steps=40', 'seed 1' (left out when seeds are grouped), with '+3 more' where more keys
-    differ than it names (config_details has them all); the run's title when nothing differs. Runs whose labels
-    would collide (repeats of one configuration) get their short id appended unless grouped, where sharing a
-    label is what puts them in one group."""
-    keys, left = label_keys(params_by_run, group_seeds)
+def _texts(params_by_run: dict[str, dict[str, str]], keys: list[str], n_left: int) -> list[str]:
+    """The labels `keys` spell (config_labels' parts, in its order), '+N more' for `n_left` keys left out."""
+    keys = sorted(keys, key=lambda k: (_ORDER.get(k, 5), _rank(k), k))
     short = _short_keys([k for k in keys if k not in _ORDER])
 
     def part(k: str, p: dict[str, str]) -> str:
@@ -421,9 +421,21 @@ def config_labels(params_by_run: dict[str, dict[str, str]], titles: dict[str, st
             return v
         return f"{_ABBREV.get(k, short[k])}={_cut(v)}"
 
-    more = f" +{len(left)} more" if left else ""
-    labels = {rid: " / ".join(part(k, p) for k in keys) + more for rid, p in params_by_run.items()}
+    more = f" +{n_left} more" if n_left else ""
+    return [" / ".join(part(k, p) for k in keys) + more for p in params_by_run.values()]
+
+
+def config_labels(params_by_run: dict[str, dict[str, str]], titles: dict[str, str],
+                  group_seeds: bool = False) -> dict[str, str]:
+    """Legend label of each run, short and distinct: the config keys label_keys picks, 'tis' vs 'none', 'int8'
+    vs 'bf16', 'lr=1e-05', 'steps=40', 'seed 1' (left out when seeds are grouped), with '+3 more' where more keys
+    differ than it names (config_details has them all); the run's title when nothing differs. Runs whose labels
+    would collide (repeats of one configuration) get their short id appended unless grouped, where sharing a
+    label is what puts them in one group."""
+    keys, left = label_keys(params_by_run, group_seeds)
+    labels = dict(zip(params_by_run, _texts(params_by_run, keys, len(left)), strict=True))
     if not keys:
+        more = f" +{len(left)} more" if left else ""
         labels = {rid: titles.get(rid, rid[:8]) + more for rid in params_by_run}
     if not group_seeds:
         counts = pd.Series(list(labels.values())).value_counts()

@@ -241,10 +241,13 @@ def test_compare_labels_short_and_distinct_with_the_whole_list_beside():
              "eval.bootstrap": "1000", "eval.limit": "None"}
     runs = {"a": chain, "b": other}
     labels = frames.config_labels(runs, {})
-    assert labels == {"a": "int8+int4kv / score_centering / loss=reinforce / steps=40 +5 more",
-                      "b": "bf16 / tis / loss=ppo_clip / steps=100 +5 more"}
-    assert frames.label_keys(runs)[1] == ["model.warm_start.steps", "eval.benchmarks.arithmetic.limit",
-                                          "eval.bootstrap", "eval.limit", "eval.suite"]
+    # (`steps=40` would make the first label 66 characters: past MAX_LABEL_CHARS, the last extra key is left out)
+    assert labels == {"a": "int8+int4kv / score_centering / loss=reinforce +6 more",
+                      "b": "bf16 / tis / loss=ppo_clip +6 more"}
+    assert max(map(len, labels.values())) <= frames.MAX_LABEL_CHARS
+    assert frames.label_keys(runs)[1] == ["trainer.total_steps", "model.warm_start.steps",
+                                          "eval.benchmarks.arithmetic.limit", "eval.bootstrap", "eval.limit",
+                                          "eval.suite"]
     details = frames.config_details(runs)
     assert details["b"] == ("precision=bf16, algorithm.correction.name=tis, algorithm.policy_loss=ppo_clip, "
                             "trainer.total_steps=100, model.warm_start.steps=1000, "

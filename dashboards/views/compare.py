@@ -117,9 +117,9 @@ order = list(dict.fromkeys(series[t] for t in train_of))
 if group and (plot["n"] > 1).any():
     st.caption("Each line is the mean over the seeds of one configuration (their number in the tooltip); the band "
                "spans their min..max.")
-if has_details:
-    st.caption("Labels: what differs between the chosen runs, shortened (`+N more`: keys not named); hover a point "
-               "for every key, or see the table under the charts.")
+if frames.label_keys(params_by_run, group)[1]:
+    st.caption("Labels: what differs between the chosen runs, shortened (`+N more`: keys they do not name); hover a "
+               "point for every key, or see \"What differs\" under the charts.")
 if not markers.empty:
     st.caption("Collapse alarm (dashed marker): " + ", ".join(f"{m.series} at step {m.step}" for m in markers.itertuples()))
 drawn = [k for k in keys if (plot["key"] == k).any()]

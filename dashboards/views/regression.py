@@ -59,9 +59,11 @@ chart = alt.Chart(shown).encode(
     x=alt.X("created_at:T", title="checked", scale=alt.Scale(domain=[alt.DateTime(**lo), alt.DateTime(**hi)]),
             axis=alt.Axis(format=frames.AXIS_TIME_FORMAT, labelOverlap=True, labelAngle=0)),
     color="benchmark:N")
-band = chart.mark_rule(opacity=0.5).encode(y=alt.Y("ci_low:Q", title="delta (points)"), y2="ci_high:Q")
+band = chart.mark_rule(opacity=0.5).encode(y=alt.Y("ci_low:Q", title="delta (points)", axis=alt.Axis(format="+.2~f")),
+                                          y2="ci_high:Q")
 dots = chart.mark_point(filled=True, size=70).encode(
     y="delta:Q", shape=alt.Shape("flagged:N", scale=alt.Scale(domain=[False, True], range=["circle", "cross"])),
     tooltip=["benchmark", "checked", "candidate", "champion", "precision", "delta", "ci_low", "ci_high", "margin",
              "message"])
-st.altair_chart(alt.layer(band, dots).properties(height=260), width="stretch")
+st.altair_chart(alt.layer(band, dots).properties(height=260, usermeta={"embedOptions": {"renderer": "svg"}}),
+                width="stretch")  # SVG: the axis labels are text in the page

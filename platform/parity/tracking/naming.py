@@ -203,6 +203,21 @@ def benchmark_set_short(problems: dict[str, int]) -> str:
     return f"{names} ({total})"
 
 
+def sampling_text(temperature: Any, samples: Any, max_new_tokens: Any) -> str:
+    """'greedy, up to 16 new tokens' or 'sampled at T=1, 4 a problem, up to 64 new tokens'."""
+    t, n = _number(temperature) or 0.0, int(_number(samples) or 1)
+    how = "greedy" if t == 0.0 else f"sampled at T={t:g}" + (f", {n} a problem" if n > 1 else "")
+    return f"{how}, up to {int(_number(max_new_tokens) or 0)} new tokens"
+
+
+def heldout_text(heldout: dict[str, Any]) -> str:
+    """What a run's held-out accuracy is measured on: 'the arithmetic task's test split, its first 256 problems,
+    greedy, up to 16 new tokens, through the rollout engine during training'."""
+    return (f"the {heldout.get('task', 'training')} task's test split, its first {heldout.get('problems')} problems, "
+            f"{sampling_text(heldout.get('temperature'), heldout.get('samples'), heldout.get('max_new_tokens'))}, "
+            "through the rollout engine during training")
+
+
 def headline_metrics(train: dict[str, Any], macro: dict[str, Any] | None = None) -> dict[str, float]:
     """The numbers a pipeline (or plain training) run is judged by: final reward, the last step's mean
     |p_train - p_inf| (`final_mismatch`), held-out accuracy (rollout engine, and unquantized weights where measured), the benchmark macro average, and the collapse flag
