@@ -132,18 +132,18 @@ for i in range(0, len(drawn), 2):
 st.subheader("Chosen runs")
 summary = sel.assign(label=[labels[r] for r in picked])[
     ["label", "run_name", "mlflow", "final_reward", "heldout_accuracy", "benchmark_avg", "bench_set", "collapsed"]]
-st.dataframe(frames.missing_as_dash(summary, ["bench_set", "collapsed"]).style.format(
-    {c: "{:.3f}" for c in ("final_reward", "heldout_accuracy", "benchmark_avg")}, na_rep=frames.MISSING),
-    hide_index=True, width="stretch", column_config={
-        "label": st.column_config.TextColumn("label", width=220),
-        "run_name": st.column_config.TextColumn("run", width=260),
-        "mlflow": st.column_config.LinkColumn("MLflow", display_text="open", width=60),
-        "final_reward": st.column_config.NumberColumn("final reward", width=100),
-        "heldout_accuracy": st.column_config.NumberColumn("held-out acc.", width=100),
-        "benchmark_avg": st.column_config.NumberColumn("bench. avg", width=90),
-        "bench_set": st.column_config.TextColumn("bench. over", width=130,
-                                                 help="the benchmarks (their problems) the average is over"),
-        "collapsed": st.column_config.TextColumn("collapsed", width=100)})
+# every cell as text, '—' where a run did not measure it (as on the Runs page)
+st.dataframe(frames.as_text(summary, {c: "{:.3f}" for c in ("final_reward", "heldout_accuracy", "benchmark_avg")}),
+             hide_index=True, width="stretch", column_config={
+                 "label": st.column_config.TextColumn("label", width=330),
+                 "run_name": st.column_config.TextColumn("run", width=260),
+                 "mlflow": st.column_config.LinkColumn("MLflow", display_text="open", width=60),
+                 "final_reward": st.column_config.TextColumn("final reward", width=100),
+                 "heldout_accuracy": st.column_config.TextColumn("held-out acc.", width=100),
+                 "benchmark_avg": st.column_config.TextColumn("bench. avg", width=90),
+                 "bench_set": st.column_config.TextColumn("bench. over", width=130,
+                                                          help="the benchmarks (their problems) the average is over"),
+                 "collapsed": st.column_config.TextColumn("collapsed", width=100)})
 sets = frames.bench_sets(sel)
 if len(sets) > 1:
     st.info(f"bench. avg is over {len(sets)} different benchmark sets here: it compares only between runs over the "
@@ -154,7 +154,7 @@ if len(diff.columns) > 2:
     st.caption("Every config key whose value differs between the chosen runs (— where a run's config has no such "
                "key); the labels above name the first of them.")
     st.dataframe(diff, hide_index=True, width="stretch",
-                 column_config={"label": st.column_config.TextColumn("label", width=220),
+                 column_config={"label": st.column_config.TextColumn("label", width=330),
                                 "run": st.column_config.TextColumn("run", width=260)})
 
 
