@@ -113,7 +113,8 @@ def bench_average(metrics: dict[str, float]) -> float | None:
 # ---------------------------------------------------------------- runs
 
 RUN_COLUMNS = ["run", "mlflow", "status", "experiment", "precision", "correction", "seed", "final_reward",
-               "heldout_accuracy", "mismatch", "benchmark_avg", "bench_set", "bench_set_full", "collapsed", "steps", "duration", "failure", "started",
+               "heldout_accuracy", "mismatch", "benchmark_avg", "bench_set", "bench_set_full", "collapsed", "steps",
+               "duration", "failure", "started",
                "kind", "stage", "model", "sweep", "config", "run_name", "run_id", "parent_id", "train_run_id",
                "collapse_step", "duration_s", "params"]
 MISMATCH_KEY = "mismatch/abs_prob_diff_mean"  # mean |p_train - p_inf| of a step (the pipeline's final_mismatch)

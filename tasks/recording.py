@@ -97,7 +97,8 @@ def open_pipeline(flow: str, cfg: ParityConfig, overrides: list[str], title: str
                        sweep=sweep, params=params, tags=tags)
 
 
-def log_headline(ref: PipelineRef, metrics: dict[str, float], step: int = 0, tags: dict[str, str] | None = None) -> None:
+def log_headline(ref: PipelineRef, metrics: dict[str, float], step: int = 0,
+                 tags: dict[str, str] | None = None) -> None:
     """The pipeline run's own numbers (naming.headline_metrics), shown as columns in MLflow's runs table, and the
     tags that say what they were measured on (naming.BENCHMARKS_TAG: the set the benchmark average is over)."""
     c = mlflow_client(ref.tracking_uri)
