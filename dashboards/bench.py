@@ -21,6 +21,8 @@ from parity.tracking import naming
 BENCH_COLUMNS = ["evaluation", "model", "run", "correction", "precision", "benchmark", "metric", "k", "value",
                  "ci_low", "ci_high", "problems", "out_dir", "source", "key", "stamp"]
 METRIC_NAMES = ("avg@k", "pass@1", "pass@k", "maj@k")
+AVERAGE = "macro"  # the rows of an evaluation's average over its benchmarks (unweighted: each benchmark counts once)
+AVERAGE_COLUMN = "average"  # its column in the table, beside `set`: the benchmarks (and problems) it is over
 _STEP = re.compile(r"(?:^|/)runs/(?P<run>[^/]+)/checkpoints/step_0*(?P<step>\d+)/?$")
 _HF_SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/[0-9a-f]+/?$")
 _HEXLIKE = re.compile(r"^[0-9a-f]{12,}$")
@@ -83,15 +85,16 @@ def _row(**kw: Any) -> dict[str, Any]:
 
 
 def file_rows(out_dir: str, summary: dict, correction: str = "") -> list[dict[str, Any]]:
-    """Long rows of one `evaluate` metrics.json: one per benchmark and metric, plus the macro average when
-    there are several benchmarks. ValueError names the file when its layout is not evaluate's."""
+    """Long rows of one `evaluate` metrics.json: one per benchmark and metric, plus the average over them
+    (`macro`, with its interval; of one benchmark, that benchmark's value, as the run's benchmark average in MLflow
+    and on the Runs page). ValueError names the file when its layout is not evaluate's."""
     benches = summary.get("benchmarks")
     if not isinstance(benches, dict):
         raise ValueError(f"{out_dir}/metrics.json: key `benchmarks` must be an object")
     label, prec = model_label(summary.get("model"), out_dir), eval_precision(summary)
     items = [(name, b.get("k"), b.get("problems"), b.get("metrics") or {}) for name, b in benches.items()]
-    if len(benches) > 1:
-        items.append(("macro", None, None, summary.get("macro") or {}))
+    if summary.get("macro"):
+        items.append((AVERAGE, None, None, summary["macro"]))
     return [_row(model=label, run=label, correction=correction, precision=prec, benchmark=name, metric=metric, k=k,
                  value=e.get("value"), ci_low=e.get("ci_low"), ci_high=e.get("ci_high"), problems=n, out_dir=out_dir,
                  source="file", key=eval_key(out_dir), stamp=stamp_of(out_dir))
@@ -165,19 +168,44 @@ def fmt_ci(value: float | None, lo: float | None, hi: float | None) -> str:
     return f"{100 * value:.1f} [{100 * lo:.1f}, {100 * hi:.1f}]"
 
 
+def _set_names(d: pd.DataFrame) -> dict[str, str]:
+    """evaluation -> the set its average is over, named like every page (naming.benchmark_set_short)."""
+    per = d[d["benchmark"] != AVERAGE].drop_duplicates(["evaluation", "benchmark"])
+    return {ev: naming.benchmark_set_short(naming.benchmark_problems(
+        {b: {"problems": n} for b, n in zip(g["benchmark"], g["problems"], strict=True)}))
+        for ev, g in per.groupby("evaluation", sort=False)}
+
+
+def _averages(d: pd.DataFrame) -> pd.DataFrame:
+    """One AVERAGE row per evaluation: the evaluation's own (with its interval), else (a registry row whose folder is
+    gone) the mean of its benchmarks' values, the interval kept only where there is one benchmark."""
+    own = d[d["benchmark"] == AVERAGE]
+    rows = [own]
+    without = d[(d["benchmark"] != AVERAGE) & ~d["evaluation"].isin(set(own["evaluation"]))]
+    for _, g in without.groupby("evaluation", sort=False):
+        one = len(g) == 1
+        rows.append(g.iloc[:1].assign(benchmark=AVERAGE, value=g["value"].mean(), problems=g["problems"].sum(),
+                                      ci_low=g["ci_low"].iloc[0] if one else None,
+                                      ci_high=g["ci_high"].iloc[0] if one else None))
+    return pd.concat(rows, ignore_index=True)
+
+
 def benchmark_table(bench: pd.DataFrame, metric: str) -> pd.DataFrame:
-    """One row per evaluation (newest folder first), one column per benchmark ('macro' last): 'value [ci_low,
-    ci_high]' in percent."""
+    """One row per evaluation (newest folder first), one column per benchmark, then `average` (the mean over the
+    evaluation's benchmarks, the number the Runs page and MLflow show) and `set` (what that average is over:
+    'arithmetic (64)', '7 benchmarks (112)'): 'value [ci_low, ci_high]' in percent."""
     d = bench[bench["metric"] == metric]
     if d.empty:
         return pd.DataFrame()
-    d = d.copy()
+    d = pd.concat([d[d["benchmark"] != AVERAGE], _averages(d)], ignore_index=True)
     d["cell"] = [fmt_ci(v, lo, hi) for v, lo, hi in zip(d["value"], d["ci_low"], d["ci_high"], strict=True)]
     info = d.drop_duplicates("evaluation").set_index("evaluation")[["correction", "precision", "out_dir", "stamp"]]
+    info = info.assign(set=pd.Series(_set_names(d)))
     t = d.pivot(index="evaluation", columns="benchmark", values="cell").fillna("")
-    cols = sorted(c for c in t.columns if c != "macro") + (["macro"] if "macro" in t.columns else [])
-    t = t[cols].join(info).reset_index().sort_values("stamp", ascending=False, kind="stable")
-    return t[["evaluation", *cols, "correction", "precision", "out_dir"]].reset_index(drop=True)
+    cols = sorted(c for c in t.columns if c != AVERAGE)
+    t = t.rename(columns={AVERAGE: AVERAGE_COLUMN})[[*cols, AVERAGE_COLUMN]].join(info).reset_index()
+    t = t.sort_values("stamp", ascending=False, kind="stable")
+    return t[["evaluation", *cols, AVERAGE_COLUMN, "set", "correction", "precision", "out_dir"]].reset_index(drop=True)
 
 
 def bar_spec(metric: str, evaluations: list[str]) -> dict[str, Any]:
@@ -202,6 +230,11 @@ def bar_spec(metric: str, evaluations: list[str]) -> dict[str, Any]:
 
 
 def chart_rows(bench: pd.DataFrame, metric: str) -> pd.DataFrame:
-    d = bench[bench["metric"] == metric][["evaluation", "benchmark", "value", "ci_low", "ci_high"]].copy()
+    """The bars: each benchmark of each evaluation, and the evaluations' averages (`average`) where one of them has
+    several benchmarks (of one, the average is that benchmark's bar again)."""
+    d = bench[bench["metric"] == metric]
+    several = (d[d["benchmark"] != AVERAGE].groupby("evaluation")["benchmark"].nunique() > 1).any()
+    d = d if several else d[d["benchmark"] != AVERAGE]
+    d = d[["evaluation", "benchmark", "value", "ci_low", "ci_high"]].replace({"benchmark": {AVERAGE: AVERAGE_COLUMN}})
     d["pct"], d["lo"], d["hi"] = 100 * d["value"], 100 * d["ci_low"], 100 * d["ci_high"]
     return d

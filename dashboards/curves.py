@@ -67,6 +67,9 @@ def ema(values: Sequence[float], weight: float) -> np.ndarray:
 
 
 PLOT_COLUMNS = ["series", "key", "step", "value", "lo", "hi", "n"]
+# a legend label's room under a chart of the two-column grid (a chart of a 1400 px page is about 450 px wide): the
+# labels of frames.config_labels (at most frames.MAX_LABEL_CHARS characters) fit whole in it
+LEGEND_LABEL_PX = 420
 
 
 def curves(history: pd.DataFrame, labels: dict[str, str], smoothing: float = 0.0,
@@ -112,10 +115,23 @@ def collapse_markers(history: pd.DataFrame, labels: dict[str, str],
     return pd.DataFrame(rows, columns=["series", "run_id", "step"])
 
 
-def missing_metrics(history: pd.DataFrame, run_names: dict[str, str], keys: Sequence[str]) -> list[str]:
-    """'run: key' for each selected run that has no value of a selected key."""
+def missing_metrics(history: pd.DataFrame, run_names: dict[str, str], keys: Sequence[str]) -> dict[str, list[str]]:
+    """{key: the labels of the selected runs that have no value of it}, for each selected key some run lacks (a
+    label once however many runs share it)."""
     have = set(zip(history["run_id"], history["key"], strict=True)) if not history.empty else set()
-    return [f"{name}: {k}" for rid, name in run_names.items() for k in keys if (rid, k) not in have]
+    out: dict[str, list[str]] = {}
+    for k in keys:
+        names = list(dict.fromkeys(name for rid, name in run_names.items() if (rid, k) not in have))
+        if names:
+            out[k] = names
+    return out
+
+
+def missing_text(missing: dict[str, list[str]]) -> str:
+    """The page's note on them (markdown): one line per metric, the metric and each label set apart, so a label that
+    holds a slash or a colon never reads into the metric's name."""
+    return "Not logged by these runs (left out of the charts):\n\n" + "\n".join(
+        f"- `{k}`: not logged by " + ", ".join(f"**{n}**" for n in names) for k, names in missing.items())
 
 
 def wide_csv(plot: pd.DataFrame) -> str:
@@ -131,15 +147,16 @@ def wide_csv(plot: pd.DataFrame) -> str:
 
 
 def curve_spec(key: str, banded: bool, points: bool, series: Sequence[str] = (),
-               markers: pd.DataFrame | None = None) -> dict[str, Any]:
+               markers: pd.DataFrame | None = None, details: bool = False) -> dict[str, Any]:
     """Vega-Lite spec of one metric's curves over the plot table's columns (written by hand: building it
     through Altair costs ~0.15 s a chart, most of a cached page's time). The legend sits below the chart so
-    two charts fit side by side; collapse markers are dashed rules in their series' colour. SVG, so the
-    legend's labels are text in the page."""
+    two charts fit side by side, each label whole up to LEGEND_LABEL_PX; collapse markers are dashed rules in
+    their series' colour; with `details`, a point's hover names every config key its run differs in (the
+    table's `config` column). SVG, so the legend's labels are text in the page."""
     x = {"field": "step", "type": "quantitative", "title": "step", "axis": {"format": "d", "tickMinStep": 1}}
     color = {"field": "series", "type": "nominal", "title": None,
              # the band's faint fill would otherwise be the legend's symbol: a full-strength stroke, as the lines
-             "legend": {"orient": "bottom", "direction": "vertical", "labelLimit": 420, "symbolType": "stroke",
+             "legend": {"orient": "bottom", "direction": "vertical", "labelLimit": LEGEND_LABEL_PX, "symbolType": "stroke",
                         "symbolOpacity": 1, "symbolStrokeWidth": 3},
              **({"scale": {"domain": list(series), "range": PALETTE}} if series else {})}
     line = {"mark": {"type": "line", "point": points},
@@ -148,7 +165,9 @@ def curve_spec(key: str, banded: bool, points: bool, series: Sequence[str] = (),
                                "axis": {"format": "~g"}},
                          "tooltip": [{"field": "series", "type": "nominal"}, {"field": "step", "type": "quantitative"},
                                      {"field": "value", "type": "quantitative", "format": ".6g"},
-                                     {"field": "n", "type": "quantitative", "title": "seeds"}]}}
+                                     {"field": "n", "type": "quantitative", "title": "seeds"},
+                                     *([{"field": "config", "type": "nominal", "title": "differs"}] if details
+                                       else [])]}}
     band = {"mark": {"type": "area", "opacity": 0.2},
             "encoding": {"x": x, "color": color, "y": {"field": "lo", "type": "quantitative"}, "y2": {"field": "hi"}}}
     layers = [band, line] if banded else [line]

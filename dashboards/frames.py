@@ -14,6 +14,7 @@ from typing import Any
 import pandas as pd
 
 from dashboards.data import RunRecord, mlflow_run_url
+from parity import precision_names
 from parity.tracking import naming
 
 MISSING = "—"
@@ -28,7 +29,7 @@ _NOT_CONFIG = re.compile(r"(^|\.)(seed|shuffle_seed|run_name|experiment_name|res
 _NOT_LABEL = re.compile(r"(^|\.)(run_name|resume|outputs_dir|out_dir|export_dir|datasets_dir|"
                         r"quantization_config_file)$|^tracking\.|^hydra|^eval\.(model_path|run_name|registered_model)$|"
                         r"^distributed\.(address|init_timeout_s)$")
-_PRECISION_KEYS = re.compile(r"^rollout\.precision\.(weights|activations|kv_cache|perturbation\.sigma)$|"
+_PRECISION_KEYS = re.compile(r"^rollout\.precision\.(weights|activations|kv_cache|kv_hadamard|perturbation\.sigma)$|"
                              r"^actor_rollout_ref\.rollout\.(quantization|engine_kwargs\.vllm\.kv_cache_dtype)$")
 _UNSET = ("", "None", "null", "none")
 SEED_KEY = "trainer.seed"
@@ -41,27 +42,18 @@ def param(params: dict[str, str], key: str, default: str = "") -> str:
     return default if v is None or v in _UNSET else str(v)
 
 
-def _precision_parts(params: dict[str, str]) -> tuple[str, str, str]:
-    q = param(params, "actor_rollout_ref.rollout.quantization")
-    if q:
-        w = a = q
-        kv = param(params, "actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_dtype", "bf16")
-        kv = {"auto": "bf16", "int8_per_token_head": "int8"}.get(kv, kv)
-        return w, a, kv
-    w, a, kv = (param(params, f"rollout.precision.{k}", "bf16") for k in ("weights", "activations", "kv_cache"))
-    return w, a, kv
-
-
 def precision_label(params: dict[str, str]) -> str:
-    """'bf16' or 'wint8-aint8-kvint4_per_token_head' (the label the pipeline gives its artifacts). The seed block's
-    `quantization` selects W8A8 and its vLLM kv_cache_dtype, as parity.precision resolves it."""
-    w, a, kv = _precision_parts(params)
-    return "bf16" if (w, a, kv) == ("bf16", "bf16", "bf16") else f"w{w}-a{a}-kv{kv}"
+    """The full spec ('bf16', 'wint8-aint8-kvint4_per_token_head-nohadamard', '...-sigma0.01'), the label the
+    pipeline gives its artifacts: parity.precision_names reads the params (the seed block's `quantization` and
+    vLLM kv_cache_dtype through the loader's own tables) and spells it (precision_spec)."""
+    return precision_names.spec_of_params(params)
 
 
 def precision_short(params: dict[str, str]) -> str:
-    """The run names' spelling: 'bf16', 'int8', 'int8+int4kv' (parity.tracking.naming.precision_short)."""
-    return naming.precision_short(*_precision_parts(params), params.get("rollout.precision.perturbation.sigma"))
+    """The run names' spelling: 'bf16', 'int8', 'int8+int4kv', 'int8+int4kv-nohadamard', 'bf16+σ0.01'
+    (parity.tracking.naming.precision_short of the params' formats)."""
+    f = precision_names.formats_of_params(params)
+    return naming.precision_short(f["weights"], f["activations"], f["kv_cache"], f["sigma"], f["kv_hadamard"])
 
 
 def short_of_label(label: str) -> str:
@@ -97,6 +89,17 @@ def config_key(params: dict[str, str]) -> str:
     return hashlib.sha1(json.dumps(kept).encode()).hexdigest()[:8]
 
 
+_BENCH_PROBLEMS = re.compile(r"^eval/(?P<name>[^/]+)/problems$")
+
+
+def bench_problems(metrics: dict[str, float]) -> dict[str, int]:
+    """{benchmark: problems} of the evaluation whose metrics a run holds (`eval/<benchmark>/problems`, the evaluate
+    stage's), by name: the set its benchmark average is over."""
+    found = {m["name"]: {"problems": v} for k, v in metrics.items()
+             if (m := _BENCH_PROBLEMS.match(k)) and m["name"] != "macro"}
+    return naming.benchmark_problems(found)
+
+
 def bench_average(metrics: dict[str, float]) -> float | None:
     for k in BENCH_AVG_KEYS:
         if k in metrics:
@@ -110,7 +113,8 @@ def bench_average(metrics: dict[str, float]) -> float | None:
 # ---------------------------------------------------------------- runs
 
 RUN_COLUMNS = ["run", "mlflow", "status", "experiment", "precision", "correction", "seed", "final_reward",
-               "heldout_accuracy", "mismatch", "benchmark_avg", "collapsed", "steps", "duration", "failure", "started",
+               "heldout_accuracy", "mismatch", "benchmark_avg", "bench_set", "bench_set_full", "collapsed", "steps",
+               "duration", "failure", "started",
                "kind", "stage", "model", "sweep", "config", "run_name", "run_id", "parent_id", "train_run_id",
                "collapse_step", "duration_s", "params"]
 MISMATCH_KEY = "mismatch/abs_prob_diff_mean"  # mean |p_train - p_inf| of a step (the pipeline's final_mismatch)
@@ -213,6 +217,9 @@ def runs_frame(records: Sequence[RunRecord], mlflow_ui: str, now_ms: int | None 
         train = r if kind == "train" or stage == "train" else next((k for k in children if _stage_of(k) == "train"),
                                                                     None)
         bench = _first(bench_average(r.metrics), *(bench_average(k.metrics) for k in reversed(children)))
+        # the set that average is over: the run's own evaluation, else its (last) evaluate stage's
+        problems = next((p for p in (bench_problems(r.metrics),
+                                     *(bench_problems(k.metrics) for k in reversed(children))) if p), {})
         collapsed, collapse_step = _collapse(r, train)
         final = _first(r.metrics.get("final_reward"), train.metrics.get("reward/mean") if train else None)
         acc = _first(r.metrics.get("heldout_accuracy"), train.metrics.get("eval/accuracy") if train else None)
@@ -234,6 +241,8 @@ def runs_frame(records: Sequence[RunRecord], mlflow_ui: str, now_ms: int | None 
             "duration": duration_text(duration), "duration_s": duration,
             "failure": _failure(r, children),
             "benchmark_avg": bench if kind != "stage" else bench_average(r.metrics),
+            "bench_set": naming.benchmark_set_short(problems),
+            "bench_set_full": naming.benchmark_set(problems) if problems else "",
             "collapsed": collapsed, "collapse_step": collapse_step,
             "started": pd.to_datetime(r.start_time, unit="ms") if r.start_time else pd.NaT,
             "kind": kind, "stage": stage, "model": param(params, "model.name", param(params, "model.path")),
@@ -253,7 +262,19 @@ def runs_frame(records: Sequence[RunRecord], mlflow_ui: str, now_ms: int | None 
     top = df["kind"] != "stage"
     dup = top & df["run"].map(df[top]["run"].value_counts()).fillna(0).gt(1)
     df.loc[dup, "run"] = df.loc[dup, "run"] + " (" + df.loc[dup, "run_id"].str[:6] + ")"
+    # nor two benchmark sets under one short name ('7 benchmarks (112)' of other benchmarks): a number tells
+    sets = df.loc[df["bench_set_full"] != "", ["bench_set", "bench_set_full"]].drop_duplicates()
+    renamed = {full: f"{short} #{i + 1}" for short, group in sets.groupby("bench_set", sort=False)
+               for i, full in enumerate(group["bench_set_full"]) if i}
+    if renamed:
+        df.loc[df["bench_set_full"].isin(list(renamed)), "bench_set"] = df["bench_set_full"].map(renamed)
     return df
+
+
+def bench_sets(df: pd.DataFrame) -> dict[str, str]:
+    """The benchmark sets of the rows that show a benchmark average: {short name as in `bench_set`: full name}."""
+    rows = df[df["benchmark_avg"].notna() & (df["bench_set_full"] != "")]
+    return dict(zip(rows["bench_set"], rows["bench_set_full"], strict=True))
 
 
 def top_level(df: pd.DataFrame) -> pd.DataFrame:
@@ -326,19 +347,69 @@ def differing_keys(params_by_run: dict[str, dict[str, str]]) -> list[str]:
     return out
 
 
+# the parts of the run's own label (naming.label), in its order, and the seed last
 _ORDER = {"experiment_name": 0, "model.name": 1, "model.path": 1, "precision": 2, "algorithm.correction.name": 3,
           SEED_KEY: 9}
+MAX_LABEL_KEYS = 2  # other keys a legend label names, past those the label needs to tell the runs apart ('+3 more')
+LABEL_VALUE_CHARS = 14  # a longer value is cut ('[arithmetic, ai…'): the hover and the table have it whole
+# a label past this many characters drops the keys it names only as extras, the last first: at the legend's 11 px
+# font (about 6.5 px a character) it stays within curves.LEGEND_LABEL_PX
+MAX_LABEL_CHARS = 60
+# a key's name in a label where its last component would not say what it is
+_ABBREV = {"trainer.total_steps": "steps", "model.warm_start.steps": "warm start", "trainer.prompts_per_step": "prompts",
+           "rollout.n": "n", "rollout.max_new_tokens": "new tokens", "algorithm.policy_loss": "loss",
+           "algorithm.adv_estimator": "adv", "algorithm.loss_agg_mode": "agg", "rollout.topk_logprobs": "top-k lp",
+           "trainer.eval_every": "eval every", "eval.suite": "eval", "model.warm_start.lr": "warm-start lr"}
 
 
-def config_labels(params_by_run: dict[str, dict[str, str]], titles: dict[str, str],
-                  group_seeds: bool = False) -> dict[str, str]:
-    """Legend label of each run from the config keys that differ between the runs: 'tis' vs 'none', 'int8'
-    vs 'bf16', 'lr=1e-05', 'seed 1' (left out when seeds are grouped); the run's title when nothing differs.
-    Runs whose labels would collide (repeats of one configuration) get their short id appended unless
-    grouped, where sharing a label is what puts them in one group."""
-    keys = sorted(differing_keys(params_by_run), key=lambda k: (_ORDER.get(k, 5), k))
-    if group_seeds:
-        keys = [k for k in keys if k != SEED_KEY]
+def _rank(key: str) -> int:
+    """How much a key says about a training curve: the label's parts, what tells runs apart (naming's identity
+    keys), the rest of training, and last what only the evaluation after training reads."""
+    if key in _ORDER:
+        return 0
+    if key in naming.IDENTITY_KEYS or key.startswith("algorithm.correction."):
+        return 1
+    if key.startswith(("eval.", "tracking.", "distributed.")):
+        return 3
+    return 2
+
+
+def _value(p: dict[str, str], k: str) -> str:
+    return precision_short(p) if k == "precision" else str(p.get(k, MISSING))
+
+
+def _cut(v: str) -> str:
+    return v if len(v) <= LABEL_VALUE_CHARS else v[:LABEL_VALUE_CHARS - 1] + "…"
+
+
+def label_keys(params_by_run: dict[str, dict[str, str]], group_seeds: bool = False) -> tuple[list[str], list[str]]:
+    """(the keys a legend label names, the differing keys it leaves to the hover and the table). Named: the parts of
+    the run's own label that differ (precision, correction, seed, ...), then the other keys needed to tell every
+    two configurations apart (the one that splits the most first), then up to MAX_LABEL_KEYS more of what most
+    shapes a curve (`_rank`). With grouped seeds the seed is neither."""
+    keys = [k for k in differing_keys(params_by_run) if not (group_seeds and k == SEED_KEY)]
+    chosen = [k for k in keys if k in _ORDER]
+    rest = sorted((k for k in keys if k not in _ORDER), key=lambda k: (_rank(k), k))
+    configs = {tuple(_value(p, k) for k in keys) for p in params_by_run.values()}
+
+    def groups(ks: list[str]) -> int:
+        return len({tuple(_value(p, k) for k in ks) for p in params_by_run.values()})
+
+    while groups(chosen) < len(configs):  # some configurations still read alike: the key that splits the most
+        best = max(rest, key=lambda k: (groups([*chosen, k]), -_rank(k)))
+        chosen.append(best)
+        rest.remove(best)
+    extra = [k for k in rest if _rank(k) <= 2][:MAX_LABEL_KEYS - sum(1 for k in chosen if k not in _ORDER)]
+    while extra and max(len(t) for t in _texts(params_by_run, [*chosen, *extra], len(rest) - len(extra))) \
+            > MAX_LABEL_CHARS:
+        extra.pop()
+    left = [k for k in rest if k not in extra]
+    return sorted([*chosen, *extra], key=lambda k: (_ORDER.get(k, 5), _rank(k), k)), left
+
+
+def _texts(params_by_run: dict[str, dict[str, str]], keys: list[str], n_left: int) -> list[str]:
+    """The labels `keys` spell (config_labels' parts, in its order), '+N more' for `n_left` keys left out."""
+    keys = sorted(keys, key=lambda k: (_ORDER.get(k, 5), _rank(k), k))
     short = _short_keys([k for k in keys if k not in _ORDER])
 
     def part(k: str, p: dict[str, str]) -> str:
@@ -349,15 +420,47 @@ def config_labels(params_by_run: dict[str, dict[str, str]], titles: dict[str, st
             return f"seed {v}"
         if k in _ORDER:
             return v
-        return f"{short[k]}={v}"
+        return f"{_ABBREV.get(k, short[k])}={_cut(v)}"
 
-    labels = {rid: " / ".join(part(k, p) for k in keys) for rid, p in params_by_run.items()}
+    more = f" +{n_left} more" if n_left else ""
+    return [" / ".join(part(k, p) for k in keys) + more for p in params_by_run.values()]
+
+
+def config_labels(params_by_run: dict[str, dict[str, str]], titles: dict[str, str],
+                  group_seeds: bool = False) -> dict[str, str]:
+    """Legend label of each run, short and distinct: the config keys label_keys picks, 'tis' vs 'none', 'int8'
+    vs 'bf16', 'lr=1e-05', 'steps=40', 'seed 1' (left out when seeds are grouped), with '+3 more' where more keys
+    differ than it names (config_details has them all); the run's title when nothing differs. Runs whose labels
+    would collide (repeats of one configuration) get their short id appended unless grouped, where sharing a
+    label is what puts them in one group."""
+    keys, left = label_keys(params_by_run, group_seeds)
+    labels = dict(zip(params_by_run, _texts(params_by_run, keys, len(left)), strict=True))
     if not keys:
-        labels = {rid: titles.get(rid, rid[:8]) for rid in params_by_run}
+        more = f" +{len(left)} more" if left else ""
+        labels = {rid: titles.get(rid, rid[:8]) + more for rid in params_by_run}
     if not group_seeds:
         counts = pd.Series(list(labels.values())).value_counts()
         labels = {rid: f"{lab} ({rid[:6]})" if counts[lab] > 1 else lab for rid, lab in labels.items()}
     return labels
+
+
+def config_details(params_by_run: dict[str, dict[str, str]], group_seeds: bool = False) -> dict[str, str]:
+    """Every config key that differs between the runs, whole, for the hover of a legend label: 'precision=int8,
+    algorithm.correction.name=tis, trainer.total_steps=40, eval.suite=[arithmetic, aime24]' (the seed left out
+    when seeds are grouped)."""
+    keys = [k for k in differing_keys(params_by_run) if not (group_seeds and k == SEED_KEY)]
+    keys = sorted(keys, key=lambda k: (_ORDER.get(k, 5), _rank(k), k))
+    return {rid: ", ".join(f"{k}={_value(p, k)}" for k in keys) for rid, p in params_by_run.items()}
+
+
+def differences_table(params_by_run: dict[str, dict[str, str]], labels: dict[str, str],
+                      names: dict[str, str]) -> pd.DataFrame:
+    """One row per run (its legend label and run name), one column per config key that differs, whole values:
+    the full list behind the short labels."""
+    keys = sorted(differing_keys(params_by_run), key=lambda k: (_ORDER.get(k, 5), _rank(k), k))
+    rows = [{"label": labels[rid], "run": names.get(rid, rid), **{k: _value(p, k) for k in keys}}
+            for rid, p in params_by_run.items()]
+    return pd.DataFrame(rows, columns=["label", "run", *keys])
 
 
 # ---------------------------------------------------------------- regression checks and precision reports
@@ -366,9 +469,12 @@ def flag_checks(checks: pd.DataFrame) -> pd.DataFrame:
     """Regression checks with a `flagged` column (the check failed: a real drop beyond the margin), newest
     first, deltas and intervals in points of percent, and both sides labelled like every page: `candidate`
     and `champion` (what each model was trained as and its registered version; the artifact's precision for
-    checks recorded before artifacts kept their facts) and the `precision` each was evaluated in."""
+    checks recorded before artifacts kept their facts) and the `precision` each was evaluated in; `created_at` as
+    a time to the second (the registry keeps microseconds) and `checked`, the same as text."""
     d = checks.copy()
     d["flagged"] = ~d["passed"].astype(bool)
+    d["created_at"] = pd.to_datetime(d["created_at"], format="mixed").dt.floor("s")
+    d["checked"] = d["created_at"].dt.strftime(TIME_FORMAT).fillna(MISSING)
     for side, prefix in (("candidate", "candidate"), ("champion", "baseline")):
         facts = d.get(f"{prefix}_facts", pd.Series([None] * len(d), index=d.index))
         version = d.get(f"{prefix}_version", pd.Series([None] * len(d), index=d.index))
@@ -380,6 +486,30 @@ def flag_checks(checks: pd.DataFrame) -> pd.DataFrame:
     for c in ("delta", "ci_low", "ci_high", "margin"):
         d[c] = 100.0 * d[c].astype(float)
     return d.iloc[::-1].reset_index(drop=True)
+
+
+TIME_FORMAT = "%Y-%m-%d %H:%M:%S"  # a time as every page writes it: to the second
+# the time axis of a chart: d3 time formats (vega-lite's), a minute at least between ticks (else checks a second
+# apart get millisecond ticks such as '.389')
+AXIS_TIME_FORMAT = "%m-%d %H:%M"
+MIN_TIME_SPAN = pd.Timedelta(hours=1)
+
+
+def time_window(times: pd.Series) -> tuple[dict[str, int], dict[str, int]]:
+    """The domain of a time axis over `times` (naive, as the chart reads them: local time), as vega-lite DateTime
+    objects: the span of the times, widened symmetrically to at least MIN_TIME_SPAN, so the ticks fall on
+    minutes or hours whether the times are one check or a year of them, and the points are not on the edges."""
+    t = pd.to_datetime(times).dropna()
+    if t.empty:
+        t = pd.Series([pd.Timestamp("2000-01-01")])
+    lo, hi = t.min(), t.max()
+    pad = max((MIN_TIME_SPAN - (hi - lo)) / 2, (hi - lo) * 0.05)
+    lo, hi = (lo - pad).floor("min"), (hi + pad).ceil("min")
+
+    def dt(x: pd.Timestamp) -> dict[str, int]:
+        return {"year": x.year, "month": x.month, "date": x.day, "hours": x.hour, "minutes": x.minute}
+
+    return dt(lo), dt(hi)
 
 
 def _scalars(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -400,12 +530,16 @@ def report_rows(folder: str, report: dict, file: str = "") -> list[dict[str, Any
     quant = report.get("quant") if isinstance(report.get("quant"), dict) else {}
     fmt = {k: str(prec.get(k) or quant.get(k) or "bf16") for k in ("weights", "activations", "kv_cache")}
     sigma = (prec.get("perturbation") or {}).get("sigma") if isinstance(prec.get("perturbation"), dict) else None
+    hadamard = prec.get("kv_hadamard", quant.get("kv_hadamard", True))
+    spec = str(report.get("precision_spec") or "")
     created = str(report.get("created_at") or "")
     row: dict[str, Any] = {
-        "validated": pd.to_datetime(created, utc=True).strftime("%Y-%m-%d %H:%M:%S") if created else "",
+        "validated": pd.to_datetime(created, utc=True).strftime(TIME_FORMAT) if created else "",
         "checkpoint": folder,
-        "precision": naming.precision_short(fmt["weights"], fmt["activations"], fmt["kv_cache"], sigma),
-        "spec": str(report.get("precision_spec") or ""),
+        # the spec the report is named by says it all (-nohadamard, -sigma); older reports: their formats
+        "precision": short_of_label(spec) if spec else naming.precision_short(fmt["weights"], fmt["activations"],
+                                                                               fmt["kv_cache"], sigma, hadamard),
+        "spec": spec,
         "engine": str(quant.get("engine") or ""),
         "verdict": "passed" if report.get("passed") else "FAILED",
         "passed": bool(report.get("passed")),

@@ -63,7 +63,7 @@ def sweep(corrections: list[str] | None = None, overrides: list[str] | None = No
             r = state.result()
             rows.append({"overrides": member, "title": r["title"], "final_reward": r["final_reward"],
                          "final_accuracy": r["final_accuracy"], "evaluation": r["evaluation"],
-                         "pipeline_id": r["pipeline_id"], "mlflow_run_id": r["mlflow_run_id"]})
+                         "benchmarks": r["benchmarks"], "pipeline_id": r["pipeline_id"], "mlflow_run_id": r["mlflow_run_id"]})
         else:
             failed.append(f"{member}: {state.message}")
             rows.append({"overrides": member, "failed": state.message})

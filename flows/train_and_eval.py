@@ -80,7 +80,9 @@ def run_stages(ref: PipelineRef, cfg: ParityConfig) -> dict:
         e = evaluate_task(c, t["latest_checkpoint"])
         e["result_ids"] = record_evaluation_task(r, e, ckpt_id, st.run_id)
         st.done({"macro": e["macro"], "out_dir": e["out_dir"], "result_ids": e["result_ids"]})
-    log_headline(ref, headline_metrics(t, e["macro"]), step=int(t.get("steps") or 0))
+    bench_set = naming.benchmark_set(naming.benchmark_problems(e["benchmarks"]))
+    log_headline(ref, headline_metrics(t, e["macro"]), step=int(t.get("steps") or 0),
+                 tags={naming.BENCHMARKS_TAG: bench_set})
     registered = None
     if cfg.tracking.log_model:
         with stage(ref, "register") as st:
@@ -89,7 +91,7 @@ def run_stages(ref: PipelineRef, cfg: ParityConfig) -> dict:
                 {**naming.tags_of(facts), "precision": precision, "validation_status": v["status"],
                  "pipeline_id": str(ref.pipeline_id), "run_name": str(cfg.trainer.run_name)}))
     return {"pipeline_id": ref.pipeline_id, "mlflow_run_id": ref.run_id, "run_name": str(cfg.trainer.run_name),
-            "title": ref.title,
+            "title": ref.title, "heldout": heldout_settings(cfg),
             "precision": precision, "validation": v["status"], "checkpoint": t["latest_checkpoint"],
             "initial_accuracy": t["initial_accuracy"], "final_accuracy": t["final_accuracy"],
             "final_reward": t["final_reward"], "train_seconds": t["seconds"], "evaluation": e["macro"],
@@ -97,6 +99,16 @@ def run_stages(ref: PipelineRef, cfg: ParityConfig) -> dict:
             "lib_seconds": {"prepare": base.get("lib_seconds", 0.0), "quantize": q.get("lib_seconds", 0.0),
                             "validate": v.get("lib_seconds", 0.0), "train": t.get("lib_seconds", 0.0),
                             "evaluate": e.get("lib_seconds", 0.0)}}
+
+
+def heldout_settings(cfg: ParityConfig) -> dict:
+    """What the training's held-out accuracy is measured on (parity.training.heldout), for the summary that prints
+    it beside the benchmarks: the task whose test split it is, how many problems, how they are sampled."""
+    from parity.data.tasks import synthetic_task
+
+    return {"task": synthetic_task(cfg.data).name, "problems": int(cfg.trainer.eval_problems),
+            "temperature": float(cfg.trainer.eval_temperature), "samples": int(cfg.trainer.eval_samples),
+            "max_new_tokens": int(cfg.rollout.max_new_tokens)}
 
 
 def run_pipeline(overrides: list[str], extra_config_dir: str | None = None, sweep: str | None = None) -> dict:

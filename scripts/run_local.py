@@ -38,7 +38,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def prefect_env(home: Path, api_url: str | None = None) -> dict[str, str]:
+def prefect_env(home: Path, api_url: str | None = None, piped: bool | None = None) -> dict[str, str]:
+    """The environment of Prefect's server, workers and CLI. `piped`: the CLI's output goes to a pipe or a file, not
+    a terminal (default: whether this process's stdout does, which a child inherits)."""
     env = dict(os.environ)
     env.update({"PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                 "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home}/prefect.db",
@@ -48,6 +50,12 @@ def prefect_env(home: Path, api_url: str | None = None) -> dict[str, str]:
                     [str(REPO), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])})
     if api_url:
         env["PREFECT_API_URL"] = api_url
+    if piped is None:
+        piped = not sys.stdout.isatty()
+    if piped:
+        # a pipe or a file (`make run | tee run.log`): the CLI's Rich console would break every line at 80 columns
+        # (it cannot ask a pipe its width); whole lines instead, as a terminal shows them
+        env.setdefault("PREFECT_CLI_WRAP_LINES", "false")
     return env
 
 

@@ -76,7 +76,8 @@ def _num(x: Any) -> str:
 
 def benchmark_rows(eval_out_dir: str | Path) -> list[dict]:
     """One row per benchmark from the evaluation's metrics.json: avg@k with its bootstrap interval, and the
-    other metrics' values (fractions; the interval level is the evaluation's eval.ci_level)."""
+    other metrics' values (fractions; the interval level is the evaluation's eval.ci_level), and how it was
+    sampled (temperature, max_new_tokens: the responses' budget it ran with)."""
     summary = json.loads((Path(eval_out_dir) / "metrics.json").read_text())
     rows = []
     for name, r in summary["benchmarks"].items():
@@ -84,8 +85,36 @@ def benchmark_rows(eval_out_dir: str | Path) -> list[dict]:
         row = {"benchmark": name, "problems": r["problems"], "k": r["k"], "avg@k": avg["value"],
                "ci_low": avg["ci_low"], "ci_high": avg["ci_high"]}
         row.update({m: v["value"] for m, v in r["metrics"].items() if m != "avg@k"})
+        sampling = r.get("sampling") or {}
+        row.update({"temperature": sampling.get("temperature"),
+                    "max_new_tokens": sampling.get("max_new_tokens_used", sampling.get("max_new_tokens"))})
         rows.append(row)
     return rows
+
+
+def _interval(r: dict) -> str:
+    return f"{_pct(r['avg@k'])} [{100 * r['ci_low']:.1f}, {100 * r['ci_high']:.1f}]"
+
+
+def benchmarks_text(rows: list[dict], macro: Any, heldout: dict | None) -> str:
+    """The benchmark numbers named for what they are: the set the average is over, with its problems (one benchmark:
+    its own avg@k and interval), and, where a benchmark is the training task's own test split, how it differs from
+    the held-out accuracy beside it."""
+    from parity.tracking import naming
+
+    problems = naming.benchmark_problems({r["benchmark"]: r for r in rows})
+    if len(rows) == 1:
+        (r,) = rows
+        text = f"benchmark {r['benchmark']} avg@{r['k']} {_interval(r)} on {r['problems']} problems"
+    else:
+        text = f"benchmark average (macro avg@k) {_pct(macro)} over {naming.benchmark_set(problems)}"
+    same = [r for r in rows if heldout and r["benchmark"] == heldout.get("task")]
+    for r in same:
+        which = "" if len(rows) == 1 else f"benchmark {r['benchmark']}: "
+        how = naming.sampling_text(r.get("temperature"), r["k"], r.get("max_new_tokens"))
+        text += (f" ({which}the first {r['problems']} problems of the held-out test split, {how}, on the final "
+                 "checkpoint after training)")
+    return text
 
 
 def train_and_eval(result: dict, seconds: float) -> str:
@@ -95,17 +124,22 @@ def train_and_eval(result: dict, seconds: float) -> str:
     table_md = (out_dir / "table.md").read_text().strip() if (out_dir / "table.md").is_file() else ""
     reg = result.get("registered_model") or {}
     registered = f"{reg['model_name']} version {reg['version']}" if reg else "not registered (tracking.log_model)"
+    from parity.tracking import naming
+
     held = f"{_pct(result['initial_accuracy'])} -> {_pct(result['final_accuracy'])}"
+    heldout = result.get("heldout")
+    held_on = f" on {naming.heldout_text(heldout)}" if heldout else ""
     macro = (result.get("evaluation") or {}).get("avg@k")
+    bench_text = benchmarks_text(rows, macro, heldout)
     stages = ", ".join(f"{k} {v:.0f} s" for k, v in (result.get("lib_seconds") or {}).items())
     md = "\n".join([
         f"# {result['title']}", "",
         "| | |", "|---|---|",
         f"| status | completed in {seconds:.0f} s |",
         f"| rollout precision | {result['precision']} (validation: {result['validation']}) |",
-        f"| held-out accuracy (rollout engine) | {held} |",
+        f"| held-out accuracy | {held}{held_on} |",
         f"| final reward | {_num(result.get('final_reward'))} |",
-        f"| benchmarks, macro avg@k | {_pct(macro)} over {len(rows)} benchmark(s) |",
+        f"| benchmarks (evaluate stage) | {bench_text} |",
         f"| registered model | {registered} |",
         f"| MLflow run | {result['mlflow_run_id']} (pipeline {result['pipeline_id']}) |",
         f"| checkpoint | {result['checkpoint']} |",
@@ -116,10 +150,9 @@ def train_and_eval(result: dict, seconds: float) -> str:
     _publish("markdown", markdown=md, key=SUMMARY_KEY, description=f"train-and-eval: {result['title']}")
     _publish("table", table=rows, key=BENCHMARKS_KEY,
              description=f"{result['title']}: avg@k with its bootstrap interval (ci_low, ci_high) per benchmark")
-    return result_line(f"{result['title']}: held-out accuracy {held}, final reward "
-                       f"{_num(result.get('final_reward'))}, benchmarks avg@k {_pct(macro)} over {len(rows)}, "
-                       f"validation {result['validation']}, {registered}; details: "
-                       f"prefect artifact inspect {SUMMARY_KEY}")
+    return result_line(f"{result['title']}: held-out accuracy {held}{held_on}; {bench_text}; final reward "
+                       f"{_num(result.get('final_reward'))}, validation {result['validation']}, {registered}; "
+                       f"details: prefect artifact inspect {SUMMARY_KEY}")
 
 
 def train_and_eval_failed(title: str, stages: list[str], error: BaseException) -> str:
@@ -185,9 +218,12 @@ def sweep(sweep_id: str, url: str, rows: list[dict]) -> str:
     done = [r for r in rows if "failed" not in r]
     _publish("link", link=url, link_text=f"Compare {sweep_id} ({len(done)} runs)", key=COMPARE_KEY,
              description=f"sweep {sweep_id}: the dashboard's Compare page of its members (`make dashboard`)")
+    from parity.tracking import naming
+
     table = [{"member": r.get("title") or " ".join(r["overrides"]), "status": "failed" if "failed" in r else "completed",
               "final_reward": r.get("final_reward"), "heldout_accuracy": r.get("final_accuracy"),
-              "benchmarks_avg": (r.get("evaluation") or {}).get("avg@k"), "mlflow_run_id": r.get("mlflow_run_id"),
-              "reason": r.get("failed")} for r in rows]
+              "benchmarks_avg": (r.get("evaluation") or {}).get("avg@k"),
+              "benchmarks_over": naming.benchmark_set_short(naming.benchmark_problems(r.get("benchmarks") or {})),
+              "mlflow_run_id": r.get("mlflow_run_id"), "reason": r.get("failed")} for r in rows]
     _publish("table", table=table, key=MEMBERS_KEY, description=f"sweep {sweep_id}: one row per member")
     return result_line(f"sweep {sweep_id}: {len(done)} of {len(rows)} members completed; compare them: {url}")

@@ -97,10 +97,15 @@ def open_pipeline(flow: str, cfg: ParityConfig, overrides: list[str], title: str
                        sweep=sweep, params=params, tags=tags)
 
 
-def log_headline(ref: PipelineRef, metrics: dict[str, float], step: int = 0) -> None:
-    """The pipeline run's own numbers (naming.headline_metrics), shown as columns in MLflow's runs table."""
+def log_headline(ref: PipelineRef, metrics: dict[str, float], step: int = 0,
+                 tags: dict[str, str] | None = None) -> None:
+    """The pipeline run's own numbers (naming.headline_metrics), shown as columns in MLflow's runs table, and the
+    tags that say what they were measured on (naming.BENCHMARKS_TAG: the set the benchmark average is over)."""
+    c = mlflow_client(ref.tracking_uri)
     if metrics:
-        mlflow_log.log_metrics(mlflow_client(ref.tracking_uri), ref.run_id, metrics, step=step)
+        mlflow_log.log_metrics(c, ref.run_id, metrics, step=step)
+    for k, v in (tags or {}).items():
+        c.set_tag(ref.run_id, k, v)
 
 
 def close_pipeline(ref: PipelineRef, ok: bool, reason: str | None = None) -> None:

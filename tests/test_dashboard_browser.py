@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -124,6 +125,19 @@ def open_chromium(browser: str, profile: Path, window: str = "1400,1500") -> tup
 LEGEND_JS = ("Array.from(document.querySelectorAll('[data-testid=\"stVegaLiteChart\"] .role-legend-label text'))"
              ".map(t => t.textContent)")
 TITLE_JS = "document.querySelector('h1') && document.querySelector('h1').innerText"
+# the legend labels' boxes against their chart's: a label drawn whole lies inside it, and Vega cuts a label that
+# would not fit with an ellipsis
+LEGEND_FIT_JS = """Array.from(document.querySelectorAll('[data-testid="stVegaLiteChart"] svg')).flatMap(svg => {
+  const box = svg.getBoundingClientRect();
+  return Array.from(svg.querySelectorAll('.role-legend-label text')).map(t => {
+    const r = t.getBoundingClientRect();
+    return {text: t.textContent, inside: r.left >= box.left - 1 && r.right <= box.right + 1}; }); })"""
+AXIS_JS = ("Array.from(document.querySelectorAll('[data-testid=\"stVegaLiteChart\"] .role-axis-label text'))"
+           ".map(t => t.textContent)")
+# Streamlit's toolbar: its menu, and the Deploy button a developer sees on localhost
+TOOLBAR_JS = ("({menu: document.querySelectorAll('[data-testid=\"stMainMenu\"]').length, "
+              "deploy: document.querySelectorAll('[data-testid=\"stAppDeployButton\"]').length, "
+              "toolbar: document.querySelectorAll('[data-testid=\"stToolbar\"]').length})")
 TABLE_JS = "document.querySelectorAll('[data-testid=\"stDataFrame\"] canvas').length"
 
 
@@ -167,7 +181,8 @@ def test_sweep_pages_render_in_chromium(sweep_store, sweep_regression, tmp_path)
                   and len(cdp.eval(LEGEND_JS) or []) >= 8, "the Compare page's charts")
             shots["compare"] = _shot(cdp)
             seen["compare"] = {"title": cdp.eval(TITLE_JS), "errors": cdp.eval(ERROR_JS), "charts": cdp.eval(CHART_JS),
-                               "legend": cdp.eval(LEGEND_JS)}
+                               "legend": cdp.eval(LEGEND_JS), "fit": cdp.eval(LEGEND_FIT_JS),
+                               "toolbar": cdp.eval(TOOLBAR_JS)}
             cdp.call("Page.navigate", url=f"http://127.0.0.1:{port}/")
             _wait(cdp, lambda: cdp.eval(TITLE_JS) == "Runs" and (cdp.eval(TABLE_JS) or 0) >= 1, "the Runs page")
             shots["runs"] = _shot(cdp)
@@ -176,14 +191,18 @@ def test_sweep_pages_render_in_chromium(sweep_store, sweep_regression, tmp_path)
             _wait(cdp, lambda: cdp.eval(TITLE_JS) == "Benchmarks" and (cdp.eval(CHART_JS) or 0) >= 1
                   and len(cdp.eval(LEGEND_JS) or []) >= 4, "the Benchmarks page")
             shots["benchmarks"] = _shot(cdp)
-            seen["benchmarks"] = {"errors": cdp.eval(ERROR_JS), "legend": cdp.eval(LEGEND_JS)}
+            seen["benchmarks"] = {"errors": cdp.eval(ERROR_JS), "legend": cdp.eval(LEGEND_JS),
+                                  "fit": cdp.eval(LEGEND_FIT_JS)}
             # the quantized sweep's regression check and its validation reports
             for page, title in (("regression", "Benchmark regression checks"), ("precision", "Precision validation")):
                 cdp.call("Page.navigate", url=f"http://127.0.0.1:{port}/{page}")
                 _wait(cdp, lambda title=title: cdp.eval(TITLE_JS) == title and (cdp.eval(TABLE_JS) or 0) >= 1,
                       f"the {title} page")
+                if page == "regression":  # its chart of the deltas over time, the axis drawn
+                    _wait(cdp, lambda: len(cdp.eval(AXIS_JS) or []) >= 2, "the Regression page's chart")
                 shots[page] = _shot(cdp)
-                seen[page] = {"errors": cdp.eval(ERROR_JS), "text": cdp.eval("document.body.innerText")}
+                seen[page] = {"errors": cdp.eval(ERROR_JS), "text": cdp.eval("document.body.innerText"),
+                              "axis": cdp.eval(AXIS_JS)}
         finally:
             cdp.close()
     finally:
@@ -199,10 +218,19 @@ def test_sweep_pages_render_in_chromium(sweep_store, sweep_regression, tmp_path)
     assert c["charts"] >= 4  # reward, held-out accuracy and two mismatch measures
     # every chart's legend names the two corrections: the config key the sweep's members differ by, seeds grouped
     assert set(c["legend"]) == {"none", "tis"} and len(c["legend"]) == 2 * c["charts"], c["legend"]
+    # each label drawn whole inside its chart
+    assert c["fit"] and all(f["inside"] and not f["text"].endswith("…") for f in c["fit"]), c["fit"]
+    # a read-only dashboard: Streamlit's toolbar without the Deploy button, even on localhost
+    assert c["toolbar"]["toolbar"] >= 1 and c["toolbar"]["deploy"] == 0, c["toolbar"]
     assert seen["runs"]["errors"] == 0 and seen["benchmarks"]["errors"] == 0
     assert seen["regression"]["errors"] == 0 and "All 1 checks passed." in seen["regression"]["text"]
+    # one check: its time axis in dates and minutes, not a millisecond tick such as '.389'
+    times = [t for t in seen["regression"]["axis"] if re.fullmatch(r"\d\d-\d\d \d\d:\d\d", t)]
+    assert len(times) >= 2 and not any(t.startswith(".") or t.startswith(":") for t in seen["regression"]["axis"]), \
+        seen["regression"]["axis"]
     assert seen["precision"]["errors"] == 0 and "passed" in seen["precision"]["text"]
     assert {f"arith_tiny / int8+int4kv / {corr} / seed {s} @ step 2" for corr, s in (("none", 1), ("tis", 0))} | {
         f"arith_tiny / int8+int4kv / {corr} / seed {s} @ step 2 [{p}]" for corr, s in (("none", 0), ("tis", 1))
         for p in ("int8+int4kv", "bf16")} <= \
         set(seen["benchmarks"]["legend"])
+    assert all(f["inside"] and not f["text"].endswith("…") for f in seen["benchmarks"]["fit"]), seen["benchmarks"]

@@ -7,6 +7,7 @@ import io
 import json
 import math
 import sqlite3
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -100,6 +101,63 @@ def test_precision_label():
     assert naming.precision_short("bf16", "bf16", "bf16", perturbation_sigma=0.0) == "bf16"
 
 
+def test_precision_labels_of_params_follow_the_library():
+    """The labels the dashboard reads from a run's params are the library's: the seed block's names through the
+    loader's tables, the spec through precision_spec, the short label through naming.precision_short."""
+    from parity.config import flatten, load_config
+    from parity.config.seed_block import QUANTIZATION_NAMES
+    from parity.precision.config import precision_spec, resolve_precision, spec_of
+
+    seed = "actor_rollout_ref.rollout"
+    # every seed-block name the loader knows, as a store of an older layout (the block alone) records it
+    for name, (w, a) in QUANTIZATION_NAMES.items():
+        params = {f"{seed}.quantization": name}
+        assert frames.precision_label(params) == precision_spec(w, a, "bf16"), name
+        assert frames.precision_short(params) == naming.precision_short(w, a, "bf16"), name
+    # w8a8_int8 + an int4 KV cache in vLLM's name: the formats, not the seed block's spelling
+    w8a8 = {f"{seed}.quantization": "w8a8_int8", f"{seed}.engine_kwargs.vllm.kv_cache_dtype": "int4_per_token_head"}
+    assert frames.precision_label(w8a8) == "wint8-aint8-kvint4_per_token_head"
+    assert frames.precision_short(w8a8) == "int8+int4kv"
+    assert frames.precision_label({f"{seed}.quantization": "w8a8_int8"}) == "wint8-aint8-kvbf16"
+    # an int4 KV cache without its rotation, a perturbed rollout: as the pipeline names its artifacts and runs
+    for overrides, spec, short in (
+            (["rollout.precision.kv_hadamard=false"], "wint8-aint8-kvint4_per_token_head-nohadamard",
+             "int8+int4kv-nohadamard"),
+            (["rollout.precision.perturbation.sigma=0.01"], "wint8-aint8-kvint4_per_token_head-sigma0.01",
+             "int8+int4kv+σ0.01"),
+            (["rollout.precision.kv_hadamard=false", "rollout.precision.perturbation.sigma=0.02"],
+             "wint8-aint8-kvint4_per_token_head-nohadamard-sigma0.02", "int8+int4kv-nohadamard+σ0.02")):
+        cfg = load_config(["+precision=w8a8_int8_kv_int4", *overrides])
+        params = {k: str(v) for k, v in flatten(cfg).items()}  # MLflow keeps params as text
+        assert spec_of(resolve_precision(cfg)) == spec and naming.precision_of(cfg) == short
+        assert frames.precision_label(params) == spec and frames.precision_short(params) == short
+        assert naming.precision_of_spec(spec) == short  # the registry's spec reads back to the same label
+    # the seed block set in the verl spelling and folded by the loader: one label, whichever key is read
+    cfg = load_config([f"{seed}.quantization=w8a8_int8",
+                       f"{seed}.engine_kwargs.vllm.kv_cache_dtype=int4_per_token_head"])
+    params = {k: str(v) for k, v in flatten(cfg).items()}
+    assert frames.precision_label(params) == spec_of(resolve_precision(cfg)) == "wint8-aint8-kvint4_per_token_head"
+    assert frames.precision_short(params) == naming.precision_of(cfg) == "int8+int4kv"
+    # two runs that differ only in the rotation: told apart, under the one `precision` part of their labels
+    a = {k: str(v) for k, v in flatten(load_config(["+precision=w8a8_int8_kv_int4"])).items()}
+    b = {**a, "rollout.precision.kv_hadamard": "False"}
+    assert frames.differing_keys({"a": a, "b": b}) == ["precision"]
+    assert frames.config_labels({"a": a, "b": b}, {}) == {"a": "int8+int4kv", "b": "int8+int4kv-nohadamard"}
+
+
+def test_the_dashboard_reads_precisions_without_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; from dashboards import frames, bench; "
+            "frames.precision_label({'actor_rollout_ref.rollout.quantization': 'w8a8_int8'}); "
+            "frames.short_of_label('wint8-aint8-kvint4_per_token_head-nohadamard'); "
+            "print(sorted(m for m in ('torch', 'omegaconf', 'parity.config') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
+
+
 def test_run_names_tags_and_identity_params():
     from parity.config import flatten, load_config
 
@@ -169,6 +227,87 @@ def test_config_labels_name_what_differs():
     assert set(frames.config_labels(same, {"run1aaaa": "t", "run2bbbb": "t"}, group_seeds=True).values()) == {"t"}
 
 
+def test_compare_labels_short_and_distinct_with_the_whole_list_beside():
+    """The second run of another shape (BF16, TIS, the defaults) against the first (the whole chain): thirteen keys
+    differ; the legend names the run label's parts and the two keys that most shape a curve, counts the rest, and
+    the hover and the table hold them all."""
+    chain = {**_params(), "rollout.precision.weights": "int8", "rollout.precision.activations": "int8",
+             "rollout.precision.kv_cache": "int4_per_token_head", "algorithm.correction.name": "score_centering",
+             "algorithm.policy_loss": "reinforce", "trainer.total_steps": "40", "model.warm_start.steps": "700",
+             "eval.suite": "['arithmetic', 'aime24', 'aime25']", "eval.bootstrap": "200", "eval.limit": "8",
+             "eval.benchmarks.arithmetic.limit": "64"}
+    other = {**_params(), "algorithm.correction.name": "tis", "algorithm.policy_loss": "ppo_clip",
+             "trainer.total_steps": "100", "model.warm_start.steps": "1000", "eval.suite": "['arithmetic']",
+             "eval.bootstrap": "1000", "eval.limit": "None"}
+    runs = {"a": chain, "b": other}
+    labels = frames.config_labels(runs, {})
+    # (`steps=40` would make the first label 66 characters: past MAX_LABEL_CHARS, the last extra key is left out)
+    assert labels == {"a": "int8+int4kv / score_centering / loss=reinforce +6 more",
+                      "b": "bf16 / tis / loss=ppo_clip +6 more"}
+    assert max(map(len, labels.values())) <= frames.MAX_LABEL_CHARS
+    assert frames.label_keys(runs)[1] == ["trainer.total_steps", "model.warm_start.steps",
+                                          "eval.benchmarks.arithmetic.limit", "eval.bootstrap", "eval.limit",
+                                          "eval.suite"]
+    details = frames.config_details(runs)
+    assert details["b"] == ("precision=bf16, algorithm.correction.name=tis, algorithm.policy_loss=ppo_clip, "
+                            "trainer.total_steps=100, model.warm_start.steps=1000, "
+                            "eval.benchmarks.arithmetic.limit=—, eval.bootstrap=1000, eval.limit=None, "
+                            "eval.suite=['arithmetic']")
+    table = frames.differences_table(runs, labels, {"a": "run a", "b": "run b"})
+    assert list(table.columns)[:4] == ["label", "run", "precision", "algorithm.correction.name"]
+    assert len(table.columns) == 2 + 9 and table.loc[1, "eval.suite"] == "['arithmetic']"
+    # the same two with seeds and a repeat: grouped, the seed is neither named nor counted
+    seeds = {"a": chain, "a1": {**chain, "trainer.seed": "1"}, "b": other}
+    grouped = frames.config_labels(seeds, {}, group_seeds=True)
+    assert grouped["a"] == grouped["a1"] == labels["a"] and grouped["b"] == labels["b"]
+    assert "seed" not in frames.config_details(seeds, group_seeds=True)["a1"]
+    # keys beyond the label's parts are added while two configurations still read alike, the one splitting most
+    three = {"x": _params(trainer__lr="1e-05"), "y": _params(trainer__lr="2e-05"),
+             "z": _params(trainer__lr="2e-05", eval__limit="8")}
+    # (eval.limit ranks after lr, which shapes the curves, and is named because y and z differ only in it)
+    assert frames.config_labels(three, {}) == {"x": "lr=1e-05 / limit=—", "y": "lr=2e-05 / limit=—",
+                                               "z": "lr=2e-05 / limit=8"}
+    # a long value is cut in the label, whole in the hover
+    long = {"p": _params(eval__suite="['arithmetic', 'aime24']"), "q": _params(eval__suite="['arithmetic']")}
+    lab = frames.config_labels(long, {})
+    assert lab["p"] == "eval=['arithmetic'…" and len(lab["p"]) == len("eval=") + frames.LABEL_VALUE_CHARS
+    assert frames.config_details(long)["p"] == "eval.suite=['arithmetic', 'aime24']"
+
+
+def test_runs_name_the_benchmark_set_of_each_average():
+    """A pipeline evaluated on one benchmark beside one evaluated on seven: each average with the set it is over and
+    its problems (from the evaluate stage's metrics), two sets that read alike in short told apart."""
+    def pipeline(i: int, problems: dict[str, int], avg: float) -> list[data.RunRecord]:
+        top = data.RunRecord(f"p{i}", f"run {i}", "1", "arith_tiny", "FINISHED", 1000 + i,
+                             metrics={"benchmark_macro_avg": avg}, tags={naming.KIND_TAG: "pipeline"})
+        ev = data.RunRecord(f"e{i}", f"run {i} / evaluate", "1", "arith_tiny", "FINISHED", 2000 + i,
+                            metrics={**{f"eval/{b}/problems": float(n) for b, n in problems.items()},
+                                     "eval/macro/avg@k": avg},
+                            tags={"mlflow.parentRunId": f"p{i}", naming.KIND_TAG: "stage", "parity.stage": "evaluate"})
+        return [top, ev]
+
+    quick = {"arithmetic": 64, **{b: 8 for b in ("aime24", "aime25", "amc23", "math500", "minerva_math",
+                                                  "olympiadbench")}}
+    other7 = {f"b{i}": 16 for i in range(7)}  # 112 problems too
+    df = frames.runs_frame([*pipeline(1, {"arithmetic": 4}, 0.375), *pipeline(2, quick, 0.078),
+                            *pipeline(3, other7, 0.1)], "http://ui")
+    top = frames.top_level(df).set_index("run")
+    assert top.loc["run 1", "benchmark_avg"] == 0.375 and top.loc["run 1", "bench_set"] == "arithmetic (4)"
+    assert top.loc["run 1", "bench_set_full"] == "arithmetic (4 problems)"
+    assert top.loc["run 2", "bench_set"] == "7 benchmarks (112)"
+    assert top.loc["run 2", "bench_set_full"] == ("7 benchmarks, 112 problems: aime24 8, aime25 8, amc23 8, "
+                                                  "arithmetic 64, math500 8, minerva_math 8, olympiadbench 8")
+    assert top.loc["run 3", "bench_set"] == "7 benchmarks (112) #2"  # another set of seven
+    assert frames.bench_sets(top) == {"arithmetic (4)": "arithmetic (4 problems)",
+                                      "7 benchmarks (112)": top.loc["run 2", "bench_set_full"],
+                                      "7 benchmarks (112) #2": top.loc["run 3", "bench_set_full"]}
+    stage = df[df["run_id"] == "e1"].iloc[0]
+    assert stage["bench_set"] == "arithmetic (4)" and stage["benchmark_avg"] == 0.375
+    # the tag the pipeline carries in MLflow spells the set the same way
+    assert naming.benchmark_set(naming.benchmark_problems({b: {"problems": n} for b, n in quick.items()})) == \
+        top.loc["run 2", "bench_set_full"]
+
+
 def test_bench_labels_and_one_row_per_evaluation():
     assert bench.eval_key("/abs/outputs/eval/x-20261201-101500") == bench.eval_key("outputs/eval/x-20261201-101500") \
         == "eval/x-20261201-101500"
@@ -198,11 +337,28 @@ def test_bench_labels_and_one_row_per_evaluation():
     assert one.iloc[0]["source"] == "registry"
     t = bench.benchmark_table(one, "avg@k")
     assert t["evaluation"].tolist() == ["other (s4)", "other (s3)", "m @ step 2 [int8]", "m @ step 2 [bf16]"]
-    assert t.loc[2, "aime24"] == "25.0 [20.0, 40.0]" and list(t.columns) == ["evaluation", "aime24", "correction",
-                                                                             "precision", "out_dir"]
+    assert t.loc[2, "aime24"] == "25.0 [20.0, 40.0]" and list(t.columns) == [
+        "evaluation", "aime24", "average", "set", "correction", "precision", "out_dir"]
+    # one benchmark: its average is its value (what the Runs page and MLflow show), over the set it names with its n
+    assert t["average"].tolist() == t["aime24"].tolist() and set(t["set"]) == {"aime24 (30)"}
     assert bench.benchmark_table(one, "pass@k").empty
-    bars = bench.chart_rows(one, "avg@k")
+    bars = bench.chart_rows(one, "avg@k")  # no average bar: of one benchmark it repeats the benchmark's
     assert bars["pct"].tolist() == pytest.approx([30.0, 25.0, 30.0, 30.0]) and bars["lo"].iloc[0] == pytest.approx(20.0)
+    # several benchmarks, a registry evaluation whose folder is gone (no macro row): the mean of its values, no
+    # interval (a mean's interval needs the bootstrap replicates); the folder's own average where it has one
+    two = pd.DataFrame([{**row, "model": "m", "precision": "bf16", "source": "registry", "key": "eval/e", "stamp": "s5",
+                         "out_dir": "/o/eval/e", "benchmark": b, "value": v, "problems": n}
+                        for b, v, n in (("aime24", 0.3, 30), ("arithmetic", 0.5, 64))]
+                       + [{**row, "model": "f", "precision": "bf16", "source": "file", "key": "eval/f", "stamp": "s6",
+                           "out_dir": "/o/eval/f", "benchmark": b, "value": v, "problems": n, "ci_low": lo,
+                           "ci_high": hi}
+                          for b, v, n, lo, hi in (("aime24", 0.1, 30, 0.0, 0.2), ("arithmetic", 0.7, 64, 0.6, 0.8),
+                                                  ("macro", 0.4, None, 0.35, 0.45))], columns=bench.BENCH_COLUMNS)
+    t2 = bench.benchmark_table(bench.one_per_evaluation(two), "avg@k").set_index("evaluation")
+    assert t2.loc["m", "average"] == "40.0" and t2.loc["f", "average"] == "40.0 [35.0, 45.0]"  # (30 + 50) / 2
+    assert t2.loc["m", "set"] == t2.loc["f", "set"] == "aime24 + arithmetic (94)"
+    bars2 = bench.chart_rows(bench.one_per_evaluation(two), "avg@k")
+    assert sorted(bars2["benchmark"]) == ["aime24", "aime24", "arithmetic", "arithmetic", "average"]
 
 
 def test_flag_checks_and_missing_metrics():
@@ -214,9 +370,21 @@ def test_flag_checks_and_missing_metrics():
                            "precision": ["wint8-aint8-kvbf16", "wint8-aint8-kvint4_per_token_head"],
                            "candidate_eval_precision": [None, "bf16"],
                            "candidate_facts": [None, json.dumps(sc)], "candidate_version": [None, "2"],
-                           "baseline_facts": [None, champ], "baseline_version": [None, "1"]})
+                           "baseline_facts": [None, champ], "baseline_version": [None, "1"],
+                           # as the registry's SQLite rows read back: microseconds
+                           "created_at": ["2026-12-02 10:15:30.389117", "2026-12-02 10:15:31.012000"]})
     f = frames.flag_checks(checks)
     assert f["flagged"].tolist() == [True, False]  # newest first
+    # shown to the second
+    assert f["checked"].tolist() == ["2026-12-02 10:15:31", "2026-12-02 10:15:30"]
+    assert f["created_at"].tolist() == [pd.Timestamp("2026-12-02 10:15:31"), pd.Timestamp("2026-12-02 10:15:30")]
+    # the time axis spans an hour at least, on whole minutes, the checks inside it (not one millisecond tick)
+    lo, hi = frames.time_window(f["created_at"])
+    assert (lo, hi) == ({"year": 2026, "month": 12, "date": 2, "hours": 9, "minutes": 45},
+                        {"year": 2026, "month": 12, "date": 2, "hours": 10, "minutes": 46})
+    # a longer history: its own span and 5 % either side (two days: 2.4 h)
+    lo, hi = frames.time_window(pd.Series(pd.to_datetime(["2026-12-01 00:00:00", "2026-12-03 00:00:00"])))
+    assert (lo["date"], lo["hours"], lo["minutes"], hi["date"], hi["hours"], hi["minutes"]) == (30, 21, 36, 3, 2, 24)
     assert f["delta"].tolist() == pytest.approx([-20.0, 1.0])
     # both sides labelled with naming.label (what each was trained as) and their version; the evaluation's precision
     assert f["candidate"].tolist() == ["arith_tiny / int8+int4kv / score_centering / seed 1 v2", "result 7"]
@@ -224,7 +392,14 @@ def test_flag_checks_and_missing_metrics():
     assert f["precision"].tolist() == ["bf16", "int8"]  # an older check: its artifact's precision
     hist = pd.DataFrame([("a", "reward/mean", 1, 0.1)], columns=["run_id", "key", "step", "value"])
     assert curves.missing_metrics(hist, {"a": "run-a"}, ["reward/mean", "correction/lambda"]) == \
-        ["run-a: correction/lambda"]
+        {"correction/lambda": ["run-a"]}
+    # labels shared by seeds once, each label and the metric set apart in the note (a label holds slashes)
+    missing = curves.missing_metrics(hist, {"a": "none / seed 0", "b": "tis", "c": "tis"},
+                                     ["reward/mean", "eval/accuracy_unquantized"])
+    assert missing == {"reward/mean": ["tis"], "eval/accuracy_unquantized": ["none / seed 0", "tis"]}
+    assert curves.missing_text(missing).splitlines()[2:] == [
+        "- `reward/mean`: not logged by **tis**",
+        "- `eval/accuracy_unquantized`: not logged by **none / seed 0**, **tis**"]
 
 
 def test_wide_csv_and_png():

@@ -248,7 +248,7 @@ def test_compare_page_plots_the_logged_curves(app_env):
     assert {(s, round(v, 9)) for s, v in got} == {(s, round(v, 9)) for s, v in want}
     assert any(r.get("key") == "correction/lambda" for r in rows)
     # dual logs no score-centering term: the page says so instead of drawing an empty chart
-    assert any("train-and-eval-1: correction/sc_term_abs" in t for t in _texts(at.info))
+    assert any("- `correction/sc_term_abs`: not logged by **train-and-eval-1**" in t for t in _texts(at.info))
     csv = at.get("download_button")[0]
     assert csv.proto.label == "Download data (CSV)"
     # two steps: no smoothing by default; smoothing changes the plotted values by the EMA

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -58,6 +59,15 @@ def _pipeline_metrics(store: dict) -> dict[str, dict]:
     return {r.info.run_name: r.data.metrics for r in runs}
 
 
+def _pipeline_tags(store: dict, tag: str) -> dict[str, str]:
+    from parity.tracking import mlflow_log
+
+    c = mlflow_log.client(store["tracking_uri"])
+    exp = c.get_experiment_by_name("arith_tiny")
+    runs = c.search_runs([exp.experiment_id], "tags.`parity.kind` = 'pipeline'")
+    return {r.info.run_name: r.data.tags.get(tag) for r in runs}
+
+
 def test_runs_page_one_row_per_pipeline(sweep_env):
     at = _app()
     df = at.dataframe[0].value
@@ -69,6 +79,13 @@ def test_runs_page_one_row_per_pipeline(sweep_env):
         assert float(row.benchmark_avg) == pytest.approx(metrics[row.run]["benchmark_macro_avg"], abs=5e-4)
         assert float(row.mismatch) == pytest.approx(metrics[row.run]["final_mismatch"], rel=5e-3)
         assert row.status == "FINISHED"
+        assert row.bench_set == "arithmetic (4)"  # the set the average is over, with its problems
+    # one set for all: said once, under the table; the pipelines carry it in MLflow too
+    assert any("bench.: the evaluate stage's `avg@k`" in c.value and "arithmetic (4 problems)" in c.value
+               for c in at.caption)
+    assert not at.info
+    tags = _pipeline_tags(sweep_env, "parity.benchmarks")
+    assert {tags[t] for t in TITLES} == {"arithmetic (4 problems)"}
     assert at.multiselect(key="runs_filter_sweep").options == [sweep_env["sweep"]]
     shown = displayed(at.dataframe[0])
     assert set(shown["collapsed"]) <= {"—", "no"} and "None" not in shown.to_string()
@@ -111,6 +128,14 @@ def test_compare_page_opens_on_the_sweep_with_seed_bands(sweep_env):
     assert at.slider(key="compare_smoothing").value == 0.0  # two steps: nothing to smooth
     summary = at.dataframe[0].value
     assert sorted(summary["run_name"]) == sorted(TITLES) and set(summary["label"]) == set(SWEEP_CORRECTIONS)
+    assert set(summary["bench_set"]) == {"arithmetic (4)"}
+    # the hover names what differs, whole; the table lists it per run
+    assert {(r["series"], r["config"]) for r in rows} == {(c, f"algorithm.correction.name={c}")
+                                                          for c in SWEEP_CORRECTIONS}
+    assert any(tip.get("field") == "config" for s in _specs(at) for layer in s["layer"]
+               for tip in layer["encoding"].get("tooltip", []))
+    diff = at.dataframe[1].value
+    assert list(diff.columns) == ["label", "run", "algorithm.correction.name", "trainer.seed"] and len(diff) == 4
     # seeds apart: the labels name the seed too
     at.checkbox(key="compare_group").uncheck().run()
     labels = {r["series"] for r in _chart_values(at) if r.get("key") == "reward/mean"}
@@ -135,6 +160,12 @@ def test_benchmarks_page_each_evaluation_once_with_its_absolute_folder(sweep_env
     assert manual.iloc[0]["correction"] == "tis"
     cell = manual.iloc[0]["arithmetic"]
     assert cell.startswith(f"{100 * manual_eval['benchmarks']['arithmetic']['avg@k']:.1f} [")
+    # one benchmark each: the average is its value, as the Runs page and MLflow have it, over the set it names
+    assert (table["average"] == table["arithmetic"]).all() and set(table["set"]) == {"arithmetic (4)"}
+    runs = displayed(_app().dataframe[0]).set_index("run")
+    for title in TITLES[1:3]:  # the members evaluated once: their row of each page
+        avg = table.set_index("evaluation").loc[f"{title} @ step 2", "average"]
+        assert float(avg.split(" ")[0]) == pytest.approx(100 * float(runs.loc[title, "benchmark_avg"]), abs=0.051)
     bars = _chart_values(at)
     assert sorted(r["evaluation"] for r in bars) == sorted(table["evaluation"])
     assert all(r["lo"] <= r["pct"] <= r["hi"] for r in bars)
@@ -198,5 +229,6 @@ def test_the_regression_check_is_labelled_alike_on_every_page(sweep_env):
     assert (check["candidate"], check["champion"], check["precision"]) == (f"{CANDIDATE} v4", f"{CHAMPION} v1",
                                                                            "int8+int4kv")
     assert not check["flagged"] and "candidate v4 [int8+int4kv]" in check["message"]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", check["checked"]), check["checked"]  # to the second
     prec = _app("precision").dataframe[0].value
     assert len(prec) >= 4 and set(prec["precision"]) == {"int8+int4kv"}  # every member's validation, kept

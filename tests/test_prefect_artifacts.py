@@ -35,7 +35,8 @@ PROGRESS = (r"(warm start|train|evaluate): (\d+)/(\d+) (step|problem)s \(\d+%\),
 
 
 def _cli(prefect: dict, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    env = {**prefect_env(prefect["root"] / "home", prefect["api"]), "COLUMNS": "250"}  # rich: no truncated keys
+    # its output is captured (a pipe), as `make run | tee` makes it; rich: no truncated keys in tables
+    env = {**prefect_env(prefect["root"] / "home", prefect["api"], piped=True), "COLUMNS": "250"}
     return subprocess.run([PREFECT, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
@@ -113,15 +114,33 @@ def test_train_and_eval_publishes_summary_and_benchmarks(chain, prefect_services
     assert md.startswith(f"# {title}\n") and "score_centering" in title
     assert "validation: passed" in md
     held = f"{100 * train['initial_accuracy']:.1f}% -> {100 * train['final_accuracy']:.1f}%"
-    assert f"| held-out accuracy (rollout engine) | {held} |" in md
+    # the held-out accuracy and the benchmarks, each named for what it is and its size (QUICK: 16 held-out problems,
+    # 12 new tokens; the chain's eval=quick, here the first 8 arithmetic problems and 2 of each other benchmark)
+    heldout = ("the arithmetic task's test split, its first 16 problems, greedy, up to 12 new tokens, through the "
+               "rollout engine during training")
+    assert f"| held-out accuracy | {held} on {heldout} |" in md
+    macro = f"{100 * metrics['macro']['avg@k']['value']:.1f}%"
+    bench_set = ("7 benchmarks, 20 problems: aime24 2, aime25 2, amc23 2, arithmetic 8, math500 2, minerva_math 2, "
+                 "olympiadbench 2")
+    arith = metrics["benchmarks"]["arithmetic"]["sampling"]
+    same_split = (f"(benchmark arithmetic: the first 8 problems of the held-out test split, greedy, up to "
+                  f"{arith['max_new_tokens_used']} new tokens, on the final checkpoint after training)")
+    bench = f"benchmark average (macro avg@k) {macro} over {bench_set} {same_split}"
+    assert f"| benchmarks (evaluate stage) | {bench} |" in md
     assert f"| registered model | chain-model version {p['stages'][5]['result']['version']} |" in md
     assert "| arithmetic | 8 | 1 |" in md  # the benchmark table with its intervals, in percent
 
     # the one-line result in the flow's own log (what --watch streams)
     logs, line = flow_run_line(api_url, fr["id"], r"Result: (.*)")
     assert line is not None, logs[-20:]
-    assert line[1].startswith(f"{title}: held-out accuracy {held}") and "validation passed" in line[1]
-    assert f"Result: {line[1]}" in " ".join(chain["watch"].stdout.split())  # --watch printed it (rich wraps lines)
+    assert line[1].startswith(f"{title}: held-out accuracy {held} on {heldout}; {bench}; final reward ")
+    assert "validation passed" in line[1]
+    # --watch printed it whole, on one line, though its output is a pipe and the line longer than the console
+    assert len(line[1]) > 250 and f"Result: {line[1]}\n" in chain["watch"].stdout, chain["watch"].stdout[-3000:]
+    # and the evaluation's table under the line that names its set, none of its rows broken
+    table = metrics["table"].splitlines()
+    assert f"evaluate: {bench_set}; percent, [95% bootstrap interval]" in chain["watch"].stdout
+    assert all(f"{row}\n" in chain["watch"].stdout for row in table[2:]), table
 
     # and from the terminal, as the README shows
     ls = _cli(prefect_services, "artifact", "ls")

@@ -76,9 +76,19 @@ names = list(table["evaluation"])
 picked = c2.multiselect(f"evaluations ({len(names)})", names, default=names[:12], key="bench_evaluations")
 shown = table[table["evaluation"].isin(picked)] if picked else table
 st.caption("Cells: value in percent [confidence interval]; one row per evaluation, newest first. A pipeline's "
-           "evaluation is labelled with its run and the checkpoint's step, a manual one with its model.")
+           "evaluation is labelled with its run and the checkpoint's step, a manual one with its model. average: the "
+           "mean over the evaluation's benchmarks (each counts once; of one benchmark, its value), the run's benchmark "
+           "average on the Runs page; set: the benchmarks it is over, with their number of problems.")
+sets = sorted(set(shown["set"]))
+if len(sets) > 1:  # averages over different sets in one column: said
+    st.info(f"The averages here are over {len(sets)} different benchmark sets ({', '.join(sets)}): an average "
+            "compares only with averages over the same set.")
 st.dataframe(frames.missing_as_dash(shown, list(shown.columns)), hide_index=True, width="stretch",
              column_config={"evaluation": st.column_config.TextColumn("evaluation", width="large"),
+                            bench.AVERAGE_COLUMN: st.column_config.TextColumn(
+                                bench.AVERAGE_COLUMN, help="mean over the benchmarks in `set`"),
+                            "set": st.column_config.TextColumn("set", help="the benchmarks the average is over "
+                                                                           "(their problems)"),
                             "out_dir": st.column_config.TextColumn("outputs", width="medium")})
 bars = bench.chart_rows(results[results["evaluation"].isin(list(shown["evaluation"]))], metric)
 st.vega_lite_chart(bars, bench.bar_spec(metric, list(shown["evaluation"])), width="stretch")

@@ -76,7 +76,9 @@ c1, c2, c3 = st.columns([3, 1, 1])
 _init("compare_group", True)
 group = c3.checkbox("group seeds", key="compare_group",
                     help="runs of one configuration that differ only in their seed: one mean line, min..max band")
-labels = frames.config_labels({rid: sel.at[rid, "params"] for rid in picked}, names, group_seeds=group)
+params_by_run = {rid: sel.at[rid, "params"] for rid in picked}
+labels = frames.config_labels(params_by_run, names, group_seeds=group)
+details = frames.config_details(params_by_run, group_seeds=group)  # every key that differs: the hover
 train_of = {sel.at[rid, "train_run_id"]: rid for rid in picked}  # the run that holds the per-step metrics
 series = {tid: labels[rid] for tid, rid in train_of.items()}
 
@@ -99,40 +101,61 @@ smoothing = c2.slider("smoothing (EMA weight)", 0.0, 0.99, step=0.01, key="compa
 plotted = history[history["key"].isin(keys)]
 missing = curves.missing_metrics(plotted, {tid: series[tid] for tid in train_of}, keys)
 if missing:
-    st.info("Not logged by these runs (left out of the charts): " + ", ".join(missing))
+    st.info(curves.missing_text(missing))
 if plotted.empty:
     st.warning("None of the chosen runs logged any of the chosen metrics.")
     st.stop()
 
 plot = curves.curves(plotted, series, smoothing=smoothing, group_seeds=group)
+detail_of = {labels[rid]: details[rid] for rid in picked}
+has_details = any(detail_of.values())
+if has_details:
+    plot = plot.assign(config=plot["series"].map(detail_of))
 fallback = {tid: sel.at[rid, "collapse_step"] for tid, rid in train_of.items()}
 markers = curves.collapse_markers(history, series, fallback)
 order = list(dict.fromkeys(series[t] for t in train_of))
 if group and (plot["n"] > 1).any():
     st.caption("Each line is the mean over the seeds of one configuration (their number in the tooltip); the band "
-               "spans their min..max. Labels: the config keys that differ between the chosen runs.")
+               "spans their min..max.")
+if frames.label_keys(params_by_run, group)[1]:
+    st.caption("Labels: what differs between the chosen runs, shortened (`+N more`: keys they do not name); hover a "
+               "point for every key, or see \"What differs\" under the charts.")
 if not markers.empty:
     st.caption("Collapse alarm (dashed marker): " + ", ".join(f"{m.series} at step {m.step}" for m in markers.itertuples()))
 drawn = [k for k in keys if (plot["key"] == k).any()]
 for i in range(0, len(drawn), 2):
     for col, key in zip(st.columns(2), drawn[i:i + 2], strict=False):
         d = plot[plot["key"] == key]
-        col.vega_lite_chart(d, curves.curve_spec(key, banded=group, points=len(d) < 60, series=order, markers=markers),
-                            width="stretch")
+        col.vega_lite_chart(d, curves.curve_spec(key, banded=group, points=len(d) < 60, series=order, markers=markers,
+                                                 details=has_details), width="stretch")
 
 st.subheader("Chosen runs")
 summary = sel.assign(label=[labels[r] for r in picked])[
-    ["label", "run_name", "mlflow", "final_reward", "heldout_accuracy", "benchmark_avg", "collapsed"]]
-st.dataframe(frames.missing_as_dash(summary, ["collapsed"]).style.format(
-    {c: "{:.3f}" for c in ("final_reward", "heldout_accuracy", "benchmark_avg")}, na_rep=frames.MISSING),
-    hide_index=True, width="stretch", column_config={
-        "label": st.column_config.TextColumn("label", width=160),
-        "run_name": st.column_config.TextColumn("run", width=260),
-        "mlflow": st.column_config.LinkColumn("MLflow", display_text="open", width=60),
-        "final_reward": st.column_config.NumberColumn("final reward", width=100),
-        "heldout_accuracy": st.column_config.NumberColumn("held-out acc.", width=100),
-        "benchmark_avg": st.column_config.NumberColumn("bench. avg", width=100),
-        "collapsed": st.column_config.TextColumn("collapsed", width=100)})
+    ["label", "run_name", "mlflow", "final_reward", "heldout_accuracy", "benchmark_avg", "bench_set", "collapsed"]]
+# every cell as text, '—' where a run did not measure it (as on the Runs page)
+st.dataframe(frames.as_text(summary, {c: "{:.3f}" for c in ("final_reward", "heldout_accuracy", "benchmark_avg")}),
+             hide_index=True, width="stretch", column_config={
+                 "label": st.column_config.TextColumn("label", width=330),
+                 "run_name": st.column_config.TextColumn("run", width=260),
+                 "mlflow": st.column_config.LinkColumn("MLflow", display_text="open", width=60),
+                 "final_reward": st.column_config.TextColumn("final reward", width=100),
+                 "heldout_accuracy": st.column_config.TextColumn("held-out acc.", width=100),
+                 "benchmark_avg": st.column_config.TextColumn("bench. avg", width=90),
+                 "bench_set": st.column_config.TextColumn("bench. over", width=130,
+                                                          help="the benchmarks (their problems) the average is over"),
+                 "collapsed": st.column_config.TextColumn("collapsed", width=100)})
+sets = frames.bench_sets(sel)
+if len(sets) > 1:
+    st.info(f"bench. avg is over {len(sets)} different benchmark sets here: it compares only between runs over the "
+            "same set.\n\n" + "\n".join(f"- **{s}**: {full}" for s, full in sets.items()))
+diff = frames.differences_table(params_by_run, labels, names)
+if len(diff.columns) > 2:
+    st.subheader("What differs")
+    st.caption("Every config key whose value differs between the chosen runs (— where a run's config has no such "
+               "key); the labels above name the first of them.")
+    st.dataframe(diff, hide_index=True, width="stretch",
+                 column_config={"label": st.column_config.TextColumn("label", width=330),
+                                "run": st.column_config.TextColumn("run", width=260)})
 
 
 def _png(plot: pd.DataFrame, keys: list[str]) -> bytes:

@@ -38,7 +38,7 @@ else:
 benches = sorted(d["benchmark"].unique())
 pick = st.multiselect("benchmarks", benches, key="regression_benchmarks")
 shown = d[d["benchmark"].isin(pick)] if pick else d
-cols = ["created_at", "benchmark", "flagged", "delta", "ci_low", "ci_high", "candidate", "champion", "precision",
+cols = ["checked", "benchmark", "flagged", "delta", "ci_low", "ci_high", "candidate", "champion", "precision",
         "margin", "paired_problems", "message", "baseline_result_id", "candidate_result_id", "pipeline_id",
         "flow_run_id"]
 
@@ -53,10 +53,17 @@ st.caption("delta = candidate - champion over paired problems, in points, each e
            "(`precision`: the candidate's); a check fails when delta < -margin and the interval lies below 0. "
            "Models: what they were trained as, and their registered version.")
 
-chart = alt.Chart(shown).encode(x=alt.X("created_at:T", title="checked"), color="benchmark:N")
-band = chart.mark_rule(opacity=0.5).encode(y=alt.Y("ci_low:Q", title="delta (points)"), y2="ci_high:Q")
+# a time axis whose ticks are minutes at least (frames.time_window), labelled as dates and times
+lo, hi = frames.time_window(shown["created_at"])
+chart = alt.Chart(shown).encode(
+    x=alt.X("created_at:T", title="checked", scale=alt.Scale(domain=[alt.DateTime(**lo), alt.DateTime(**hi)]),
+            axis=alt.Axis(format=frames.AXIS_TIME_FORMAT, labelOverlap=True, labelAngle=0)),
+    color="benchmark:N")
+band = chart.mark_rule(opacity=0.5).encode(y=alt.Y("ci_low:Q", title="delta (points)", axis=alt.Axis(format="+.2~f")),
+                                          y2="ci_high:Q")
 dots = chart.mark_point(filled=True, size=70).encode(
     y="delta:Q", shape=alt.Shape("flagged:N", scale=alt.Scale(domain=[False, True], range=["circle", "cross"])),
-    tooltip=["benchmark", "created_at", "candidate", "champion", "precision", "delta", "ci_low", "ci_high", "margin",
+    tooltip=["benchmark", "checked", "candidate", "champion", "precision", "delta", "ci_low", "ci_high", "margin",
              "message"])
-st.altair_chart(alt.layer(band, dots).properties(height=260), width="stretch")
+st.altair_chart(alt.layer(band, dots).properties(height=260, usermeta={"embedOptions": {"renderer": "svg"}}),
+                width="stretch")  # SVG: the axis labels are text in the page

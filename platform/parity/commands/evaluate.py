@@ -24,6 +24,7 @@ from parity.errors import ParityError
 from parity.evaluation.runner import evaluate
 from parity.paths import inside_outputs
 from parity.rollout import build_engine
+from parity.tracking.naming import benchmark_problems, benchmark_set
 from parity.tracking.registered import resolve_registered_model
 from parity.training.checkpoint import CheckpointManager
 from parity.training.warm_start import prepare_model
@@ -150,6 +151,10 @@ def run(cfg: ParityConfig) -> dict:
                                                           "registered_model": registered})
     finally:
         engine.close()
+    problems = benchmark_problems(summary["benchmarks"])
+    print(f"evaluate: {benchmark_set(problems)}; percent, [{eval_cfg.ci_level:.0%} bootstrap interval]"
+          + ("; the macro average counts each benchmark once" if len(problems) > 1 else ""),
+          file=sys.stderr, flush=True)
     print(summary["table"], file=sys.stderr, flush=True)
     return {
         "command": "evaluate", "model": str(model), "model_from": chosen, "registered_model": registered,

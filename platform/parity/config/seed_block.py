@@ -16,27 +16,13 @@ from typing import TYPE_CHECKING
 
 from parity.errors import PrecisionConfigError
 
+# The block's names (QUANTIZATION_NAMES: `quantization` -> (weights, activations); VLLM_KV_DTYPES: vLLM's
+# kv_cache_dtype -> Parity's KV kind) live with the precision's other names, which import nothing heavy: the
+# dashboard reads a run's precision back with them.
+from parity.precision_names import QUANTIZATION_NAMES, SEED, VLLM_KV_DTYPES
+
 if TYPE_CHECKING:
     from parity.config.schema import ParityConfig
-
-SEED = "actor_rollout_ref.rollout"
-
-# seed block `quantization` -> (weights, activations)
-QUANTIZATION_NAMES: dict[str, tuple[str, str]] = {
-    "int8": ("int8", "int8"), "w8a8_int8": ("int8", "int8"), "int8_w8a8": ("int8", "int8"),
-    "fp8": ("fp8", "fp8"), "w8a8_fp8": ("fp8", "fp8"), "fp8_dynamic": ("fp8", "fp8"),
-    "int8_weight_only": ("int8", "bf16"), "w8a16_int8": ("int8", "bf16"),
-    "fp8_weight_only": ("fp8", "bf16"), "w8a16_fp8": ("fp8", "bf16"),
-    "none": ("bf16", "bf16"), "bf16": ("bf16", "bf16"),
-}
-# vLLM's kv_cache_dtype -> Parity's KV kind
-VLLM_KV_DTYPES: dict[str, str] = {
-    "auto": "bf16", "bfloat16": "bf16", "bf16": "bf16",
-    "int8_per_token_head": "int8", "int8": "int8",
-    "int4_per_token_head": "int4_per_token_head",
-    "fp8": "fp8", "fp8_e4m3": "fp8", "fp8_per_token_head": "fp8_per_token_head",
-}
-
 
 def seed_formats(quantization: str | None) -> tuple[str, str] | None:
     """(weights, activations) the block's `quantization` selects, None when it is unset."""

@@ -14,7 +14,6 @@ only by the steps that need the checkpoint (vLLM engine, validate), through
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,9 @@ from parity.config.seed_block import SEED
 from parity.errors import PrecisionConfigError
 from parity.precision.formats import ACTIVATION_FORMATS, WEIGHT_FORMATS
 from parity.precision.kv import KV_KINDS
+
+# the spec token and its inverse import nothing heavy (parity.precision_names): the dashboard reads them too
+from parity.precision_names import parse_spec, precision_spec  # noqa: F401  (parse_spec: re-exported)
 
 # our KV kind -> the kv_cache_dtype the vLLM engine passes
 KV_TO_VLLM: dict[str, str] = {"bf16": "auto", "int8": "int8_per_token_head", "fp8": "fp8",
@@ -133,22 +135,6 @@ def load_quantization_config_file(path: str | Path, expect: tuple[str, str] | No
                                    hf_config=data if "quantization_config" in data else {})
 
 
-def precision_spec(weights: str, activations: str, kv_cache: str, *, kv_hadamard: bool = True,
-                   perturbation_sigma: float = 0.0) -> str:
-    """Every format of a rollout precision as one token, safe in a file name: 'bf16',
-    'wint8-aint8-kvint4_per_token_head', with '-nohadamard' for an int4 KV cache without the rotation and
-    '-sigma0.01' when the mismatch dial perturbs the rollout. What the registry stores as an artifact's or an
-    evaluation's precision and what validation reports are named by; parity.tracking.naming.precision_short
-    is its readable label."""
-    base = "bf16" if (weights, activations, kv_cache) == ("bf16", "bf16", "bf16") else \
-        f"w{weights}-a{activations}-kv{kv_cache}"
-    if kv_cache == "int4_per_token_head" and not kv_hadamard:
-        base += "-nohadamard"
-    if perturbation_sigma and perturbation_sigma > 0:
-        base += f"-sigma{float(perturbation_sigma):g}"
-    return base
-
-
 def spec_of(precision: PrecisionConfig) -> str:
     """precision_spec of a resolved precision (resolve_precision)."""
     from parity.precision.perturbation import perturbation_of
@@ -158,16 +144,3 @@ def spec_of(precision: PrecisionConfig) -> str:
                           perturbation_sigma=perturbation_of(precision)[0])
 
 
-_SPEC = re.compile(r"^(?:bf16|w(?P<w>[a-z0-9]+)-a(?P<a>[a-z0-9]+)-kv(?P<kv>[a-z0-9_]+?))"
-                   r"(?P<noh>-nohadamard)?(?:-sigma(?P<s>[0-9.e+-]+))?$")
-
-
-def parse_spec(spec: str) -> dict[str, Any]:
-    """The inverse of precision_spec: {'weights', 'activations', 'kv_cache', 'kv_hadamard', 'sigma'}; a string
-    that is not a spec (an older registry's free text) gives bf16 formats with `unknown` set to it."""
-    m = _SPEC.match(str(spec or "bf16"))
-    if not m:
-        return {"weights": "bf16", "activations": "bf16", "kv_cache": "bf16", "kv_hadamard": True, "sigma": 0.0,
-                "unknown": str(spec)}
-    return {"weights": m["w"] or "bf16", "activations": m["a"] or "bf16", "kv_cache": m["kv"] or "bf16",
-            "kv_hadamard": not m["noh"], "sigma": float(m["s"]) if m["s"] else 0.0}

@@ -12,6 +12,8 @@ import math
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
+from parity.precision_names import parse_spec
+
 if TYPE_CHECKING:
     from parity.config.schema import ParityConfig, PrecisionConfig
 
@@ -28,7 +30,8 @@ TRAINING_VIEW = "parity-training-runs"
 TRAINING_VIEW_TAG = f"mlflow.sharedViewState.{TRAINING_VIEW}"
 TRAINING_VIEW_COLUMNS = (("tags", "parity.precision"), ("tags", "parity.correction"), ("metrics", "final_reward"),
                          ("metrics", "heldout_accuracy"), ("metrics", "final_mismatch"),
-                         ("metrics", "benchmark_macro_avg"), ("metrics", "collapsed"), ("tags", "parity.seed"))
+                         ("metrics", "benchmark_macro_avg"), ("tags", "parity.benchmarks"), ("metrics", "collapsed"),
+                         ("tags", "parity.seed"))
 SWEEP_TAG = "parity.sweep"
 KIND_TAG = "parity.kind"  # pipeline | stage | train (a plain training run)
 
@@ -54,12 +57,15 @@ def _number(v: Any) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def precision_short(weights: str, activations: str, kv_cache: str, perturbation_sigma: Any = None) -> str:
-    """'bf16', 'int8' (W8A8), 'int8+int4kv', 'bf16+fp8kv', 'wint8-abf16' (weight-only), '+σ0.01' when the
-    rollout's mismatch dial perturbs it."""
+def precision_short(weights: str, activations: str, kv_cache: str, perturbation_sigma: Any = None,
+                    kv_hadamard: Any = True) -> str:
+    """'bf16', 'int8' (W8A8), 'int8+int4kv', 'bf16+fp8kv', 'wint8-abf16' (weight-only), '-nohadamard' after an
+    int4 KV cache without its rotation, '+σ0.01' when the rollout's mismatch dial perturbs it."""
     base = weights if weights == activations else f"w{weights}-a{activations}"
     if kv_cache not in ("bf16", "", "None"):
         base += f"+{_KV_SHORT.get(kv_cache, kv_cache)}kv"
+        if kv_cache == "int4_per_token_head" and str(kv_hadamard).strip().lower() in ("false", "0", "no", "off"):
+            base += "-nohadamard"
     sigma = _number(perturbation_sigma)
     if sigma:
         base += f"+σ{sigma:g}"
@@ -69,19 +75,17 @@ def precision_short(weights: str, activations: str, kv_cache: str, perturbation_
 def precision_of_spec(spec: Any) -> str:
     """precision_short of a full spec as the registry stores it ('wint8-aint8-kvint4_per_token_head' ->
     'int8+int4kv'); a string that is not a spec is returned as it is."""
-    from parity.precision.config import parse_spec
-
     p = parse_spec(str(spec or "bf16"))
     if "unknown" in p:
         return str(spec)
-    return precision_short(p["weights"], p["activations"], p["kv_cache"], p["sigma"])
+    return precision_short(p["weights"], p["activations"], p["kv_cache"], p["sigma"], p["kv_hadamard"])
 
 
 def precision_of(cfg: ParityConfig) -> str:
     from parity.precision.config import resolve_precision
 
     p = resolve_precision(cfg)
-    return precision_short(p.weights, p.activations, p.kv_cache, p.perturbation.sigma)
+    return precision_short(p.weights, p.activations, p.kv_cache, p.perturbation.sigma, p.kv_hadamard)
 
 
 def label(experiment: Any, precision: PrecisionConfig, correction: Any, seed: Any) -> str:
@@ -163,6 +167,55 @@ def identity_params(flat: dict[str, Any]) -> dict[str, Any]:
     names = str(flat.get("algorithm.correction.name") or "none").split("+")
     prefixes = IDENTITY_KEYS + tuple(f"algorithm.correction.{n}." for n in names if n and n != "none")
     return {k: v for k, v in flat.items() if any(k == p or (p.endswith(".") and k.startswith(p)) for p in prefixes)}
+
+
+BENCHMARKS_TAG = "parity.benchmarks"  # the set a run's benchmark average is over (benchmark_set), beside the number
+
+
+def benchmark_problems(benchmarks: dict[str, Any]) -> dict[str, int]:
+    """{benchmark: problems} of an evaluation's per-benchmark rows (evaluate's `benchmarks`), by name: one set is
+    spelled one way however it was read back."""
+    out = {}
+    for name, row in (benchmarks or {}).items():
+        n = _number(row.get("problems")) if isinstance(row, dict) else None
+        out[str(name)] = int(n) if n is not None else 0
+    return dict(sorted(out.items()))
+
+
+def benchmark_set(problems: dict[str, int]) -> str:
+    """The set a benchmark average is over, named with its sizes: 'arithmetic (64 problems)',
+    '7 benchmarks, 112 problems: aime24 8, aime25 8, ...'. Two averages compare only over the same set."""
+    if not problems:
+        return "no benchmarks"
+    if len(problems) == 1:
+        (name, n), = problems.items()
+        return f"{name} ({n} problems)"
+    parts = ", ".join(f"{k} {v}" for k, v in problems.items())
+    return f"{len(problems)} benchmarks, {sum(problems.values())} problems: {parts}"
+
+
+def benchmark_set_short(problems: dict[str, int]) -> str:
+    """benchmark_set in a table cell: 'arithmetic (64)', 'arithmetic + aime24 (72)', '7 benchmarks (112)'."""
+    if not problems:
+        return ""
+    total = sum(problems.values())
+    names = " + ".join(problems) if len(problems) <= 2 else f"{len(problems)} benchmarks"
+    return f"{names} ({total})"
+
+
+def sampling_text(temperature: Any, samples: Any, max_new_tokens: Any) -> str:
+    """'greedy, up to 16 new tokens' or 'sampled at T=1, 4 a problem, up to 64 new tokens'."""
+    t, n = _number(temperature) or 0.0, int(_number(samples) or 1)
+    how = "greedy" if t == 0.0 else f"sampled at T={t:g}" + (f", {n} a problem" if n > 1 else "")
+    return f"{how}, up to {int(_number(max_new_tokens) or 0)} new tokens"
+
+
+def heldout_text(heldout: dict[str, Any]) -> str:
+    """What a run's held-out accuracy is measured on: 'the arithmetic task's test split, its first 256 problems,
+    greedy, up to 16 new tokens, through the rollout engine during training'."""
+    return (f"the {heldout.get('task', 'training')} task's test split, its first {heldout.get('problems')} problems, "
+            f"{sampling_text(heldout.get('temperature'), heldout.get('samples'), heldout.get('max_new_tokens'))}, "
+            "through the rollout engine during training")
 
 
 def headline_metrics(train: dict[str, Any], macro: dict[str, Any] | None = None) -> dict[str, float]:
