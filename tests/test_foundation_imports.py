@@ -26,6 +26,8 @@ LAZY = {
                                          "without importing torch"),
     "parity.precision.int8_triton": ("triton", "the CUDA decode path's INT8 kernels, only where that path runs"),
     "parity.precision.kv_packed": ("triton", "the packed KV cache's kernels, only where the CUDA decode path runs"),
+    "parity.core.device": ("torch", "parity.config.validate checks keys, types and paths before torch loads: a bad "
+                                    "command line is answered in under a second (tests/test_cli_errors.py)"),
     "parity.study.runs": ("torch", "`python -m parity study --help` (the command's parser) answers without it"),
 }
 
