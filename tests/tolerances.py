@@ -80,3 +80,11 @@ def float32_prob_error(p: torch.Tensor) -> torch.Tensor:
     p rounded to float32 (u p), its log (1 ulp: 2 u |log p|), exp (1 ulp: 2 u) -> (3 + 2 |log p|) u p."""
     p = p.detach().double()
     return (3 + 2 * p.log().abs()) * U32 * p
+
+
+def matmul_bound(a: torch.Tensor, b: torch.Tensor, roundings: int = 0, u: float = U32) -> torch.Tensor:
+    """Entry-wise |fl(a @ b) - a @ b| for any summation order: K u (|a| @ |b|), K the inner dimension (K products and
+    K - 1 additions, each rounded once), plus `roundings` further roundings of the terms (a dequantization, a bias
+    add, a scale). float64 [M, N]; in float32 accumulation (bf16 operands included) u = U32."""
+    k = a.shape[-1]
+    return (k + roundings) * u * (a.detach().double().abs() @ b.detach().double().abs())
