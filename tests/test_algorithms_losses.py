@@ -134,9 +134,9 @@ def test_old_logprobs_none_means_ratio_one() -> None:
         w = weight.float().requires_grad_(True)
         run(batch, hidden.float(), w, adv, None, AlgorithmConfig(policy_loss=policy)).backward()
         grads.append(w.grad)
-    # at ratio 1 both are the plain PG: r = exp(lp - lp) = 1 exactly, so d loss / d lp is the same float32 number
-    # in both and the backward is one computation on the same shapes (equal bit for bit on one machine); the bound
-    # is a loose 1e-5 relative (~170 u) in case max's tie splits the gradient into two halves that add back.
+    # at ratio 1 both are the plain PG: r = exp(lp - lp) = 1 exactly, so d loss / d lp is -A c in both (ppo_clip's
+    # max of two equal branches passes half the gradient through each, which adds back exactly) and the backward
+    # is the same kernels on the same shapes: equal to the last bit on any one machine; 1e-5 is looser than needed.
     assert torch.allclose(grads[0], grads[1], rtol=1e-5, atol=1e-7)
 
 
