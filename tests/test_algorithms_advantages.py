@@ -28,6 +28,7 @@ def test_hand_computed_group() -> None:
     adv = compute_advantages("grpo", torch.tensor([1.0, 0.0, 0.0, 1.0]), torch.tensor([7, 7, 7, 7]))
     expected = 0.5 / (math.sqrt(1 / 3) + 1e-6)
     assert adv.dtype == torch.float32
+    # statistics in float64, one rounding to float32: rel <= u = 6e-8 (1e-6 leaves 16x)
     assert adv.tolist() == pytest.approx([expected, -expected, -expected, expected], rel=1e-6)
 
 
@@ -38,6 +39,7 @@ def test_interleaved_groups_match_float64_reference() -> None:
     for norm in (True, False):
         adv = compute_advantages("grpo", rewards, groups, norm_by_std=norm)
         ref = _reference([float(x) for x in rewards], groups.tolist(), norm, 1e-6)
+        # float64 statistics of 40 rewards (~1e-15 relative), one rounding to float32: rel <= u = 6e-8
         assert adv.tolist() == pytest.approx(ref, rel=1e-6, abs=1e-7)
 
 
@@ -58,8 +60,10 @@ def test_rewards_one_and_one_point_zero_zero_one_stay_distinct() -> None:
     adv = compute_advantages("grpo", rewards, torch.zeros(4, dtype=torch.int64))
     assert adv[1] > 0 > adv[0]
     ref = _reference([float(x) for x in rewards], [0] * 4, True, 1e-6)
+    # the same float32 rewards on both sides; float64 statistics (1.001 - 1 is exact there), one rounding: rel <= u
     assert adv.tolist() == pytest.approx(ref, rel=1e-5)
     raw = compute_advantages("grpo", rewards, torch.zeros(4, dtype=torch.int64), norm_by_std=False)
+    # against the decimal 0.0005: float32's 1.001 is off by up to u * 1.001 = 6e-8, 1.2e-4 of 0.0005
     assert raw[1].item() == pytest.approx(0.0005, rel=1e-3)
 
 
@@ -81,7 +85,9 @@ def test_group_of_1024_with_1e5_tokens_each() -> None:
     assert torch.isfinite(adv).all()
     r64 = rewards.double()
     ref = (r64 - r64.mean()) / (r64.std() + 1e-6)
+    # float64 statistics of 1024 rewards (1e3 * 2^-53 ~ 1e-13), one rounding to float32: rel <= u; |A| < 2
     assert torch.allclose(adv.double(), ref, rtol=1e-6, atol=1e-6)
+    # the float64 mean of the rounded values: the exact mean is 0 up to 1e-13, each rounding <= u |A| < 1.2e-7
     assert abs(float(adv.double().mean())) < 1e-6
 
 

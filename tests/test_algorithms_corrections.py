@@ -15,6 +15,7 @@ from parity.algorithms.corrections import CorrectionContext
 from parity.algorithms.corrections.dual import dual_update
 from parity.config.schema import AlgorithmConfig, parity_schema
 from parity.types import RolloutBatch
+from tests.tolerances import first_order_bound, float32_prob_error
 
 NAN = float("nan")
 
@@ -25,6 +26,9 @@ def correction_config(**kw: object):
 
 
 def close(t: torch.Tensor, expected: list[list[float]]) -> bool:
+    """Weights from float32 log-ratios: the two logs rounded to float32 (u |log| each), the subtraction and the
+    sequence's sum of <= 3 (u of each), exp (1 ulp: 2 u), a clamp (exact): for these ratios (|log r| <= 1.7, q = 0.5)
+    at most ~8 u = 5e-7 relative to the hand values, under rtol 1e-6 (element-wise: no order a kernel can change)."""
     return torch.allclose(t.double(), torch.tensor(expected, dtype=torch.float64), rtol=1e-6, atol=1e-7)
 
 
@@ -54,7 +58,7 @@ def test_tis_token_and_sequence_weights_by_hand() -> None:
     assert close(single("seq_tis", C=3.0).weights(ctx), [[1.5, 1.5, 0.0], [3.0, 3.0, 3.0]])
     m = StepMetrics()
     single("tis").record(ctx, m)
-    assert m.compute()["correction/clipped_frac"] == pytest.approx(2 / 5)
+    assert m.compute()["correction/clipped_frac"] == pytest.approx(2 / 5)  # counts: exact, 2/5 rounded once
 
 
 def test_icepop_weights_by_hand() -> None:
@@ -63,7 +67,7 @@ def test_icepop_weights_by_hand() -> None:
     assert close(w, [[0.0, 3.0, 0.0], [0.0, 1.0, 0.5]])
     m = StepMetrics()
     single("icepop").record(ctx, m)
-    assert m.compute()["correction/icepop_masked_frac"] == pytest.approx(2 / 5)
+    assert m.compute()["correction/icepop_masked_frac"] == pytest.approx(2 / 5)  # counts: exact
 
 
 def test_mis_sequence_masks_by_hand() -> None:
@@ -74,7 +78,7 @@ def test_mis_sequence_masks_by_hand() -> None:
     assert k1.any(-1).tolist() == [False, True, False, False]
     assert single("mis", statistic="k1", threshold=0.25).keep_mask(ctx).any(-1).tolist() == [True, True, False, False]
     # k3 = mean(r - 1 - log r): row0 (0.19315 + 0.90139) / 2 = 0.5473
-    k3_row0 = ((0.5 - 1 - math.log(0.5)) + (3 - 1 - math.log(3))) / 2
+    k3_row0 = ((0.5 - 1 - math.log(0.5)) + (3 - 1 - math.log(3))) / 2  # thresholds 1e-4 away: ~1e3 x its rounding
     assert single("mis", statistic="k3", threshold=k3_row0 + 1e-4).keep_mask(ctx).any(-1).tolist() == [True, True, False, False]
     assert single("mis", statistic="k3", threshold=k3_row0 - 1e-4).keep_mask(ctx).any(-1).tolist() == [False, True, False, False]
     # geo_mean = exp(mean log r): sqrt(1.5) = 1.2247, ~1, 3, 0.2
@@ -83,7 +87,7 @@ def test_mis_sequence_masks_by_hand() -> None:
     assert (geo <= ctx.mask).all()  # never keeps padding
     m = StepMetrics()
     single("mis", statistic="geo_mean").record(ctx, m)
-    assert m.compute()["correction/mis_seq_masked_frac"] == pytest.approx(2 / 4)
+    assert m.compute()["correction/mis_seq_masked_frac"] == pytest.approx(2 / 4)  # counts: exact
 
 
 def _dual_batch(p_train: list[list[float]], p_inf: list[list[float]], adv: list[float]):
@@ -115,19 +119,28 @@ def test_dual_advantage_shift_and_lambda_update_by_hand(discrepancy: str) -> Non
     m = StepMetrics()
     _objective(stack, batch, old, adv, m)
     shifted = [1 - 0.1 * 0.1, 1 - 0.1 * 0.05, -1.0]
+    # delta = |p_train - p_inf| from float32 log-probs (tolerances.float32_prob_error: <= 6 u of p), times lambda
+    # = 0.1, then A - shift rounded in float32 (u of |A| = 1): within 1.4e-7 of the hand value, under rel 1e-6 of 0.33
     assert m.compute()["actor/advantage_mean"] == pytest.approx(sum(shifted) / 3, rel=1e-6)
     assert m.compute()["correction/lambda"] == 0.1
     # a second micro-batch of the same step: delta 0.3 on one token
     batch2, old2, adv2 = _dual_batch([[0.7]], [[0.4]], [0.5])
     _objective(stack, batch2, old2, adv2, m)
     out = stack.end_step()
+    # by hand, as float64 formulas of the probabilities: each p reaches the correction through float32 (its
+    # rounding, log, exp: tolerances.float32_prob_error), so the means are within the first-order bound of that
+    p_t = [torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in ([0.5, 0.9], [0.2], [0.7])]
+    p_i = [torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in ([0.4, 0.95], [0.2], [0.4])]
+    deltas = [(t - i).abs() for t, i in zip(p_t, p_i)]  # [[0.1, 0.05], [0.0], [0.3]]
     if discrepancy == "token_mean":  # over the step's 4 response tokens
-        mean_delta = (0.1 + 0.05 + 0.0 + 0.3) / 4
+        mean_delta = torch.cat(deltas).mean()
     else:  # the paper's: each of the 3 trajectories' own mean, averaged
-        mean_delta = ((0.1 + 0.05) / 2 + 0.0 / 1 + 0.3 / 1) / 3
-    assert out["correction/dual_delta_mean"] == pytest.approx(mean_delta, rel=1e-6)
-    # dual.c unset: c is algorithm.correction.tolerance, 0.0037 by default (the paper's)
-    assert out["correction/lambda_next"] == pytest.approx(0.1 + 1.0 * (mean_delta - 0.0037), rel=1e-6)
+        mean_delta = torch.stack([d.mean() for d in deltas]).mean()
+    err = first_order_bound(mean_delta, p_t + p_i, [float32_prob_error(x) for x in p_t + p_i])  # ~2e-7
+    assert abs(out["correction/dual_delta_mean"] - mean_delta.item()) <= err
+    # dual.c unset: c is algorithm.correction.tolerance, 0.0037 by default (the paper's); lambda moves by eta = 1
+    # times the mean's error, and float64 adds rounding of ~1e-17
+    assert abs(out["correction/lambda_next"] - (0.1 + 1.0 * (mean_delta.item() - 0.0037))) <= err + 1e-15
     assert out["correction/dual_c"] == 0.0037
     assert stack.corrections[0].lam == out["correction/lambda_next"]
 
@@ -152,23 +165,31 @@ def test_tolerance_auto_measures_the_first_steps_then_holds() -> None:
         _objective(stack, batch, old, adv, m)
         assert "mismatch/frac_over_tol" not in m.compute()  # no tolerance yet: no over-tolerance fraction
         out = stack.end_step(m.compute())
-        assert dual.lam == pytest.approx(lam)
-    c = 2.0 * (0.1 + 0.3) / 2
-    assert stack.tolerance == pytest.approx(c) and dual.c == pytest.approx(c)
-    assert out["correction/tolerance"] == pytest.approx(c)
+        assert dual.lam == pytest.approx(lam)  # held at lambda0: exact
+    # c = 2 mean(delta) from two deltas, |0.5 - 0.4| and |0.7 - 0.4|; by hand as a float64 formula of the
+    # probabilities, each of which reaches the correction through float32 (tolerances.float32_prob_error)
+    p = {x: torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in (0.4, 0.5, 0.7, 0.9)}
+    c = 2.0 * ((p[0.5] - p[0.4]).abs() + (p[0.7] - p[0.4]).abs()) / 2
+    nxt = 0.1 + ((p[0.9] - p[0.4]).abs() - c)  # step 3: delta 0.5 against the measured c, eta = 1
+    errs = [float32_prob_error(x) for x in p.values()]
+    c_err, nxt_err = (first_order_bound(v, list(p.values()), errs) for v in (c, nxt))  # ~5e-7, ~8e-7
+    c = c.item()
+    assert abs(stack.tolerance - c) <= c_err and abs(dual.c - c) <= c_err
+    assert abs(out["correction/tolerance"] - c) <= c_err
     # step 3 updates lambda against the measured c; the state carries c over a resume
     batch, old, adv = _dual_batch([[0.9]], [[0.4]], [1.0])
     _objective(stack, batch, old, adv, StepMetrics())
     out = stack.end_step({})
-    assert out["correction/lambda_next"] == pytest.approx(0.1 + (0.5 - c), rel=1e-6)
+    assert abs(out["correction/lambda_next"] - nxt.item()) <= nxt_err
     again = build_corrections(cfg)
     again.load_state_dict(stack.state_dict())
-    assert again.tolerance == pytest.approx(c) and again.corrections[0].c == pytest.approx(c)
+    assert again.tolerance == stack.tolerance and again.corrections[0].c == dual.c  # carried: exact
 
 
 def test_tolerance_auto_takes_a_validated_discrepancy_and_refuses_nonsense() -> None:
     cfg = correction_config(name="dual", tolerance="auto", tolerance_multiple=1.5)
     stack = build_corrections(cfg, measured_discrepancy=0.004)
+    # 1.5 * 0.004 in float64 against the decimal 0.006: one rounding
     assert stack.tolerance == pytest.approx(0.006) and stack.corrections[0].c == pytest.approx(0.006)
     with pytest.raises(ValueError, match="algorithm.correction.tolerance"):
         build_corrections(correction_config(name="dual", tolerance="often"))
@@ -279,8 +300,13 @@ def test_dual_centered_shift_is_the_group_standardised_gap_by_hand() -> None:
     got = m.compute()
     lengths = [2, 3, 1, 2]
     shifted = sum((adv[i] - 0.5 * z[i]) * lengths[i] for i in range(4)) / sum(lengths)
+    # Each p reaches the correction through float32 (tolerances.float32_prob_error). Propagated to first order
+    # through the standardisation (tolerances.first_order_bound of these formulas written in torch) plus the float32
+    # rounding of shift and A - shift (u of |A| + |shift| a token), the three metrics below are within 3.3e-7 of the
+    # hand values and D within 1.93e-7: under rel 1e-5 (>= 1.2e-6 here) and rel 1e-6 of D = 0.194 (1.94e-7). No
+    # order a kernel picks enters: the sums are float64.
     assert got["actor/advantage_mean"] == pytest.approx(shifted, rel=1e-5)
-    assert sum(z[:3]) == pytest.approx(0.0, abs=1e-9)  # over a group's responses the shifts sum to zero
+    assert sum(z[:3]) == pytest.approx(0.0, abs=1e-9)  # over a group's responses the shifts sum to zero (float64)
     shift_abs = sum(abs(0.5 * z[i]) * lengths[i] for i in range(4))
     adv_abs = sum(abs(adv[i]) * lengths[i] for i in range(4))
     assert got["correction/shift_over_adv"] == pytest.approx(shift_abs / adv_abs, rel=1e-5)
@@ -290,7 +316,7 @@ def test_dual_centered_shift_is_the_group_standardised_gap_by_hand() -> None:
     out = stack.end_step()
     D = sum(gaps) / 4
     assert out["correction/dual_delta_mean"] == pytest.approx(D, rel=1e-6)
-    assert out["correction/lambda_next"] == pytest.approx(min(max(0.5 + (D - 0.05) / 0.05, 0.0), 2.0), rel=1e-6)
+    assert out["correction/lambda_next"] == pytest.approx(min(max(0.5 + (D - 0.05) / 0.05, 0.0), 2.0), rel=1e-6)  # 2.0
 
 
 def test_dual_centered_tolerance_is_a_quantile_of_the_first_steps_gaps() -> None:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from parity.algorithms import chunked_token_logprobs, masked_token_logprobs
+from tests.tolerances import U32, UBF16, logprob_bound, logprob_grad_scales
 
 N, H, V = 11, 6, 37
 
@@ -37,9 +38,16 @@ def test_value_and_gradient_match_float64_log_softmax(chunk: int, m: int, temper
     h64, w64 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
     ref = _reference(h64, w64, ids, temperature)
     (ref * upstream).sum().backward()
+    # float32 against float64: each lp within dlp (tolerances.logprob_bound: a 6-term dot product, a 37-term
+    # log-sum-exp; at most 2.3e-5 for these inputs), inside atol + rtol |lp|
+    dlp = logprob_bound(hidden, weight, temperature)
+    assert dlp <= 1e-5 + 1e-5 * float(ref.detach().abs().min())
     assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5)
-    assert torch.allclose(h.grad.double(), h64.grad, rtol=1e-5, atol=1e-5)
-    assert torch.allclose(w.grad.double(), w64.grad, rtol=1e-5, atol=1e-5)
+    # gradients (tolerances.logprob_grad_scales): p within dlp relative, the upstream g exact up to its float32
+    # rounding; the sum of the M <= 6 g's, ~6 roundings, and a sum over the V = 37 logits (h) or N = 11 rows (W)
+    g_h, g_w = logprob_grad_scales(hidden, weight, ids, upstream, temperature)
+    assert ((h.grad.double() - h64.grad).abs() <= (dlp + (V + 12) * U32) * g_h).all()
+    assert ((w.grad.double() - w64.grad).abs() <= (dlp + (N + 12) * U32) * g_w).all()
 
 
 def test_bf16_weights_follow_the_hf_logits_path() -> None:
@@ -48,12 +56,21 @@ def test_bf16_weights_follow_the_hf_logits_path() -> None:
     out = chunked_token_logprobs(h, w, ids, 1.0, 4)
     (out * upstream.float()).sum().backward()
     h2, w2 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-    ref = torch.log_softmax((h2 @ w2.T).float(), -1).gather(1, ids)  # what an HF model + .float() computes
+    # what an HF model + .float() computes, the bf16 matmul taken on the same row blocks as the chunks of 4: another
+    # row count may let the kernel sum in another order, and a float32 sum that moves across a bf16 rounding edge
+    # moves a logit by a bf16 ulp (2^-8 relative), more than any difference this test looks for
+    low = torch.cat([h2[s:s + 4] @ w2.T for s in range(0, N, 4)])
+    ref = torch.log_softmax(low.float(), -1).gather(1, ids)
     (ref * upstream.float()).sum().backward()
-    assert torch.allclose(out, ref, atol=1e-5)
+    # the same bf16 logits, two float32 log-softmax evaluations: 2 dlp with dz = 0
+    assert torch.allclose(out, ref, rtol=0, atol=2 * logprob_bound(hidden, weight, same_logits=True))
     assert w.grad.dtype == torch.bfloat16 and h.grad.dtype == torch.bfloat16
-    assert torch.allclose(w.grad.float(), w2.grad.float(), rtol=2e-2, atol=2e-2)
-    assert torch.allclose(h.grad.float(), h2.grad.float(), rtol=2e-2, atol=2e-2)
+    # p within dlp (dz = 0) in each; both round d/dz to bf16 and the matmul's output to bf16 (UBF16 each, so 2 UBF16
+    # apart), and the reference adds its three W blocks in bf16 (2 UBF16 more); the float32 part twice
+    g_h, g_w = logprob_grad_scales(hidden, weight, ids, upstream, 1.0)
+    dlp = logprob_bound(hidden, weight, same_logits=True)
+    assert ((w.grad.double() - w2.grad.double()).abs() <= (2 * dlp + 6 * UBF16 + 2 * (N + 12) * U32) * g_w).all()
+    assert ((h.grad.double() - h2.grad.double()).abs() <= (2 * dlp + 4 * UBF16 + 2 * (V + 12) * U32) * g_h).all()
 
 
 def test_no_tokens_by_vocab_tensor_is_saved_for_backward() -> None:
@@ -72,7 +89,8 @@ def test_masked_token_logprobs_scatters_back_and_zeroes_padding() -> None:
     mask = torch.arange(5)[None] < torch.tensor([5, 0, 2])[:, None]
     out = masked_token_logprobs(hidden, weight, ids, mask)
     full = torch.log_softmax(hidden @ weight.T, -1).gather(-1, ids[..., None])[..., 0]
-    assert torch.allclose(out[mask], full[mask], atol=1e-6)
+    # two float32 evaluations (matmuls of other shapes, two log-softmax implementations): within 2 dlp
+    assert torch.allclose(out[mask], full[mask], rtol=0, atol=2 * logprob_bound(hidden, weight))
     assert (out[~mask] == 0).all()
 
 
@@ -104,15 +122,22 @@ def test_kernel_path_matches_the_eager_path(m: int, temperature: float, monkeypa
         return out, h.grad, w.grad
 
     fused, eager = run(True), run(False)
-    torch.testing.assert_close(fused[0], eager[0], rtol=0, atol=2e-6)
-    for a, b in zip(fused[1:], eager[1:]):
+    # the same bf16 logits (same matmuls on the same chunks), two float32 log-softmax evaluations: 2 dlp with dz = 0
+    same = logprob_bound(hidden, weight, temperature, same_logits=True)
+    torch.testing.assert_close(fused[0], eager[0], rtol=0, atol=2 * same)
+    # gradients: p within 2 dlp of each other, d/dz and the matmul's output each rounded to bf16 (2 UBF16 apart each)
+    g_h, g_w = logprob_grad_scales(hidden, weight, ids, upstream, temperature)
+    for a, b, scale, n in ((fused[1], eager[1], g_h, V), (fused[2], eager[2], g_w, N)):
         assert a.dtype == b.dtype == torch.bfloat16
-        torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
+        assert ((a.double() - b.double()).abs() <= (2 * same + 4 * UBF16 + 2 * (n + 12) * U32) * scale).all()
     h64, w64 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
     ref = _reference(h64, w64, ids, temperature)
     (ref * upstream).sum().backward()
-    torch.testing.assert_close(fused[1].double(), h64.grad, rtol=3e-2, atol=3e-2)
-    torch.testing.assert_close(fused[2].double(), w64.grad, rtol=3e-2, atol=3e-2)
+    # against float64: bf16 logits (tolerances.logprob_bound with logits_dtype bf16) carry p's error; d/dz and the
+    # output rounded to bf16 once each
+    dlp = logprob_bound(hidden, weight, temperature, logits_dtype=torch.bfloat16)
+    assert ((fused[1].double() - h64.grad).abs() <= (dlp + 2 * UBF16 + (V + 12) * U32) * g_h).all()
+    assert ((fused[2].double() - w64.grad).abs() <= (dlp + 2 * UBF16 + (N + 12) * U32) * g_w).all()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -138,6 +138,8 @@ def test_trainer_step_in_lanes_equals_one_pass_float64(quick_cfg, prepared_model
             assert tr.lanes == lanes
             out[lanes] = tr.step(batch)
             weights[lanes] = {k: p.detach().clone() for k, p in model.named_parameters()}
+        # float64 throughout (norms included): lanes change only how sums of a few hundred terms are grouped,
+        # n 2^-53 ~ 1e-14 of their terms; 1e-9 relative / 1e-12 absolute is far from both that and any real change
         for lanes in (2, 3):
             assert out[lanes].keys() == out[1].keys()
             for key, v in out[1].items():

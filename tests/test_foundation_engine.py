@@ -40,19 +40,21 @@ def test_sampled_logprobs_equal_a_separate_forward(random_model):
     m = b.response_mask
     diff = (sampled.exp() - b.rollout_logprobs.exp()).abs()[m]
     assert m.sum() > 40
-    assert diff.mean() < 2e-3 and diff.max() < 2e-2  # BF16 vs BF16 with different kernels: rounding only
+    # BF16 vs BF16 with different kernels (cached decode vs one full forward): ~45 roundings of 2^-8 to the logits
+    # (4 layers), typically sqrt(45) 2^-8 ~ 2.6e-2 relative of a logit; in p (<= 1, |dp| <= p |dlp|) below 2e-2
+    assert diff.mean() < 2e-3 and diff.max() < 2e-2
     assert b.rollout_logprobs.dtype == torch.float32
     assert bool((b.rollout_logprobs[~m] == 0).all())
     # top-K: sorted, normalised over the full vocabulary, contains the sampled token when it ranks in the top-K
     tk = b.topk_logprobs
     assert bool((tk[..., :-1] >= tk[..., 1:])[m].all())
     ref_topk = lp.topk(16, -1).values
-    assert torch.allclose(tk[m], ref_topk[m], atol=3e-2)
+    assert torch.allclose(tk[m], ref_topk[m], atol=3e-2)  # log-probs: the 2.6e-2 estimate above
     in_topk = (b.topk_ids.long() == b.responses[..., None]).any(-1)
     lp_s, kth = b.rollout_logprobs[m], tk[m][:, -1]
     assert bool((lp_s[in_topk[m]] >= kth[in_topk[m]]).all())  # in the top-K -> at least the K-th value
     assert bool(in_topk[m][lp_s > kth].all())  # strictly above the K-th value -> in the top-K (BF16 ties aside)
-    assert torch.allclose(tk.exp().sum(-1)[m], lp.topk(16, -1).values.exp().sum(-1)[m], atol=2e-2)
+    assert torch.allclose(tk.exp().sum(-1)[m], lp.topk(16, -1).values.exp().sum(-1)[m], atol=2e-2)  # sum of p: as p
 
 
 def test_shard_invariance_and_eos_handling(random_model):

@@ -89,4 +89,6 @@ def test_decode_path_interpreted_equals_simulated(kind, fused, tmp_path, monkeyp
     assert packed.meta["kv_cache_layout"] == "packed" and sim.meta["kv_cache_layout"] == "simulated"
     assert eng.cuda_decoder.state.extras["packed"].backend == "triton"
     assert torch.equal(packed.responses, sim.responses)
+    # packed vs simulated int4 KV: the same codes, the attention's float32 sums over the cache in another order
+    # (Triton's blocks): ~S u of the scores' terms, S <= 64 slots
     torch.testing.assert_close(packed.rollout_logprobs, sim.rollout_logprobs, atol=1e-4, rtol=0)

@@ -64,6 +64,10 @@ def test_dense_logits_match_float64_fake_quant_reference() -> None:
     want = ref(ids).logits
     bf16 = base(ids).logits.double()
     err = (got - want).abs().max()
+    # float32 against float64 with the same INT8 codes: 2 layers, K <= 128, each linear within K u (8e-6) of its
+    # terms, ~20 such steps to logits of size <= 0.6: ~1e-4 worst case, 2e-4 with the norms. A code that rounds
+    # the other way (a float32 activation within ~1e-6 relative of a .5 tie) would move a logit by ~s |w| ~ 5e-4:
+    # this bound assumes none does.
     assert err < 2e-4, err
     assert (bf16 - want).abs().max() > 20 * err  # quantization is visible, the reference explains it
 
@@ -97,6 +101,8 @@ def test_moe_weight_only_equals_dequantized_reference(fmt: str) -> None:
             for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
                 getattr(lr.self_attn, name).weight.copy_(getattr(lq.self_attn, name).dequantized_weight())
     ids = _ids()
+    # the same float32 model with the dequantized weights in place: the expert path differs only in how it applies
+    # the dequantization (scale per channel before or after the product: one rounding of each term, u)
     torch.testing.assert_close(q(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
 
 
@@ -182,6 +188,8 @@ def test_quantized_model_on_cuda_matches_cpu(fmt: str) -> None:
     assert {mod.path for mod in m.modules() if isinstance(mod, QuantLinear)} == set(info["paths"])
     gpu = m(ids.cuda()).logits.cpu()
     # int8: same integers, float epilogue differs in order; fp8: bf16 output of the scaled GEMM
+    # logits of size <= 0.6: int8 ~ 20 float32 epilogues in other orders (1e-3 leaves room for a flipped code's
+    # 5e-4); fp8's GPU GEMM writes bf16 (2^-8 of each of ~20 outputs, typically sqrt(20) 2^-8 ~ 1.7e-2 of a logit)
     torch.testing.assert_close(gpu, cpu, rtol=0, atol=1e-3 if fmt == "int8" else 3e-2)
 
 
@@ -201,7 +209,7 @@ def test_int4_activation_logits_match_float64_fake_quant_reference(weights: str)
     ids = _ids()
     got, want, bf16 = q(ids).logits.double(), ref(ids).logits, base(ids).logits.double()
     err = (got - want).abs().max()
-    assert err < 2e-4, err
+    assert err < 2e-4, err  # as for W8A8 above: float32 against float64 with the same codes
     w8a8 = copy.deepcopy(base)
     quantize_model_(w8a8, PrecisionConfig(weights="int8", activations="int8"))
     assert (bf16 - want).abs().max() > 4 * (bf16 - w8a8(ids).logits.double()).abs().max()

