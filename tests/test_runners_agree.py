@@ -35,7 +35,7 @@ CASES = {
 # (the statistics of p_inf move by 1e-8 or less); tokens, rewards, updates and weights stay exact
 NOISY = {"moe_replay": ("mismatch/", "response/entropy")}
 # the dual with its tolerance measured on the first step (state), the mismatch dial, an alarm quick to fire
-DUAL = ["algorithm.correction.name=dual", "algorithm.correction.tolerance=auto",
+DUAL = ["model.dtype=float32", "algorithm.correction.name=dual", "algorithm.correction.tolerance=auto",
         "algorithm.correction.tolerance_steps=1", "rollout.precision.perturbation.sigma=0.05", "trainer.eval_every=2",
         "trainer.collapse.fraction=0.5", "trainer.collapse.patience=1"]
 SUMMARY_KEYS = ("start_step", "steps", "initial_accuracy", "final_accuracy", "final_reward", "collapse_step",
