@@ -10,30 +10,25 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import parity.rollout.int4_attention as ia  # noqa: E402
+from tests.bench.kv_kernels_sm90 import TARGET, int4_attention_signature  # noqa: E402
 
 H200_SMEM = 232448  # cudaDevAttrMaxSharedMemoryPerBlockOptin on sm_90 (227 KiB)
-INTS = dict.fromkeys(("L", "S", "n_kv", "H", "split_slots", "n_split", "ok_stride", "cap"), "i32")
 
 
 def shared_bytes(out: str, G: int, D: int, hadamard: bool) -> int:
     exact = out == "fp32"
-    cfg = {**ia.CONFIG, **({"ROWS": ia.EXACT_ROWS} if exact else {})}  # as int4_attention launches it
+    cfg = ia.launch_config(exact)  # as int4_attention launches it
     gp = triton.next_power_of_2(G)
     const = {"G": G, "GP": gp, "BLOCK_G": max(16, gp), "ROWS": cfg["ROWS"], "D": D, "HADAMARD": hadamard,
              "EXACT": exact, "ASM": not exact, "ONE_SPLIT": False}
-    sig = {"qr_ptr": "*fp32", "qi_ptr": "*i8", "qc_ptr": "*fp32", "kc_ptr": "*u8", "vc_ptr": "*u8", "ks_ptr": "*i32",
-           "vs_ptr": "*i32", "ok_ptr": "*u8", "slot_ptr": "*i64", "o_ptr": f"*{out}", "pm_ptr": "*fp32",
-           "pl_ptr": "*fp32", "pu_ptr": "*fp32", "cnt_ptr": "*i32", "hp_ptr": "*fp32", "sg_ptr": "*fp32",
-           "qk_scale": "fp32", **INTS, **dict.fromkeys(const, "constexpr")}
+    sig = {**int4_attention_signature(out), **dict.fromkeys(const, "constexpr")}
     attrs = {(ia._int4_attn_kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items()
              if t.startswith("*")}
     k = triton.compile(ASTSource(fn=ia._int4_attn_kernel, signature=sig, constexprs=const, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+                       target=TARGET, options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
     return k.metadata.shared
 
 

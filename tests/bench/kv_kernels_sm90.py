@@ -74,12 +74,17 @@ def main_loop(sass: str) -> list[str]:
     return best
 
 
-def int4_kernels() -> None:
+def int4_attention_signature(out: str = "bf16") -> dict:
+    """The rotated int4 attention kernel's runtime arguments as Triton types (output dtype `out`)."""
     ints = dict.fromkeys(("L", "S", "n_kv", "H", "split_slots", "n_split", "ok_stride", "cap"), "i32")
-    sig = {"qr_ptr": "*fp32", "qi_ptr": "*i8", "qc_ptr": "*fp32", "kc_ptr": "*u8", "vc_ptr": "*u8", "ks_ptr": "*i32",
-           "vs_ptr": "*i32", "ok_ptr": "*u8", "slot_ptr": "*i64", "o_ptr": "*bf16", "pm_ptr": "*fp32",
-           "pl_ptr": "*fp32", "pu_ptr": "*fp32", "cnt_ptr": "*i32", "hp_ptr": "*fp32", "sg_ptr": "*fp32",
-           "qk_scale": "fp32", **ints}
+    return {"qr_ptr": "*fp32", "qi_ptr": "*i8", "qc_ptr": "*fp32", "kc_ptr": "*u8", "vc_ptr": "*u8", "ks_ptr": "*i32",
+            "vs_ptr": "*i32", "ok_ptr": "*u8", "slot_ptr": "*i64", "o_ptr": f"*{out}", "pm_ptr": "*fp32",
+            "pl_ptr": "*fp32", "pu_ptr": "*fp32", "cnt_ptr": "*i32", "hp_ptr": "*fp32", "sg_ptr": "*fp32",
+            "qk_scale": "fp32", **ints}
+
+
+def int4_kernels() -> None:
+    sig = int4_attention_signature()
     for rows, warps, stages, one, reg in [(16, 4, 2, False, 0), (16, 4, 2, True, 0), (8, 4, 2, False, 0),
                                           (16, 8, 2, False, 0), (32, 8, 2, False, 0), (16, 4, 3, False, 0),
                                           (16, 4, 2, False, 128)]:

@@ -163,6 +163,11 @@ class Workspace:
         return self.m, self.l, self.u, self.count
 
 
+def launch_config(exact: bool, config: dict | None = None) -> dict:
+    """The launch configuration of a call: CONFIG, the exact route's smaller tile, then the caller's `config`."""
+    return {**CONFIG, **({"ROWS": EXACT_ROWS} if exact else {}), **(config or {})}
+
+
 def int4_attention(qs: Queries, kc: torch.Tensor, vc: torch.Tensor, kw: torch.Tensor, vw: torch.Tensor,
                    key_ok: torch.Tensor, slot: torch.Tensor, L: int, scale: float, hadamard: bool,
                    out_dtype: torch.dtype, workspace: Workspace, config: dict | None = None,
@@ -172,7 +177,7 @@ def int4_attention(qs: Queries, kc: torch.Tensor, vc: torch.Tensor, kw: torch.Te
     (long [1] on the device) and key_ok[b, j]. Returns [B, H * D] in out_dtype (float32: the exact route, else
     the tensor-core route). `out` [B, H, D] of out_dtype is written when given (tests poison it first)."""
     exact = out_dtype == torch.float32
-    cfg = {**CONFIG, **({"ROWS": EXACT_ROWS} if exact else {}), **(config or {})}
+    cfg = launch_config(exact, config)
     B, H, D = qs.rotated.shape
     n_kv, S = kc.shape[1], kc.shape[2]
     G = H // n_kv

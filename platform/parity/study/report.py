@@ -156,12 +156,9 @@ def signal_onset(series: list[list[float]], base: int = ONSET_BASE, smooth: int 
         return None
     mu, sd = statistics.fmean(head), statistics.stdev(head)
     sd = max(sd, 0.01 * abs(mu), 1e-12)
-    tail = [(s, v) for s, v in pts if s > base]
     vals = [v for _, v in pts]
-    for s, _ in tail:
-        i = next(k for k, (t, _) in enumerate(pts) if t == s)
-        m = statistics.fmean(vals[max(0, i - smooth + 1):i + 1])
-        if abs(m - mu) > z * sd:
+    for i, (s, _) in enumerate(pts):
+        if s > base and abs(statistics.fmean(vals[max(0, i - smooth + 1):i + 1]) - mu) > z * sd:
             return s
     return None
 
