@@ -76,14 +76,22 @@ def steps_done(metrics: Path) -> int:
     return sum(1 for ln in metrics.read_text().splitlines() if '"reward/mean"' in ln)
 
 
-def phase(name: str, pythonpath: str, runs: list[dict], work: Path, timeout_s: float, mps_mode: str) -> dict:
+def profiles(run_dir: Path) -> dict:
+    """The run's profile_step<N>.json files (PARITY_PROFILE_STEPS, parity.core.profile), by step."""
+    return {f.stem.removeprefix("profile_step"): json.loads(f.read_text())
+            for f in sorted(run_dir.glob("profile_step*.json"))}
+
+
+def phase(name: str, pythonpath: str, runs: list[dict], work: Path, timeout_s: float, mps_mode: str,
+          extra_env: dict | None = None) -> dict:
     """All `runs` at once, each a `python -m parity train` process with this phase's code."""
     out_dir = work / name
     shutil.rmtree(out_dir, ignore_errors=True)
     (out_dir / "logs").mkdir(parents=True)
     env = dict(os.environ, PYTHONPATH=pythonpath, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True", TOKENIZERS_PARALLELISM="false",
-               TORCHINDUCTOR_CACHE_DIR=str(out_dir / "inductor"), TRITON_CACHE_DIR=str(out_dir / "triton"))
+               TORCHINDUCTOR_CACHE_DIR=str(out_dir / "inductor"), TRITON_CACHE_DIR=str(out_dir / "triton"),
+               **(extra_env or {}))
     with MpsDaemon(mps_mode, pipe_dir=str(work / "mps-pipe"), log_dir=str(work / "mps-log")) as mps:
         env.update(child_env(mps))
         t0 = time.time()
@@ -127,6 +135,7 @@ def phase(name: str, pythonpath: str, runs: list[dict], work: Path, timeout_s: f
                         "cpu_s": cpu[r["name"]],
                         "rows": {str(x["step"]): x for x in rows if x["step"] in (0, 1)},
                         "median": med, "rollout_path": summary.get("rollout_path"),
+                        "profiles": profiles(run_dir),
                         "log_tail": None if p.returncode == 0 else
                         (out_dir / "logs" / f"{r['name']}.log").read_text()[-1500:]})
     total = sum(x["steps"] for x in results)
@@ -147,7 +156,7 @@ def solo(runs: list[dict], arms: str, site: str, work: Path, out: Path, record: 
     words = [w.strip() for w in arms.split(",") if w.strip()]
     env = dict(os.environ, PYTHONPATH=f"{ROOT / 'platform'}:{site}", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                TOKENIZERS_PARALLELISM="false", TORCHINDUCTOR_CACHE_DIR=str(work / "new" / "inductor"),
-               TRITON_CACHE_DIR=str(work / "new" / "triton"))
+               TRITON_CACHE_DIR=str(work / "new" / "triton"), PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
     rows = []
     for r in runs:
         if not any(r["arm"].startswith(w) for w in words):
@@ -160,12 +169,26 @@ def solo(runs: list[dict], arms: str, site: str, work: Path, out: Path, record: 
         steps = [{k: v for k, v in x.items() if k.startswith("perf/") or k in ("step", "response/length_mean")}
                  for x in steps if "reward/mean" in x][1:]  # step 1 includes the graphs' capture
         rows.append({"arm": r["arm"], "returncode": p.returncode, "wall_s_with_start_up": round(time.time() - t0, 1),
-                     "steps": steps, "log_tail": None if p.returncode == 0 else p.stderr[-1500:],
+                     "steps": steps, "profiles": profiles(metrics.parent),
+                     "log_tail": None if p.returncode == 0 else p.stderr[-1500:],
                      "median": {k: statistics.median(x[k] for x in steps) if steps else None
                                 for k in ("perf/step_s", "perf/rollout_s", "perf/train_s")}})
         print(rows[-1]["arm"], rows[-1]["returncode"], rows[-1]["median"], flush=True)
     record["solo"] = rows
     out.write_text(json.dumps(record, indent=1, default=str))
+
+
+def profile_table(label: str, runs: list[dict]) -> None:
+    """One line a profiled phase: host seconds, the process's CPU seconds, kernels, their summed and union
+    seconds, and the three kernels of largest total time."""
+    for r in runs:
+        for step, phases in (r.get("profiles") or {}).items():
+            for ph, s in phases.items():
+                top = "; ".join(f"{k['name'][:48]} x{k['count']} {k['mean_us']}us" for k in s["top"][:3])
+                sync = sum(v[1] for n, v in s["runtime"].items() if "ynchronize" in n)
+                print(f"{label} {r['arm'][:30]:30s} s{step} {ph:7s} wall {s['wall_s']:.3f} cpu {s['cpu_s']:.3f} "
+                      f"sync {sync:.3f} kernels {s['kernels']} sum {s['kernel_s']:.3f} busy {s['kernel_busy_s']:.3f} "
+                      f"| {top}", flush=True)
 
 
 def compare_rows(old: dict, new: dict) -> dict:
@@ -198,8 +221,15 @@ def main() -> None:
     ap.add_argument("--old-commit", default=None)
     ap.add_argument("--solo", default="", help="instead of the two phases: each arm whose name starts with one of "
                     "these comma-separated prefixes alone on the GPU, evaluation off")
+    ap.add_argument("--profile", default="", help="PARITY_PROFILE_STEPS for every run (parity.core.profile); with "
+                    "--contended-only, only this tree's phase runs (under MPS), without the earlier tree")
+    ap.add_argument("--contended-only", action="store_true", help="only this tree's side-by-side phase")
+    ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for every run of this tree's phase")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    if a.profile:
+        os.environ["PARITY_PROFILE_STEPS"] = a.profile
+    extra_env = dict(kv.split("=", 1) for kv in a.env)
     site = os.environ.get("PARITY_CARRY_SITE", str(ROOT / ".gpucarry" / "site"))
     runs = run_list(a.preset, a.seed, a.steps, a.eval_every, a.model_dir, a.arms)
     record = {"date": time.strftime("%Y-%m-%d"), "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -212,6 +242,16 @@ def main() -> None:
     work = Path(a.work)
     if a.solo:
         solo(runs, a.solo, site, work, out, record)
+        profile_table("solo", record["solo"])
+        return
+    if a.contended_only:
+        record["new"] = phase("new", f"{ROOT / 'platform'}:{site}", runs, work, a.timeout, "auto", extra_env)
+        record["extra_env"] = extra_env
+        out.write_text(json.dumps(record, indent=1, default=str))
+        n = record["new"]
+        print(f"contended: {n['run_steps']} run-steps in {n['wall_s']} s = {n['run_steps_per_s']:.2f}/s "
+              f"(steady {n['steady_run_steps_per_s']}); MPS {n['mps']}", flush=True)
+        profile_table("contended", n["runs"])
         return
     if not a.old:
         ap.error("--old is needed for the side-by-side phases")
@@ -220,7 +260,7 @@ def main() -> None:
     out.write_text(json.dumps(record, indent=1, default=str))
     print(f"old: {old['run_steps']} run-steps in {old['wall_s']} s = {old['run_steps_per_s']:.2f}/s "
           f"(steady {old['steady_run_steps_per_s']})", flush=True)
-    new = phase("new", f"{ROOT / 'platform'}:{site}", runs, work, a.timeout, "auto")
+    new = phase("new", f"{ROOT / 'platform'}:{site}", runs, work, a.timeout, "auto", extra_env)
     record["new"] = new
     record["ratio"] = new["run_steps_per_s"] / old["run_steps_per_s"]
     if old["steady_run_steps_per_s"] and new["steady_run_steps_per_s"]:

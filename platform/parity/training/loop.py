@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
+from parity.core.profile import StepProfiler
 from parity.core.progress import Progress
 from parity.data.prompts import build_train_stream, render_prompt
 from parity.errors import ParityError
@@ -100,16 +101,21 @@ def rl_loop(cfg: ParityConfig, data: Data, rollout: RolloutSide, learner: Learne
         run.emit(0, heldout.evaluate(rollout, learner, 0, final=tc.total_steps == 0))
     pending = launch(run.start_step) if run.start_step < tc.total_steps else None
     bar = Progress("train", int(tc.total_steps), initial=run.start_step)
+    prof = StepProfiler()  # PARITY_PROFILE_STEPS: where listed steps' time goes (parity.core.profile)
     for step in range(run.start_step, tc.total_steps):
         t0 = time.perf_counter()
-        result = rollout.collect(pending.handle)  # type: ignore[union-attr]  (launched before every step)
+        with prof.phase(step + 1, "rollout"):
+            result = rollout.collect(pending.handle)  # type: ignore[union-attr]  (launched before every step)
         t_roll = time.perf_counter()
         paths.see(result.batch)
         this, pending = pending, (launch(step + 1) if overlap and step + 1 < tc.total_steps else None)
         batch = data.grade(result.batch, this.problems)
         t_grade = time.perf_counter()
-        metrics = learner.step(batch)
-        metrics["perf/sync_s"] = rollout.load(learner.publish(), step + 1, wait=not overlap)
+        with prof.phase(step + 1, "train"):
+            metrics = learner.step(batch)
+        with prof.phase(step + 1, "sync"):
+            metrics["perf/sync_s"] = rollout.load(learner.publish(), step + 1, wait=not overlap)
+        prof.write(step + 1, run.dir)
         metrics["data/prompt_truncated_frac"] = this.n_cut / max(1, len(this.problems))
         metrics["train/collapsed"] = alarm.update(step + 1, metrics["reward/mean"])
         n_tok = int(batch.response_mask.sum())
