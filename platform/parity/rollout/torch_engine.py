@@ -9,7 +9,9 @@ of our own (so the KV cache, its low-precision format and the sampling are ours 
 
 Randomness is per row: row r of prompt p draws from a generator seeded by (spec.seed, prompt id, sample
 index), so a batch is identical however prompts are sharded over workers (the rows, left padding, seeds, masks
-and positions are parity.core.layout's, shared with the CUDA decode path and the validation sampler).
+and positions are parity.core.layout's, shared with the CUDA decode path and the validation sampler): bit for bit
+in float32 on any CPU; in bfloat16, where oneDNN picks a matmul kernel by the row count (AVX512 CPUs without native
+bf16), a row's values can differ by a bf16 rounding between batch sizes, which can flip a sampled token.
 On CUDA, `generate` hands dense models to the fast path the engine owns (`cuda_decoder`, rollout/cuda_decode.py).
 """
 
