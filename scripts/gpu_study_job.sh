@@ -3,7 +3,7 @@
 # "Reproducing"): the pure-Python packages travel in .gpucarry/site (hydra, omegaconf, antlr4, math_verify,
 # latex2sympy2_extended with their dist-info, copied from .venv). The warm start (PREPARE_EXTRA: overrides of its
 # own, e.g. model.warm_start.seed=3 for one seed's part) is built in the job, or restored from the pieces in
-# WARM_IMPORT (a folder of warm.tar.part*; scripts/warm_start_pieces.py); WARM_EXPORT=1 rounds a freshly built one to
+# WARM_IMPORT (a folder of warm.tar.part* or of the packed warm.tar.xz.part*; scripts/warm_start_pieces.py); WARM_EXPORT=1 rounds a freshly built one to
 # bfloat16 and writes its pieces to $OUT, so later jobs start from the same weights. With THROUGHPUT_OLD (an earlier
 # tree's platform/ folder) the study-throughput bench runs first, old code against this tree's, from that warm start
 # (tests/bench/gpu_study_throughput.py; THROUGHPUT_STEPS, default 20), and with STUDY_MIN_RATIO the job ends there

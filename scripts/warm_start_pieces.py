@@ -3,18 +3,24 @@ travel (docs/study/grpo_study.md, "Reproducing").
 
     python scripts/warm_start_pieces.py export MODEL_DIR OUT_DIR   # round the weights to bfloat16 in place, then
                                                                    # write OUT_DIR/warm.tar.part00, part01, ...
+    python scripts/warm_start_pieces.py pack PIECES_DIR OUT_DIR    # the same pieces xz-compressed (warm.tar.xz.part*):
+                                                                   # about 70% of the bytes, to carry to a job beside the
+                                                                   # repository (the device's tree limit); slow, so done
+                                                                   # off the device
     python scripts/warm_start_pieces.py import PIECES_DIR MODELS_DIR
 
 `export` rounds every float32 weight to the nearest bfloat16 value and saves the model so (still float32, and
 prepare.json's weights_sha256 updated): every run of the study, in this job and in later ones, then starts from
 exactly these weights, and the pieces carry them in bfloat16, half the bytes, without loss. `import` writes the
-model folder back with the same float32 file (its hash is checked against prepare.json)."""
+model folder back with the same float32 file (its hash is checked against prepare.json), from plain or packed
+pieces."""
 
 from __future__ import annotations
 
 import hashlib
 import io
 import json
+import lzma
 import sys
 import tarfile
 from pathlib import Path
@@ -57,11 +63,28 @@ def export(model_dir: Path, out: Path) -> None:
                       "weights_sha256": info["weights_sha256"]}))
 
 
+def _blob(pieces: Path, pattern: str) -> bytes:
+    parts = sorted(pieces.glob(pattern))
+    if not parts:
+        raise FileNotFoundError(f"{pieces}: no {pattern} files")
+    return b"".join(p.read_bytes() for p in parts)
+
+
+def pack(pieces: Path, out: Path) -> None:
+    """Plain pieces (warm.tar.part*) to xz-compressed ones (warm.tar.xz.part*), same tar inside."""
+    blob = lzma.compress(_blob(pieces, "warm.tar.part*"), preset=9 | lzma.PRESET_EXTREME)
+    out.mkdir(parents=True, exist_ok=True)
+    for i in range(0, len(blob), PIECE):
+        (out / f"warm.tar.xz.part{i // PIECE:02d}").write_bytes(blob[i:i + PIECE])
+    print(json.dumps({"bytes": len(blob), "pieces": -(-len(blob) // PIECE)}))
+
+
 def restore(pieces: Path, models: Path) -> None:
     import torch
     from safetensors.torch import load_file, save_file
 
-    blob = b"".join(p.read_bytes() for p in sorted(pieces.glob("warm.tar.part*")))
+    packed = sorted(pieces.glob("warm.tar.xz.part*"))
+    blob = lzma.decompress(_blob(pieces, "warm.tar.xz.part*")) if packed else _blob(pieces, "warm.tar.part*")
     models.mkdir(parents=True, exist_ok=True)
     with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
         names = tar.getnames()
@@ -83,4 +106,7 @@ def restore(pieces: Path, models: Path) -> None:
 
 if __name__ == "__main__":
     verb, a, b = sys.argv[1:4]
-    (export if verb == "export" else restore)(Path(a), Path(b))
+    verbs = {"export": export, "pack": pack, "import": restore}
+    if verb not in verbs:
+        sys.exit(f"warm_start_pieces.py: unknown verb {verb!r}; expected one of {', '.join(verbs)}")
+    verbs[verb](Path(a), Path(b))
