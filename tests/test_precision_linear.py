@@ -94,8 +94,15 @@ def test_int8_paths_give_identical_results() -> None:
     lin = _linear(k=2048 + 8, n=24)  # K beyond one float32-exact chunk: the simulated path sums 2 chunks + a rest
     wq, ws = quantize_rowwise(lin.weight.detach(), "int8")
     x = torch.randn(5, 2056, dtype=torch.bfloat16)
-    outs = [quant_linear_forward(x, wq, ws, None, "int8", "int8", p) for p in ("int8_mm_cpu", "int8_simulated")]
-    assert torch.equal(outs[0], outs[1]) and outs[0].dtype == torch.bfloat16
+    from parity.precision.int8_gemm import cpu_int_mm_exact
+
+    if cpu_int_mm_exact():  # the selectable torch._int_mm path: the same integers, so the same bf16 outputs
+        outs = [quant_linear_forward(x, wq, ws, None, "int8", "int8", p) for p in ("int8_mm_cpu", "int8_simulated")]
+        assert torch.equal(outs[0], outs[1]) and outs[0].dtype == torch.bfloat16
+    else:  # this CPU's torch._int_mm saturates: the path refuses, naming the default
+        with pytest.raises(RuntimeError, match="int8_simulated"):
+            quant_linear_forward(x, wq, ws, None, "int8", "int8", "int8_mm_cpu")
+    assert select_path("int8", "int8", torch.device("cpu"), 2056, 24) == "int8_simulated"
     # and the accumulator equals the int64 product of the codes
     from parity.precision.linear import _int8_gemm
     xq, _ = quantize_rowwise(x, "int8")

@@ -37,7 +37,9 @@ def bench(m: int, k: int, n: int, device: torch.device, reps: int, rounds: int) 
     for w, a in (("int8", "int8"), ("fp8", "fp8"), ("int8", "bf16")):
         q = QuantLinear.from_linear(lin, w, a)
         layers[q.path] = q
-    if device.type == "cpu":  # both exact int8 routes on CPU
+    from parity.precision.int8_gemm import cpu_int_mm_exact
+
+    if device.type == "cpu" and cpu_int_mm_exact():  # both exact int8 routes on CPU (torch._int_mm where it is exact)
         real = QuantLinear.from_linear(lin, "int8", "int8")
         real.path = "int8_mm_cpu"
         layers["int8_mm_cpu"] = real

@@ -6,11 +6,30 @@ for it."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 # K * 127 * 127 below 2**24 keeps every int32 accumulator exact in float32
 FP32_EXACT_K = (1 << 24) // (127 * 127)
+
+
+@functools.cache
+def cpu_int_mm_exact() -> bool:
+    """Whether torch._int_mm on this CPU returns the exact int32 products. oneDNN's int8 kernel for an ISA without
+    VNNI multiplies pairs of codes into saturating 16-bit sums (vpmaddubsw), so codes near +-127 can come out wrong:
+    seen with ONEDNN_MAX_CPU_ISA=AVX2 or AVX512_CORE on a VNNI CPU (torch still routes the product to oneDNN). The
+    probe uses the codes that saturate such a sum, and random ones."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-127, 128, (20, 256), generator=g, dtype=torch.int8)
+    w = torch.randint(-127, 128, (24, 256), generator=g, dtype=torch.int8)
+    x[0], w[0], w[1] = 127, 127, -127
+    try:
+        got = torch._int_mm(x, w.t())
+    except (RuntimeError, NotImplementedError):
+        return False
+    return torch.equal(got.long(), x.long() @ w.long().t())
 
 
 def int8_gemm(xq: torch.Tensor, wq: torch.Tensor, path: str) -> torch.Tensor:
@@ -23,6 +42,9 @@ def int8_gemm(xq: torch.Tensor, wq: torch.Tensor, path: str) -> torch.Tensor:
             xq = F.pad(xq, (0, 0, 0, pad))
         return torch._int_mm(xq, wq.t())[:m]
     if path == "int8_mm_cpu":
+        if not cpu_int_mm_exact():
+            raise RuntimeError("int8 path int8_mm_cpu: torch._int_mm is not exact on this CPU (its oneDNN kernel "
+                               "saturates without VNNI); use int8_simulated, the CPU default")
         return torch._int_mm(xq, wq.t())
     # every partial sum over <= FP32_EXACT_K products of int8 codes is an integer below 2**24: exact in fp32
     xf, wf = xq.float(), wq.float()
