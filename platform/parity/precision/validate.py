@@ -185,7 +185,7 @@ def check_thresholds(metrics: dict, thresholds: ValidationThresholds) -> list[st
 
 
 def enforce_thresholds(report: dict) -> None:
-    if report.get("failures"):
+    if report["failures"]:
         raise PrecisionValidationError("precision validation failed: " + "; ".join(report["failures"]))
 
 
@@ -199,7 +199,7 @@ def _fmt(v: Any) -> str:
 
 def report_markdown(report: dict, title: str = "Precision validation") -> str:
     th = report["thresholds"]
-    limit_of = {key: (name, th.get(name)) for name, (key, _) in _CHECKS.items()}
+    limit_of = {key: (name, th[name]) for name, (key, _) in _CHECKS.items()}
     lines = [f"# {title}", "", f"{'PASSED' if report['passed'] else 'FAILED'}: {report['n_prompts']} held-out prompts x "
              f"{report['samples_per_prompt']} samples, {report['max_new_tokens']} new tokens, temperature "
              f"{report['temperature']}; quantized side: `{json.dumps(report['quant'])}`", "",

@@ -118,12 +118,12 @@ class Dual(Correction):
                 "count": float(self._count), "c": self.c}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        missing = {"lambda", "steps"} - set(state)
+        missing = {"lambda", "steps", "delta_sum", "count", "c"} - set(state)
         if missing:
             raise ValueError(f"dual correction state lacks {sorted(missing)}")
         self.lam = float(state["lambda"])
         self.steps = int(state["steps"])
-        self._delta_sum = float(state.get("delta_sum", 0.0))
-        self._count = float(state.get("count", 0.0))
-        if state.get("c") is not None and self.cfg.c is None:  # a measured (auto) tolerance resumes as it was
+        self._delta_sum = float(state["delta_sum"])
+        self._count = float(state["count"])
+        if state["c"] is not None and self.cfg.c is None:  # a measured (auto) tolerance resumes as it was
             self.c = float(state["c"])
