@@ -10,11 +10,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from parity.algorithms import StepMetrics, build_corrections, loss_denominators, rl_objective
+from parity.algorithms import StepMetrics, build_corrections, loss_denominators
 from parity.algorithms.corrections import CorrectionContext
 from parity.algorithms.corrections.dual import dual_update
 from parity.config.schema import AlgorithmConfig, parity_schema
 from parity.types import RolloutBatch
+from tests.helpers import rl_objective
 from tests.tolerances import first_order_bound, float32_prob_error
 
 NAN = float("nan")

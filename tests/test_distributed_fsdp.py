@@ -49,8 +49,8 @@ BASE = ["model.dtype=float32", "trainer.device=cpu", f"trainer.lr={LR}", "traine
 
 def _make_batch(cfg, model_dir: Path):
     """A real rollout (3 prompts of uneven length x 3 samples = 9 rows: the ranks get 5 and 4) with rewards."""
+    from parity.core.sampling import SamplingSpec
     from parity.rollout import build_engine
-    from parity.rollout.base import SamplingSpec
 
     engine = build_engine(cfg, model_dir)
     batch = engine.generate([[5, 6, 7], [8, 9], [10, 11, 12, 13]],

@@ -16,12 +16,12 @@ from parity.config import as_plain
 
 ray = pytest.importorskip("ray")
 
+from parity.core.sampling import SamplingSpec  # noqa: E402
 from parity.distributed.actors import RolloutWorker  # noqa: E402
 from parity.distributed.cluster import ray_session  # noqa: E402
 from parity.distributed.rollout_pool import RolloutPool  # noqa: E402
 from parity.distributed.weights import pack_weights  # noqa: E402
 from parity.rollout import build_engine  # noqa: E402
-from parity.rollout.base import SamplingSpec  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the Ray actors run one OpenMP thread each
 

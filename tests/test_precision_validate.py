@@ -160,7 +160,7 @@ def test_accuracy_hook_and_threshold() -> None:
         q.lm_head.weight.mul_(-1)  # a different policy: greedy answers change
     decode = lambda ids: " ".join(map(str, ids))  # noqa: E731
     answers = [decode(r[:1]) for r in ModelSampler(base, 0, 1).generate(
-        PROMPTS, __import__("parity.rollout.base", fromlist=["SamplingSpec"]).SamplingSpec(
+        PROMPTS, __import__("parity.core.sampling", fromlist=["SamplingSpec"]).SamplingSpec(
             temperature=0.0, max_new_tokens=8)).responses.tolist()]
     first_token = lambda texts, ans: [float(t.split(" ")[0] == a) for t, a in zip(texts, ans)]  # noqa: E731
     rep = validate_precision(base, q, PROMPTS, ValidationThresholds(max_accuracy_drop=0.5), **KW, answers=answers,
