@@ -209,6 +209,10 @@ class ActorRolloutRefConfig:
     rollout: SeedRolloutConfig = field(default_factory=SeedRolloutConfig)
 
 
+# DC-GRPO's tolerance c for Qwen3-8B (arXiv 2606.08779): algorithm.correction.tolerance when none is given
+DEFAULT_TOLERANCE = 0.0037
+
+
 @dataclass
 class CorrectionConfig:
     """`algorithm.correction`. Its sections (`tis`, `dual`, ...) are not listed here: each registered correction
@@ -220,7 +224,7 @@ class CorrectionConfig:
     # c of the mismatch telemetry's over-tolerance fraction and of the dual: a number (0.0037 = DC-GRPO's for
     # Qwen3-8B) or auto = tolerance_multiple x the mean |p_train - p_inf| the validate stage measured for this
     # rollout precision (its validation.json), or, without one, of the first tolerance_steps steps
-    tolerance: Any = 0.0037
+    tolerance: Any = DEFAULT_TOLERANCE
     tolerance_multiple: float = 1.0
     tolerance_steps: int = 3
     # modules that register corrections defined outside parity, imported by every process that builds the

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from parity.algorithms.corrections.base import CORRECTIONS, KEY, Correction, require
+from parity.config.schema import DEFAULT_TOLERANCE
 from parity.types import RolloutBatch
 
 STATE_VERSION = 1
@@ -39,7 +40,7 @@ class AutoTolerance:
 class CorrectionStack:
     """The configured corrections, applied in the order named. `tolerance` None: being measured (AutoTolerance)."""
 
-    def __init__(self, corrections: list[Correction], tolerance: float | None = 0.0037,
+    def __init__(self, corrections: list[Correction], tolerance: float | None,
                  auto: AutoTolerance | None = None) -> None:
         self.corrections = corrections
         self.tolerance = None if tolerance is None else float(tolerance)
@@ -165,9 +166,10 @@ def _section(cfg: Any, key: str | None) -> Any:
 
 def resolve_tolerance(value: Any, measured: float | None = None, multiple: float = 1.0) -> float | None:
     """The tolerance c of `algorithm.correction.tolerance`: a number as given; `auto` = multiple x `measured` (the
-    validate stage's mean |p_train - p_inf| for this precision), or None when nothing was measured yet."""
+    validate stage's mean |p_train - p_inf| for this precision), or None when nothing was measured yet; None gives
+    the schema's default."""
     if value is None:
-        return 0.0037
+        return DEFAULT_TOLERANCE
     if isinstance(value, str) and value.strip().lower() == "auto":
         return None if measured is None else float(multiple) * float(measured)
     try:
