@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -16,6 +14,7 @@ from parity.config.keys import REMOVED, check_config, check_overrides, open_grou
 from parity.config.schema import ParityConfig, add_correction_section, correction_sections, parity_schema
 from parity.config.seed_block import fold_seed_block
 from parity.config.validate import ConfigError, validate_config
+from parity.config_tree import config_dir, default_groups
 
 _STORED: type | None = None  # the schema stored with Hydra
 
@@ -58,32 +57,6 @@ def register_schema(overrides: list[str] | None = None) -> None:
 
         ConfigStore.instance().store(name="parity_schema", node=schema)
         _STORED = schema
-
-
-def repo_root() -> Path:
-    return Path(__file__).resolve().parents[3]
-
-
-def config_dir() -> Path:
-    env = os.environ.get("PARITY_CONFIGS")
-    return Path(env).resolve() if env else repo_root() / "configs"
-
-
-def default_groups() -> tuple[str, ...]:
-    """Config groups that configs/config.yaml's defaults list always holds (model, experiment, eval, ...)."""
-    path = config_dir() / "config.yaml"
-    return _default_groups(str(path), path.stat().st_mtime if path.is_file() else 0.0)
-
-
-@functools.cache
-def _default_groups(path: str, _mtime: float) -> tuple[str, ...]:
-    if not Path(path).is_file():
-        return ()
-    groups = []
-    for entry in OmegaConf.load(path).get("defaults", []) or []:
-        if isinstance(entry, DictConfig):
-            groups += [str(k).removeprefix("override ").removeprefix("optional ").strip() for k in entry]
-    return tuple(groups)
 
 
 def normalize_overrides(overrides: list[str]) -> list[str]:
