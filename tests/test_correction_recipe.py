@@ -81,8 +81,7 @@ def test_the_section_is_in_the_schema_and_checked(quick_cfg) -> None:
 
 def test_it_trains_in_process_and_over_ray(quick_cfg, prepared_model, monkeypatch) -> None:
     pytest.importorskip("ray")
-    from parity.distributed.driver import train_distributed
-    from parity.training.loop import train
+    from parity.commands.train import train
 
     local = train(quick_cfg(*RECIPE, "trainer.run_name=recipe-local"))
     rows = _rows(local["run_dir"])
@@ -93,7 +92,7 @@ def test_it_trains_in_process_and_over_ray(quick_cfg, prepared_model, monkeypatc
     assert all(r["correction/masked_frac"] >= r["correction/drop_rare_frac"] for r in rows[1:])
 
     monkeypatch.setenv("PYTHONPATH", f"{REPO}:{__import__('os').environ.get('PYTHONPATH', '')}".rstrip(":"))
-    dist = train_distributed(quick_cfg(*RECIPE, "trainer.run_name=recipe-ray", "distributed.enabled=true",
+    dist = train(quick_cfg(*RECIPE, "trainer.run_name=recipe-ray", "distributed.enabled=true",
                                        "distributed.num_rollout_workers=1", "distributed.rollout_cpus=1",
                                        "distributed.trainer_cpus=1", "distributed.num_cpus=2"))
     got, want = _non_perf(_rows(dist["run_dir"])), _non_perf(rows)

@@ -289,7 +289,7 @@ def reference_run(one_thread_ray, quick_cfg, prepared_model) -> dict:
     from torch.optim.optimizer import register_optimizer_step_pre_hook
     from transformers import AutoModelForCausalLM
 
-    from parity.training.loop import train
+    from parity.commands.train import train
 
     names = [n for n, _ in AutoModelForCausalLM.from_pretrained(prepared_model).named_parameters()]
     applied: dict[str, list[torch.Tensor]] = {n: [] for n in names}
@@ -312,10 +312,11 @@ def reference_run(one_thread_ray, quick_cfg, prepared_model) -> dict:
 def test_sharded_trainer_over_ray_matches_the_single_process_run(sync, one_thread_ray, reference_run, quick_cfg,
                                                                  prepared_model) -> None:
     """object_store: rank 0 gathers, one ray.put; broadcast: the gloo weight group (the NCCL path on GPUs)."""
-    from parity.distributed.driver import train_distributed
+
+    from parity.commands.train import train
 
     ref = reference_run
-    dist = train_distributed(quick_cfg(*RUN, *RAY, f"distributed.weight_sync={sync}", f"trainer.run_name=fsdp_{sync}"))
+    dist = train(quick_cfg(*RUN, *RAY, f"distributed.weight_sync={sync}", f"trainer.run_name=fsdp_{sync}"))
     assert dist["distributed"]["trainer_workers"] == 2 and dist["distributed"]["weight_sync"] == sync
     got, want = _rows(dist["run_dir"]), _rows(ref["run_dir"])
     assert [r["step"] for r in got] == [0, 1, 2]

@@ -114,7 +114,7 @@ def test_drift_cosine_against_float64_by_hand(tmp_path) -> None:
 
 
 def test_a_short_perturbed_run_reports_the_dial_and_its_drift(quick_cfg) -> None:
-    from parity.training.loop import train
+    from parity.commands.train import train
 
     cfg = quick_cfg("model.dtype=float32", "rollout.precision.perturbation.sigma=0.05", "trainer.run_name=dial",
                     "trainer.eval_every=2")
