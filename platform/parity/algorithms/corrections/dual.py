@@ -117,6 +117,7 @@ class Dual(DualPrice):
 
     def set_tolerance(self, c: float) -> None:
         """The tolerance `algorithm.correction.tolerance=auto` measured (kept when dual.c is set)."""
+        super().set_tolerance(c)
         if self.cfg.c is None:
             self.c = float(c)
 

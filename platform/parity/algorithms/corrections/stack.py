@@ -63,7 +63,7 @@ class CorrectionStack:
     @property
     def top_k(self) -> int:
         """Leading top-K columns of the batch that are used (0 = all)."""
-        return max((int(getattr(c, "top_k", 0)) for c in self.corrections if c.needs_topk), default=0)
+        return max((c.top_k for c in self.corrections if c.needs_topk), default=0)
 
     @property
     def is_weight(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -109,8 +109,7 @@ class CorrectionStack:
     def set_tolerance(self, c: float) -> None:
         self.tolerance = float(c)
         for corr in self.corrections:
-            if hasattr(corr, "set_tolerance"):
-                corr.set_tolerance(c)
+            corr.set_tolerance(c)
 
     def state_dict(self) -> dict[str, Any]:
         return {"version": STATE_VERSION, "names": self.names, "tolerance": self.tolerance,
@@ -202,7 +201,7 @@ def build_corrections(cfg: Any, policy_loss: str | None = None, topk_logprobs: i
     for n in parse_names(name):
         cls = CORRECTIONS.get(n)
         corrections.append(cls(_section(cfg, cls.config_key), tolerance))
-    weighted = [c.name for c in corrections if type(c).weights is not Correction.weights]
+    weighted = [c.name for c in corrections if c.weights_tokens]
     require(len(weighted) <= 1, f"{KEY}.name",
             f"at most one importance-weight correction may be stacked, got {'+'.join(weighted)}")
     stack = CorrectionStack(corrections, tolerance, auto)
