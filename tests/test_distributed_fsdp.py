@@ -201,23 +201,33 @@ def _metrics_close(got: dict, want: dict, what: str) -> None:
         assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-7), f"{what}: {k} {got[k]} != {want[k]}"
 
 
-def test_two_gloo_ranks_match_the_single_process_trainer(quick_cfg, prepared_model, tmp_path) -> None:
-    cfgs = {name: quick_cfg(*BASE, *over) for name, over in CASES.items()}
-    batch = _make_batch(cfgs["token_mean_dual"], prepared_model)
+def two_gloo_ranks(cfgs: dict, model_dir: Path, batch, tmp_path: Path) -> tuple[dict, dict]:
+    """One step of a fresh ShardedTrainer a config over two gloo ranks (this process and a spawned one), on one
+    torch thread: what rank 0 gathered ({name: metrics, grads, weights, state}) and what rank 1 received."""
     out = str(tmp_path / "rank0.pt")
     plain = {n: as_plain(c) for n, c in cfgs.items()}
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        args = (2, _free_port(), plain, str(prepared_model), batch, out)
+        args = (2, _free_port(), plain, str(model_dir), batch, out)
         child = mp.start_processes(_child, args=args, nprocs=1, join=False, start_method="spawn")
         try:
             _rank_main(0, *args)
         finally:
             while not child.join():  # raises with the child's traceback if rank 1 failed
                 pass
-        got = torch.load(out, weights_only=False)
-        received = torch.load(out + ".rank1", weights_only=False)["received"]
+    finally:
+        torch.set_num_threads(before)
+    return torch.load(out, weights_only=False), torch.load(out + ".rank1", weights_only=False)["received"]
+
+
+def test_two_gloo_ranks_match_the_single_process_trainer(quick_cfg, prepared_model, tmp_path) -> None:
+    cfgs = {name: quick_cfg(*BASE, *over) for name, over in CASES.items()}
+    batch = _make_batch(cfgs["token_mean_dual"], prepared_model)
+    got, received = two_gloo_ranks(cfgs, prepared_model, batch, tmp_path)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
         for name, cfg in cfgs.items():
             ref, (m,), applied = _single(cfg, prepared_model, batch)
             g = got[name]
