@@ -12,6 +12,8 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from parity.mismatch_tolerance import DEFAULT_TOLERANCE
+
 
 @dataclass
 class TinyModelConfig:
@@ -207,10 +209,6 @@ class SeedRolloutConfig:
 @dataclass
 class ActorRolloutRefConfig:
     rollout: SeedRolloutConfig = field(default_factory=SeedRolloutConfig)
-
-
-# DC-GRPO's tolerance c for Qwen3-8B (arXiv 2606.08779): algorithm.correction.tolerance when none is given
-DEFAULT_TOLERANCE = 0.0037
 
 
 @dataclass

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from parity.algorithms.corrections.base import CORRECTIONS, KEY, Correction, require
-from parity.config.schema import DEFAULT_TOLERANCE
+from parity.mismatch_tolerance import DEFAULT_TOLERANCE
 from parity.types import RolloutBatch
 
 STATE_VERSION = 1
