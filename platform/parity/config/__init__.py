@@ -106,9 +106,7 @@ def compose_config(overrides: list[str] | None = None, extra_config_dir: str | N
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    overrides = normalize_overrides(list(overrides or []))
-    register_schema(overrides)  # first: the corrections' sections (and modules an override names) are keys
-    check_keys(overrides, [extra_config_dir] if extra_config_dir else [])
+    overrides = checked_overrides(list(overrides or []), [extra_config_dir] if extra_config_dir else [])
     if extra_config_dir:
         overrides = [f"hydra.searchpath=[file://{Path(extra_config_dir).resolve()}]", *overrides]
     if GlobalHydra.instance().is_initialized():
@@ -119,6 +117,27 @@ def compose_config(overrides: list[str] | None = None, extra_config_dir: str | N
         except Exception as e:
             _refuse_removed_key(e)
             raise
+    return checked_config(cfg, validate)
+
+
+def checked_overrides(overrides: list[str], config_dirs: list[str | Path] = (), check_paths: bool = False) -> list[str]:
+    """What loading a config checks before Hydra composes it, in order, for `load_config` and the CLI alike: the
+    overrides normalised (normalize_overrides); with `check_paths` (the CLI), their keys, types and paths before the
+    registries import torch (check_command_line); the registries loaded and the schema stored (register_schema:
+    modules an override names register first); every key, the corrections' sections' too (check_keys). Returns
+    the normalised overrides; a ConfigError names the key."""
+    overrides = normalize_overrides(overrides)
+    if check_paths:
+        check_command_line(overrides, config_dirs)
+    register_schema(overrides)
+    check_keys(overrides, config_dirs)
+    return overrides
+
+
+def checked_config(cfg: DictConfig, validate: bool = True) -> DictConfig:
+    """What loading a config checks once Hydra has composed it: keys set by config files (check_config), then the
+    values and their combinations, the correction stack built (validate_config). `typed` then gives the library's
+    dataclasses."""
     check_config(cfg)
     if validate:
         validate_config(cfg)
@@ -230,4 +249,5 @@ def flatten(cfg: ParityConfig | DictConfig) -> dict[str, object]:
 
 
 __all__ = ["ConfigError", "ParityConfig", "load_config", "compose_config", "typed", "from_plain", "as_plain", "with_values", "validate_config", "register_schema", "load_registries", "config_dir",
-           "flatten", "to_yaml", "check_command_line", "check_keys", "check_config", "open_groups", "normalize_overrides", "default_groups"]
+           "flatten", "to_yaml", "check_command_line", "check_keys", "check_config", "open_groups", "normalize_overrides", "default_groups",
+           "checked_overrides", "checked_config"]
