@@ -18,10 +18,6 @@ from parity import precision_names
 from parity.tracking import naming
 
 MISSING = "—"
-# Metric names a run may carry its benchmark average under (first found wins).
-BENCH_AVG_KEYS = ("benchmark_macro_avg", "eval/macro/avg@k", "eval/macro/avg_at_k", "eval/avg@k",
-                  "benchmark/macro_avg", "eval/benchmark_avg")
-_BENCH_AVG_RE = re.compile(r"(macro|average|bench\w*_avg)", re.IGNORECASE)
 # Keys that differ between seeds (or names/paths) of one configuration and so do not define it.
 _NOT_CONFIG = re.compile(r"(^|\.)(seed|shuffle_seed|run_name|experiment_name|resume)$|(^|\.)(outputs_dir|out_dir|"
                          r"path|model_path|datasets_dir|export_dir|tracking_uri|registry_url)$|^tracking\.|^hydra")
@@ -101,11 +97,9 @@ def bench_problems(metrics: dict[str, float]) -> dict[str, int]:
 
 
 def bench_average(metrics: dict[str, float]) -> float | None:
-    for k in BENCH_AVG_KEYS:
+    """The benchmark macro average a run carries: a pipeline's headline, else an evaluate stage's own."""
+    for k in (naming.BENCHMARK_AVG_METRIC, naming.STAGE_BENCHMARK_AVG_METRIC):
         if k in metrics:
-            return float(metrics[k])
-    for k in sorted(metrics):
-        if _BENCH_AVG_RE.search(k) and ("avg" in k or "accuracy" in k):
             return float(metrics[k])
     return None
 
@@ -122,11 +116,7 @@ TOP_KINDS = ("pipeline", "train", "run")
 
 
 def _stage_of(r: RunRecord) -> str:
-    s = r.tags.get("parity.stage") or r.tags.get("stage") or ""
-    if s:
-        return s
-    return r.run_name if r.parent_id and r.run_name in ("prepare", "quantize", "validate", "train", "evaluate",
-                                                        "register", "compare") else ""
+    return r.tags.get(naming.STAGE_TAG, "")
 
 
 def _kind(r: RunRecord, has_parent: bool, n_children: int) -> str:
@@ -135,9 +125,9 @@ def _kind(r: RunRecord, has_parent: bool, n_children: int) -> str:
         return tagged
     if has_parent:
         return "stage"
-    if n_children or r.tags.get("parity.flow"):
+    if n_children or r.tags.get(naming.FLOW_TAG):
         return "pipeline"
-    if r.tags.get("parity.command") == "train" or "reward/mean" in r.metrics:
+    if r.tags.get(naming.COMMAND_TAG) == "train" or "reward/mean" in r.metrics:
         return "train"
     return "run"
 
@@ -165,10 +155,10 @@ def _steps(train: RunRecord | None) -> int | None:
 
 def _failure(r: RunRecord, children: Sequence[RunRecord]) -> str:
     """Why a run failed: its own `parity.failure` tag, else its first failed stage's (`<stage>: <reason>`)."""
-    own = r.tags.get("parity.failure")
+    own = r.tags.get(naming.FAILURE_TAG)
     if not own:
-        failed = next((k for k in children if k.status == "FAILED" and k.tags.get("parity.failure")), None)
-        own = f"{_stage_of(failed) or failed.run_name}: {failed.tags['parity.failure']}" if failed else ""
+        failed = next((k for k in children if k.status == "FAILED" and k.tags.get(naming.FAILURE_TAG)), None)
+        own = f"{_stage_of(failed) or failed.run_name}: {failed.tags[naming.FAILURE_TAG]}" if failed else ""
     if not own and r.status == "FAILED":
         return "failed (no reason recorded)"
     first = own.strip().splitlines()[0] if own.strip() else ""
@@ -229,11 +219,11 @@ def runs_frame(records: Sequence[RunRecord], mlflow_ui: str, now_ms: int | None 
             "run": f"↳ {stage or r.run_name}" if kind == "stage" else r.run_name,
             "mlflow": mlflow_run_url(mlflow_ui, r.experiment_id, r.run_id), "status": r.status,
             # what the run trained (a regression check: the candidate it checked), by its tags, else its params
-            "experiment": tags.get("parity.experiment") or param(params, "experiment_name", r.experiment),
-            "precision": tags.get("parity.precision") or (precision_short(params) if params else ""),
-            "correction": tags.get("parity.correction") or (param(params, "algorithm.correction.name", "none")
+            "experiment": tags.get(naming.FACT_TAGS["experiment"]) or param(params, "experiment_name", r.experiment),
+            "precision": tags.get(naming.FACT_TAGS["precision"]) or (precision_short(params) if params else ""),
+            "correction": tags.get(naming.FACT_TAGS["correction"]) or (param(params, "algorithm.correction.name", "none")
                                                             if params else ""),
-            "seed": tags.get("parity.seed") or param(params, SEED_KEY, ""),
+            "seed": tags.get(naming.FACT_TAGS["seed"]) or param(params, SEED_KEY, ""),
             "final_reward": final if kind != "stage" or train is r else None,
             "heldout_accuracy": acc if kind != "stage" or train is r else None,
             "mismatch": mismatch if kind != "stage" or train is r else None,

@@ -1,12 +1,15 @@
 """Fingerprints of fixed short runs: a refactoring that must not change the numerics leaves them equal.
 
-    python scripts/metrics_fingerprint.py --out fingerprints.json          # the three runs below, 3 steps each
+    python scripts/metrics_fingerprint.py --out fingerprints.json          # the runs below, 3 steps each
+    python scripts/metrics_fingerprint.py --runs dual,dual_centered --out part.json
     python scripts/metrics_fingerprint.py --compare before.json after.json
 
-Each run is `parity.training.loop.train` on the CPU in float32 with one torch thread, its own outputs folder and
-fixed seeds: the default experiment, the MoE one with routing replay, and the default with an INT8 W8A8 + INT4 KV
-rollout under score centering (8 prompts x 8 samples after a 120-step warm start, so rewards are not all 0 and
-the weights move). The fingerprint is the sha256 of every step's metrics (timings, `perf/*`, left out;
+Each run is `parity.commands.train.train` (the runner distributed.enabled asks for) on the CPU in float32 with one
+torch thread, its own outputs folder and fixed seeds: the default experiment, the MoE one with routing replay, the
+default with an INT8 W8A8 + INT4 KV rollout under score centering, the default under the dual and the centered
+dual corrections and under score centering composed with TIS, and the dual correction with the trainer sharded
+over two gloo ranks (Ray actors on a local Ray) (8 prompts x 8 samples after a 120-step warm start, so rewards are
+not all 0 and the weights move). The fingerprint is the sha256 of every step's metrics (timings, `perf/*`, left out;
 floats written with repr, so one ulp changes it) and of the final weights' bytes."""
 
 from __future__ import annotations
@@ -24,6 +27,13 @@ RUNS = {
     "moe_routing_replay": ["experiment=arith_tiny_moe"],
     "int8_int4kv_score_centering": ["+precision=w8a8_int8_kv_int4", "algorithm.correction.name=score_centering",
                                     "algorithm.policy_loss=reinforce", "rollout.topk_logprobs=32"],
+    "dual": ["algorithm.correction.name=dual"],
+    "dual_centered": ["algorithm.correction.name=dual_centered"],
+    "score_centering_tis": ["algorithm.correction.name=score_centering+tis", "algorithm.policy_loss=reinforce",
+                            "rollout.topk_logprobs=32"],
+    "sharded_gloo_dual": ["algorithm.correction.name=dual", "trainer.shared_prefix=off", "distributed.enabled=true",
+                          "distributed.num_rollout_workers=1", "distributed.trainer_workers=2",
+                          "distributed.rollout_cpus=1", "distributed.trainer_cpus=1", "distributed.num_cpus=3"],
 }
 COMMON = ["model.dtype=float32", "trainer.device=cpu", "trainer.total_steps=3", "trainer.eval_every=3",
           "trainer.checkpoint_every=3", "trainer.prompts_per_step=8", "rollout.n=8", "model.warm_start.steps=120",
@@ -34,8 +44,8 @@ TIMING = ("perf/", "train/seconds", "seconds")
 def fingerprint(name: str, overrides: list[str], outputs: Path) -> dict:
     import torch
 
+    from parity.commands.train import train
     from parity.config import load_config
-    from parity.training.loop import train
 
     torch.set_num_threads(1)
     cfg = load_config([f"outputs_dir={outputs}", *overrides, *COMMON, f"trainer.run_name=fp-{name}"])

@@ -38,9 +38,9 @@ def parse_setting(text: str) -> dict:
 
 
 def task_stats(engine, tok, cfg, grader, n: int, samples: int, seed: int) -> dict:
+    from parity.core.sampling import SamplingSpec
     from parity.data.prompts import render_prompt
     from parity.data.tasks import heldout_problems
-    from parity.rollout.base import SamplingSpec
     from parity.training.heldout import heldout_accuracy
 
     problems = heldout_problems(cfg, n)
@@ -83,12 +83,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from parity.config import load_config
     from parity.config.schema import PerturbationConfig, PrecisionConfig
+    from parity.core.sampling import SamplingSpec
     from parity.data.prompts import build_train_stream, render_prompt
     from parity.models.prepare import resolve_model_dir
     from parity.precision.sampler import response_logprobs
     from parity.rewards.grader import GraderPool
     from parity.rollout import build_engine, compute_dtype, resolve_device
-    from parity.rollout.base import SamplingSpec
 
     cfg = load_config([f"experiment={a.experiment}", f"outputs_dir={a.outputs_dir}", *a.overrides.split()])
     model_dir = Path(resolve_model_dir(cfg))

@@ -83,7 +83,7 @@ def open_pipeline(flow: str, cfg: ParityConfig, overrides: list[str], title: str
     c = mlflow_client(str(t.tracking_uri))
     exp = mlflow_log.experiment_id(c, str(t.experiment), mlflow_log.default_artifact_dir(str(t.tracking_uri)))
     title = naming.unique_run_name(c, exp, title or naming.run_title(cfg))
-    tags = {**naming.tags_of(facts or naming.facts_of(cfg)), "parity.flow": flow, "parity.pipeline_id": str(pid),
+    tags = {**naming.tags_of(facts or naming.facts_of(cfg)), naming.FLOW_TAG: flow, naming.PIPELINE_ID_TAG: str(pid),
             "parity.flow_run_id": str(flow_run_id), **({naming.SWEEP_TAG: sweep} if sweep else {})}
     run_id = mlflow_log.start_run(c, exp, title, tags={**tags, naming.KIND_TAG: "pipeline"})
     reg.set_pipeline_mlflow_run(pid, run_id)
@@ -116,7 +116,7 @@ def close_pipeline(ref: PipelineRef, ok: bool, reason: str | None = None) -> Non
                                                    None if reason is None else mask_url(reason))
         c = mlflow_client(ref.tracking_uri)
         if reason is not None:  # why it failed, on the run the Runs page and MLflow's table show
-            c.set_tag(ref.run_id, "parity.failure", mask_url(reason)[:5000])
+            c.set_tag(ref.run_id, naming.FAILURE_TAG, mask_url(reason)[:5000])
         mlflow_log.end_run(c, ref.run_id, ok)
     except Exception as e:
         if ok:
@@ -167,7 +167,7 @@ def stage(ref: PipelineRef, name: str) -> Iterator[StageHandle]:
     c = mlflow_client(ref.tracking_uri)
     run_id = mlflow_log.start_run(c, ref.experiment_id, naming.stage_title(ref.title or ref.flow, name),
                                   parent_run_id=ref.run_id,
-                                  tags={**ref.tags, "parity.stage": name, "parity.pipeline_id": str(ref.pipeline_id),
+                                  tags={**ref.tags, naming.STAGE_TAG: name, naming.PIPELINE_ID_TAG: str(ref.pipeline_id),
                                         naming.KIND_TAG: "stage"})
     if ref.params:
         mlflow_log.log_params(c, run_id, ref.params if name in FULL_PARAMS_STAGES
@@ -179,7 +179,7 @@ def stage(ref: PipelineRef, name: str) -> Iterator[StageHandle]:
     except BaseException as e:
         reason = _reason(e)
         reg.end_stage(h.stage_id, "failed", result=h.result, reason=reason)
-        c.set_tag(run_id, "parity.failure", reason[:5000])
+        c.set_tag(run_id, naming.FAILURE_TAG, reason[:5000])
         mlflow_log.end_run(c, run_id, ok=False)
         raise
     result = _jsonable(h.result or {})

@@ -10,11 +10,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from parity.algorithms import StepMetrics, build_corrections, loss_denominators, rl_objective
+from parity.algorithms import StepMetrics, build_corrections, loss_denominators
 from parity.algorithms.corrections import CorrectionContext
 from parity.algorithms.corrections.dual import dual_update
 from parity.config.schema import AlgorithmConfig, parity_schema
 from parity.types import RolloutBatch
+from tests.helpers import rl_objective
 from tests.tolerances import first_order_bound, float32_prob_error
 
 NAN = float("nan")
@@ -253,6 +254,8 @@ def test_build_accepts_dictconfig_and_composes() -> None:
     ({"name": "score_centering"}, {"policy_loss": "ppo_clip"}, r"algorithm\.policy_loss: score_centering"),
     ({"name": "score_centering"}, {"topk_logprobs": 0}, r"rollout\.topk_logprobs"),
     ({"name": "score_centering+tis", "tis": {"level": "sequence"}}, {}, r"algorithm\.correction\.tis\.level"),
+    ({"name": "score_centering+seq_tis"}, {}, r"seq_tis weights whole responses; use tis with "
+                                             r"algorithm\.correction\.tis\.level=token"),
 ])
 def test_bad_configs_name_the_key(cfg: dict, kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -356,3 +359,33 @@ def test_dual_centered_config_errors_name_the_key() -> None:
         setattr(cfg.dual_centered, key, value)
         with pytest.raises(ValueError, match=f"algorithm.correction.dual_centered.{key}"):
             build_corrections(cfg)
+
+
+def test_composition_rules_come_from_what_each_partner_declares() -> None:
+    """Score centering refuses any partner that weights tokens without a token-level IS rule, by what the partner
+    declares (weights_tokens, provides_token_is_weight, token_level_setting), not by its name."""
+    from parity.algorithms import Correction, CorrectionStack
+
+    class ResponseWeight(Correction):  # weights whole responses, and no setting makes it token-level
+        name = "response_weight"
+
+        def weights(self, ctx: CorrectionContext) -> torch.Tensor:
+            return ctx.mask.float()
+
+    sc = single("score_centering")
+    assert ResponseWeight().weights_tokens and not ResponseWeight().provides_token_is_weight
+    with pytest.raises(ValueError, match=r"^algorithm\.correction: score_centering composes only with token-level IS "
+                                         r"weights, and response_weight weights whole responses$"):
+        CorrectionStack([sc, ResponseWeight()], 0.0).check("reinforce", 8)
+    CorrectionStack([sc, single("icepop")], 0.0).check("reinforce", 8)  # a token-level rule composes
+    CorrectionStack([sc, single("dual")], 0.0).check("reinforce", 8)  # a partner that weights nothing composes
+
+
+def test_tolerance_and_top_k_are_part_of_every_correction() -> None:
+    stack = build_corrections(OmegaConf.create({"name": "score_centering+tis+dual", "tolerance": "auto",
+                                                "score_centering": {"top_k": 5}}),
+                              policy_loss="reinforce", topk_logprobs=8)
+    assert [c.top_k for c in stack] == [5, 0, 0] and stack.top_k == 5
+    assert stack.tolerance is None and all(c.tolerance is None for c in stack)  # auto: not measured yet
+    stack.set_tolerance(0.01)
+    assert all(c.tolerance == 0.01 for c in stack) and stack.corrections[2].c == 0.01  # the dual takes it up

@@ -13,10 +13,10 @@ from parity.algorithms import (
     compute_advantages,
     get_policy_loss,
     loss_denominators,
-    rl_objective,
 )
 from parity.config.schema import AlgorithmConfig, parity_schema
 from parity.types import RolloutBatch
+from tests.helpers import rl_objective
 from tests.tolerances import U32, logprob_bound, logprob_grad_scales, token_coefficients
 
 B, R, H, V, T = 8, 6, 5, 19, 0.9

@@ -14,11 +14,11 @@ from parity.algorithms import (
     build_corrections,
     loss_denominators,
     masked_token_logprobs,
-    rl_objective,
 )
 from parity.algorithms.corrections.score_centering import centering_coefficients
 from parity.config.schema import AlgorithmConfig
 from parity.types import RolloutBatch
+from tests.helpers import rl_objective
 from tests.tolerances import U32, logprob_bound, logprob_grad_scales
 
 B, R, H, V, T, C = 3, 4, 6, 13, 0.8, 2.0

@@ -92,7 +92,7 @@ def test_engine_batch_in_lanes_is_one_threads_batch_bit_for_bit(prepared_model, 
     off, against one call without sharing on one thread (the reference every runner agrees with)."""
     from transformers import AutoTokenizer
 
-    from parity.rollout.base import SamplingSpec
+    from parity.core.sampling import SamplingSpec
     from parity.rollout.torch_engine import TorchEngine
 
     tok = AutoTokenizer.from_pretrained(str(prepared_model))
@@ -161,7 +161,7 @@ def test_shared_prefill_batch_does_not_depend_on_the_sharding(prepared_model):
     rollout pool merges its workers' shards, give the one-call batch bit for bit, on one thread a call. (A shard of
     3 rows is not held to it: the decode steps' products of 3 rows and of 18 may take different kernels, with or
     without the shared prefill.)"""
-    from parity.rollout.base import SamplingSpec
+    from parity.core.sampling import SamplingSpec
     from parity.rollout.sharding import global_spec, merge_batches, shard_prompts
     from parity.rollout.torch_engine import TorchEngine
 

@@ -282,8 +282,8 @@ def test_runs_name_the_benchmark_set_of_each_average():
                              metrics={"benchmark_macro_avg": avg}, tags={naming.KIND_TAG: "pipeline"})
         ev = data.RunRecord(f"e{i}", f"run {i} / evaluate", "1", "arith_tiny", "FINISHED", 2000 + i,
                             metrics={**{f"eval/{b}/problems": float(n) for b, n in problems.items()},
-                                     "eval/macro/avg@k": avg},
-                            tags={"mlflow.parentRunId": f"p{i}", naming.KIND_TAG: "stage", "parity.stage": "evaluate"})
+                                     naming.STAGE_BENCHMARK_AVG_METRIC: avg},
+                            tags={"mlflow.parentRunId": f"p{i}", naming.KIND_TAG: "stage", naming.STAGE_TAG: "evaluate"})
         return [top, ev]
 
     quick = {"arithmetic": 64, **{b: 8 for b in ("aime24", "aime25", "amc23", "math500", "minerva_math",
@@ -471,7 +471,14 @@ def test_unreachable_server_is_a_message_not_a_hang():
         data.mlflow_client("http://127.0.0.1:9")  # discard port: connection refused at once
 
 
-def test_bench_average_prefers_macro():
-    assert frames.bench_average({"eval/macro/avg@k": 0.4, "eval/arith/avg@k": 0.9}) == 0.4
-    assert frames.bench_average({"reward/mean": 1.0}) is None
-    assert math.isclose(float(np.float64(frames.bench_average({"eval/macro/avg@k": 0.25}))), 0.25)
+def test_bench_average_reads_what_the_writers_log():
+    from parity.tracking.mlflow_log import metric_key
+
+    # an evaluate stage logs eval/<benchmark>/avg@k and eval/macro/avg@k (tasks/records.py), stored as avg_at_k
+    stage = {metric_key(k): v for k, v in {"eval/macro/avg@k": 0.4, "eval/arith/avg@k": 0.9}.items()}
+    assert frames.bench_average(stage) == 0.4
+    # a pipeline's headline (naming.headline_metrics) wins over a stage's number it also carries
+    headline = naming.headline_metrics({}, {"avg@k": 0.3})
+    assert frames.bench_average({**stage, **headline}) == 0.3
+    assert frames.bench_average({"reward/mean": 1.0, "eval/arith/avg_at_k": 0.9}) is None
+    assert math.isclose(float(np.float64(frames.bench_average(headline))), 0.3)

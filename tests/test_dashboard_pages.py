@@ -88,11 +88,11 @@ def build_stores(quick_cfg, base: Path) -> dict:
     marker = base / "dashboard_stores.json"
     if marker.is_file():
         return json.loads(marker.read_text())
+    from parity.commands.train import train
     from parity.config import flatten
     from parity.tracking import mlflow_log
     from parity.tracking.registry import Registry
     from parity.tracking.regression import compare
-    from parity.training.loop import train
 
     uri, reg_url = f"sqlite:///{base}/dash_mlflow.db", f"sqlite:///{base}/dash_registry.db"
     cfg = quick_cfg("trainer.run_name=dash-dual", "algorithm.correction.name=dual", f"tracking.tracking_uri={uri}",
@@ -370,9 +370,9 @@ def test_runs_table_tells_a_failed_run_and_its_rerun_apart(outputs_dir, prepared
     fails at step 2 (the loop raises), the second resumes it and finishes at step 3. MLflow names them apart, and
     the Runs page shows each with its status, the steps it got through, its duration, its last mismatch and, for
     the failed one, why; every cell it has no value for reads '—'."""
+    from parity.commands.train import train
     from parity.config import load_config
     from parity.tracking.train_run import tracked_train
-    from parity.training.loop import train
     from tests.conftest import QUICK
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"

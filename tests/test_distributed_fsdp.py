@@ -49,8 +49,8 @@ BASE = ["model.dtype=float32", "trainer.device=cpu", f"trainer.lr={LR}", "traine
 
 def _make_batch(cfg, model_dir: Path):
     """A real rollout (3 prompts of uneven length x 3 samples = 9 rows: the ranks get 5 and 4) with rewards."""
+    from parity.core.sampling import SamplingSpec
     from parity.rollout import build_engine
-    from parity.rollout.base import SamplingSpec
 
     engine = build_engine(cfg, model_dir)
     batch = engine.generate([[5, 6, 7], [8, 9], [10, 11, 12, 13]],
@@ -201,23 +201,33 @@ def _metrics_close(got: dict, want: dict, what: str) -> None:
         assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-7), f"{what}: {k} {got[k]} != {want[k]}"
 
 
-def test_two_gloo_ranks_match_the_single_process_trainer(quick_cfg, prepared_model, tmp_path) -> None:
-    cfgs = {name: quick_cfg(*BASE, *over) for name, over in CASES.items()}
-    batch = _make_batch(cfgs["token_mean_dual"], prepared_model)
+def two_gloo_ranks(cfgs: dict, model_dir: Path, batch, tmp_path: Path) -> tuple[dict, dict]:
+    """One step of a fresh ShardedTrainer a config over two gloo ranks (this process and a spawned one), on one
+    torch thread: what rank 0 gathered ({name: metrics, grads, weights, state}) and what rank 1 received."""
     out = str(tmp_path / "rank0.pt")
     plain = {n: as_plain(c) for n, c in cfgs.items()}
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        args = (2, _free_port(), plain, str(prepared_model), batch, out)
+        args = (2, _free_port(), plain, str(model_dir), batch, out)
         child = mp.start_processes(_child, args=args, nprocs=1, join=False, start_method="spawn")
         try:
             _rank_main(0, *args)
         finally:
             while not child.join():  # raises with the child's traceback if rank 1 failed
                 pass
-        got = torch.load(out, weights_only=False)
-        received = torch.load(out + ".rank1", weights_only=False)["received"]
+    finally:
+        torch.set_num_threads(before)
+    return torch.load(out, weights_only=False), torch.load(out + ".rank1", weights_only=False)["received"]
+
+
+def test_two_gloo_ranks_match_the_single_process_trainer(quick_cfg, prepared_model, tmp_path) -> None:
+    cfgs = {name: quick_cfg(*BASE, *over) for name, over in CASES.items()}
+    batch = _make_batch(cfgs["token_mean_dual"], prepared_model)
+    got, received = two_gloo_ranks(cfgs, prepared_model, batch, tmp_path)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
         for name, cfg in cfgs.items():
             ref, (m,), applied = _single(cfg, prepared_model, batch)
             g = got[name]
@@ -289,7 +299,7 @@ def reference_run(one_thread_ray, quick_cfg, prepared_model) -> dict:
     from torch.optim.optimizer import register_optimizer_step_pre_hook
     from transformers import AutoModelForCausalLM
 
-    from parity.training.loop import train
+    from parity.commands.train import train
 
     names = [n for n, _ in AutoModelForCausalLM.from_pretrained(prepared_model).named_parameters()]
     applied: dict[str, list[torch.Tensor]] = {n: [] for n in names}
@@ -312,10 +322,11 @@ def reference_run(one_thread_ray, quick_cfg, prepared_model) -> dict:
 def test_sharded_trainer_over_ray_matches_the_single_process_run(sync, one_thread_ray, reference_run, quick_cfg,
                                                                  prepared_model) -> None:
     """object_store: rank 0 gathers, one ray.put; broadcast: the gloo weight group (the NCCL path on GPUs)."""
-    from parity.distributed.driver import train_distributed
+
+    from parity.commands.train import train
 
     ref = reference_run
-    dist = train_distributed(quick_cfg(*RUN, *RAY, f"distributed.weight_sync={sync}", f"trainer.run_name=fsdp_{sync}"))
+    dist = train(quick_cfg(*RUN, *RAY, f"distributed.weight_sync={sync}", f"trainer.run_name=fsdp_{sync}"))
     assert dist["distributed"]["trainer_workers"] == 2 and dist["distributed"]["weight_sync"] == sync
     got, want = _rows(dist["run_dir"]), _rows(ref["run_dir"])
     assert [r["step"] for r in got] == [0, 1, 2]

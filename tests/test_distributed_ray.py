@@ -16,12 +16,12 @@ from parity.config import as_plain
 
 ray = pytest.importorskip("ray")
 
+from parity.core.sampling import SamplingSpec  # noqa: E402
 from parity.distributed.actors import RolloutWorker  # noqa: E402
 from parity.distributed.cluster import ray_session  # noqa: E402
 from parity.distributed.rollout_pool import RolloutPool  # noqa: E402
 from parity.distributed.weights import pack_weights  # noqa: E402
 from parity.rollout import build_engine  # noqa: E402
-from parity.rollout.base import SamplingSpec  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the Ray actors run one OpenMP thread each
 
@@ -125,12 +125,11 @@ class KillWorker:
 
 def test_distributed_run_with_a_killed_worker_matches_the_in_process_loop(ray_cluster, quick_cfg,
                                                                           prepared_model) -> None:
-    from parity.distributed.driver import train_distributed
-    from parity.training.loop import train
+    from parity.commands.train import train
 
     steps = ["trainer.total_steps=3", "trainer.eval_every=3"]
     kill = KillWorker("ray3")
-    dist = train_distributed(quick_cfg(*DIST, *steps, "trainer.run_name=ray3"), callbacks=[kill])
+    dist = train(quick_cfg(*DIST, *steps, "trainer.run_name=ray3"), callbacks=[kill])
     local = train(quick_cfg(*DIST[:1], *steps, "trainer.run_name=local3"))
     assert kill.killed is not None and dist["distributed"]["worker_restarts"] == 1
     rows, ref = _rows(dist["run_dir"]), _rows(local["run_dir"])
@@ -153,12 +152,12 @@ def test_distributed_run_with_a_killed_worker_matches_the_in_process_loop(ray_cl
 
 def test_off_policy_overlap_logs_staleness_and_checkpoints_the_step_data_position(ray_cluster, quick_cfg,
                                                                                   prepared_model) -> None:
+    from parity.commands.train import train
     from parity.data.prompts import build_train_stream
-    from parity.distributed.driver import train_distributed
 
     cfg = quick_cfg(*DIST, "trainer.total_steps=3", "trainer.keep_checkpoints=3", "distributed.off_policy_overlap=true",
                     "trainer.run_name=overlap3")
-    out = train_distributed(cfg)
+    out = train(cfg)
     rows = _rows(out["run_dir"])
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     # step t+1 was sampled before the trainer's step t: one update behind, except the first step

@@ -8,10 +8,10 @@ import torch
 
 from parity.config.distributed import check_distributed
 from parity.config.schema import DistributedConfig
+from parity.core.sampling import SamplingSpec
 from parity.distributed.cluster import bundles, local_num_cpus
 from parity.distributed.weights import pack_weights, unpack_weights
 from parity.errors import ParityError
-from parity.rollout.base import SamplingSpec
 from parity.rollout.sharding import Shard, global_spec, merge_batches, shard_prompts
 from parity.types import RolloutBatch
 

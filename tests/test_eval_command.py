@@ -36,7 +36,7 @@ def _cfg(outputs: Path, *overrides: str):
 
 
 def test_model_selection(run_folder):
-    from parity.commands.evaluate import resolve_eval_model
+    from tests.helpers import resolve_eval_model
 
     ckpt = run_folder / "runs" / "r1" / "checkpoints"
     assert resolve_eval_model(_cfg(run_folder, "eval.run_name=r1")) == (ckpt / "step_000002", "eval.run_name")
@@ -50,17 +50,17 @@ def test_model_selection(run_folder):
     ("eval.run_name=../x", r"`eval.run_name`: '../x' is not a valid run name"),
 ])
 def test_bad_model_selection_names_the_key(run_folder, override, match):
-    from parity.commands.evaluate import resolve_eval_model
+    from tests.helpers import resolve_eval_model
 
     with pytest.raises(ParityError, match=match):
         resolve_eval_model(_cfg(run_folder, override))
 
 
 def test_corrupt_latest_checkpoint_falls_back(tmp_path):
-    from parity.commands.evaluate import resolve_eval_model
     from parity.models.tiny import build_tiny_model
     from parity.models.tokenizer import build_char_tokenizer
     from parity.training.checkpoint import CheckpointManager
+    from tests.helpers import resolve_eval_model
 
     mgr = CheckpointManager(tmp_path / "runs" / "r2", keep=3)
     model, tok = build_tiny_model("qwen3", SMALL), build_char_tokenizer()
@@ -76,10 +76,10 @@ def test_corrupt_latest_checkpoint_falls_back(tmp_path):
 def test_run_name_latest_picks_the_newest_run(tmp_path):
     import os
 
-    from parity.commands.evaluate import resolve_eval_model
     from parity.models.tiny import build_tiny_model
     from parity.models.tokenizer import build_char_tokenizer
     from parity.training.checkpoint import CheckpointManager
+    from tests.helpers import resolve_eval_model
 
     model, tok = build_tiny_model("qwen3", SMALL), build_char_tokenizer()
     old, new = CheckpointManager(tmp_path / "runs" / "b_old", keep=3), CheckpointManager(tmp_path / "runs" / "a_new")

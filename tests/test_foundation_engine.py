@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from parity.config.schema import TinyModelConfig
+from parity.core.sampling import SamplingSpec
 from parity.models.tiny import build_tiny_model
 from parity.models.tokenizer import save_char_tokenizer
-from parity.rollout.base import SamplingSpec
 from parity.rollout.torch_engine import TorchEngine
 
 

@@ -9,8 +9,9 @@ import sys
 import pytest
 import torch
 
+from parity.commands.train import train
 from parity.errors import ParityError
-from parity.training.loop import MetricsLog, train
+from parity.training.loop import MetricsLog
 
 
 def _weights(path):

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from parity.config.schema import PrecisionConfig, TinyModelConfig
+from parity.core.sampling import SamplingSpec
 from parity.models.tiny import build_tiny_model
-from parity.rollout.base import SamplingSpec
-from parity.rollout.cuda_decode import _decode_attention, fast_generate, sample_inverse_cdf, supports
+from parity.rollout.cuda_decode import _decode_attention, sample_inverse_cdf, supports
 from parity.rollout.torch_engine import TorchEngine
 
 
@@ -29,7 +29,7 @@ PROMPTS = [[5, 9, 12, 3, 7], [4, 4], [11, 2, 8, 30, 1, 6, 6, 2]]
 
 def _both(eng: TorchEngine, spec: SamplingSpec):
     plain = eng.generate(PROMPTS, spec)
-    fast = fast_generate(eng, PROMPTS, spec, use_graphs=False)
+    fast = eng.cuda_decoder.generate(PROMPTS, spec, use_graphs=False)
     return plain, fast
 
 
@@ -70,9 +70,9 @@ def test_attending_over_the_filled_prefix_only_equals_the_plain_loop(engine, buc
 def test_second_call_reuses_state_and_still_matches(engine):
     spec = SamplingSpec(temperature=0.0, max_new_tokens=10, n=1, seed=2)
     before = dict(vars(engine))
-    fast_generate(engine, PROMPTS, spec, use_graphs=False)
+    engine.cuda_decoder.generate(PROMPTS, spec, use_graphs=False)
     state = engine.cuda_decoder.state
-    again = fast_generate(engine, [[3, 1, 4, 1, 5], [9, 2], [6, 5, 3]], spec, use_graphs=False)
+    again = engine.cuda_decoder.generate([[3, 1, 4, 1, 5], [9, 2], [6, 5, 3]], spec, use_graphs=False)
     assert engine.cuda_decoder.state is state  # same shapes: same buffers (a graph would be replayed)
     # the fast path keeps its state in the decoder the engine owns, none in the engine
     assert vars(engine).keys() == before.keys() and all(vars(engine)[k] is v for k, v in before.items())
@@ -82,7 +82,7 @@ def test_second_call_reuses_state_and_still_matches(engine):
 
 def test_sampled_logprobs_match_a_teacher_forced_forward(engine):
     spec = SamplingSpec(temperature=0.7, max_new_tokens=16, n=4, seed=11)
-    b = fast_generate(engine, PROMPTS, spec, use_graphs=False)
+    b = engine.cuda_decoder.generate(PROMPTS, spec, use_graphs=False)
     am = b.attention_mask
     with torch.no_grad():
         logits = engine.model(input_ids=b.input_ids, attention_mask=am,
@@ -160,7 +160,7 @@ def test_stacked_projections_follow_weight_updates(tmp_path, weights):
     prec = None if weights == "bf16" else PrecisionConfig(weights="int8", activations="int8", kv_cache="bf16")
     eng = TorchEngine(tmp_path, dtype=torch.float32, precision=prec)
     spec = SamplingSpec(temperature=0.0, max_new_tokens=12, n=1, seed=2)
-    fast_generate(eng, PROMPTS, spec, use_graphs=False)
+    eng.cuda_decoder.generate(PROMPTS, spec, use_graphs=False)
     fused = eng.cuda_decoder.state.extras["fused"]
     n_layers = len(eng.model.model.layers)
     assert len(fused) == 2 * n_layers and [f.sizes[-1] for f in fused[:2]] == [
@@ -169,7 +169,7 @@ def test_stacked_projections_follow_weight_updates(tmp_path, weights):
     new = [(k, v + 0.05 * torch.randn(v.shape, generator=g)) for k, v in eng.model.state_dict().items()
            if k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight"))]
     eng.update_weights(new)
-    fast = fast_generate(eng, PROMPTS, spec, use_graphs=False)
+    fast = eng.cuda_decoder.generate(PROMPTS, spec, use_graphs=False)
     layer0 = eng.model.model.layers[0].self_attn
     assert torch.equal(fused[0].lin[0], torch.cat([layer0.q_proj.weight, layer0.k_proj.weight, layer0.v_proj.weight]))
     plain = eng.generate(PROMPTS, spec)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from parity.config.schema import PrecisionConfig, TinyModelConfig
+from parity.core.sampling import SamplingSpec
 from parity.models.tiny import build_tiny_model
-from parity.rollout.base import SamplingSpec
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (and Triton)")
 

@@ -11,11 +11,10 @@ import pytest
 import torch
 
 from parity.config.schema import PrecisionConfig, TinyModelConfig
+from parity.core.sampling import SamplingSpec
 from parity.models.tiny import build_tiny_model
 from parity.precision.kv import make_kv_codec
 from parity.precision.kv_packed import PackedKVCache, cache_bytes_per_row
-from parity.rollout.base import SamplingSpec
-from parity.rollout.cuda_decode import fast_generate
 from parity.rollout.torch_engine import TorchEngine
 from tests.kv_packed_checks import FORMATS, check_write_and_values
 
@@ -66,9 +65,9 @@ SAMPLED = SamplingSpec(temperature=1.0, top_p=1.0, max_new_tokens=20, n=2, seed=
                                        ("int8", SAMPLED), ("fp8", GREEDY)], ids=["int4-greedy", "int4-sampled",
                                                                                  "int8-sampled", "fp8-greedy"])
 def test_decode_path_packed_equals_simulated(model_dir, kind, spec):
-    sim = fast_generate(_engine(model_dir, kind, False), PROMPTS, spec, use_graphs=False)
+    sim = _engine(model_dir, kind, False).cuda_decoder.generate(PROMPTS, spec, use_graphs=False)
     eng = _engine(model_dir, kind, True)
-    packed = fast_generate(eng, PROMPTS, spec, use_graphs=False)
+    packed = eng.cuda_decoder.generate(PROMPTS, spec, use_graphs=False)
     assert sim.meta["kv_cache_layout"] == "simulated" and packed.meta["kv_cache_layout"] == "packed"
     assert eng.cuda_decoder.state.extras["packed"].backend == "torch"
     assert torch.equal(packed.responses, sim.responses)
@@ -83,13 +82,13 @@ def test_kv_budget_chunks_a_call_into_rows_that_fit(model_dir):
     call. Either way the rows are the unbudgeted call's."""
     from parity.rollout.kv_budget import row_bytes, rows_that_fit
     spec = SamplingSpec(temperature=1.0, max_new_tokens=12, n=2, seed=3)
-    whole = fast_generate(_engine(model_dir, "int4_per_token_head", False), PROMPTS, spec, use_graphs=False)
+    whole = _engine(model_dir, "int4_per_token_head", False).cuda_decoder.generate(PROMPTS, spec, use_graphs=False)
     S = 64  # prompt 8 + 12 new tokens, rounded up to the cache granularity
     for packed, chunks in ((False, 2), (True, None)):
         eng = _engine(model_dir, "int4_per_token_head", packed)
         eng.kv_budget_bytes = 5 * row_bytes(eng, S, torch.float32, packed_on=False)
         assert rows_that_fit(eng, S, torch.float32) == (32 if packed else 5)
-        b = fast_generate(eng, PROMPTS, spec, use_graphs=False)
+        b = eng.cuda_decoder.generate(PROMPTS, spec, use_graphs=False)
         assert b.meta.get("kv_budget_chunks") == chunks
         assert torch.equal(b.responses, whole.responses) and torch.equal(b.group_ids, whole.group_ids)
         assert torch.equal(b.prompts, whole.prompts) and torch.equal(b.prompt_ids, whole.prompt_ids)
@@ -98,4 +97,4 @@ def test_kv_budget_chunks_a_call_into_rows_that_fit(model_dir):
         torch.testing.assert_close(b.rollout_logprobs, whole.rollout_logprobs, atol=1e-5, rtol=0)
     eng.kv_budget_bytes = 100
     with pytest.raises(ValueError, match=r"engine.kv_budget_bytes=100: one batch row's KV cache of 64 slots"):
-        fast_generate(eng, PROMPTS, spec, use_graphs=False)
+        eng.cuda_decoder.generate(PROMPTS, spec, use_graphs=False)

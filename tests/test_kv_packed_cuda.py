@@ -178,7 +178,7 @@ def _run_with_engine(model_dir, kind: str, dtype: torch.dtype, packed: bool, spe
 def test_decode_logprobs_packed_vs_simulated_fp32(model_dir, kind):
     """float32: the packed decode's log-probs of its own greedy tokens against the full-sequence forward with the
     codec, as close as the simulated decode's own; the prefill's top log-probs equal."""
-    from parity.rollout.base import SamplingSpec
+    from parity.core.sampling import SamplingSpec
     from parity.rollout.decode_attention import unusable_reason
     spec = SamplingSpec(temperature=0.0, max_new_tokens=80, n=2, seed=1, topk_logprobs=4)
     eng, sim = _run_with_engine(model_dir, kind, torch.float32, False, spec)
@@ -202,7 +202,7 @@ def test_decode_logprobs_packed_vs_simulated_bf16(model_dir, kind, compile_layer
     path is as close as the simulated one. Compiled: both paths' layers compiled by Inductor."""
     if compile_layers and kind != "int4_per_token_head":
         pytest.skip("one compiled run: the seed's format")
-    from parity.rollout.base import SamplingSpec
+    from parity.core.sampling import SamplingSpec
     spec = SamplingSpec(temperature=1.0, top_p=1.0, max_new_tokens=80, n=2, seed=2, topk_logprobs=4)
     # the peer runs the same route: Inductor's fused kernels round differently from the eager ones (measured on an
     # H200, int4: the compiled packed path 0.074 mean gap to the eager reference against the eager simulated path's

@@ -69,9 +69,8 @@ def test_decode_path_interpreted_equals_simulated(kind, fused, tmp_path, monkeyp
     functions, the write kernel and the attention's own query launch."""
     import parity.rollout.cuda_decode as cd
     from parity.config.schema import TinyModelConfig
+    from parity.core.sampling import SamplingSpec
     from parity.models.tiny import build_tiny_model
-    from parity.rollout.base import SamplingSpec
-    from parity.rollout.cuda_decode import fast_generate
     from parity.rollout.torch_engine import TorchEngine
     build_tiny_model("qwen3", TinyModelConfig(), seed=3).save_pretrained(str(tmp_path))
     eng = TorchEngine(tmp_path, precision=PrecisionConfig(weights="bf16", activations="bf16", kv_cache=kind),
@@ -82,10 +81,10 @@ def test_decode_path_interpreted_equals_simulated(kind, fused, tmp_path, monkeyp
     monkeypatch.setattr(cd, "_FUSED_PRE", fused)
     monkeypatch.setattr(da, "INT4_ROTATED", fused)  # the new paths together, the measured ones together
     monkeypatch.setattr(cd, "_PACKED_KV", False)
-    sim = fast_generate(eng, prompts, spec, use_graphs=False)
+    sim = eng.cuda_decoder.generate(prompts, spec, use_graphs=False)
     monkeypatch.setattr(cd, "_PACKED_KV", True)
     eng.kv_packed = True
-    packed = fast_generate(eng, prompts, spec, use_graphs=False)
+    packed = eng.cuda_decoder.generate(prompts, spec, use_graphs=False)
     assert packed.meta["kv_cache_layout"] == "packed" and sim.meta["kv_cache_layout"] == "simulated"
     assert eng.cuda_decoder.state.extras["packed"].backend == "triton"
     assert torch.equal(packed.responses, sim.responses)

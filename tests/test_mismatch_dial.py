@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 
 from parity.config.schema import TinyModelConfig
+from parity.core.sampling import SamplingSpec
 from parity.models.tiny import build_tiny_model
 from parity.models.tokenizer import save_char_tokenizer
 from parity.precision.perturbation import DriftProbe, Perturbation, load_reference
-from parity.rollout.base import SamplingSpec
 
 SMALL = TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                         num_key_value_heads=1, head_dim=16, max_position_embeddings=64)
@@ -114,7 +114,7 @@ def test_drift_cosine_against_float64_by_hand(tmp_path) -> None:
 
 
 def test_a_short_perturbed_run_reports_the_dial_and_its_drift(quick_cfg) -> None:
-    from parity.training.loop import train
+    from parity.commands.train import train
 
     cfg = quick_cfg("model.dtype=float32", "rollout.precision.perturbation.sigma=0.05", "trainer.run_name=dial",
                     "trainer.eval_every=2")

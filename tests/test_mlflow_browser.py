@@ -27,9 +27,9 @@ HEADERS_JS = ("Array.from(document.querySelectorAll('[role=\"columnheader\"], .a
 
 
 def _tracked_run(outputs_dir: Path, prepared_model: Path, store: Path) -> dict:
+    from parity.commands.train import train
     from parity.config import load_config
     from parity.tracking.train_run import tracked_train
-    from parity.training.loop import train
 
     cfg = load_config([f"outputs_dir={outputs_dir}", *QUICK, f"model.path={prepared_model}",
                        "trainer.run_name=mlflow-ui-run", "algorithm.correction.name=tis", "tracking.enabled=true",

@@ -11,10 +11,10 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from parity.config.schema import PrecisionConfig
+from parity.core.sampling import SamplingSpec
 from parity.precision.apply import quantize_model_
 from parity.precision.linear import QuantLinear
 from parity.precision.sampler import response_logprobs
-from parity.rollout.base import SamplingSpec
 from parity.rollout.torch_engine import TorchEngine
 
 PROMPTS = [[2 + (5 * i + j) % 90 for j in range(4 + i % 3)] for i in range(6)]

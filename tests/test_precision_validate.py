@@ -13,13 +13,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from parity.config.schema import PrecisionConfig
+from parity.config.schema import PrecisionConfig, PrecisionValidationConfig
 from parity.precision.apply import quantize_model_
 from parity.precision.export import load_compressed_checkpoint_
 from parity.precision.sampler import ModelSampler
 from parity.precision.validate import (
     PrecisionValidationError,
-    ValidationThresholds,
     exact_kl,
     greedy_prefix,
     token_metrics,
@@ -114,7 +113,7 @@ def test_good_checkpoint_passes_broken_one_fails(tmp_path: Path) -> None:
     sim = copy.deepcopy(base)
     quantize_model_(sim, PrecisionConfig(weights="int8", activations="int8"))
     save_file({k: v.contiguous() for k, v in sim.state_dict().items()}, str(good / "model.safetensors"))
-    rep = validate_precision(base, _quantized_from_checkpoint(base, good), PROMPTS, ValidationThresholds(), **KW,
+    rep = validate_precision(base, _quantized_from_checkpoint(base, good), PROMPTS, PrecisionValidationConfig(), **KW,
                              enforce=True)
     mt = rep["metrics"]
     assert rep["passed"] and 0 < mt["abs_prob_diff_mean"] < 0.02 and mt["k3_kl"] < 0.01
@@ -129,8 +128,8 @@ def test_good_checkpoint_passes_broken_one_fails(tmp_path: Path) -> None:
     save_file(state, str(broken / "model.safetensors"))
     bad_model = _quantized_from_checkpoint(base, broken)
     with pytest.raises(PrecisionValidationError, match=r"k3_kl = .* > 0.01 \(threshold rollout.precision.validation.max_k3_kl\)"):
-        validate_precision(base, bad_model, PROMPTS, ValidationThresholds(), **KW, enforce=True)
-    rep_bad = validate_precision(base, bad_model, PROMPTS, ValidationThresholds(), **KW)
+        validate_precision(base, bad_model, PROMPTS, PrecisionValidationConfig(), **KW, enforce=True)
+    rep_bad = validate_precision(base, bad_model, PROMPTS, PrecisionValidationConfig(), **KW)
     assert not rep_bad["passed"] and len(rep_bad["failures"]) >= 3
     j, md = write_report(rep_bad, tmp_path / "report")
     assert json.loads(j.read_text())["passed"] is False
@@ -160,10 +159,10 @@ def test_accuracy_hook_and_threshold() -> None:
         q.lm_head.weight.mul_(-1)  # a different policy: greedy answers change
     decode = lambda ids: " ".join(map(str, ids))  # noqa: E731
     answers = [decode(r[:1]) for r in ModelSampler(base, 0, 1).generate(
-        PROMPTS, __import__("parity.rollout.base", fromlist=["SamplingSpec"]).SamplingSpec(
+        PROMPTS, __import__("parity.core.sampling", fromlist=["SamplingSpec"]).SamplingSpec(
             temperature=0.0, max_new_tokens=8)).responses.tolist()]
     first_token = lambda texts, ans: [float(t.split(" ")[0] == a) for t, a in zip(texts, ans)]  # noqa: E731
-    rep = validate_precision(base, q, PROMPTS, ValidationThresholds(max_accuracy_drop=0.5), **KW, answers=answers,
+    rep = validate_precision(base, q, PROMPTS, PrecisionValidationConfig(max_accuracy_drop=0.5), **KW, answers=answers,
                              decode=decode, accuracy_fn=first_token)
     mt = rep["metrics"]
     assert mt["accuracy_bf16"] == 1.0 and mt["accuracy_quant"] < 0.5

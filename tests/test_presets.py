@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from parity.commands.train import train
 from parity.config import load_config
-from parity.training.loop import MetricsLog, train
+from parity.training.loop import MetricsLog
 
 SEEDS = ["seed_qwen35_9b_int8_sc", "seed_dcgrpo_qwen3_8b", "seed_dcgrpo_qwen3_8b_fp8"]
 

@@ -14,8 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from parity.commands.train import train
 from parity.training.checkpoint import CheckpointManager
-from parity.training.loop import MetricsLog, train
+from parity.training.loop import MetricsLog
 from parity.training.trainer import NonFiniteError
 
 # ---------------------------------------------------------------- NaN / inf in the loss

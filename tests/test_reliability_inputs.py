@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from parity.training.loop import train
+from parity.commands.train import train
 
 # ---------------------------------------------------------------- bad inputs: datasets, grader attacks, configs
 

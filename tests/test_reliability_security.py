@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from parity.training.loop import train
+from parity.commands.train import train
 
 # ---------------------------------------------------------------- security: services, dashboard, paths, SQL, eval, secrets
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from parity.core.layout import key_slots, layout_batch, left_pad, positions, prefill_mask, row_seed
-from parity.rollout.base import SamplingSpec
+from parity.core.sampling import SamplingSpec
 
 
 def test_rows_padding_and_batch_by_hand() -> None:

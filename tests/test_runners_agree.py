@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 
 ray = pytest.importorskip("ray")
 
+from parity.commands.train import train  # noqa: E402
 from parity.distributed.cluster import ray_session  # noqa: E402
-from parity.distributed.driver import train_distributed  # noqa: E402
-from parity.training.loop import MetricsLog, train  # noqa: E402
+from parity.training.loop import MetricsLog  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the Ray actors run one OpenMP thread each
 
@@ -86,7 +86,7 @@ def _assert_same_run(local: dict, dist: dict, noisy: tuple[str, ...] = (), want_
 def test_the_same_run_in_process_and_over_ray(case, ray_cluster, quick_cfg, prepared_model) -> None:
     over = [*CASES[case], "model.dtype=float32"]
     local = train(quick_cfg(*over, f"trainer.run_name=agree-{case}-local"))
-    dist = train_distributed(quick_cfg(*over, *RAY, f"trainer.run_name=agree-{case}-ray"))
+    dist = train(quick_cfg(*over, *RAY, f"trainer.run_name=agree-{case}-ray"))
     assert dist["distributed"]["rollout_workers"] == (2 if "distributed.num_rollout_workers=2" in over else 1)
     _assert_same_run(local, dist, NOISY.get(case, ()))
     rows = _rows(dist)
@@ -113,7 +113,7 @@ def test_dual_with_the_dial_resumes_from_either_runner_on_the_other(ray_cluster,
     want = _own(_rows(whole))
     assert [r["reward/mean"] for r in want[1:]] == [0.0, 0.0, 0.0]  # the quick model: the alarm never fires alone
     want[2]["reward/mean"], want[3]["train/collapsed"] = 1.0, 1.0
-    local, ray_ = (train, []), (train_distributed, RAY)
+    local, ray_ = (train, []), (train, RAY)
     ends = {}
     for name, (first, first_extra), (then, then_extra) in (("local-ray", local, ray_), ("ray-local", ray_, local)):
         part = first(quick_cfg(*DUAL, *first_extra, "trainer.total_steps=2", f"trainer.run_name=agree-dual-{name}"))

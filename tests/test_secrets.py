@@ -40,7 +40,8 @@ def test_masked_config_yaml_hides_url_passwords_and_secret_values() -> None:
 
 
 def test_the_run_folder_config_holds_no_registry_password(quick_cfg) -> None:
-    from parity.training.loop import run_dir_of, train
+    from parity.commands.train import train
+    from parity.training.loop import run_dir_of
 
     cfg = quick_cfg("trainer.run_name=secrets-run", "trainer.total_steps=1", "trainer.checkpoint_every=0")
     cfg = with_values(cfg, {"tracking.registry_url": f"postgresql+psycopg://parity:{SECRET}@127.0.0.1:1/reg"})

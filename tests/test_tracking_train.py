@@ -118,10 +118,10 @@ def test_step_metrics_reach_the_store_while_the_run_is_running(outputs_dir, prep
     goes on, with no further step to carry them; the run is still RUNNING then."""
     import time
 
+    from parity.commands.train import train
     from parity.config import load_config
     from parity.tracking import mlflow_log
     from parity.tracking.train_run import tracked_train
-    from parity.training.loop import train
 
     # longer than a quick step takes, so step 2 arrives before it is due and has to be written by the flusher
     uri, flush_every_s = f"sqlite:///{tmp_path}/mlflow.db", 8.0

@@ -9,9 +9,9 @@ import torch
 
 pytest.importorskip("vllm")
 
+from parity.core.sampling import SamplingSpec  # noqa: E402
 from parity.precision.perturbation import Perturbation, load_reference  # noqa: E402
 from parity.rollout import build_engine  # noqa: E402
-from parity.rollout.base import SamplingSpec  # noqa: E402
 from tests.conftest import TEST_DTYPE  # noqa: E402
 
 TOL = {"float32": 1e-4, "bfloat16": 5e-3}[TEST_DTYPE]  # mean |p diff| of the sampled tokens

@@ -15,8 +15,8 @@ import torch
 
 pytest.importorskip("vllm")
 
+from parity.core.sampling import SamplingSpec  # noqa: E402
 from parity.rollout import build_engine  # noqa: E402
-from parity.rollout.base import SamplingSpec  # noqa: E402
 from parity.training.trainer import build_trainer  # noqa: E402
 from tests.conftest import TEST_DTYPE  # noqa: E402
 

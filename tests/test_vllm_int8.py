@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from parity.rollout.base import SamplingSpec  # noqa: E402
+from parity.core.sampling import SamplingSpec  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19], [20, 21]]
 SPEC = SamplingSpec(temperature=1.0, max_new_tokens=12, n=4, seed=5)

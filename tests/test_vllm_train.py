@@ -13,7 +13,7 @@ pytest.importorskip("vllm")
 
 
 def test_two_step_rl_run_with_vllm_logs_mismatch(quick_cfg, prepared_model):
-    from parity.training.loop import train
+    from parity.commands.train import train
 
     cfg = quick_cfg("rollout.name=vllm", "trainer.run_name=vllm_quick")
     summary = train(cfg)

@@ -104,22 +104,16 @@ def _split_args(rest: list[str]) -> tuple[list[str], list[str]]:
 def _run_hydra(cmd: str, rest: list[str]) -> None:
     from parity.config import (
         ConfigError,
-        check_command_line,
-        check_config,
-        check_keys,
+        checked_config,
+        checked_overrides,
         config_dir,
         normalize_overrides,
-        register_schema,
         typed,
-        validate_config,
     )
 
     overrides, dirs = _split_args(rest)
-    overrides = normalize_overrides(overrides)
     try:
-        check_command_line(overrides, dirs)  # before torch (the registries import it): a typo is answered at once
-        register_schema(overrides)  # modules named by algorithm.correction.modules register first
-        check_keys(overrides, dirs)  # the keys of the registered corrections' sections too
+        checked_overrides(overrides, dirs, check_paths=True)  # a typo is answered before torch loads
     except ConfigError as e:
         _fail(str(e))
 
@@ -129,8 +123,7 @@ def _run_hydra(cmd: str, rest: list[str]) -> None:
     @hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")
     def app(cfg: DictConfig) -> None:
         try:
-            check_config(cfg)
-            validate_config(cfg)
+            checked_config(cfg)
             module = importlib.import_module(f"parity.commands.{cmd}")  # after composition: `--cfg job` stays fast
             result = module.run(typed(cfg))
         except (ConfigError, ParityError, FileNotFoundError) as e:

@@ -1,6 +1,6 @@
 """Benchmark: cost of score centering in a train step at a Qwen-sized vocabulary (151,936).
 
-Measures one RL train step (body forward, rl_objective, backward, AdamW step) with and without
+Measures one RL train step (body forward, the Objective, backward, AdamW step) with and without
 score centering (top-K = 128 rollout head), alternating the modes in the same run, and prints ratios
 against plain GRPO (the same chunked log-prob path with only the sampled token). Also prints a naive
 full-logits log_softmax step for reference. Goal: time <= 1.15x, peak memory <= 1.10x.
@@ -27,11 +27,11 @@ from collections.abc import Callable
 import torch
 
 from parity.algorithms import (
+    Objective,
     StepMetrics,
     build_corrections,
     compute_advantages,
     loss_denominators,
-    rl_objective,
 )
 from parity.config import load_registries
 from parity.config.schema import AlgorithmConfig
@@ -131,13 +131,15 @@ def main() -> None:
     stacks = {k: build_corrections(c.correction, policy_loss="reinforce", topk_logprobs=args.topk)
               for k, c in cfgs.items()}
 
+    objectives = {m: Objective(cfgs[m], stacks[m]) for m in stacks}
+
     def step(mode: str) -> None:
         hidden = body(x)
         if mode == "naive":
             loss = naive_loss(hidden, head, batch, adv, args.temperature, denom)
         else:
-            loss = rl_objective(hidden, head, batch, adv, None, args.temperature, stacks[mode], cfgs[mode], denom,
-                                StepMetrics())
+            loss = objectives[mode](hidden, head, batch=batch, advantages=adv, old_logprobs=None,
+                                    temperature=args.temperature, denom=denom, metrics=StepMetrics())
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

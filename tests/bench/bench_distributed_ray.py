@@ -21,8 +21,9 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from parity.commands.train import train  # noqa: E402
 from parity.config import load_config  # noqa: E402
-from parity.training.loop import MetricsLog, train  # noqa: E402
+from parity.training.loop import MetricsLog  # noqa: E402
 from parity.training.warm_start import prepare_model  # noqa: E402
 
 
@@ -62,7 +63,6 @@ def main() -> None:
     import ray
 
     from parity.distributed.cluster import ray_session
-    from parity.distributed.driver import train_distributed
 
     outputs = args.outputs or tempfile.mkdtemp(prefix="bench_distributed_")
     prepare_model(_cfg(outputs, args, "prep"))
@@ -76,10 +76,10 @@ def main() -> None:
             results.append(_variant("in-process", train, _cfg(outputs, args, f"local{r}")))
             for n in (1, 2):
                 cfg = _cfg(outputs, args, f"ray{n}w{r}", *dist, f"distributed.num_rollout_workers={n}")
-                results.append(_variant(f"ray {n} worker{'s' if n > 1 else ''}", train_distributed, cfg))
+                results.append(_variant(f"ray {n} worker{'s' if n > 1 else ''}", train, cfg))
             cfg = _cfg(outputs, args, f"ray2o{r}", *dist, "distributed.num_rollout_workers=2",
                        "distributed.off_policy_overlap=true")
-            results.append(_variant("ray 2 + overlap", train_distributed, cfg))
+            results.append(_variant("ray 2 + overlap", train, cfg))
         assert ray.is_initialized()
 
     def med(label: str, key: str) -> float:

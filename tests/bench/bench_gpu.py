@@ -78,7 +78,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def rollout(d: str, reps: int, anchors: bool = True, sweep: bool = True) -> None:
     from transformers import AutoModelForCausalLM
 
-    from parity.rollout.base import SamplingSpec
+    from parity.core.sampling import SamplingSpec
     from parity.rollout.torch_engine import TorchEngine
     out: dict = {}
     RESULTS["rollout"] = out
@@ -433,7 +433,7 @@ def logprob_check(eng, fast, plain) -> None:
 @section("check")
 def check_fp32(d: str) -> None:
     """Graph replay vs the plain loop in float32: the sampling rules are the same for greedy and top-p."""
-    from parity.rollout.base import SamplingSpec
+    from parity.core.sampling import SamplingSpec
     from parity.rollout.torch_engine import TorchEngine
     out = RESULTS.setdefault("check", {})
     eng = TorchEngine(d, device="cuda", dtype=torch.float32)

@@ -24,7 +24,7 @@ import json, os, sys, time
 import torch
 sys.path[:0] = [sys.argv[2], sys.argv[3]]
 model = sys.argv[1]
-from parity.rollout.base import SamplingSpec
+from parity.core.sampling import SamplingSpec
 from parity.rollout.sharding import global_spec, merge_batches, shard_prompts
 from parity.rollout.torch_engine import TorchEngine
 from transformers import AutoModelForCausalLM

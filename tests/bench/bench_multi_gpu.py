@@ -77,8 +77,8 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, model_
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
+    from parity.core.sampling import SamplingSpec
     from parity.distributed.weight_broadcast import WeightBroadcast, free_port
-    from parity.rollout.base import SamplingSpec
     from parity.rollout.torch_engine import TorchEngine
     from parity.training.sharded import ShardedTrainer
     from parity.training.trainer import build_trainer

@@ -36,8 +36,9 @@ def main(overrides: list[str]) -> list[dict]:
 
     from parity.commands.validate import _grade, heldout_prompts
     from parity.config import load_config
+    from parity.config.schema import PrecisionValidationConfig
     from parity.models.prepare import resolve_model_dir
-    from parity.precision.validate import ValidationThresholds, validate_precision
+    from parity.precision.validate import validate_precision
     from parity.rollout import build_engine, compute_dtype, resolve_device
 
     cfg = load_config(overrides)
@@ -59,7 +60,7 @@ def main(overrides: list[str]) -> list[dict]:
         engine = build_engine(mode_cfg, model_dir)
         try:
             rep = validate_precision(
-                bf16, engine, prompts, ValidationThresholds(), samples_per_prompt=int(v.samples_per_prompt),
+                bf16, engine, prompts, PrecisionValidationConfig(), samples_per_prompt=int(v.samples_per_prompt),
                 max_new_tokens=int(v.max_new_tokens), temperature=float(v.temperature), seed=int(v.seed),
                 pad_token_id=int(tok.pad_token_id), eos_token_id=tok.eos_token_id, answers=[x for _, x in problems],
                 decode=lambda ids: tok.decode(ids, skip_special_tokens=True), accuracy_fn=_grade)

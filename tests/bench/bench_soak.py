@@ -85,7 +85,7 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of the run")
     args = ap.parse_args()
 
-    from parity.distributed.driver import train_distributed
+    from parity.commands.train import train
 
     run_name = args.run_name or f"soak-{time.strftime('%Y%m%d-%H%M%S')}"
     planned = math.ceil(args.steps / max(1, args.kill_every) * 1.5) + 2  # the most kills one worker can take
@@ -95,7 +95,7 @@ def main() -> None:
                        f"trainer.run_name={run_name}", *args.overrides])
     killer = RandomWorkerKiller(run_name, args.workers, args.kill_every, args.steps, args.seed)
     t0 = time.perf_counter()
-    summary = train_distributed(cfg, callbacks=[killer])
+    summary = train(cfg, callbacks=[killer])
     wall = time.perf_counter() - t0
     killer.join()
 

@@ -29,7 +29,7 @@ from host_load import LoadMonitor, host_description  # noqa: E402
 
 
 def _spec(tokens: int, n: int):
-    from parity.rollout.base import SamplingSpec
+    from parity.core.sampling import SamplingSpec
 
     return SamplingSpec(temperature=1.0, max_new_tokens=tokens, n=n, seed=0)
 

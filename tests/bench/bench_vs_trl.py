@@ -155,8 +155,8 @@ def worker_parity(a: argparse.Namespace) -> dict:
     """`python -m parity train` (the in-process loop) with a clock on every step's end."""
     import torch
 
+    from parity.commands.train import train
     from parity.rollout import compute_dtype
-    from parity.training.loop import train
 
     cfg = _config(a.overrides, a.tokens, a.steps, a.run_name)
     rows: list[dict] = []

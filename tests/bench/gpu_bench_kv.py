@@ -94,8 +94,8 @@ def kv_rows(d: str, reps: int, rows: list | None = None, budget_batches: bool = 
     from bench_gpu import profile_decode_step, teacher_forced_gap, weight_bytes
 
     import parity.rollout.cuda_decode as cd
+    from parity.core.sampling import SamplingSpec
     from parity.rollout import decode_attention as da
-    from parity.rollout.base import SamplingSpec
     from parity.rollout.kv_budget import rows_that_fit
     from parity.rollout.torch_engine import TorchEngine
     out: dict = {}

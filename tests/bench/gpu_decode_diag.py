@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--out", default="diag.json")
     ap.add_argument("--modes", default="bf16,int8_w8a8,int8_unpinned")
     args = ap.parse_args()
-    from parity.rollout.base import SamplingSpec
+    from parity.core.sampling import SamplingSpec
     from parity.rollout.torch_engine import TorchEngine
     d = build_model_dir()
     ps = prompts(BATCH)

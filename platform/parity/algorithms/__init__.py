@@ -16,11 +16,10 @@ from parity.algorithms.corrections import CORRECTIONS, Correction, CorrectionSta
 from parity.algorithms.logprobs import chunked_token_logprobs, masked_token_logprobs
 from parity.algorithms.losses import POLICY_LOSSES, get_policy_loss
 from parity.algorithms.mismatch import StepMetrics, record_mismatch
-from parity.algorithms.objective import Objective, rl_objective
+from parity.algorithms.objective import Objective
 
 __all__ = [
     "ADV_ESTIMATORS", "AGG_MODES", "AGGREGATIONS", "CORRECTIONS", "POLICY_LOSSES", "Correction", "CorrectionStack",
     "LossDenominators", "Objective", "StepMetrics", "aggregate_loss", "build_corrections", "chunked_token_logprobs",
     "compute_advantages", "get_policy_loss", "loss_denominators", "masked_token_logprobs", "record_mismatch",
-    "rl_objective",
 ]

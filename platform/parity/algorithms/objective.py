@@ -5,8 +5,6 @@
                      denom=denom, metrics=metrics)
     loss.backward()          # once per micro-batch; the sum over micro-batches is the mini-batch loss
 
-`rl_objective(...)` is the same as one call of a fresh Objective (tests, benchmarks).
-
 Order: trainer log-probs (sampled token, plus the rollout's top-K when a correction needs them, in one
 chunked full-vocabulary pass) -> per-token advantages and their shifts -> IS weights and masks -> the
 policy loss plus the corrections' loss terms -> aggregation with the mini-batch denominators ->
@@ -142,15 +140,3 @@ class Objective:
         for c in corrections:
             c.record(ctx, metrics)
         return loss
-
-
-def rl_objective(hidden: torch.Tensor, lm_head_weight: torch.Tensor, batch: RolloutBatch, advantages: torch.Tensor,
-                 old_logprobs: torch.Tensor | None, temperature: float, corrections: CorrectionStack,
-                 alg_cfg: AlgorithmSettings,
-                 denom: LossDenominators, metrics: StepMetrics, rows: torch.Tensor | None = None,
-                 ids_checked: bool = False) -> torch.Tensor:
-    """One micro-batch's loss under a configuration resolved for this call alone: Objective(alg_cfg,
-    corrections)(...); a trainer builds its Objective once."""
-    return Objective(alg_cfg, corrections)(hidden, lm_head_weight, batch=batch, advantages=advantages,
-                                           old_logprobs=old_logprobs, temperature=temperature, denom=denom,
-                                           metrics=metrics, rows=rows, ids_checked=ids_checked)

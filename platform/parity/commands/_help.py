@@ -13,6 +13,8 @@ import re
 import textwrap
 from pathlib import Path
 
+from parity.config_tree import config_groups, default_groups
+
 _COMMANDS_DIR = Path(__file__).resolve().parent
 PROG = "python -m parity"
 HYDRA_FLAGS = (
@@ -37,28 +39,6 @@ def command_doc(name: str) -> dict:
     summary = summary.split(". ", 1)[0].rstrip(".")
     return {"doc": doc, "summary": summary, "examples": list(consts.get("EXAMPLES", [])),
             "keys": list(consts.get("KEYS", [])), "groups": list(consts.get("GROUPS", []))}
-
-
-def _config_dir() -> Path:
-    import os
-
-    env = os.environ.get("PARITY_CONFIGS")
-    return Path(env).resolve() if env else _COMMANDS_DIR.parents[2] / "configs"
-
-
-def config_groups() -> dict[str, list[str]]:
-    """{group: [options]} from the config tree's folders."""
-    root = _config_dir()
-    if not root.is_dir():
-        return {}
-    return {d.name: sorted(p.stem for p in d.glob("*.yaml")) for d in sorted(root.iterdir()) if d.is_dir()}
-
-
-def _defaults_list_groups() -> set[str]:
-    """Groups of config.yaml's defaults list (chosen as `group=option`; the others take `+group=option`)."""
-    path = _config_dir() / "config.yaml"
-    text = path.read_text() if path.is_file() else ""
-    return set(re.findall(r"^\s*-\s*(?:override\s+)?([A-Za-z_][\w/]*)\s*:", text, re.M))
 
 
 def overview(commands: list[str]) -> str:
@@ -93,7 +73,7 @@ def command_help(name: str) -> str:
     groups = config_groups()
     shown = [g for g in d["groups"] if g in groups]
     if shown:
-        in_defaults = _defaults_list_groups()
+        in_defaults = default_groups()
         width = max(len(g) + 1 for g in shown)
         lines.append("config groups (pick an option; `+group=option` where marked +):")
         for g in shown:

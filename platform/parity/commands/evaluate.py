@@ -77,12 +77,6 @@ def newest_run(runs_dir: Path) -> tuple[Path, Path]:
                       f"under {runs_dir}")
 
 
-def resolve_eval_model(cfg: ParityConfig) -> tuple[Path | str, str]:
-    """(model folder or hub id, how it was chosen)."""
-    model, chosen, _ = resolve_eval_model_info(cfg)
-    return model, chosen
-
-
 def resolve_eval_model_info(cfg: ParityConfig) -> tuple[Path | str, str, dict | None]:
     """(model folder or hub id, how it was chosen, the registered model's name/version/source or None)."""
     e = cfg.eval

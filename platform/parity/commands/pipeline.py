@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from parity.config import repo_root
+from parity.config_tree import repo_root
 
 if TYPE_CHECKING:
     from parity.config.schema import ParityConfig

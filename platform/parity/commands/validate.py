@@ -27,7 +27,6 @@ from parity.precision.config import (
 from parity.precision.export import load_compressed_checkpoint_, quantized_checkpoint_dir
 from parity.precision.validate import (
     PrecisionValidationError,
-    ValidationThresholds,
     enforce_thresholds,
     precision_record,
     record_report,
@@ -95,7 +94,7 @@ def run(cfg: ParityConfig) -> dict:
     try:
         with torch.no_grad():
             report = validate_precision(
-                bf16, quant, prompts, ValidationThresholds.from_config(v), samples_per_prompt=int(v.samples_per_prompt),
+                bf16, quant, prompts, v, samples_per_prompt=int(v.samples_per_prompt),
                 max_new_tokens=int(v.max_new_tokens), temperature=float(v.temperature), seed=int(v.seed),
                 pad_token_id=int(tok.pad_token_id), eos_token_id=tok.eos_token_id, answers=[a for _, a in problems],
                 decode=lambda ids: tok.decode(ids, skip_special_tokens=True), accuracy_fn=_grade)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -16,6 +14,7 @@ from parity.config.keys import REMOVED, check_config, check_overrides, open_grou
 from parity.config.schema import ParityConfig, add_correction_section, correction_sections, parity_schema
 from parity.config.seed_block import fold_seed_block
 from parity.config.validate import ConfigError, validate_config
+from parity.config_tree import config_dir, default_groups
 
 _STORED: type | None = None  # the schema stored with Hydra
 
@@ -58,32 +57,6 @@ def register_schema(overrides: list[str] | None = None) -> None:
 
         ConfigStore.instance().store(name="parity_schema", node=schema)
         _STORED = schema
-
-
-def repo_root() -> Path:
-    return Path(__file__).resolve().parents[3]
-
-
-def config_dir() -> Path:
-    env = os.environ.get("PARITY_CONFIGS")
-    return Path(env).resolve() if env else repo_root() / "configs"
-
-
-def default_groups() -> tuple[str, ...]:
-    """Config groups that configs/config.yaml's defaults list always holds (model, experiment, eval, ...)."""
-    path = config_dir() / "config.yaml"
-    return _default_groups(str(path), path.stat().st_mtime if path.is_file() else 0.0)
-
-
-@functools.cache
-def _default_groups(path: str, _mtime: float) -> tuple[str, ...]:
-    if not Path(path).is_file():
-        return ()
-    groups = []
-    for entry in OmegaConf.load(path).get("defaults", []) or []:
-        if isinstance(entry, DictConfig):
-            groups += [str(k).removeprefix("override ").removeprefix("optional ").strip() for k in entry]
-    return tuple(groups)
 
 
 def normalize_overrides(overrides: list[str]) -> list[str]:
@@ -133,9 +106,7 @@ def compose_config(overrides: list[str] | None = None, extra_config_dir: str | N
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    overrides = normalize_overrides(list(overrides or []))
-    register_schema(overrides)  # first: the corrections' sections (and modules an override names) are keys
-    check_keys(overrides, [extra_config_dir] if extra_config_dir else [])
+    overrides = checked_overrides(list(overrides or []), [extra_config_dir] if extra_config_dir else [])
     if extra_config_dir:
         overrides = [f"hydra.searchpath=[file://{Path(extra_config_dir).resolve()}]", *overrides]
     if GlobalHydra.instance().is_initialized():
@@ -146,6 +117,27 @@ def compose_config(overrides: list[str] | None = None, extra_config_dir: str | N
         except Exception as e:
             _refuse_removed_key(e)
             raise
+    return checked_config(cfg, validate)
+
+
+def checked_overrides(overrides: list[str], config_dirs: list[str | Path] = (), check_paths: bool = False) -> list[str]:
+    """What loading a config checks before Hydra composes it, in order, for `load_config` and the CLI alike: the
+    overrides normalised (normalize_overrides); with `check_paths` (the CLI), their keys, types and paths before the
+    registries import torch (check_command_line); the registries loaded and the schema stored (register_schema:
+    modules an override names register first); every key, the corrections' sections' too (check_keys). Returns
+    the normalised overrides; a ConfigError names the key."""
+    overrides = normalize_overrides(overrides)
+    if check_paths:
+        check_command_line(overrides, config_dirs)
+    register_schema(overrides)
+    check_keys(overrides, config_dirs)
+    return overrides
+
+
+def checked_config(cfg: DictConfig, validate: bool = True) -> DictConfig:
+    """What loading a config checks once Hydra has composed it: keys set by config files (check_config), then the
+    values and their combinations, the correction stack built (validate_config). `typed` then gives the library's
+    dataclasses."""
     check_config(cfg)
     if validate:
         validate_config(cfg)
@@ -257,4 +249,5 @@ def flatten(cfg: ParityConfig | DictConfig) -> dict[str, object]:
 
 
 __all__ = ["ConfigError", "ParityConfig", "load_config", "compose_config", "typed", "from_plain", "as_plain", "with_values", "validate_config", "register_schema", "load_registries", "config_dir",
-           "flatten", "to_yaml", "check_command_line", "check_keys", "check_config", "open_groups", "normalize_overrides", "default_groups"]
+           "flatten", "to_yaml", "check_command_line", "check_keys", "check_config", "open_groups", "normalize_overrides", "default_groups",
+           "checked_overrides", "checked_config"]

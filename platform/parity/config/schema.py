@@ -12,6 +12,8 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from parity.mismatch_tolerance import DEFAULT_TOLERANCE
+
 
 @dataclass
 class TinyModelConfig:
@@ -220,7 +222,7 @@ class CorrectionConfig:
     # c of the mismatch telemetry's over-tolerance fraction and of the dual: a number (0.0037 = DC-GRPO's for
     # Qwen3-8B) or auto = tolerance_multiple x the mean |p_train - p_inf| the validate stage measured for this
     # rollout precision (its validation.json), or, without one, of the first tolerance_steps steps
-    tolerance: Any = 0.0037
+    tolerance: Any = DEFAULT_TOLERANCE
     tolerance_multiple: float = 1.0
     tolerance_steps: int = 3
     # modules that register corrections defined outside parity, imported by every process that builds the

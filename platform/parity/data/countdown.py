@@ -219,10 +219,6 @@ def countdown_problems(split: str, n: int, cfg: CountdownConfig, seed_offset: in
                     "data.countdown's ranges (max_numbers, max_number, max_target)")
 
 
-def problem_numbers(p: Problem) -> tuple[list[int], int]:
-    return decode_answer(p.answer)
-
-
 class CountdownStream:
     """Endless deterministic stream of train problems; its position is part of the checkpoint."""
 

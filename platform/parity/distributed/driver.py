@@ -1,5 +1,5 @@
-"""The Ray runner of the RL loop (parity.training.loop; `python -m parity train distributed.enabled=true` picks it,
-`train_distributed(cfg)` uses it whatever the flag says): rollout worker actors as the rollout side
+"""The Ray runner of the RL loop (parity.training.loop; `python -m parity train distributed.enabled=true` picks it):
+rollout worker actors as the rollout side
 (parity.distributed.rollout_pool), trainer actor(s) as the learner side, placed with one placement group.
 
     per step:  rollout (sharded over N workers) -> grade (in the driver) -> trainer step (actor) -> publish weights
@@ -23,7 +23,6 @@ from parity.distributed.cluster import in_bundle, placement, ray_session, weight
 from parity.distributed.rollout_pool import Broadcast, RolloutPool
 from parity.distributed.weights import unpack_weights
 from parity.training.checkpoint import CheckpointManager
-from parity.training.loop import Callback, train
 from parity.training.runner import Sides
 
 if TYPE_CHECKING:
@@ -136,8 +135,3 @@ def ray_runner(cfg: ParityConfig, base_dir: str, run: Any, measured_discrepancy:
 
 
 __all__ = ["ray_runner", "start_actors", "TrainerGroup"]
-
-
-def train_distributed(cfg: ParityConfig, callbacks: list[Callback] | None = None) -> dict:
-    """The RL loop with the Ray runner whatever distributed.enabled says."""
-    return train(cfg, callbacks, runner=ray_runner)

@@ -26,8 +26,6 @@ import torch
 INT8_QMAX = 127
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
-FP8_MANTISSA_BITS = 3
-FP8_MIN_NORMAL_EXP = -6  # smallest normal of E4M3 is 2**-6; subnormal spacing 2**-9
 
 INT4_QMAX = 7
 INT3_QMAX = 3
@@ -78,24 +76,6 @@ def quantize_fp8_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weight [out, in] (or [E, out, in]) -> int8 and scale [..., out, 1]."""
-    return quantize_int8_rowwise(w)
-
-
-def quantize_int8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Activation [..., in] -> int8 and a dynamic scale [..., 1] per token."""
-    return quantize_int8_rowwise(x)
-
-
-def quantize_fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return quantize_fp8_rowwise(w)
-
-
-def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return quantize_fp8_rowwise(x)
-
-
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """q * scale in float32 (exact for int8 and fp8 codes), then cast to `dtype`."""
     return (q.float() * scale.float()).to(dtype)
@@ -120,26 +100,3 @@ def fake_quantize(x: torch.Tensor, fmt: str) -> torch.Tensor:
         return x.to(torch.bfloat16).to(x.dtype)
     q, s = quantize_rowwise(x, fmt)
     return dequantize(q, s, x.dtype)
-
-
-def int8_error_bound(x: torch.Tensor) -> torch.Tensor:
-    """Per-element bound of |x - dequantize(quantize_int8_rowwise(x))|: scale / 2."""
-    return _row_scale(x, INT8_QMAX) / 2
-
-
-def int4_error_bound(x: torch.Tensor) -> torch.Tensor:
-    """Per-element bound of |x - dequantize(quantize_int4_rowwise(x))|: scale / 2 = max|row| / 14."""
-    return _row_scale(x, INT4_QMAX) / 2
-
-
-def int3_error_bound(x: torch.Tensor) -> torch.Tensor:
-    """Per-element bound of |x - dequantize(quantize_int3_rowwise(x))|: scale / 2 = max|row| / 6."""
-    return _row_scale(x, INT3_QMAX) / 2
-
-
-def fp8_error_bound(x: torch.Tensor) -> torch.Tensor:
-    """Per-element bound of |x - dequantize(quantize_fp8_rowwise(x))|: half an ulp of E4M3."""
-    scale = _row_scale(x, FP8_MAX).double()
-    rel = 2.0 ** -(FP8_MANTISSA_BITS + 1)
-    sub = 2.0 ** (FP8_MIN_NORMAL_EXP - FP8_MANTISSA_BITS - 1)
-    return torch.maximum(x.double().abs() * rel, scale * sub)

@@ -24,7 +24,6 @@ import json
 import math
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, fields
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from parity.config.schema import PrecisionValidationConfig
 from parity.core.sampling import SamplingSpec
 from parity.errors import ParityError
 from parity.precision.reports import HISTORY_DIR, LATEST_STEM, REPORT_KIND, reports_of
@@ -39,7 +39,7 @@ from parity.precision.sampler import ModelSampler, response_logprobs
 from parity.types import RolloutBatch
 
 if TYPE_CHECKING:
-    from parity.config.schema import ParityConfig, PrecisionConfig, PrecisionValidationConfig
+    from parity.config.schema import ParityConfig, PrecisionConfig
 
 AccuracyFn = Callable[[list[str], list[str]], list[float]]
 
@@ -48,24 +48,16 @@ class PrecisionValidationError(ParityError):
     """A validation threshold was exceeded; the message lists every failed check with its numbers."""
 
 
-@dataclass
-class ValidationThresholds:
-    max_mean_abs_prob_diff: float | None = 0.02
-    max_p99_abs_prob_diff: float | None = None
-    max_k3_kl: float | None = 0.01
-    min_top1_agreement: float | None = 0.9
-    max_ppl_ratio: float | None = 1.1
-    max_accuracy_drop: float | None = None
-
-    @classmethod
-    def from_config(cls, node: PrecisionValidationConfig) -> ValidationThresholds:
-        return cls(**{f.name: getattr(node, f.name) for f in fields(cls)})
-
-
 # threshold field -> (metric key, "max" or "min")
 _CHECKS = {"max_mean_abs_prob_diff": ("abs_prob_diff_mean", "max"), "max_p99_abs_prob_diff": ("abs_prob_diff_p99", "max"),
            "max_k3_kl": ("k3_kl", "max"), "min_top1_agreement": ("top1_agreement", "min"),
            "max_ppl_ratio": ("ppl_ratio", "max"), "max_accuracy_drop": ("accuracy_drop", "max")}
+
+
+def thresholds_of(settings: PrecisionValidationConfig | None = None) -> dict[str, float | None]:
+    """The thresholds of `rollout.precision.validation` (the schema's defaults when None), by field."""
+    node = PrecisionValidationConfig() if settings is None else settings
+    return {name: getattr(node, name) for name in _CHECKS}
 
 
 def token_metrics(logp_p: torch.Tensor, logp_q: torch.Tensor, mask: torch.Tensor,
@@ -123,7 +115,7 @@ def _accuracy(batch: RolloutBatch, decode: Callable[[list[int]], str], answers: 
 
 
 def validate_precision(bf16_model: nn.Module, quant: Any, prompts: list[list[int]],
-                       thresholds: ValidationThresholds | None = None, *, samples_per_prompt: int = 2,
+                       thresholds: PrecisionValidationConfig | None = None, *, samples_per_prompt: int = 2,
                        max_new_tokens: int = 16, temperature: float = 1.0, seed: int = 0,
                        pad_token_id: int = 0, eos_token_id: int | None = None,
                        answers: Sequence[str] | None = None, decode: Callable[[list[int]], str] | None = None,
@@ -132,7 +124,7 @@ def validate_precision(bf16_model: nn.Module, quant: Any, prompts: list[list[int
     doc). Thresholds are checked into report['failures']; with enforce=True a failure raises."""
     if temperature <= 0:
         raise ValueError(f"validation temperature must be > 0 (it samples), got {temperature}")
-    thresholds = thresholds or ValidationThresholds()
+    limits = thresholds_of(thresholds)
     bf16_model.eval()
     q_engine = quant if _is_engine(quant) else ModelSampler(quant, pad_token_id, eos_token_id)
     p_engine = ModelSampler(bf16_model, pad_token_id, eos_token_id)
@@ -162,19 +154,19 @@ def validate_precision(bf16_model: nn.Module, quant: Any, prompts: list[list[int
         metrics.update(accuracy_bf16=acc_p, accuracy_quant=acc_q, accuracy_drop=acc_p - acc_q)
     report = {"n_prompts": len(prompts), "samples_per_prompt": samples_per_prompt, "max_new_tokens": max_new_tokens,
               "temperature": temperature, "seed": seed, "quant": q_engine.describe(), "metrics": metrics,
-              "thresholds": asdict(thresholds)}
-    report["failures"] = check_thresholds(metrics, thresholds)
+              "thresholds": limits}
+    report["failures"] = check_thresholds(metrics, limits)
     report["passed"] = not report["failures"]
     if enforce:
         enforce_thresholds(report)
     return report
 
 
-def check_thresholds(metrics: dict, thresholds: ValidationThresholds) -> list[str]:
+def check_thresholds(metrics: dict, thresholds: dict[str, float | None]) -> list[str]:
     """One line per failed check, naming the metric, its value and the threshold's config key."""
     out = []
     for name, (key, kind) in _CHECKS.items():
-        limit, value = getattr(thresholds, name), metrics.get(key)
+        limit, value = thresholds[name], metrics.get(key)
         if limit is None or value is None:
             continue
         bad = value > limit if kind == "max" else value < limit
@@ -185,7 +177,7 @@ def check_thresholds(metrics: dict, thresholds: ValidationThresholds) -> list[st
 
 
 def enforce_thresholds(report: dict) -> None:
-    if report.get("failures"):
+    if report["failures"]:
         raise PrecisionValidationError("precision validation failed: " + "; ".join(report["failures"]))
 
 
@@ -199,7 +191,7 @@ def _fmt(v: Any) -> str:
 
 def report_markdown(report: dict, title: str = "Precision validation") -> str:
     th = report["thresholds"]
-    limit_of = {key: (name, th.get(name)) for name, (key, _) in _CHECKS.items()}
+    limit_of = {key: (name, th[name]) for name, (key, _) in _CHECKS.items()}
     lines = [f"# {title}", "", f"{'PASSED' if report['passed'] else 'FAILED'}: {report['n_prompts']} held-out prompts x "
              f"{report['samples_per_prompt']} samples, {report['max_new_tokens']} new tokens, temperature "
              f"{report['temperature']}; quantized side: `{json.dumps(report['quant'])}`", "",

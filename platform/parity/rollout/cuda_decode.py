@@ -549,9 +549,3 @@ class CudaDecoder:
         with torch.cuda.graph(graph, pool=st.pool):
             self.step(st, spec, L)  # recorded, not executed: t does not move
         return graph
-
-
-def fast_generate(engine: Any, prompt_token_ids: list[list[int]], spec: SamplingSpec,
-                  prompt_ids: list[int] | None = None, use_graphs: bool | None = None) -> RolloutBatch:
-    """`engine.cuda_decoder.generate(...)`: TorchEngine.generate on the static-cache path."""
-    return engine.cuda_decoder.generate(prompt_token_ids, spec, prompt_ids, use_graphs)

@@ -17,6 +17,20 @@ from parity.precision_names import parse_spec
 if TYPE_CHECKING:
     from parity.config.schema import ParityConfig, PrecisionConfig
 
+# The tags and metric names the writers (parity.tracking.train_run, tasks/recording.py, tasks/records.py) give runs
+# and the dashboard reads back.
+SWEEP_TAG = "parity.sweep"
+KIND_TAG = "parity.kind"  # pipeline | stage | train (a plain training run)
+STAGE_TAG = "parity.stage"  # a stage run's stage (prepare, quantize, validate, train, evaluate, register, compare)
+FLOW_TAG = "parity.flow"  # a pipeline run's flow
+COMMAND_TAG = "parity.command"  # the command of a plain run (train)
+FAILURE_TAG = "parity.failure"  # why a run failed
+PIPELINE_ID_TAG = "parity.pipeline_id"  # the registry's pipeline row
+# a pipeline's (and a tracked train run's) benchmark macro average (headline_metrics); an evaluate stage's is its
+# eval/macro/avg@k metric, which MLflow stores as avg_at_k (parity.tracking.mlflow_log.metric_key)
+BENCHMARK_AVG_METRIC = "benchmark_macro_avg"
+STAGE_BENCHMARK_AVG_METRIC = "eval/macro/avg_at_k"
+
 # What kind of experiment this is, in MLflow's own tag: its UI before 3.17 (and other MLflow front ends) open an
 # experiment of this kind on its runs table. MLflow 3.17's UI no longer reads it: a switch of its own (GenAI |
 # Model training, `workflowType` in the address, else the browser's last choice, GenAI at first) decides, so the
@@ -30,10 +44,8 @@ TRAINING_VIEW = "parity-training-runs"
 TRAINING_VIEW_TAG = f"mlflow.sharedViewState.{TRAINING_VIEW}"
 TRAINING_VIEW_COLUMNS = (("tags", "parity.precision"), ("tags", "parity.correction"), ("metrics", "final_reward"),
                          ("metrics", "heldout_accuracy"), ("metrics", "final_mismatch"),
-                         ("metrics", "benchmark_macro_avg"), ("tags", "parity.benchmarks"), ("metrics", "collapsed"),
+                         ("metrics", BENCHMARK_AVG_METRIC), ("tags", "parity.benchmarks"), ("metrics", "collapsed"),
                          ("tags", "parity.seed"))
-SWEEP_TAG = "parity.sweep"
-KIND_TAG = "parity.kind"  # pipeline | stage | train (a plain training run)
 
 # config keys that tell runs apart (prefixes; a correction's own settings are added for the corrections in use)
 IDENTITY_KEYS = (
@@ -232,7 +244,7 @@ def headline_metrics(train: dict[str, Any], macro: dict[str, Any] | None = None)
             out[name] = v
     avg = _number((macro or {}).get("avg@k"))
     if avg is not None:
-        out["benchmark_macro_avg"] = avg
+        out[BENCHMARK_AVG_METRIC] = avg
     if "collapse_step" in train:
         step = train["collapse_step"]
         out["collapsed"] = 0.0 if step is None else 1.0

@@ -41,7 +41,7 @@ def tracked_train(cfg: ParityConfig, train_fn: Callable[[Any, list], dict]) -> d
     exp = mlflow_log.experiment_id(c, str(t.experiment), mlflow_log.default_artifact_dir(uri))
     name = naming.unique_run_name(c, exp, naming.stage_title(naming.run_title(cfg), "train"))
     run_id = mlflow_log.start_run(c, exp, name, tags={
-        **naming.run_tags(cfg), naming.KIND_TAG: "train", "parity.stage": "train", "parity.command": "train",
+        **naming.run_tags(cfg), naming.KIND_TAG: "train", naming.STAGE_TAG: "train", naming.COMMAND_TAG: "train",
         "parity.run_dir": str(run_dir.resolve()), "parity.resume": str(bool(cfg.trainer.resume)).lower()})
     cb = mlflow_log.MlflowCallback(uri, run_id, mlflow_client=c, flush_every_s=float(t.flush_every_s))
     try:
@@ -55,7 +55,7 @@ def tracked_train(cfg: ParityConfig, train_fn: Callable[[Any, list], dict]) -> d
         cb.close(wait_s=0.0)  # what the steps before the error measured is kept
         reason = mask_url(f"{type(e).__name__}: {e}" if str(e) else "".join(traceback.format_exception_only(e)))
         try:
-            c.set_tag(run_id, "parity.failure", reason[:5000])
+            c.set_tag(run_id, naming.FAILURE_TAG, reason[:5000])
             mlflow_log.end_run(c, run_id, ok=False)
         except Exception:  # the store going away must not hide the training error
             pass

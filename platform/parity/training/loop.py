@@ -1,9 +1,9 @@
 """The RL loop, top to bottom, for every runner: rollout -> grade -> learner step -> weight sync -> (eval,
 checkpoint, log).
 
-A runner supplies the two sides (parity.training.runner): in this process (parity.training.local, the default),
-or over Ray actors (parity.distributed.driver.ray_runner; the command layer, parity.commands.train, picks it when
-distributed.enabled=true). Everything else is here once: the run folder (parity.training.run_folder), the data
+A runner supplies the two sides (parity.training.runner): in this process (parity.training.local), or over Ray
+actors (parity.distributed.driver.ray_runner); the command layer (parity.commands.train.runner_of) picks the one
+distributed.enabled asks for. Everything else is here once: the run folder (parity.training.run_folder), the data
 stream and prompt truncation, grading, held-out evaluation, the collapse alarm, the correction tolerance resolved
 once for the run (parity.training.tolerance), the step's metrics. With distributed.off_policy_overlap the rollout
 of step t+1 is submitted before the learner's step t, so it is sampled with weights one update old
@@ -25,12 +25,10 @@ from transformers import AutoConfig, AutoTokenizer
 from parity.core.profile import StepProfiler
 from parity.core.progress import Progress
 from parity.data.prompts import build_train_stream, render_prompt
-from parity.errors import ParityError
 from parity.rewards.grader import GraderPool
 from parity.rollout import sampling_spec
 from parity.training.collapse import CollapseAlarm
 from parity.training.heldout import HeldOut
-from parity.training.local import local_runner
 from parity.training.run_folder import MetricsLog, RunFolder, run_dir_of, safe_run_name
 from parity.training.runner import LearnerSide, RolloutSide
 from parity.training.tolerance import ToleranceSetting, tolerance_setting
@@ -44,13 +42,9 @@ class Callback(Protocol):
     def on_step(self, step: int, metrics: dict[str, float]) -> None: ...
 
 
-def train(cfg: ParityConfig, callbacks: list[Callback] | None = None, runner: Callable | None = None) -> dict:
-    """One RL run; returns its summary. `runner` builds the two sides: this process's by default, the Ray runner
-    (parity.distributed.driver.ray_runner) when the caller passes it."""
-    if runner is None and cfg.distributed.enabled:
-        raise ParityError("config key `distributed.enabled`: the Ray runner is chosen by the command layer; run "
-                          "`python -m parity train` (parity.commands.train.train), or pass "
-                          "runner=parity.distributed.driver.ray_runner")
+def train(cfg: ParityConfig, callbacks: list[Callback] | None = None, *, runner: Callable) -> dict:
+    """One RL run with the two sides `runner` builds; returns its summary. parity.commands.train.train passes the
+    runner distributed.enabled asks for."""
     seed = int(cfg.trainer.seed)
     random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
     run = RunFolder(cfg)
@@ -64,7 +58,7 @@ def train(cfg: ParityConfig, callbacks: list[Callback] | None = None, runner: Ca
         stream.load_state_dict(run.data_state)
     # long prompts (MATH with the tiny model's 256 positions) keep their end, where the question is
     max_prompt = AutoConfig.from_pretrained(base).max_position_embeddings - cfg.rollout.max_new_tokens
-    with (runner or local_runner)(cfg, base, run, tolerance.measured) as sides, \
+    with runner(cfg, base, run, tolerance.measured) as sides, \
             GraderPool(workers=cfg.eval.grade_workers, timeout_s=cfg.eval.grade_timeout_s) as grader:
         data = Data(tok, stream, cfg.data.prompt_template, max_prompt, grader)
         heldout = HeldOut(cfg, tok, grader, str(run.resume_from or base))

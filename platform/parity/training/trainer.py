@@ -109,7 +109,7 @@ class Trainer:
     def _shared_prefix_mode(self) -> bool:
         """trainer.shared_prefix: auto = on CPU; off wherever the decoder layers' own forward must run (gradient
         checkpointing and compiled layers live there)."""
-        mode = str(getattr(self.tcfg, "shared_prefix", "auto")).strip().lower()
+        mode = str(self.tcfg.shared_prefix).strip().lower()
         if mode not in ("auto", "on", "off", "true", "false"):
             raise ParityError(f"config key `trainer.shared_prefix`: auto, on or off, got {mode!r}")
         if mode in ("off", "false") or self.tcfg.gradient_checkpointing or self.tcfg.compile_layers:
@@ -288,7 +288,7 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.corrections.load_state_dict(state["corrections"])
         self.bad_steps, self.skipped_steps = state["bad_steps"], state["skipped_steps"]
-        self.rl_steps = int(state.get("rl_steps", 0))  # checkpoints written before the counter existed: 0
+        self.rl_steps = int(state["rl_steps"])
 
 
 class LaneTrainer(Trainer):

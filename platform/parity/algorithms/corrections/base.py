@@ -96,8 +96,24 @@ class Correction:
 
     @property
     def provides_token_is_weight(self) -> bool:
-        """True if `is_weight` is a token-level IS rule that score centering can compose with."""
+        """True if `is_weight` is a token-level IS rule (a function of each token's own log(p/q)), which a partner
+        such as score centering can apply to other tokens than the sampled one."""
         return False
+
+    @property
+    def weights_tokens(self) -> bool:
+        """True if the correction weights tokens (overrides `weights`): at most one of a stack may."""
+        return type(self).weights is not Correction.weights
+
+    def token_level_setting(self) -> str:
+        """What makes this correction's weights a token-level IS rule, for an error that asks for one ('' when no
+        setting does)."""
+        return ""
+
+    @property
+    def top_k(self) -> int:
+        """Leading columns of the rollout's top-K this correction reads when `needs_topk` (0 = all it returns)."""
+        return 0
 
     def key(self, field: str) -> str:
         return f"{KEY}.{self.config_key}.{field}" if self.config_key else f"{KEY}.{field}"
@@ -135,6 +151,11 @@ class Correction:
         """Accumulate this correction's metrics of the micro-batch."""
 
     # -- per step ----------------------------------------------------------------------------------
+    def set_tolerance(self, c: float) -> None:
+        """The mismatch tolerance c once `algorithm.correction.tolerance=auto` has measured it (or a resumed run
+        restores it); a correction that uses c overrides this to take it up."""
+        self.tolerance = float(c)
+
     def step_sums(self) -> dict[str, float]:
         """Sums this correction accumulates over the step's tokens before `end_step` uses them (e.g. dual's
         gap sum and token count). A data-parallel trainer adds them over its ranks and hands them back with

@@ -45,12 +45,58 @@ def prob_gap(ctx: CorrectionContext) -> torch.Tensor:
     return torch.where(ctx.mask, d, 0.0)
 
 
+def sequence_gaps(ctx: CorrectionContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g [b] float64: each response's mean |p_train - p_inf| over its tokens, has [b]: it has tokens)."""
+    d = prob_gap(ctx).to(torch.float64)
+    n = ctx.mask.sum(-1).to(torch.float64)
+    has = n > 0
+    return torch.where(has, d.sum(-1) / n.clamp_min(1.0), 0.0), has
+
+
 def dual_update(lam: float, mean_delta: float, c: float, eta: float, lambda_max: float) -> float:
     return min(max(lam + eta * (mean_delta - c), 0.0), lambda_max)
 
 
+class DualPrice(Correction):
+    """What the duals share: a price lambda (state) on the step's mean gap D = delta_sum / count, whose sums over
+    the step's micro-batches data-parallel ranks add (step_sums), and the step's bookkeeping. A subclass sets
+    `lam`, `c` and `steps` and moves the price in `update_price`."""
+
+    lam: float
+    c: float | None
+    steps: int
+
+    def _reset_accumulators(self) -> None:
+        self._delta_sum: torch.Tensor | float = 0.0
+        self._count: torch.Tensor | float = 0.0
+
+    def step_sums(self) -> dict[str, float]:
+        return {"delta_sum": float(self._delta_sum), "count": float(self._count)}
+
+    def set_step_sums(self, sums: dict[str, float]) -> None:
+        self._delta_sum, self._count = float(sums["delta_sum"]), float(sums["count"])
+
+    def update_price(self, mean_delta: float) -> None:
+        """Move lambda (and whatever else the correction learns) on the step's mean gap."""
+        raise NotImplementedError
+
+    def end_step(self) -> dict[str, float]:
+        count = float(self._count)
+        out = {"correction/lambda": self.lam}
+        if count > 0:
+            mean_delta = float(self._delta_sum) / count
+            self.update_price(mean_delta)
+            out["correction/dual_delta_mean"] = mean_delta
+        if self.c is not None:
+            out["correction/dual_c"] = self.c
+        out["correction/lambda_next"] = self.lam
+        self.steps += 1
+        self._reset_accumulators()
+        return out
+
+
 @CORRECTIONS.register("dual", config=DualConfig)
-class Dual(Correction):
+class Dual(DualPrice):
     def __init__(self, cfg: Any = None, tolerance: float | None = 0.0) -> None:
         super().__init__(cfg, tolerance)
         cfg = self.cfg
@@ -66,64 +112,41 @@ class Dual(Correction):
         self.steps = 0
         self._reset_accumulators()
 
-    def _reset_accumulators(self) -> None:
-        self._delta_sum: torch.Tensor | float = 0.0
-        self._count: torch.Tensor | float = 0.0
-
     def advantage_shift(self, ctx: CorrectionContext) -> torch.Tensor:
         return self.lam * prob_gap(ctx)
 
     def set_tolerance(self, c: float) -> None:
         """The tolerance `algorithm.correction.tolerance=auto` measured (kept when dual.c is set)."""
+        super().set_tolerance(c)
         if self.cfg.c is None:
             self.c = float(c)
 
     def record(self, ctx: CorrectionContext, metrics: StepMetrics) -> None:
-        d = prob_gap(ctx).to(torch.float64)
         if self.cfg.discrepancy == "token_mean":
-            self._delta_sum = self._delta_sum + d.sum()
+            self._delta_sum = self._delta_sum + prob_gap(ctx).to(torch.float64).sum()
             self._count = self._count + ctx.mask.sum().to(torch.float64)
         else:  # each trajectory's own mean gap, summed over trajectories (empty ones do not count)
-            n = ctx.mask.sum(-1).to(torch.float64)
-            has = n > 0
-            self._delta_sum = self._delta_sum + torch.where(has, d.sum(-1) / n.clamp_min(1.0), 0.0).sum()
+            g, has = sequence_gaps(ctx)
+            self._delta_sum = self._delta_sum + g.sum()
             self._count = self._count + has.sum().to(torch.float64)
         metrics.set_value("correction/lambda", self.lam)
 
-    def step_sums(self) -> dict[str, float]:
-        return {"delta_sum": float(self._delta_sum), "count": float(self._count)}
-
-    def set_step_sums(self, sums: dict[str, float]) -> None:
-        self._delta_sum, self._count = float(sums["delta_sum"]), float(sums["count"])
-
-    def end_step(self) -> dict[str, float]:
-        count = float(self._count)
-        used = self.lam
-        out = {"correction/lambda": used}
-        if count > 0:
-            mean_delta = float(self._delta_sum) / count
-            # a non-finite step (skipped by the trainer) must not poison lambda; no c yet (auto): lambda waits
-            if math.isfinite(mean_delta) and self.c is not None:
-                self.lam = dual_update(self.lam, mean_delta, self.c, self.cfg.eta, self.cfg.lambda_max)
-            out["correction/dual_delta_mean"] = mean_delta
-        if self.c is not None:
-            out["correction/dual_c"] = self.c
-        out["correction/lambda_next"] = self.lam
-        self.steps += 1
-        self._reset_accumulators()
-        return out
+    def update_price(self, mean_delta: float) -> None:
+        # a non-finite step (skipped by the trainer) must not poison lambda; no c yet (auto): lambda waits
+        if math.isfinite(mean_delta) and self.c is not None:
+            self.lam = dual_update(self.lam, mean_delta, self.c, self.cfg.eta, self.cfg.lambda_max)
 
     def state_dict(self) -> dict[str, Any]:
         return {"lambda": self.lam, "steps": self.steps, "delta_sum": float(self._delta_sum),
                 "count": float(self._count), "c": self.c}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        missing = {"lambda", "steps"} - set(state)
+        missing = {"lambda", "steps", "delta_sum", "count", "c"} - set(state)
         if missing:
             raise ValueError(f"dual correction state lacks {sorted(missing)}")
         self.lam = float(state["lambda"])
         self.steps = int(state["steps"])
-        self._delta_sum = float(state.get("delta_sum", 0.0))
-        self._count = float(state.get("count", 0.0))
-        if state.get("c") is not None and self.cfg.c is None:  # a measured (auto) tolerance resumes as it was
+        self._delta_sum = float(state["delta_sum"])
+        self._count = float(state["count"])
+        if state["c"] is not None and self.cfg.c is None:  # a measured (auto) tolerance resumes as it was
             self.c = float(state["c"])

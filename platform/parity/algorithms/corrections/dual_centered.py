@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from parity.algorithms.corrections.base import CORRECTIONS, Correction, CorrectionContext, require
-from parity.algorithms.corrections.dual import prob_gap
+from parity.algorithms.corrections.base import CORRECTIONS, CorrectionContext, require
+from parity.algorithms.corrections.dual import DualPrice, sequence_gaps
 from parity.algorithms.mismatch import StepMetrics
 
 EPS = 1e-6
@@ -48,14 +48,6 @@ class DualCenteredConfig:
     lambda0: float = 0.1
     eta: float = 1.0  # per step, on the relative excess (D - c) / c
     lambda_max: float = 2.0  # in advantage units
-
-
-def sequence_gaps(ctx: CorrectionContext) -> tuple[torch.Tensor, torch.Tensor]:
-    """(g [b] float64: each response's mean |p_train - p_inf| over its tokens, has [b]: it has tokens)."""
-    d = prob_gap(ctx).to(torch.float64)
-    n = ctx.mask.sum(-1).to(torch.float64)
-    has = n > 0
-    return torch.where(has, d.sum(-1) / n.clamp_min(1.0), 0.0), has
 
 
 def centred_gaps(g: torch.Tensor, has: torch.Tensor, group_ids: torch.Tensor | None) -> torch.Tensor:
@@ -73,7 +65,7 @@ def centred_gaps(g: torch.Tensor, has: torch.Tensor, group_ids: torch.Tensor | N
 
 
 @CORRECTIONS.register("dual_centered", config=DualCenteredConfig)
-class DualCentered(Correction):
+class DualCentered(DualPrice):
     def __init__(self, cfg: Any = None, tolerance: float | None = 0.0) -> None:
         super().__init__(cfg, tolerance)
         cfg = self.cfg
@@ -91,8 +83,7 @@ class DualCentered(Correction):
         self._reset_accumulators()
 
     def _reset_accumulators(self) -> None:
-        self._gap_sum = 0.0
-        self._count = 0.0
+        super()._reset_accumulators()
         self._hist = torch.zeros(BINS, dtype=torch.float64)
 
     def advantage_shift(self, ctx: CorrectionContext) -> torch.Tensor:
@@ -102,42 +93,32 @@ class DualCentered(Correction):
 
     def record(self, ctx: CorrectionContext, metrics: StepMetrics) -> None:
         g, has = sequence_gaps(ctx)
-        self._gap_sum = self._gap_sum + float(g[has].sum())
+        self._delta_sum = self._delta_sum + float(g[has].sum())
         self._count = self._count + float(has.sum())
         if self.c is None:
             self._hist += log_histogram(g[has].detach().cpu())
         metrics.set_value("correction/lambda", self.lam)
 
     def step_sums(self) -> dict[str, float]:
-        out = {"gap_sum": float(self._gap_sum), "count": float(self._count)}
+        out = super().step_sums()
         if self.c is None:
             out.update({f"hist{k}": float(v) for k, v in enumerate(self._hist.tolist()) if v})
         return out
 
     def set_step_sums(self, sums: dict[str, float]) -> None:
-        self._gap_sum, self._count = float(sums["gap_sum"]), float(sums["count"])
+        super().set_step_sums(sums)
         self._hist = torch.zeros(BINS, dtype=torch.float64)
         for k, v in sums.items():
             if k.startswith("hist"):
                 self._hist[int(k[4:])] = float(v)
 
-    def end_step(self) -> dict[str, float]:
-        out = {"correction/lambda": self.lam}
-        if self._count > 0:
-            mean_gap = self._gap_sum / self._count
-            out["correction/dual_delta_mean"] = mean_gap
-            if self.c is None:
-                self.calibration += self._hist
-                if self.steps + 1 >= self.cfg.calibration_steps:
-                    self.c = histogram_quantile(self.calibration, self.cfg.quantile)
-            elif math.isfinite(mean_gap):  # a non-finite step (skipped by the trainer) leaves lambda
-                self.lam = min(max(self.lam + self.cfg.eta * (mean_gap - self.c) / self.c, 0.0), self.cfg.lambda_max)
-        if self.c is not None:
-            out["correction/dual_c"] = self.c
-        out["correction/lambda_next"] = self.lam
-        self.steps += 1
-        self._reset_accumulators()
-        return out
+    def update_price(self, mean_gap: float) -> None:
+        if self.c is None:
+            self.calibration += self._hist
+            if self.steps + 1 >= self.cfg.calibration_steps:
+                self.c = histogram_quantile(self.calibration, self.cfg.quantile)
+        elif math.isfinite(mean_gap):  # a non-finite step (skipped by the trainer) leaves lambda
+            self.lam = min(max(self.lam + self.cfg.eta * (mean_gap - self.c) / self.c, 0.0), self.cfg.lambda_max)
 
     def state_dict(self) -> dict[str, Any]:
         return {"lambda": self.lam, "steps": self.steps, "c": self.c, "calibration": self.calibration.tolist()}

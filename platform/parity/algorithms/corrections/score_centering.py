@@ -97,10 +97,11 @@ class ScoreCentering(Correction):
                     "score_centering needs the rollout's top-K log-probs; set rollout.topk_logprobs > 0 (e.g. 128)")
             require(self.top_k <= topk_logprobs, self.key("top_k"),
                     f"{self.top_k} exceeds the K the rollout returns (rollout.topk_logprobs={topk_logprobs})")
-        for o in others:
-            if o.name in ("tis", "seq_tis") and not o.provides_token_is_weight:
-                raise ValueError("algorithm.correction.tis.level: score_centering composes only with token-level "
-                                 "IS weights; set tis.level=token")
+        for o in others:  # the tail term applies the partner's IS rule to unsampled tokens: it must be per token
+            if o.weights_tokens and not o.provides_token_is_weight:
+                fix = o.token_level_setting()
+                raise ValueError(f"{o.section}: score_centering composes only with token-level IS weights, and "
+                                 f"{o.name} weights whole responses" + (f"; {fix}" if fix else ""))
 
     def check_batch(self, batch: RolloutBatch) -> None:
         if batch.topk_ids is None or batch.topk_logprobs is None:

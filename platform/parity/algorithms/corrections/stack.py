@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from parity.algorithms.corrections.base import CORRECTIONS, KEY, Correction, require
+from parity.mismatch_tolerance import DEFAULT_TOLERANCE
 from parity.types import RolloutBatch
 
 STATE_VERSION = 1
@@ -39,7 +40,7 @@ class AutoTolerance:
 class CorrectionStack:
     """The configured corrections, applied in the order named. `tolerance` None: being measured (AutoTolerance)."""
 
-    def __init__(self, corrections: list[Correction], tolerance: float | None = 0.0037,
+    def __init__(self, corrections: list[Correction], tolerance: float | None,
                  auto: AutoTolerance | None = None) -> None:
         self.corrections = corrections
         self.tolerance = None if tolerance is None else float(tolerance)
@@ -62,7 +63,7 @@ class CorrectionStack:
     @property
     def top_k(self) -> int:
         """Leading top-K columns of the batch that are used (0 = all)."""
-        return max((int(getattr(c, "top_k", 0)) for c in self.corrections if c.needs_topk), default=0)
+        return max((c.top_k for c in self.corrections if c.needs_topk), default=0)
 
     @property
     def is_weight(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -108,8 +109,7 @@ class CorrectionStack:
     def set_tolerance(self, c: float) -> None:
         self.tolerance = float(c)
         for corr in self.corrections:
-            if hasattr(corr, "set_tolerance"):
-                corr.set_tolerance(c)
+            corr.set_tolerance(c)
 
     def state_dict(self) -> dict[str, Any]:
         return {"version": STATE_VERSION, "names": self.names, "tolerance": self.tolerance,
@@ -165,9 +165,10 @@ def _section(cfg: Any, key: str | None) -> Any:
 
 def resolve_tolerance(value: Any, measured: float | None = None, multiple: float = 1.0) -> float | None:
     """The tolerance c of `algorithm.correction.tolerance`: a number as given; `auto` = multiple x `measured` (the
-    validate stage's mean |p_train - p_inf| for this precision), or None when nothing was measured yet."""
+    validate stage's mean |p_train - p_inf| for this precision), or None when nothing was measured yet; None gives
+    the schema's default."""
     if value is None:
-        return 0.0037
+        return DEFAULT_TOLERANCE
     if isinstance(value, str) and value.strip().lower() == "auto":
         return None if measured is None else float(multiple) * float(measured)
     try:
@@ -200,7 +201,7 @@ def build_corrections(cfg: Any, policy_loss: str | None = None, topk_logprobs: i
     for n in parse_names(name):
         cls = CORRECTIONS.get(n)
         corrections.append(cls(_section(cfg, cls.config_key), tolerance))
-    weighted = [c.name for c in corrections if type(c).weights is not Correction.weights]
+    weighted = [c.name for c in corrections if c.weights_tokens]
     require(len(weighted) <= 1, f"{KEY}.name",
             f"at most one importance-weight correction may be stacked, got {'+'.join(weighted)}")
     stack = CorrectionStack(corrections, tolerance, auto)

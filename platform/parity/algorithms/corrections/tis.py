@@ -45,6 +45,9 @@ class TIS(Correction):
     def provides_token_is_weight(self) -> bool:
         return self.level == "token"
 
+    def token_level_setting(self) -> str:
+        return f"set {self.key('level')}=token"
+
     def is_weight(self, log_ratio: torch.Tensor) -> torch.Tensor:
         return torch.exp(log_ratio.clamp(max=self.log_c))
 
@@ -68,3 +71,6 @@ class SeqTIS(TIS):
     def __init__(self, cfg: Any = None, tolerance: float = 0.0) -> None:
         cfg = read_section(cfg, TISConfig, self.section)
         super().__init__(dataclasses.replace(cfg, level="sequence"), tolerance)
+
+    def token_level_setting(self) -> str:
+        return f"use tis with {self.key('level')}=token"
