@@ -48,10 +48,10 @@ def test_every_validation_is_kept_and_the_latest_stays_where_readers_look(quanti
 
 
 def test_two_validations_in_one_second_keep_two_reports(tmp_path):
-    from parity.precision.validate import record_report
+    from parity.precision.validate import record_report, thresholds_of
 
     report = {"n_prompts": 1, "samples_per_prompt": 1, "max_new_tokens": 1, "temperature": 1.0, "quant": {},
-              "metrics": {"k3_kl": 0.1}, "thresholds": {}, "failures": [], "passed": True}
+              "metrics": {"k3_kl": 0.1}, "thresholds": thresholds_of(), "failures": [], "passed": True}
     now = datetime(2026, 12, 2, 10, 15, 30, tzinfo=UTC)
     a = record_report(report, tmp_path, "bf16-sigma0.01", now=now)
     b = record_report({**report, "passed": False}, tmp_path, "bf16-sigma0.01", now=now)
