@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
+from parity.core.device import blocking_sync_from_env
 from parity.core.profile import StepProfiler
 from parity.core.progress import Progress
 from parity.data.prompts import build_train_stream, render_prompt
@@ -45,6 +46,7 @@ class Callback(Protocol):
 def train(cfg: ParityConfig, callbacks: list[Callback] | None = None, *, runner: Callable) -> dict:
     """One RL run with the two sides `runner` builds; returns its summary. parity.commands.train.train passes the
     runner distributed.enabled asks for."""
+    blocking_sync_from_env()  # before the first CUDA use (PARITY_CUDA_BLOCKING_SYNC; the study sets it for its runs)
     seed = int(cfg.trainer.seed)
     random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
     run = RunFolder(cfg)
