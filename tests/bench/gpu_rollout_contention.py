@@ -140,7 +140,7 @@ def run_set(args: argparse.Namespace, opts: dict, formats: list, work: Path, env
         if opts["sm"]:
             e["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(opts["sm"])
         cmd = [sys.executable, __file__, "--worker", "--model-dir", args.model_dir, "--format", fmt,
-               "--precision", json.dumps(pre), "--rows", str(opts["rows"]), "--index", str(i),
+               "--out", "-", "--precision", json.dumps(pre), "--rows", str(opts["rows"]), "--index", str(i),
                "--ready", str(ready), "--go", str(go), "--warmup", str(args.warmup), "--seconds", str(args.seconds)]
         if opts["blocking"]:
             cmd.append("--blocking")
