@@ -37,13 +37,8 @@ QUICK = [f"model.dtype={TEST_DTYPE}",
 ]
 
 
-# The built-in corrections' sections (algorithm.correction.tis, .dual, ...) are declared when a process loads its
-# registries, which load_config does; tests that build the schema (parity_schema) directly get them the same way.
-from parity.config import load_registries  # noqa: E402
 from tests.prefect_services import prefect_services, sweep_regression, sweep_store  # noqa: E402,F401  (session fixtures)
 from tests.quantized_outputs import quantized_outputs  # noqa: E402,F401  (session fixture)
-
-load_registries()
 
 
 @pytest.fixture(scope="session")

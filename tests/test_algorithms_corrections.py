@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from parity.algorithms import StepMetrics, build_corrections, loss_denominators
 from parity.algorithms.corrections import CorrectionContext
 from parity.algorithms.corrections.dual import dual_update
-from parity.config.schema import AlgorithmConfig, parity_schema
+from parity.config.schema import AlgorithmConfig, CorrectionConfig
 from parity.types import RolloutBatch
 from tests.helpers import rl_objective
 from tests.tolerances import first_order_bound, float32_prob_error
@@ -21,9 +21,9 @@ from tests.tolerances import first_order_bound, float32_prob_error
 NAN = float("nan")
 
 
-def correction_config(**kw: object):
-    """`algorithm.correction` of the loaded schema: CorrectionConfig with the registered corrections' sections."""
-    return type(parity_schema()().algorithm.correction)(**kw)
+def correction_config(**kw: object) -> CorrectionConfig:
+    """`algorithm.correction`: its keys, each correction's section a plain mapping of its defaults."""
+    return CorrectionConfig(**kw)  # type: ignore[arg-type]
 
 
 def close(t: torch.Tensor, expected: list[list[float]]) -> bool:
@@ -45,7 +45,7 @@ def ctx_from_ratios(ratios: list[list[float]], q: float = 0.5) -> CorrectionCont
 def single(name: str, **section: object):
     cfg = correction_config(name=name)
     for k, v in section.items():
-        setattr(getattr(cfg, name.replace("seq_", "")), k, v)
+        getattr(cfg, name.replace("seq_", ""))[k] = v
     return build_corrections(cfg).corrections[0]
 
 
@@ -113,7 +113,7 @@ def _objective(stack, batch, old, adv, metrics):
 @pytest.mark.parametrize("discrepancy", ["seq_mean", "token_mean"])
 def test_dual_advantage_shift_and_lambda_update_by_hand(discrepancy: str) -> None:
     cfg = correction_config(name="dual")
-    cfg.dual.discrepancy = discrepancy
+    cfg.dual["discrepancy"] = discrepancy
     stack = build_corrections(cfg)
     # delta = |p_train - p_inf|: [[0.1, 0.05], [0.0, pad]]
     batch, old, adv = _dual_batch([[0.5, 0.9], [0.2, NAN]], [[0.4, 0.95], [0.2, NAN]], [1.0, -1.0])
@@ -150,7 +150,7 @@ def test_dual_c_of_its_own_wins_over_the_tolerance() -> None:
     cfg = correction_config(name="dual", tolerance=0.05)
     stack = build_corrections(cfg)
     assert stack.corrections[0].c == 0.05 and stack.tolerance == 0.05
-    cfg.dual.c = 0.0037
+    cfg.dual["c"] = 0.0037
     assert build_corrections(cfg).corrections[0].c == 0.0037
 
 
@@ -195,7 +195,7 @@ def test_tolerance_auto_takes_a_validated_discrepancy_and_refuses_nonsense() -> 
     with pytest.raises(ValueError, match="algorithm.correction.tolerance"):
         build_corrections(correction_config(name="dual", tolerance="often"))
     cfg = correction_config(name="dual")
-    cfg.dual.discrepancy = "median"
+    cfg.dual["discrepancy"] = "median"
     with pytest.raises(ValueError, match="algorithm.correction.dual.discrepancy"):
         build_corrections(cfg)
 
@@ -204,7 +204,7 @@ def test_dual_lambda_clamps() -> None:
     assert dual_update(0.1, mean_delta=0.0, c=0.5, eta=1.0, lambda_max=10.0) == 0.0
     assert dual_update(0.1, mean_delta=5.0, c=0.0, eta=1.0, lambda_max=0.2) == 0.2
     cfg = correction_config(name="dual")
-    cfg.dual.c, cfg.dual.lambda_max = 0.0, 0.25
+    cfg.dual["c"], cfg.dual["lambda_max"] = 0.0, 0.25
     stack = build_corrections(cfg)
     batch, old, adv = _dual_batch([[0.9]], [[0.1]], [1.0])
     for _ in range(3):
@@ -215,7 +215,7 @@ def test_dual_lambda_clamps() -> None:
 
 def test_dual_state_survives_checkpoint_exactly() -> None:
     cfg = correction_config(name="tis+dual")
-    cfg.dual.eta = 0.37
+    cfg.dual["eta"] = 0.37
     stack = build_corrections(cfg)
     batch, old, adv = _dual_batch([[0.5, 0.9], [0.2, NAN]], [[0.41, 0.95], [0.23, NAN]], [1.0, -1.0])
     for _ in range(3):
@@ -248,7 +248,8 @@ def test_build_accepts_dictconfig_and_composes() -> None:
     ({"name": "dual", "dual": {"c": -0.1}}, {}, r"algorithm\.correction\.dual\.c: the tolerance must be >= 0"),
     ({"name": "none", "tolerance": -1.0}, {}, r"algorithm\.correction\.tolerance"),
     ({"name": "tis", "tis": {"C": -2.0}}, {}, r"algorithm\.correction\.tis\.C"),
-    ({"name": "tis", "tis": {"C": 2.0, "bogus": 1}}, {}, r"algorithm\.correction\.tis\.bogus: unknown key"),
+    ({"name": "tis", "tis": {"C": 2.0, "bogus": 1}}, {}, r"algorithm\.correction\.tis\.bogus`: unknown key"),
+    ({"name": "tis", "tis": {"C": "lots"}}, {}, r"algorithm\.correction\.tis\.C`: Value 'lots' .* to Float"),
     ({"name": "icepop", "icepop": {"lo": 2.0, "hi": 1.0}}, {}, r"algorithm\.correction\.icepop\.hi"),
     ({"name": "mis", "mis": {"statistic": "k2"}}, {}, r"algorithm\.correction\.mis\.statistic"),
     ({"name": "score_centering"}, {"policy_loss": "ppo_clip"}, r"algorithm\.policy_loss: score_centering"),
@@ -285,8 +286,8 @@ def test_dual_centered_shift_is_the_group_standardised_gap_by_hand() -> None:
     tokens on average), a response alone in its group is not shifted, and the logged ratio mean |shift| / mean |A|
     is the one of the hand computation."""
     cfg = correction_config(name="dual_centered")
-    cfg.dual_centered.c = 0.05
-    cfg.dual_centered.lambda0 = 0.5
+    cfg.dual_centered["c"] = 0.05
+    cfg.dual_centered["lambda0"] = 0.5
     stack = build_corrections(cfg)
     pt = [[0.5, 0.9, NAN], [0.2, 0.6, 0.3], [0.8, NAN, NAN], [0.7, 0.7, NAN]]
     pi = [[0.4, 0.95, NAN], [0.2, 0.3, 0.3], [0.5, NAN, NAN], [0.1, 0.7, NAN]]
@@ -329,8 +330,8 @@ def test_dual_centered_tolerance_is_a_quantile_of_the_first_steps_gaps() -> None
     import numpy as np
 
     cfg = correction_config(name="dual_centered")
-    cfg.dual_centered.calibration_steps = 2
-    cfg.dual_centered.quantile = 0.5
+    cfg.dual_centered["calibration_steps"] = 2
+    cfg.dual_centered["quantile"] = 0.5
     stack = build_corrections(cfg)
     dual = stack.corrections[0]
     rng = np.random.default_rng(0)
@@ -356,7 +357,7 @@ def test_dual_centered_tolerance_is_a_quantile_of_the_first_steps_gaps() -> None
 def test_dual_centered_config_errors_name_the_key() -> None:
     for key, value in (("quantile", 1.5), ("c", -1.0), ("calibration_steps", 0), ("lambda0", 5.0)):
         cfg = correction_config(name="dual_centered")
-        setattr(cfg.dual_centered, key, value)
+        cfg.dual_centered[key] = value
         with pytest.raises(ValueError, match=f"algorithm.correction.dual_centered.{key}"):
             build_corrections(cfg)
 

@@ -70,7 +70,7 @@ def test_a_missing_path_is_refused_before_the_command_loads(tmp_path: Path) -> N
     (["trainer.betas=0.9"], "config key `trainer.betas`: expected list[float], got 0.9"),
     (["trainer.resume=maybe"], "config key `trainer.resume`: expected bool, got 'maybe'"),
     (["trainer.lr=1e-3,abc"], "config key `trainer.lr`: expected float, got 'abc'"),  # each value of a sweep
-    # a registered correction's section: checked once the registry has declared it
+    # a correction's section: checked against its declaration (parity.algorithm_config), torch not loaded
     (["algorithm.correction.tis.C=abc"], "config key `algorithm.correction.tis.C`: expected float, got 'abc'"),
 ])
 def test_load_config_refuses_a_wrong_type_with_the_same_line(overrides: list[str], message: str) -> None:

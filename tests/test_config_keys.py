@@ -98,6 +98,7 @@ def test_groups_of_a_users_config_folder_are_groups(tmp_path: Path) -> None:
 
 
 def test_valid_keys_and_open_groups_come_from_the_schema() -> None:
+    from parity import algorithm_config as corrections
     from parity.config import schema
 
     def walk(cls: type, prefix: str) -> list[str]:
@@ -105,11 +106,13 @@ def test_valid_keys_and_open_groups_come_from_the_schema() -> None:
         for f in dataclasses.fields(cls):
             out.append(prefix + f.name)
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            if dataclasses.is_dataclass(default):
-                out += walk(type(default), f"{prefix}{f.name}.")
+            section = corrections.section_class(prefix + f.name)  # a correction's section: its declared keys
+            if section is not None or dataclasses.is_dataclass(default):
+                out += walk(section or type(default), f"{prefix}{f.name}.")
         return out
 
-    assert set(schema_keys()) == set(walk(schema.parity_schema(), ""))
+    assert set(schema_keys()) == set(walk(schema.ParityConfig, ""))
+    assert "algorithm.correction.dual.lambda0" in schema_keys()
     assert "eval.benchmarks" in open_groups()
     for group in open_groups():  # each open group's default is a mapping, and the docs name it
         node = load_config([])

@@ -1,6 +1,6 @@
 """docs/ADD_A_CORRECTION.md, followed from this file alone: a correction registered here (its config dataclass
-beside it, one registration) is selectable by name, its section is part of the config schema (a typo or a wrong
-type in it fails at composition naming the key), and it trains two steps in-process and over Ray, where the
+beside it, one registration) is selectable by name, its section is `algorithm.correction.external.drop_rare` (a typo
+or a wrong type in it fails at load naming the key), and it trains two steps in-process and over Ray, where the
 trainer actor imports this module through `algorithm.correction.modules`; both runs log the same metrics. Its
 state (the tokens dropped over the run) is summed over the step with `step_sums`, so a trainer sharded over two
 gloo ranks counts what the single-process one counts."""
@@ -67,7 +67,7 @@ class DropRare(Correction):
 
 
 MIN_PROB = 0.2
-RECIPE = ["algorithm.correction.name=drop_rare", f"algorithm.correction.drop_rare.min_prob={MIN_PROB}",
+RECIPE = ["algorithm.correction.name=drop_rare", f"algorithm.correction.external.drop_rare.min_prob={MIN_PROB}",
           f"algorithm.correction.modules=[{__name__}]", "trainer.checkpoint_every=0"]
 
 
@@ -83,20 +83,20 @@ def _non_perf(rows: list[dict]) -> list[dict]:
 def test_the_section_is_in_the_schema_and_checked(quick_cfg) -> None:
     from hydra.errors import ConfigCompositionException
 
+    from parity.algorithm_config import section_class
     from parity.config import ConfigError
-    from parity.config.schema import parity_schema
 
     assert CORRECTIONS.get("drop_rare") is DropRare and DropRare.config_key == "drop_rare"
-    cfg = quick_cfg(*RECIPE)  # composing declares the registered sections: the schema carries them
-    assert parity_schema()().algorithm.correction.drop_rare == DropRareConfig()
-    assert cfg.algorithm.correction.drop_rare.min_prob == MIN_PROB
-    for bad, key in [("algorithm.correction.drop_rare.min_probb=0.1", "min_probb"),
-                     ("algorithm.correction.drop_rare.min_prob=often", "min_prob")]:
+    assert section_class("algorithm.correction.external.drop_rare") is DropRareConfig  # its registration declared it
+    cfg = quick_cfg(*RECIPE)
+    assert cfg.algorithm.correction.external == {"drop_rare": {"min_prob": MIN_PROB}}
+    for bad, key in [("algorithm.correction.external.drop_rare.min_probb=0.1", "min_probb"),
+                     ("algorithm.correction.external.drop_rare.min_prob=often", "min_prob")]:
         with pytest.raises((ConfigCompositionException, ConfigError)) as e:  # an unknown key, or a wrong type
             quick_cfg(*RECIPE, bad)
         assert key in f"{e.value} {e.value.__cause__}"
-    with pytest.raises(ConfigError, match=r"algorithm\.correction\.drop_rare\.min_prob: must be in \[0, 1\)"):
-        quick_cfg(*RECIPE, "algorithm.correction.drop_rare.min_prob=1.5")
+    with pytest.raises(ConfigError, match=r"algorithm\.correction\.external\.drop_rare\.min_prob: must be in \[0, 1\)"):
+        quick_cfg(*RECIPE, "algorithm.correction.external.drop_rare.min_prob=1.5")
     with pytest.raises(ConfigError, match=r"algorithm\.correction\.modules: cannot import 'no_such_module'"):
         quick_cfg("algorithm.correction.modules=[no_such_module]")
 

@@ -20,8 +20,8 @@ LAZY = {
                                    "(tests/test_cli_help.py)"),
     "parity.algorithms": ("torch", "parity.config stays importable without torch: the dashboard, the flows and "
                                    "the CLI read configs before any work needs it"),
-    "parity.algorithms.corrections": ("torch", "as parity.algorithms: the config asks the correction registry only "
-                                               "when it composes"),
+    "parity.algorithms.corrections": ("torch", "as parity.algorithms: the config builds the correction stack only "
+                                               "when it validates, after the keys and values are checked"),
     "parity.precision.config": ("torch", "the dashboard names runs by their precision (parity.tracking.naming) "
                                          "without importing torch"),
     "parity.precision.int8_triton": ("triton", "the CUDA decode path's INT8 kernels, only where that path runs"),

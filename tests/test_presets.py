@@ -23,7 +23,7 @@ def test_seed_presets_compose_and_validate(name):
         assert (cfg.trainer.prompts_per_step, cfg.rollout.n, cfg.trainer.total_steps) == (32, 4, 200)
     else:
         d = cfg.algorithm.correction.dual
-        assert cfg.algorithm.correction.name == "dual" and (d.c, d.lambda0, d.eta) == (0.0037, 0.1, 1.0)
+        assert cfg.algorithm.correction.name == "dual" and (d["c"], d["lambda0"], d["eta"]) == (0.0037, 0.1, 1.0)
         assert (cfg.trainer.prompts_per_step, cfg.rollout.n, cfg.rollout.max_new_tokens) == (64, 8, 8192)
         assert list(cfg.trainer.betas) == [0.9, 0.95] and cfg.algorithm.clip_ratio_low == 0.24
 

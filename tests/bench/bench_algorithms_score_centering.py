@@ -33,7 +33,6 @@ from parity.algorithms import (
     compute_advantages,
     loss_denominators,
 )
-from parity.config import load_registries
 from parity.config.schema import AlgorithmConfig
 from parity.types import RolloutBatch
 
@@ -119,8 +118,6 @@ def main() -> None:
         batch = make_batch(args, head, body(x))
     adv = compute_advantages("grpo", batch.rewards, batch.group_ids)
     denom = loss_denominators(batch.response_mask)
-
-    load_registries()  # the corrections' sections join the schema, as load_config does
 
     def config(name: str) -> AlgorithmConfig:
         cfg = AlgorithmConfig(policy_loss="reinforce", logprob_chunk_size=args.chunk)

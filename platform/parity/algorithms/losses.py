@@ -4,32 +4,18 @@ Every loss has the signature
     fn(logprobs, old_logprobs, advantages, weights, cfg) -> (per_token_loss, metrics)
 with [b, R] tensors: `logprobs` the trainer's current log-probs (with grad), `old_logprobs` the
 anchor of the ratio (detached), `advantages` per token, `weights` detached IS weights (1 where
-none) and `cfg` the `algorithm` config. `metrics` maps a metric name to a detached per-token tensor
-[b, R]; the caller reduces it over the response mask (so the value does not depend on the split)."""
+none) and `cfg` the `algorithm` config (parity.algorithm_config.AlgorithmConfig, the schema's). `metrics` maps a metric name to a
+detached per-token tensor [b, R]; the caller reduces it over the response mask (so the value does not depend on the
+split)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
 
 import torch
 
+from parity.algorithm_config import AlgorithmConfig
 from parity.algorithms.registry import Registry
-
-
-class AlgorithmSettings(Protocol):
-    """What the objective and the policy losses read of the `algorithm` section: parity.config.schema's
-    AlgorithmConfig, named by its fields here because the config package sits above this one (it composes the
-    corrections' registry)."""
-
-    adv_estimator: str
-    norm_adv_by_std: bool
-    policy_loss: str
-    clip_ratio_low: float
-    clip_ratio_high: float
-    loss_agg_mode: str
-    logprob_chunk_size: int
-
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss", "algorithm.policy_loss")
@@ -40,7 +26,7 @@ _MAX_LOG_RATIO = 20.0
 
 @POLICY_LOSSES.register("ppo_clip")
 def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                  weights: torch.Tensor, cfg: AlgorithmSettings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                  weights: torch.Tensor, cfg: AlgorithmConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)) * w, r = exp(logprobs - old_logprobs)."""
     log_ratio = (logprobs - old_logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
@@ -56,7 +42,7 @@ def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages
 
 @POLICY_LOSSES.register("reinforce")
 def reinforce_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                   weights: torch.Tensor, cfg: AlgorithmSettings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                   weights: torch.Tensor, cfg: AlgorithmConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """-A * w * log pi(y): the plain score-function estimator; off-policyness is left to the IS weights
     (the ratio to old_logprobs is not used)."""
     del old_logprobs, cfg

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import torch
 
+from parity.algorithm_config import AlgorithmConfig
 from parity.algorithms.aggregation import AGGREGATIONS, LossDenominators, aggregate_loss
 from parity.algorithms.corrections import CorrectionContext, CorrectionStack
 from parity.algorithms.corrections.base import gather_rows, scatter_rows, token_rows
 from parity.algorithms.logprobs import chunked_token_logprobs
-from parity.algorithms.losses import AlgorithmSettings, get_policy_loss
+from parity.algorithms.losses import get_policy_loss
 from parity.algorithms.mismatch import StepMetrics, record_mismatch
 from parity.types import RolloutBatch
 
@@ -63,7 +64,7 @@ class Objective:
     corrections checked against the policy loss and `algorithm.logprob_chunk_size` checked, once; each call is
     one micro-batch's scalar loss."""
 
-    def __init__(self, alg_cfg: AlgorithmSettings, corrections: CorrectionStack) -> None:
+    def __init__(self, alg_cfg: AlgorithmConfig, corrections: CorrectionStack) -> None:
         self.alg_cfg, self.corrections = alg_cfg, corrections
         self.policy_loss = get_policy_loss(str(alg_cfg.policy_loss))
         corrections.check(policy_loss=str(alg_cfg.policy_loss))

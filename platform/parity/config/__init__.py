@@ -10,30 +10,25 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from parity.algorithm_config import SECTIONS, import_modules, section_class, section_values
 from parity.config.keys import REMOVED, check_config, check_overrides, open_groups, unknown_key_message
-from parity.config.schema import ParityConfig, add_correction_section, correction_sections, parity_schema
+from parity.config.schema import ParityConfig
 from parity.config.seed_block import fold_seed_block
 from parity.config.validate import ConfigError, validate_config
 from parity.config_tree import config_dir, default_groups
 
-_STORED: type | None = None  # the schema stored with Hydra
+_STORED = False  # the schema is stored with Hydra
 
 
-def load_registries(overrides: list[str] | None = None, modules: list[str] | None = None) -> None:
-    """Import the registries whose entries extend the schema, then declare every registered correction's section of
-    `algorithm.correction` (parity_schema then carries them; importing parity.algorithms.corrections registers the built-in ones; `modules` and the
-    modules an `algorithm.correction.modules=[...]` override names register theirs, so the same overrides can set
-    their sections)."""
-    # torch: the registries are torch modules, and importing parity.config (the dashboard, flows, the CLI's help)
-    # must not import it
-    from parity.algorithms.corrections import CORRECTIONS, import_modules
+def register_schema() -> None:
+    """Store the schema (ParityConfig) with Hydra as `parity_schema`, the first entry of configs/config.yaml's
+    defaults list."""
+    global _STORED
+    if not _STORED:
+        from hydra.core.config_store import ConfigStore  # lazy: the numerical core runs without hydra
 
-    try:
-        import_modules([*(modules or []), *_override_modules(overrides or [])])
-        for key, section in CORRECTIONS.sections().items():
-            add_correction_section(key, section)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
+        ConfigStore.instance().store(name="parity_schema", node=ParityConfig)
+        _STORED = True
 
 
 def _override_modules(overrides: list[str]) -> list[str]:
@@ -44,19 +39,6 @@ def _override_modules(overrides: list[str]) -> list[str]:
 
     value = OverridesParser.create().parse_overrides(keyed[-1:])[0].value()
     return [str(v) for v in value] if isinstance(value, list) else [str(value)]
-
-
-def register_schema(overrides: list[str] | None = None) -> None:
-    """Store the schema (ParityConfig with the registered sections) with Hydra as `parity_schema`, again whenever a
-    registration added a section since."""
-    global _STORED
-    load_registries(overrides)
-    schema = parity_schema()
-    if schema is not _STORED:
-        from hydra.core.config_store import ConfigStore  # lazy: the numerical core runs without hydra
-
-        ConfigStore.instance().store(name="parity_schema", node=schema)
-        _STORED = schema
 
 
 def normalize_overrides(overrides: list[str]) -> list[str]:
@@ -76,20 +58,13 @@ def normalize_overrides(overrides: list[str]) -> list[str]:
     return out
 
 
-def check_keys(overrides: list[str], extra_config_dirs: list[str | Path] = ()) -> None:
+def check_keys(overrides: list[str], extra_config_dirs: list[str | Path] = (), paths: bool = False) -> None:
     """Refuse an override naming a key the schema lacks (one-line ConfigError: the key and the closest
-    valid keys) or setting a value of the wrong type (the key, the type, the value); group choices are recognised
-    by the folders of the config tree and of `extra_config_dirs`."""
-    check_overrides(overrides, [config_dir(), *(Path(d) for d in extra_config_dirs)])
-
-
-def check_command_line(overrides: list[str], extra_config_dirs: list[str | Path] = ()) -> None:
-    """What `python -m parity <command>` checks before anything heavy is imported (neither the corrections' registry
-    nor torch): the keys and value types of the overrides, and the files and folders they name that must be there
-    (parity.config.keys.PATH_KEYS); one-line ConfigError `config key `KEY`: ...`. Keys under `algorithm.correction.`
-    wait for `check_keys` after `register_schema`: the registered corrections declare its sections."""
-    check_overrides(overrides, [config_dir(), *(Path(d) for d in extra_config_dirs)], skip=("algorithm.correction.",),
-                    paths=True)
+    valid keys) or setting a value of the wrong type (the key, the type, the value), the keys of the corrections'
+    sections too (their declarations, parity.algorithm_config: no torch); with `paths`, one naming a file or folder
+    that is not there (parity.config.keys.PATH_KEYS). Group choices are recognised by the folders of the config tree
+    and of `extra_config_dirs`."""
+    check_overrides(overrides, [config_dir(), *(Path(d) for d in extra_config_dirs)], paths=paths)
 
 
 def load_config(overrides: list[str] | None = None, extra_config_dir: str | None = None,
@@ -122,26 +97,40 @@ def compose_config(overrides: list[str] | None = None, extra_config_dir: str | N
 
 def checked_overrides(overrides: list[str], config_dirs: list[str | Path] = (), check_paths: bool = False) -> list[str]:
     """What loading a config checks before Hydra composes it, in order, for `load_config` and the CLI alike: the
-    overrides normalised (normalize_overrides); with `check_paths` (the CLI), their keys, types and paths before the
-    registries import torch (check_command_line); the registries loaded and the schema stored (register_schema:
-    modules an override names register first); every key, the corrections' sections' too (check_keys). Returns
-    the normalised overrides; a ConfigError names the key."""
+    overrides normalised (normalize_overrides); the modules an `algorithm.correction.modules=[...]` override names
+    imported, so that the sections of the corrections they register can be set in the same overrides; every key and
+    value type, with `check_paths` (the CLI) the paths too (check_keys), before anything imports torch; the schema
+    stored with Hydra. Returns the normalised overrides; a ConfigError names the key."""
     overrides = normalize_overrides(overrides)
-    if check_paths:
-        check_command_line(overrides, config_dirs)
-    register_schema(overrides)
-    check_keys(overrides, config_dirs)
+    import_modules(_override_modules(overrides))
+    check_keys(overrides, config_dirs, paths=check_paths)
+    register_schema()
     return overrides
 
 
 def checked_config(cfg: DictConfig, validate: bool = True) -> DictConfig:
-    """What loading a config checks once Hydra has composed it: keys set by config files (check_config), then the
-    values and their combinations, the correction stack built (validate_config). `typed` then gives the library's
+    """What loading a config checks once Hydra has composed it: keys set by config files (check_config), each
+    correction section filled and converted through its declared dataclass (complete_sections), then the values and
+    their combinations, the correction stack built (validate_config). `typed` then gives the library's
     dataclasses."""
     check_config(cfg)
+    complete_sections(cfg)
     if validate:
         validate_config(cfg)
     return cfg
+
+
+def complete_sections(cfg: DictConfig) -> None:
+    """Each section of `algorithm.correction` (the built-in ones, and those of `external` that the corrections of
+    `algorithm.correction.modules` declare) as its dataclass reads it: defaults filled, values converted (`eta: 1` is
+    1.0), a key it lacks or a value of the wrong type a ConfigError naming the key."""
+    correction = cfg.algorithm.correction
+    import_modules(correction.get("modules"))
+    for key in SECTIONS:
+        correction[key] = section_values(key, correction.get(key))
+    external = correction.get("external") or {}
+    for key in list(external):
+        external[key] = section_values(str(key), external[key])
 
 
 def typed(cfg: DictConfig) -> ParityConfig:
@@ -152,21 +141,12 @@ def typed(cfg: DictConfig) -> ParityConfig:
 
 def from_plain(plain: Mapping[str, Any]) -> ParityConfig:
     """A config sent as a plain resolved mapping (to a Ray actor, a Prefect task) back as the schema's
-    dataclasses, its values checked against the schema's types; the registered corrections' sections (and those
-    of the modules it names) are part of that schema."""
-    correction = dict(dict(plain.get("algorithm") or {}).get("correction") or {})
+    dataclasses, its values checked against the schema's types (the corrections' sections are plain mappings: the
+    process that builds the corrections reads them through their dataclasses)."""
     from omegaconf.errors import OmegaConfBaseException
 
-    load_registries(modules=[str(m) for m in correction.get("modules") or []])
-    # A section registered where the config was built by a module this process does not import (a correction
-    # defined beside the code that built it, not named in algorithm.correction.modules) is not part of this
-    # process's schema; it is unused unless its correction is selected, and then building the stack names it.
-    foreign = [k for k, v in correction.items() if k not in correction_sections() and isinstance(v, Mapping)]
-    if foreign:
-        algorithm = {**dict(plain["algorithm"]), "correction": {k: v for k, v in correction.items() if k not in foreign}}
-        plain = {**dict(plain), "algorithm": algorithm}
     try:
-        return typed(OmegaConf.merge(OmegaConf.structured(parity_schema()), dict(plain)))  # type: ignore[arg-type]
+        return typed(OmegaConf.merge(OmegaConf.structured(ParityConfig), dict(plain)))  # type: ignore[arg-type]
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
         raise ConfigError(f"config key `{key}`: {str(e).splitlines()[0]}" if key else str(e).splitlines()[0]) from None
@@ -193,7 +173,9 @@ def with_values(cfg: ParityConfig, values: Mapping[str, Any]) -> ParityConfig:
             node = node[part] if isinstance(node, dict) else getattr(node, part, None)
             if node is None:
                 raise ConfigError(unknown_key_message(dotted))
-        if isinstance(node, dict):
+        if isinstance(node, dict) and section_class(".".join(parents)) is not None:  # a correction's section
+            node.update(section_values(parents[-1], {**node, last: value}))
+        elif isinstance(node, dict):
             node[last] = value
         elif dataclasses.is_dataclass(node) and last in {f.name for f in dataclasses.fields(node)}:
             setattr(node, last, _checked(node, last, dotted, value))
@@ -248,6 +230,6 @@ def flatten(cfg: ParityConfig | DictConfig) -> dict[str, object]:
     return out
 
 
-__all__ = ["ConfigError", "ParityConfig", "load_config", "compose_config", "typed", "from_plain", "as_plain", "with_values", "validate_config", "register_schema", "load_registries", "config_dir",
-           "flatten", "to_yaml", "check_command_line", "check_keys", "check_config", "open_groups", "normalize_overrides", "default_groups",
-           "checked_overrides", "checked_config"]
+__all__ = ["ConfigError", "ParityConfig", "load_config", "compose_config", "typed", "from_plain", "as_plain", "with_values", "validate_config", "register_schema", "config_dir",
+           "flatten", "to_yaml", "check_keys", "check_config", "open_groups", "normalize_overrides", "default_groups",
+           "checked_overrides", "checked_config", "complete_sections"]

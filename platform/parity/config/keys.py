@@ -2,8 +2,10 @@
 
 The valid keys are the fields of the schema's dataclasses (parity.config.schema.ParityConfig), read from
 their type hints, so a key added to the schema is valid at once. A field typed as a mapping
-(`dict[str, Any]`) or as `Any` takes keys of the user's choosing: those are the open groups (`open_groups()`, today
-`eval.benchmarks`, whose entries the evaluation runner checks itself). Everything else below the root is
+(`dict[str, Any]`) or as `Any` takes keys of the user's choosing: those are the open groups (`open_groups()`:
+`eval.benchmarks`, whose entries the evaluation runner checks itself, and the corrections' sections
+`algorithm.correction.<section>`, whose keys are checked here against the section's declaration,
+parity.algorithm_config, and `algorithm.correction.external`, checked when the config is loaded). Everything else below the root is
 closed: Hydra's `+` (append) would otherwise add an unknown key to the composed config, where nothing reads
 it, and the run would go on as if the typo were not there.
 
@@ -23,6 +25,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from parity.algorithm_config import check_name, section_class
 from parity.errors import ConfigError
 
 _LIST_TYPES = (list, tuple)
@@ -82,35 +85,26 @@ def _fields(cls: type) -> dict[str, Any]:
 
 
 def _root() -> type:
-    from parity.config.schema import parity_schema
+    from parity.config.schema import ParityConfig
 
-    return parity_schema()
-
-
-def _sections() -> tuple[str, ...]:
-    """The sections of algorithm.correction: they grow as corrections register, so the key lists below are cached
-    per set of sections."""
-    from parity.config.schema import correction_sections
-
-    return tuple(correction_sections())
+    return ParityConfig
 
 
-def schema_keys() -> tuple[str, ...]:
-    """Every dotted key of the schema, groups and values alike (trainer, trainer.lr, ...)."""
-    return _schema_keys(_sections())
-
-
-def open_groups() -> tuple[str, ...]:
-    """Schema keys that take keys of the user's choosing (mapping-typed fields), e.g. `eval.benchmarks`."""
-    return _open_groups(_sections())
+def _kinds(cls: type, prefix: str) -> dict[str, Any]:
+    """_fields of the schema dataclass at `prefix`, a correction's section (an open group of the schema) given as the
+    dataclass that declares its keys (parity.algorithm_config), so that they are checked like the schema's own."""
+    return {name: (section_class(prefix + name) or dict) if kind is dict else kind
+            for name, kind in _fields(cls).items()}
 
 
 @functools.cache
-def _schema_keys(_sections: tuple[str, ...]) -> tuple[str, ...]:
+def schema_keys() -> tuple[str, ...]:
+    """Every dotted key of the schema, groups and values alike (trainer, trainer.lr, ...), the built-in corrections'
+    sections' keys too."""
     keys: list[str] = []
 
     def walk(cls: type, prefix: str) -> None:
-        for name, kind in _fields(cls).items():
+        for name, kind in _kinds(cls, prefix).items():
             key = f"{prefix}{name}"
             keys.append(key)
             if dataclasses.is_dataclass(kind):
@@ -121,7 +115,9 @@ def _schema_keys(_sections: tuple[str, ...]) -> tuple[str, ...]:
 
 
 @functools.cache
-def _open_groups(_sections: tuple[str, ...]) -> tuple[str, ...]:
+def open_groups() -> tuple[str, ...]:
+    """Schema keys that take keys of the user's choosing (mapping-typed fields), e.g. `eval.benchmarks`; the
+    corrections' sections among them are checked against their declarations."""
     out: list[str] = []
 
     def walk(cls: type, prefix: str) -> None:
@@ -174,8 +170,9 @@ def unknown_key_message(key: str, groups: Iterable[str] = ()) -> str:
 
 def _kind(key: str) -> Any:
     cls: Any = _root()
-    for part in key.split("."):
-        cls = _fields(cls)[part]
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        cls = _kinds(cls, ".".join([*parts[:i], ""]))[part]
     return cls
 
 
@@ -184,7 +181,7 @@ def _walk_key(key: str) -> str | None:
     cls: Any = _root()
     parts = key.split(".")
     for i, part in enumerate(parts):
-        fields = _fields(cls)
+        fields = _kinds(cls, ".".join([*parts[:i], ""]))
         if part not in fields:
             return ".".join(parts[: i + 1])
         kind = fields[part]
@@ -238,6 +235,10 @@ def check_overrides(overrides: Iterable[str], search_dirs: Iterable[Path], *, sk
             raise ConfigError(unknown_key_message(key, _groups(dirs)))
         values = _values(o)
         _check_type(key, values)
+        if key == "algorithm.correction.name":  # the declared names: no torch (parity.algorithm_config)
+            for value in values:
+                if not (isinstance(value, str) and "${" in value):
+                    check_name(value)
         if paths and key in PATH_KEYS:
             _check_path(key, values)
 
@@ -267,8 +268,8 @@ def _leaf(key: str) -> tuple[type, str] | None:
     inside an open group or a list)."""
     *parents, name = key.split(".")
     cls: Any = _root()
-    for part in parents:
-        cls = _fields(cls).get(part)
+    for i, part in enumerate(parents):
+        cls = _kinds(cls, ".".join([*parents[:i], ""])).get(part)
         if not dataclasses.is_dataclass(cls):
             return None
     return (cls, name) if name in _fields(cls) and _fields(cls)[name] in (None, list) else None
@@ -285,17 +286,15 @@ def _type_name(tp: Any) -> str:
 def _check_type(key: str, values: list[Any]) -> None:
     """Each value as OmegaConf takes it for the field (the same conversions as Hydra's merge: "3" for an int, 1 for
     a float), or a ConfigError naming the key, the field's type and the value. An interpolation is left to Hydra."""
-    from omegaconf import OmegaConf
     from omegaconf.errors import ValidationError
 
     leaf = _leaf(key)
     if leaf is None:
         return
-    holder = _holder(*leaf)
+    node = _structured(leaf[0])
     for value in values:
         if isinstance(value, str) and "${" in value:
             continue
-        node = OmegaConf.structured(holder)
         try:
             node[leaf[1]] = value
         except ValidationError:
@@ -305,13 +304,12 @@ def _check_type(key: str, values: list[Any]) -> None:
 
 
 @functools.cache
-def _holder(cls: type, name: str) -> type:
-    """A dataclass of the one field `name` of `cls`, of its type: a check costs microseconds, not the whole schema's
-    structured config (~0.2 s for the root)."""
-    from omegaconf import MISSING
+def _structured(cls: type) -> Any:
+    """The structured config of one schema dataclass (not the root's, ~0.2 s), kept to check values against: setting a
+    field validates and converts the value as Hydra's merge does (what the field held before does not matter)."""
+    from omegaconf import OmegaConf
 
-    return dataclasses.make_dataclass(f"{cls.__name__}_{name}",
-                                      [(name, typing.get_type_hints(cls)[name], dataclasses.field(default=MISSING))])
+    return OmegaConf.structured(cls)
 
 
 def _check_path(key: str, values: list[Any]) -> None:
@@ -335,7 +333,7 @@ def check_config(cfg: Any) -> None:
         return node.items_ex(resolve=False) if isinstance(node, DictConfig) else vars(node).items()
 
     def walk(node: Any, cls: type, prefix: str) -> None:
-        fields = _fields(cls)
+        fields = _kinds(cls, prefix)
         for name, child in items(node):
             key = f"{prefix}{name}"
             if name not in fields:

@@ -4,15 +4,14 @@ Range checks that types cannot express live in `validate()` (parity.config.valid
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import MISSING
 
-from parity.mismatch_tolerance import DEFAULT_TOLERANCE
+# the `algorithm` section, written beside the corrections' section declarations so that parity.algorithms reads it
+# without importing this package
+from parity.algorithm_config import AlgorithmConfig, CorrectionConfig
 
 
 @dataclass
@@ -212,124 +211,6 @@ class ActorRolloutRefConfig:
 
 
 @dataclass
-class CorrectionConfig:
-    """`algorithm.correction`. Its sections (`tis`, `dual`, ...) are not listed here: each registered correction
-    declares the config dataclass beside it (parity.algorithms.corrections), and `parity_schema` derives the schema
-    that carries exactly the registered sections as fields `<config key>` (this class is not changed), so the
-    structured schema refuses an unknown key or a wrong type inside any of them, naming the key."""
-
-    name: str = "none"  # registered names joined by '+', e.g. score_centering+tis
-    # c of the mismatch telemetry's over-tolerance fraction and of the dual: a number (0.0037 = DC-GRPO's for
-    # Qwen3-8B) or auto = tolerance_multiple x the mean |p_train - p_inf| the validate stage measured for this
-    # rollout precision (its validation.json), or, without one, of the first tolerance_steps steps
-    tolerance: Any = DEFAULT_TOLERANCE
-    tolerance_multiple: float = 1.0
-    tolerance_steps: int = 3
-    # modules that register corrections defined outside parity, imported by every process that builds the
-    # corrections (the trainer, each Ray actor) before the names are looked up
-    modules: list[str] = field(default_factory=list)
-
-
-# CorrectionConfig's own keys (before any section is added): no section may take them
-CORRECTION_KEYS = tuple(f.name for f in dataclasses.fields(CorrectionConfig))
-
-
-# the sections the registries declared, in registration order: key -> dataclass
-_SECTIONS: dict[str, type] = {}
-
-
-def add_correction_section(key: str, section: type) -> None:
-    """Declare `key: section` a section of `algorithm.correction` for the schemas `parity_schema` derives from now
-    on. Declaring the same dataclass under a key twice is a no-op (corrections may share a section, e.g. tis and
-    seq_tis)."""
-    if not dataclasses.is_dataclass(section):
-        raise TypeError(f"the config of correction section {key!r} must be a dataclass, got {section!r}")
-    if key in CORRECTION_KEYS:
-        raise ValueError(f"algorithm.correction.{key} is CorrectionConfig's own key, not a correction's section")
-    have = _SECTIONS.get(key)
-    if have is not None and have is not section:
-        raise ValueError(f"algorithm.correction.{key} is already the section of {have!r}")
-    _SECTIONS[key] = section
-
-
-def correction_sections() -> dict[str, type]:
-    """The declared sections (key -> dataclass), in declaration order."""
-    return dict(_SECTIONS)
-
-
-def parity_schema() -> type[ParityConfig]:
-    """The schema of a loaded config: ParityConfig whose `algorithm.correction` carries the declared sections."""
-    return _schema(tuple(_SECTIONS.items()))
-
-
-@functools.cache
-def _schema(sections: tuple[tuple[str, type], ...]) -> type[ParityConfig]:
-    """Subclasses of CorrectionConfig, AlgorithmConfig and ParityConfig (same names, same other fields) made once
-    per set of sections; the classes above stay as written."""
-    if not sections:
-        return ParityConfig
-    correction = dataclasses.make_dataclass(
-        "CorrectionConfig", [(k, s, field(default_factory=s)) for k, s in sections], bases=(CorrectionConfig,))
-    algorithm = dataclasses.make_dataclass(
-        "AlgorithmConfig", [("correction", correction, field(default_factory=correction))], bases=(AlgorithmConfig,))
-    root = dataclasses.make_dataclass(
-        "ParityConfig", [("algorithm", algorithm, field(default_factory=algorithm))], bases=(ParityConfig,))
-    for path, cls in (("algorithm.correction", correction), ("algorithm", algorithm), ("", root)):
-        cls.__module__ = __name__
-        cls.__doc__ = f"{cls.__bases__[0].__doc__ or ''} (with the sections {', '.join(k for k, _ in sections)})"
-        cls.__reduce__ = functools.partialmethod(_reduce, path)  # type: ignore[assignment]
-        cls.__copy__, cls.__deepcopy__ = _copy, _deepcopy  # type: ignore[attr-defined]
-    return root
-
-
-def _copy(obj: Any) -> Any:
-    new = object.__new__(type(obj))
-    new.__dict__.update(obj.__dict__)
-    return new
-
-
-def _deepcopy(obj: Any, memo: dict) -> Any:
-    """Field by field, as for any dataclass (pickling's reduction, above, goes through the loader)."""
-    new = object.__new__(type(obj))
-    memo[id(obj)] = new
-    for k, v in obj.__dict__.items():
-        setattr(new, k, copy.deepcopy(v, memo))
-    return new
-
-
-def _reduce(obj: Any, path: str) -> tuple:
-    """Pickle a config of a derived schema as its values: the class is made in each process from what that process
-    registered, so it cannot be looked up by name."""
-    return _unpickle, (path, dataclasses.asdict(obj))
-
-
-def _unpickle(path: str, values: dict) -> Any:
-    from parity.config import from_plain  # the package's loader: this module is imported by it
-
-    plain: dict = values
-    for part in reversed([p for p in path.split(".") if p]):
-        plain = {part: plain}
-    node: Any = from_plain(plain)
-    for part in (p for p in path.split(".") if p):
-        node = getattr(node, part)
-    return node
-
-
-@dataclass
-class AlgorithmConfig:
-    adv_estimator: str = "grpo"
-    norm_adv_by_std: bool = True
-    policy_loss: str = "ppo_clip"  # ppo_clip | reinforce
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
-    logprob_chunk_size: int = 1024  # rows per chunk of the full-vocabulary log-softmax (parity.algorithms.logprobs)
-    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
-    # MoE routing replay (R3): training forwards use the experts the rollout used (needs rollout.capture_routing)
-    routing_replay: bool = False
-
-
-@dataclass
 class CollapseConfig:
     """The collapse alarm (parity.training.collapse): `train/collapsed` turns 1 once the step's sampled reward
     has stayed below `fraction` x its running peak for `patience` consecutive steps."""
@@ -505,4 +386,4 @@ class ParityConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
 
-__all__ = ["ParityConfig", "MISSING", "add_correction_section", "correction_sections", "parity_schema"]
+__all__ = ["AlgorithmConfig", "CorrectionConfig", "ParityConfig", "MISSING"]

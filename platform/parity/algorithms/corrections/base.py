@@ -3,24 +3,23 @@
 A correction is a named component with its own config section (`algorithm.correction.<config_key>`)
 and state. Per micro-batch it may shift advantages, weight tokens (detached IS weights), mask tokens,
 or add a per-token loss term; it records its metrics; once per step `end_step()` updates its state.
-Adding one is one file with one registration, `@CORRECTIONS.register(name, config=MyConfig)`: the name,
-the section's key (the name unless `config_key` says otherwise) and its dataclass, which the registration adds to
-the config schema (docs/ADD_A_CORRECTION.md)."""
+Adding one is a registration, `@CORRECTIONS.register(name, config=MyConfig)`: the name, the section's key (the name
+unless `config_key` says otherwise) and its dataclass, which must match the declaration the config checks read
+without torch (parity.algorithm_config: a built-in correction's is written there, one from another module is
+declared by its registration; docs/ADD_A_CORRECTION.md)."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
+from parity.algorithm_config import KEY, declare, section_path, section_values
 from parity.algorithms.mismatch import StepMetrics
 from parity.algorithms.registry import Registry
 from parity.types import RolloutBatch
-
-KEY = "algorithm.correction"
 
 
 def token_rows(mask: torch.Tensor) -> torch.Tensor:
@@ -83,16 +82,17 @@ class Correction:
     needs_topk: ClassVar[bool] = False
 
     def __init__(self, cfg: Any = None, tolerance: float = 0.0) -> None:
-        """`cfg`: the section (a DictConfig, a mapping, a `config_cls` instance or None for the defaults), read
-        into `self.cfg` as a `config_cls`; an unknown key raises ValueError naming it."""
-        if self.config_cls is not None:
-            cfg = read_section(cfg, self.config_cls, self.section)
+        """`cfg`: the section (a DictConfig, a mapping, a `config_cls` instance or None for the defaults), merged
+        into `self.cfg` as a `config_cls` (parity.algorithm_config.section_values: an unknown key or a value of
+        the wrong type raises a ConfigError, a ValueError, naming it)."""
+        if self.config_cls is not None and self.config_key is not None:
+            cfg = read_section(cfg, self.config_cls, self.config_key)
         self.cfg = cfg
         self.tolerance = tolerance
 
     @property
     def section(self) -> str:
-        return f"{KEY}.{self.config_key}" if self.config_key else KEY
+        return section_path(self.config_key) if self.config_key else KEY
 
     @property
     def provides_token_is_weight(self) -> bool:
@@ -116,7 +116,7 @@ class Correction:
         return 0
 
     def key(self, field: str) -> str:
-        return f"{KEY}.{self.config_key}.{field}" if self.config_key else f"{KEY}.{field}"
+        return f"{section_path(self.config_key)}.{field}" if self.config_key else f"{KEY}.{field}"
 
     # -- checks ------------------------------------------------------------------------------------
     def check(self, others: list[Correction], policy_loss: str | None, topk_logprobs: int | None) -> None:
@@ -177,13 +177,14 @@ class Correction:
 
 
 class CorrectionRegistry(Registry[type[Correction]]):
-    """Registry of correction classes; a registration also declares the correction's config section, which the
-    config (parity.config.load_registries) adds to the schema's `algorithm.correction`."""
+    """Registry of correction classes; a registration also declares the correction's config section
+    (parity.algorithm_config.declare), which the config's checks read."""
 
     def register(self, name: str, config: type | None = None,  # type: ignore[override]
                  config_key: str | None = None) -> Callable[[type[Correction]], type[Correction]]:
         """`@CORRECTIONS.register("mine", config=MineConfig)`: the class becomes correction `mine` with the section
-        `algorithm.correction.mine` (or `.<config_key>`, which corrections may share) of dataclass MineConfig."""
+        `algorithm.correction.mine` (or `.<config_key>`, which corrections may share) of dataclass MineConfig; a
+        correction from outside parity has it under `algorithm.correction.external`."""
         key = (config_key or name) if config is not None else None
 
         def decorator(cls: type[Correction]) -> type[Correction]:
@@ -191,42 +192,20 @@ class CorrectionRegistry(Registry[type[Correction]]):
                 raise TypeError(f"correction {name!r}: {cls!r} is not a Correction subclass")
             if name in self:
                 raise ValueError(f"correction {name!r} is registered twice")
-            if config is not None and not dataclasses.is_dataclass(config):
-                raise TypeError(f"the config of correction {name!r} must be a dataclass, got {config!r}")
-            have = self.sections().get(key) if key is not None else None
-            if have is not None and have is not config:
-                raise ValueError(f"algorithm.correction.{key} is already the section of {have!r}")
+            declare(name, key, config)
             cls.name, cls.config_key, cls.config_cls = name, key, config
             return Registry.register(self, name)(cls)
 
         return decorator
-
-    def sections(self) -> dict[str, type]:
-        """Config key -> dataclass of every registered section."""
-        return {c.config_key: c.config_cls for c in self._items.values()
-                if c.config_key is not None and c.config_cls is not None}
 
 
 CORRECTIONS = CorrectionRegistry("correction", f"{KEY}.name")
 
 
 def read_section(section: Any, cls: type, key: str) -> Any:
-    """The config section as a `cls` dataclass (from a DictConfig, a dataclass, a dict or None); an
-    unknown field raises ValueError naming `key.field`."""
-    if section is None:
-        return cls()
-    if isinstance(section, cls):
-        return section
-    if dataclasses.is_dataclass(section):
-        section = dataclasses.asdict(section)  # type: ignore[arg-type]
-    items = dict(section.items()) if hasattr(section, "items") else None
-    if items is None:
-        raise ValueError(f"{key}: expected a mapping, got {type(section).__name__}")
-    known = {f.name for f in dataclasses.fields(cls)}
-    for k in items:
-        if k not in known:
-            raise ValueError(f"{key}.{k}: unknown key; known: {', '.join(sorted(known))}")
-    return cls(**items)
+    """Section `key` (a DictConfig, a mapping, a `cls` instance or None for the defaults) as a `cls` dataclass, merged
+    through it (parity.algorithm_config.section_values: a ConfigError, a ValueError, names a bad key or value)."""
+    return section if isinstance(section, cls) else cls(**section_values(key, section))
 
 
 def require(cond: bool, key: str, msg: str) -> None:

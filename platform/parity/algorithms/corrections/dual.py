@@ -11,11 +11,11 @@ auto has measured it, lambda stays where it is). lambda is state and is checkpoi
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from parity.algorithm_config import DualConfig
 from parity.algorithms.corrections.base import (
     CORRECTIONS,
     Correction,
@@ -25,18 +25,6 @@ from parity.algorithms.corrections.base import (
 from parity.algorithms.mismatch import StepMetrics
 
 DISCREPANCIES = ("seq_mean", "token_mean")
-
-
-@dataclass
-class DualConfig:
-    # tolerance on the discrepancy; null = algorithm.correction.tolerance (a number, or auto); 0.0037 = the paper's
-    c: float | None = None
-    lambda0: float = 0.1
-    eta: float = 1.0
-    lambda_max: float = 10.0
-    # the constrained discrepancy: seq_mean = (1/|tau|) sum_t |p_train - p_inf| per trajectory, averaged over the
-    # step's trajectories (the paper's) | token_mean = averaged over all the step's response tokens
-    discrepancy: str = "seq_mean"
 
 
 def prob_gap(ctx: CorrectionContext) -> torch.Tensor:

@@ -27,27 +27,17 @@ group is centred over each part). lambda, c and the calibration's histogram are 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from parity.algorithm_config import DualCenteredConfig
 from parity.algorithms.corrections.base import CORRECTIONS, CorrectionContext, require
 from parity.algorithms.corrections.dual import DualPrice, sequence_gaps
 from parity.algorithms.mismatch import StepMetrics
 
 EPS = 1e-6
 LOG_LO, LOG_HI, BINS = -8.0, 0.0, 400  # histogram of log10(g) for the quantile: 0.02 decades a bin
-
-
-@dataclass
-class DualCenteredConfig:
-    c: float | None = None  # tolerance on D; null = the quantile below, measured over the first steps
-    quantile: float = 0.75  # of the per-response gaps of the first calibration_steps steps
-    calibration_steps: int = 1
-    lambda0: float = 0.1
-    eta: float = 1.0  # per step, on the relative excess (D - c) / c
-    lambda_max: float = 2.0  # in advantage units
 
 
 def centred_gaps(g: torch.Tensor, has: torch.Tensor, group_ids: torch.Tensor | None) -> torch.Tensor:

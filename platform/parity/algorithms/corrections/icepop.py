@@ -4,11 +4,11 @@ r = pi_train(y) / pi_inf(y) of the sampled token."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from parity.algorithm_config import IcePopConfig
 from parity.algorithms.corrections.base import (
     CORRECTIONS,
     Correction,
@@ -16,12 +16,6 @@ from parity.algorithms.corrections.base import (
     require,
 )
 from parity.algorithms.mismatch import StepMetrics
-
-
-@dataclass
-class IcePopConfig:
-    lo: float = 0.5  # tokens whose ratio pi_train/pi_inf lies outside [lo, hi] get weight 0
-    hi: float = 5.0
 
 
 @CORRECTIONS.register("icepop", config=IcePopConfig)

@@ -7,11 +7,11 @@ With lr_t = log pi_train(y_t) - log pi_inf(y_t) over the response's tokens:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from parity.algorithm_config import MISConfig
 from parity.algorithms.corrections.base import (
     CORRECTIONS,
     Correction,
@@ -35,14 +35,6 @@ def sequence_statistic(log_ratio: torch.Tensor, mask: torch.Tensor, statistic: s
     if statistic == "geo_mean":
         return torch.exp(lr.sum(-1) / n)
     raise ValueError(f"algorithm.correction.mis.statistic: unknown {statistic!r}; known: {', '.join(STATISTICS)}")
-
-
-@dataclass
-class MISConfig:
-    statistic: str = "k3"  # k1 | k3 | geo_mean (per-response statistic of the log-ratios, above)
-    threshold: float = 0.01  # k1: drop when |mean(-log r)| > threshold; k3: drop when mean k3 > threshold
-    lo: float = 0.5  # geo_mean: drop when exp(mean log r) < lo ...
-    hi: float = 2.0  # ... or > hi
 
 
 @CORRECTIONS.register("mis", config=MISConfig)

@@ -21,11 +21,11 @@ twice. q must be the distribution sampled from (top_p = 1)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from parity.algorithm_config import ScoreCenteringConfig
 from parity.algorithms.corrections.base import (
     CORRECTIONS,
     Correction,
@@ -66,12 +66,6 @@ def centering_coefficients(head_logprobs: torch.Tensor, head_rollout_logprobs: t
 def centering_term(head_logprobs: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
     """sum_v sg(c_v) log p_v per token [n], with gradient through log p_v only."""
     return (coef.to(head_logprobs.dtype) * head_logprobs).sum(-1)
-
-
-@dataclass
-class ScoreCenteringConfig:
-    top_k: int = 0  # leading columns of the rollout's top-K used as the head H; 0 = all (rollout.topk_logprobs)
-    tail_floor: float = 1e-6  # floor of both tail masses in rho = (1 - Q_H) / (1 - P_H)
 
 
 @CORRECTIONS.register("score_centering", config=ScoreCenteringConfig)

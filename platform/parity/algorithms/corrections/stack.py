@@ -4,13 +4,13 @@ and run them as one."""
 
 from __future__ import annotations
 
-import importlib
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
+from parity.algorithm_config import EXTERNAL, SECTIONS, import_modules
 from parity.algorithms.corrections.base import CORRECTIONS, KEY, Correction, require
 from parity.mismatch_tolerance import DEFAULT_TOLERANCE
 from parity.types import RolloutBatch
@@ -134,16 +134,6 @@ class CorrectionStack:
             self.set_tolerance(float(state["tolerance"]))
 
 
-def import_modules(modules: Iterable[str] | None) -> None:
-    """Import the modules of `algorithm.correction.modules`; each registers its corrections when first imported
-    (a module imported before is not run again)."""
-    for m in modules or ():
-        try:
-            importlib.import_module(str(m))
-        except ImportError as e:
-            raise ValueError(f"{KEY}.modules: cannot import {str(m)!r}: {e}") from e
-
-
 def parse_names(name: str) -> list[str]:
     parts = [p.strip() for p in str(name).split("+")]
     require(all(parts), f"{KEY}.name", f"empty part in {name!r}; join registered names with '+'")
@@ -200,7 +190,10 @@ def build_corrections(cfg: Any, policy_loss: str | None = None, topk_logprobs: i
     corrections = []
     for n in parse_names(name):
         cls = CORRECTIONS.get(n)
-        corrections.append(cls(_section(cfg, cls.config_key), tolerance))
+        key = cls.config_key
+        # a built-in correction's section is algorithm.correction.<key>; another's, algorithm.correction.external.<key>
+        own = _section(cfg, key) if key in SECTIONS else _section(_section(cfg, EXTERNAL), key)
+        corrections.append(cls(own, tolerance))
     weighted = [c.name for c in corrections if c.weights_tokens]
     require(len(weighted) <= 1, f"{KEY}.name",
             f"at most one importance-weight correction may be stacked, got {'+'.join(weighted)}")

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from parity.algorithm_config import TISConfig
 from parity.algorithms.corrections.base import (
     CORRECTIONS,
     Correction,
@@ -20,12 +20,6 @@ from parity.algorithms.corrections.base import (
     require,
 )
 from parity.algorithms.mismatch import StepMetrics
-
-
-@dataclass
-class TISConfig:
-    C: float = 2.0  # truncation threshold of the IS ratio, > 0
-    level: str = "token"  # token | sequence
 
 
 @CORRECTIONS.register("tis", config=TISConfig)
@@ -69,7 +63,7 @@ class SeqTIS(TIS):
     """`tis` at sequence level whatever `tis.level` says (it reads the `tis` section)."""
 
     def __init__(self, cfg: Any = None, tolerance: float = 0.0) -> None:
-        cfg = read_section(cfg, TISConfig, self.section)
+        cfg = read_section(cfg, TISConfig, "tis")
         super().__init__(dataclasses.replace(cfg, level="sequence"), tolerance)
 
     def token_level_setting(self) -> str:
