@@ -76,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mps", choices=["auto", "on", "off"], default="auto",
                    help="CUDA MPS for runs several at a time on one GPU, so that their kernels run side by side "
                         "(auto: where nvidia-cuda-mps-control and a GPU exist; parity.study.mps)")
+    p.add_argument("--mps-sm-share", type=int, default=None, metavar="PERCENT",
+                   help="under MPS, each run's process uses at most this share of the SMs at a time, so that "
+                        "the runs' small kernels run on different SMs at once (default: all; parity.study.mps)")
     p.add_argument("--figures-only", action="store_true", help="rewrite study.md and the figures from study.json")
     p.add_argument("--collect", action="store_true", help="read the runs' folders as they are (unfinished ones "
                    "marked partial) into study.json, the table and the figures, without training")
@@ -267,7 +270,7 @@ def main(argv: list[str]) -> dict:
         print(f"[{elapsed:6.0f} s {k}/{n}] {r['arm']} seed {r['seed']}: {brief}", flush=True)
 
     on_gpu = any(o == "trainer.device=cuda" for o in base)
-    with MpsDaemon(a.mps if on_gpu and concurrency > 1 else "off") as mps:
+    with MpsDaemon(a.mps if on_gpu and concurrency > 1 else "off", sm_share=a.mps_sm_share) as mps:
         study["mps"] = mps.status
         print(f"study: MPS {mps.status}", flush=True)
         study["runs"] = run_all(specs, a.outputs_dir, concurrency, threads, out / "logs", done,

@@ -8,7 +8,15 @@ the same inputs: a run's numbers do not depend on whether MPS is on (docs/PERFOR
 
 `MpsDaemon` starts the control daemon (`nvidia-cuda-mps-control -d`) for the length of a `with` block and quits it
 after, unless one was already running (then it is left as found). Clients find the daemon through
-CUDA_MPS_PIPE_DIRECTORY, which `env()` gives to the runs' processes."""
+CUDA_MPS_PIPE_DIRECTORY, which `env()` gives to the runs' processes.
+
+`sm_share` (a percentage) limits each run's process to that share of the SMs at a time
+(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE). A study run's decode kernels are small but each spreads over the whole chip,
+so under MPS they still queue behind one another; capped, several processes' kernels run on different SMs at once.
+Measured on one H200 with the `gpu` preset's 16 formats decoding side by side (docs/PERFORMANCE.md, "Sixteen
+rollouts on one GPU"): 25% gave 1.47x the tokens a second of the uncapped processes. A cap changes which SMs a
+kernel runs on, not its arithmetic; a library that sizes its launches by the SM count it is shown may pick another
+split of a sum (rounding-level differences, as between two GPUs of the same kind)."""
 
 from __future__ import annotations
 
@@ -19,6 +27,7 @@ import time
 from pathlib import Path
 
 CONTROL = "nvidia-cuda-mps-control"
+SM_SHARE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 
 
 class MpsDaemon:
@@ -27,14 +36,21 @@ class MpsDaemon:
     `mode`: "auto" starts it where the binary and a CUDA device exist, and goes on without it otherwise; "on"
     raises if it cannot start; "off" does nothing. `status` says what happened, for the study's record."""
 
-    def __init__(self, mode: str = "auto", pipe_dir: str | None = None, log_dir: str | None = None) -> None:
+    def __init__(self, mode: str = "auto", pipe_dir: str | None = None, log_dir: str | None = None,
+                 sm_share: int | None = None) -> None:
         if mode not in ("auto", "on", "off"):
             raise ValueError(f"mps mode {mode!r}: expected auto, on or off")
+        inherited = os.environ.get(SM_SHARE_ENV)
+        if sm_share is None and inherited:
+            sm_share = int(inherited) if inherited.strip().isdigit() else -1
+        if sm_share is not None and not 1 <= sm_share <= 100:
+            raise ValueError(f"MPS SM share {sm_share!r} (--mps-sm-share or {SM_SHARE_ENV}): a percentage, 1-100")
         self.mode = mode
+        self.sm_share = sm_share
         self.pipe_dir = Path(pipe_dir or os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps")
         self.log_dir = Path(log_dir or os.environ.get("CUDA_MPS_LOG_DIRECTORY") or "/tmp/nvidia-mps-log")
         self.started = False
-        self.status: dict = {"mode": mode, "used": False}
+        self.status: dict = {"mode": mode, "used": False, "sm_share": sm_share}
 
     def _control(self, command: str, timeout: float = 10.0) -> subprocess.CompletedProcess:
         return subprocess.run([CONTROL], input=command + "\n", text=True, capture_output=True, timeout=timeout,
@@ -50,7 +66,10 @@ class MpsDaemon:
             return False
 
     def env(self) -> dict[str, str]:
-        return {"CUDA_MPS_PIPE_DIRECTORY": str(self.pipe_dir), "CUDA_MPS_LOG_DIRECTORY": str(self.log_dir)}
+        out = {"CUDA_MPS_PIPE_DIRECTORY": str(self.pipe_dir), "CUDA_MPS_LOG_DIRECTORY": str(self.log_dir)}
+        if self.sm_share is not None:
+            out[SM_SHARE_ENV] = str(self.sm_share)
+        return out
 
     def __enter__(self) -> MpsDaemon:
         if self.mode == "off":

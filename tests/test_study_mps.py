@@ -1,0 +1,47 @@
+"""parity.study.mps on a machine without the MPS daemon (the GPU side runs in tests/bench/gpu_study_throughput.py and
+gpu_rollout_contention.py): what the runs' processes are given, what the study records, and the errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from parity.study.mps import SM_SHARE_ENV, MpsDaemon, child_env
+
+
+def test_sm_share_travels_to_the_runs_and_is_recorded(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.delenv(SM_SHARE_ENV, raising=False)
+    d = MpsDaemon("off", pipe_dir=str(tmp_path / "p"), log_dir=str(tmp_path / "l"), sm_share=25)
+    assert d.env() == {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path / "p"), "CUDA_MPS_LOG_DIRECTORY": str(tmp_path / "l"),
+                       SM_SHARE_ENV: "25"}
+    with d:
+        assert d.status == {"mode": "off", "used": False, "sm_share": 25, "reason": "off"}
+        assert child_env(d) == {}  # no daemon: the runs get nothing to reach
+    assert SM_SHARE_ENV not in MpsDaemon("off").env()
+
+
+def test_sm_share_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SM_SHARE_ENV, "40")
+    assert MpsDaemon("off").status["sm_share"] == 40
+    assert MpsDaemon("off", sm_share=10).env()[SM_SHARE_ENV] == "10"  # the argument wins
+    monkeypatch.setenv(SM_SHARE_ENV, "half")
+    with pytest.raises(ValueError, match=SM_SHARE_ENV):
+        MpsDaemon("off")
+
+
+@pytest.mark.parametrize("bad", [0, 101, -5])
+def test_sm_share_out_of_range(bad: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(SM_SHARE_ENV, raising=False)
+    with pytest.raises(ValueError, match="a percentage, 1-100"):
+        MpsDaemon("auto", sm_share=bad)
+
+
+def test_without_the_daemon(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-cuda-mps-control on it, whatever the machine has
+    monkeypatch.delenv(SM_SHARE_ENV, raising=False)
+    with MpsDaemon("auto", pipe_dir=str(tmp_path / "p")) as d:
+        assert d.status["used"] is False and "not on PATH" in d.status["reason"]
+        assert child_env(d) == {}
+    with pytest.raises(RuntimeError, match="MPS requested"), MpsDaemon("on", pipe_dir=str(tmp_path / "p")):
+        pass
+    with pytest.raises(ValueError, match="expected auto, on or off"):
+        MpsDaemon("yes")
