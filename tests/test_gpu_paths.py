@@ -213,3 +213,48 @@ def test_cache_write_routes_equal_the_plain_loop(tmp_path, kv_cache, fused_write
     plain, fast = _both(eng, spec)
     assert torch.equal(fast.responses, plain.responses)
     torch.testing.assert_close(fast.rollout_logprobs, plain.rollout_logprobs, atol=2e-5, rtol=0)
+
+
+def test_simulated_products_keep_their_weight_dequantized_and_follow_updates(tmp_path):
+    """W4A4 (both sides fake-quantized, a float32 product): the decode path multiplies by w_hat = codes x scales
+    computed once a call instead of inside every product. Tokens and log-probs are the plain loop's, before and
+    after a weight sync, and equal to the path that dequantizes in every product bit for bit; the kept weights are
+    the modules' dequantized codes after the sync."""
+    from parity.precision.linear import PREPARED, simulated_weight
+    from parity.rollout import cuda_decode as cd
+    build_tiny_model("qwen3", TinyModelConfig(), seed=5).save_pretrained(str(tmp_path))
+    prec = PrecisionConfig(weights="int4", activations="int4", kv_cache="bf16")
+    eng = TorchEngine(tmp_path, dtype=torch.float32, precision=prec)
+    spec = SamplingSpec(temperature=0.9, top_p=0.8, max_new_tokens=12, n=2, seed=3)  # top_p < 1: the same sampler
+    first = eng.cuda_decoder.generate(PROMPTS, spec, use_graphs=False)
+    prepared = eng.cuda_decoder.state.extras["prepared"]
+    n_layers = len(eng.model.model.layers)
+    assert len(prepared) == 4 * n_layers  # q/k/v stacked, o, gate/up stacked, down
+    assert all(p.lin[3][2] == PREPARED and p.lin[0].dtype == torch.float32 for p in prepared)
+    plain = eng.generate(PROMPTS, spec)
+    assert torch.equal(first.responses, plain.responses)
+    torch.testing.assert_close(first.rollout_logprobs, plain.rollout_logprobs, atol=2e-5, rtol=0)
+
+    g = torch.Generator().manual_seed(9)
+    new = [(k, v + 0.5 * torch.randn(v.shape, generator=g)) for k, v in  # large: the tiny model's layers are faint
+           build_tiny_model("qwen3", TinyModelConfig(), seed=5).state_dict().items()
+           if k.endswith(("proj.weight",))]
+    eng.update_weights(new)
+    fast = eng.cuda_decoder.generate(PROMPTS, spec, use_graphs=False)
+    down = eng.model.model.layers[1].mlp.down_proj
+    kept = [p for p in prepared if p.source[0] is down.weight]
+    assert len(kept) == 1 and torch.equal(kept[0].lin[0], simulated_weight(down.weight, down.weight_scale, "int4"))
+    plain = eng.generate(PROMPTS, spec)
+    assert torch.equal(fast.responses, plain.responses)
+    torch.testing.assert_close(fast.rollout_logprobs, plain.rollout_logprobs, atol=2e-5, rtol=0)
+    assert not torch.equal(fast.rollout_logprobs, first.rollout_logprobs)  # the sync changed the policy
+
+    eng.cuda_decoder.reset()
+    try:
+        cd._PREPARE_SIMULATED = False
+        each = eng.cuda_decoder.generate(PROMPTS, spec, use_graphs=False)
+        assert eng.cuda_decoder.state.extras["prepared"] == []
+    finally:
+        cd._PREPARE_SIMULATED = True
+        eng.cuda_decoder.reset()
+    assert torch.equal(each.responses, fast.responses) and torch.equal(each.rollout_logprobs, fast.rollout_logprobs)

@@ -138,14 +138,15 @@ class BatchLayout:
     def rollout_batch(self, responses: torch.Tensor, response_mask: torch.Tensor, logprobs: torch.Tensor,
                       truncated: torch.Tensor, topk_ids: torch.Tensor | None = None,
                       topk_logprobs: torch.Tensor | None = None, meta: dict[str, Any] | None = None) -> RolloutBatch:
-        """The RolloutBatch of this layout, every tensor on the host; rewards are zeros (the caller grades)."""
+        """The RolloutBatch of this layout, every tensor a host copy of its own (the CUDA path's buffers are reused
+        by its next call, on the CPU too); rewards are zeros (the caller grades)."""
         def host(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.cpu()
+            return None if t is None else t.to("cpu", copy=True)
 
         return RolloutBatch(
-            prompts=self.prompts, prompt_mask=self.prompt_mask, responses=responses.cpu(),
-            response_mask=response_mask.cpu(), rollout_logprobs=logprobs.cpu(),
-            rewards=torch.zeros(self.size, dtype=torch.float32), truncated=truncated.cpu(),
+            prompts=self.prompts, prompt_mask=self.prompt_mask, responses=host(responses),
+            response_mask=host(response_mask), rollout_logprobs=host(logprobs),
+            rewards=torch.zeros(self.size, dtype=torch.float32), truncated=host(truncated),
             group_ids=torch.tensor([i for i, _ in self.rows], dtype=torch.long),
             prompt_ids=torch.tensor([self.prompt_ids[i] for i, _ in self.rows], dtype=torch.long),
             topk_ids=host(topk_ids), topk_logprobs=host(topk_logprobs), meta=dict(meta or {}))

@@ -116,6 +116,24 @@ def select_path(weights: str, activations: str, device: torch.device, in_feature
     return "fp8_simulated"
 
 
+# quant_linear_forward's path for a simulated (w<W>a<A>_simulated) product whose weight is given already dequantized
+PREPARED = "simulated_prepared"
+
+
+def is_simulated(path: str, weights: str, activations: str) -> bool:
+    """Whether `path` is the fake-quantized product of mixed formats (W4A4 among them), whose float32 weight
+    simulated_weight computes."""
+    return path == f"w{weights}a{activations}_simulated"
+
+
+def simulated_weight(wq: torch.Tensor, w_scale: torch.Tensor, weights: str) -> torch.Tensor:
+    """The float32 w_hat a simulated product multiplies by: the codes times their scales (bf16 weights: as they
+    are). It changes only when the weights do, so a caller that runs many products between weight updates (the
+    CUDA decode path) computes it once per update and passes it with path PREPARED: the same numbers, one
+    dequantization a weight sync instead of one a product."""
+    return wq.float() if weights == "bf16" else dequantize(wq, w_scale)
+
+
 def quant_linear_forward(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
                          weights: str, activations: str, path: str) -> torch.Tensor:
     """y = x W^T (+ b) with W given as codes `wq` [N, K] and scales `w_scale` [N, 1]; see module doc."""
@@ -144,10 +162,10 @@ def quant_linear_forward(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tenso
     elif path == "fp8_simulated":
         xq, xs = quantize_rowwise(x2, "fp8")
         y = ((xq.float() @ wq.float().t()) * xs * w_scale.t()).to(x.dtype)
+    elif path == PREPARED:  # `wq` is already simulated_weight's float32 w_hat (the decode path's cached copy)
+        y = F.linear(fake_quantize(x2.float(), activations), wq).to(x.dtype)
     else:  # mixed formats: fake-quantize both sides
-        x_hat = fake_quantize(x2.float(), activations)
-        w_hat = wq.float() if weights == "bf16" else dequantize(wq, w_scale)
-        y = F.linear(x_hat, w_hat).to(x.dtype)
+        y = F.linear(fake_quantize(x2.float(), activations), simulated_weight(wq, w_scale, weights)).to(x.dtype)
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*lead, y.shape[-1])
