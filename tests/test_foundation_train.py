@@ -122,3 +122,48 @@ def test_trainer_checks_token_ids_on_the_host_and_names_the_row():
     assert check_token_ids(ok, vocab=10)
     with pytest.raises(ValueError, match=r"RolloutBatch\.topk_ids: row 0 .*10"):
         check_token_ids(_id_batch([[1, 2]], [[True, True]], topk_ids=[[[1, 10], [2, 3]]]), vocab=10)
+
+
+def test_held_out_rows_a_call_change_the_calls_not_the_answers(quick_cfg, prepared_model):
+    """trainer.eval_rows sets how many rows (problems x samples) one held-out engine call decodes. Every row's
+    sampling follows its own seed (the problem's index and the sample), so 16 problems x 4 samples give the same
+    answers in one call of 64 rows as in eight of 8; the engine sees the calls asked for. A value below 1 is
+    refused naming the key."""
+    from transformers import AutoTokenizer
+
+    from parity.data.arithmetic import arithmetic_problems
+    from parity.errors import ConfigError
+    from parity.rewards.grader import GraderPool
+    from parity.rollout.torch_engine import TorchEngine
+    from parity.training.heldout import eval_settings, heldout_accuracy
+
+    cfg = quick_cfg("trainer.eval_temperature=1.0", "trainer.eval_samples=4", "trainer.eval_rows=64")
+    assert eval_settings(cfg)["batch_size"] == 64
+    tok = AutoTokenizer.from_pretrained(str(prepared_model))
+    problems = arithmetic_problems("test", 16, cfg.data.arithmetic)
+    engine = TorchEngine(prepared_model, dtype=torch.float32)
+    calls: list[int] = []
+    answers: list[tuple[int, list[int]]] = []
+    generate = engine.generate
+
+    def counted(ids, spec, prompt_ids=None):
+        calls.append(len(ids) * spec.n)
+        b = generate(ids, spec, prompt_ids=prompt_ids)
+        answers.extend((pid, r[m].tolist()) for pid, r, m in zip(b.prompt_ids.tolist(), b.responses, b.response_mask))
+        return b
+
+    engine.generate = counted  # type: ignore[method-assign]
+    with GraderPool(workers=1) as grader:
+        def acc(rows: int) -> float:
+            return heldout_accuracy(engine, tok, problems, cfg.data.prompt_template, grader,
+                                    cfg.rollout.max_new_tokens, **{**eval_settings(cfg), "batch_size": rows})
+        one = acc(64)
+        assert calls == [64]
+        in_one = sorted(answers)
+        calls.clear(), answers.clear()
+        eight = acc(8)
+        assert calls == [8] * 8
+    assert one == eight
+    assert sorted(answers) == in_one and len(in_one) == 64 and len({tuple(a) for _, a in in_one}) > 8
+    with pytest.raises(ConfigError, match="trainer.eval_rows"):
+        quick_cfg("trainer.eval_rows=0")

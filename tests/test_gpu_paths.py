@@ -80,6 +80,32 @@ def test_second_call_reuses_state_and_still_matches(engine):
     assert torch.equal(again.responses, plain.responses)
 
 
+def test_two_shapes_keep_their_states_and_a_third_evicts_the_oldest(engine):
+    """A run alternates its rollouts' shape and its held-out calls' (trainer.eval_rows): the decoder keeps both
+    states (no new cache or capture at each switch), and a third shape frees the least recently used one; each
+    call still gives the plain loop's tokens."""
+    import parity.rollout.cuda_decode as cd
+    engine.cuda_decoder.reset()
+    spec = SamplingSpec(temperature=0.0, max_new_tokens=10, n=1, seed=2)
+    wide = SamplingSpec(temperature=0.0, max_new_tokens=10, n=2, seed=2)
+    engine.cuda_decoder.generate(PROMPTS, spec, use_graphs=False)
+    small = engine.cuda_decoder.state
+    engine.cuda_decoder.generate(PROMPTS, wide, use_graphs=False)
+    large = engine.cuda_decoder.state
+    assert large is not small
+    again = engine.cuda_decoder.generate(PROMPTS, spec, use_graphs=False)
+    assert engine.cuda_decoder.state is small
+    assert torch.equal(again.responses, engine.generate(PROMPTS, spec).responses)
+    assert engine.cuda_decoder.generate(PROMPTS, wide, use_graphs=False) is not None
+    assert engine.cuda_decoder.state is large
+    assert cd._KEEP_STATES == 2
+    engine.cuda_decoder.generate(PROMPTS, SamplingSpec(temperature=0.0, max_new_tokens=10, n=3, seed=2),
+                                 use_graphs=False)  # a third shape: `small`, used longest ago, goes
+    assert small not in engine.cuda_decoder._kept.values() and large in engine.cuda_decoder._kept.values()
+    engine.cuda_decoder.reset()
+    assert engine.cuda_decoder.state is None and not engine.cuda_decoder._kept
+
+
 def test_sampled_logprobs_match_a_teacher_forced_forward(engine):
     spec = SamplingSpec(temperature=0.7, max_new_tokens=16, n=4, seed=11)
     b = engine.cuda_decoder.generate(PROMPTS, spec, use_graphs=False)

@@ -240,6 +240,9 @@ class TrainerConfig:
     # task such as Countdown loops under greedy decoding: its presets sample)
     eval_temperature: float = 0.0
     eval_samples: int = 1
+    # rows (problems x eval_samples) a held-out engine call decodes: fewer, larger calls start fewer kernels for
+    # the same work on a GPU shared by many runs; each call's KV cache grows with it
+    eval_rows: int = 128
     # with a quantized (or perturbed) rollout, evaluations also measure the trainer's weights without it
     # (`eval/accuracy_unquantized`, torch engine in the compute dtype in the loop's process, either runner): what
     # training did to the policy apart from what deploying it quantized costs

@@ -18,6 +18,7 @@ def validate_config(cfg: DictConfig) -> None:
     _check(t.lr > 0, "trainer.lr", f"must be > 0, got {t.lr}")
     _check(t.eval_temperature >= 0, "trainer.eval_temperature", f"must be >= 0 (0 = greedy), got {t.eval_temperature}")
     _check(t.eval_samples >= 1, "trainer.eval_samples", f"must be >= 1, got {t.eval_samples}")
+    _check(t.eval_rows >= 1, "trainer.eval_rows", f"must be >= 1, got {t.eval_rows}")
     _check(t.total_steps >= 0, "trainer.total_steps", f"must be >= 0, got {t.total_steps}")
     _check(t.prompts_per_step >= 1, "trainer.prompts_per_step", f"must be >= 1, got {t.prompts_per_step}")
     _check(t.micro_batch_size >= 1, "trainer.micro_batch_size", f"must be >= 1, got {t.micro_batch_size}")

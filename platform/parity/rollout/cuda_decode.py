@@ -109,6 +109,10 @@ _PACKED_KV = True
 # measurement). False: the compiled pre-attention function, the write kernel and the attention's own query launch,
 # the path measured on the H200
 _FUSED_PRE = False
+# How many calls' states (static cache, buffers, captured graphs) a decoder keeps, by shape: a run alternates its
+# rollouts' shape and its held-out evaluations' (trainer.eval_rows); with one, every switch allocates and captures
+# anew. Each kept state holds its KV cache (rows x slots x layers)
+_KEEP_STATES = 2
 # True: a simulated product's float32 weight (W4A4: codes x scales) is computed once a call and kept (_Prepared)
 # instead of inside every product of every decode step; the same numbers. False: dequantized in every product
 # (benchmark A/B)
@@ -292,7 +296,8 @@ class CudaDecoder:
         self.engine = engine
         self.compile = True  # Inductor for the layer functions on CUDA; False: uncompiled (benchmark A/B)
         self.compile_error: str | None = None  # why compilation was given up (then `compile` is False)
-        self.state: DecodeState | None = None
+        self.state: DecodeState | None = None  # the last call's
+        self._kept: dict[tuple, DecodeState] = {}  # up to _KEEP_STATES calls' states by key, the last call's last
         self._decode_fns: tuple | None = None  # compiled layer_functions(True)
         self._prefill_fns: tuple | None = None  # compiled (_prefill_pre, _prefill_post)
 
@@ -300,8 +305,9 @@ class CudaDecoder:
         return supports(self.engine)
 
     def reset(self) -> None:
-        """Drop the static cache, buffers and graphs (the next call allocates and captures anew)."""
+        """Drop the static caches, buffers and graphs (the next call allocates and captures anew)."""
         self.state = None
+        self._kept.clear()
 
     # ---- one call ----
 
@@ -355,7 +361,8 @@ class CudaDecoder:
                 except Exception as e:  # noqa: BLE001 - Inductor missing or failing: the uncompiled step is the same math
                     if not compile_layers:
                         raise
-                    self.compile, self.compile_error, self.state = False, f"{type(e).__name__}: {e}"[:500], None
+                    self.compile, self.compile_error = False, f"{type(e).__name__}: {e}"[:500]
+                    self.reset()
                     return self.generate(prompt_token_ids, spec, prompt_ids, use_graphs)
             steps += 1
             if steps % _DONE_CHECK == 0 and steps < R and bool(st.done.all()):
@@ -371,14 +378,18 @@ class CudaDecoder:
 
     def _state_for(self, key: tuple, B: int, S: int, R: int, K: int, dtype: torch.dtype, use_graphs: bool,
                    compile_layers: bool) -> DecodeState:
-        """The last call's state when `key` (shapes, sampling, route) matches, its stacked weights refreshed;
-        else a new one (the old cache freed first)."""
-        st = self.state
-        if st is not None and st.key == key:
+        """A kept call's state when `key` (shapes, sampling, route) matches, its stacked weights refreshed; else a
+        new one, the least recently used kept state freed first when _KEEP_STATES are kept (a run alternates two
+        shapes: its rollouts and its held-out evaluations)."""
+        st = self._kept.pop(key, None)
+        if st is not None:
             for f in st.extras["fused"] + st.extras["prepared"]:  # weights may have changed in place since the last call
                 f.refresh()
+            self._kept[key] = self.state = st
             return st
         self.state = None
+        while len(self._kept) >= max(1, _KEEP_STATES):
+            self._kept.pop(next(iter(self._kept)))
         st = self.new_state(key, B, S, R, K, dtype)
         st.extras["fns"] = self.layer_functions(compile_layers)
         st.extras["fused"], st.extras["prepared"] = [], []
@@ -388,7 +399,7 @@ class CudaDecoder:
             from parity.precision import int8_triton
             st.extras["int8_pinned"] = int8_triton.tune_decode(B, _int8_triton_shapes(st.extras["layers"]),
                                                                self.engine.device)
-        self.state = st
+        self._kept[key] = self.state = st
         return st
 
     def new_state(self, key: tuple, B: int, S: int, R: int, K: int, dtype: torch.dtype) -> DecodeState:

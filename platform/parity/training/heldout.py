@@ -40,9 +40,9 @@ def heldout_accuracy(engine: Engine, tok: Any, problems: list[Problem], template
 
 
 def eval_settings(cfg: ParityConfig) -> dict:
-    """heldout_accuracy's sampling keywords from trainer.eval_temperature / eval_samples."""
+    """heldout_accuracy's keywords from trainer.eval_temperature / eval_samples / eval_rows."""
     return {"temperature": float(cfg.trainer.eval_temperature), "samples": int(cfg.trainer.eval_samples),
-            "seed": int(cfg.trainer.seed) + 7}
+            "seed": int(cfg.trainer.seed) + 7, "batch_size": int(cfg.trainer.eval_rows)}
 
 
 def changes_numerics(precision: PrecisionConfig) -> bool:
