@@ -83,7 +83,7 @@ def profiles(run_dir: Path) -> dict:
 
 
 def phase(name: str, pythonpath: str, runs: list[dict], work: Path, timeout_s: float, mps_mode: str,
-          extra_env: dict | None = None) -> dict:
+          extra_env: dict | None = None, extra_overrides: list[str] | None = None) -> dict:
     """All `runs` at once, each a `python -m parity train` process with this phase's code."""
     out_dir = work / name
     shutil.rmtree(out_dir, ignore_errors=True)
@@ -99,7 +99,8 @@ def phase(name: str, pythonpath: str, runs: list[dict], work: Path, timeout_s: f
         for r in runs:
             log = (out_dir / "logs" / f"{r['name']}.log").open("w")
             procs.append((r, subprocess.Popen([sys.executable, "-m", "parity", "train", f"outputs_dir={out_dir}",
-                                               *r["overrides"]], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                               *r["overrides"], *(extra_overrides or [])], env=env, stdout=log,
+                                              stderr=subprocess.STDOUT,
                                               cwd=str(ROOT))))
         timeline, gpu, server, load = [], [], None, []
         cpu = {r["name"]: None for r, _ in procs}
@@ -224,7 +225,10 @@ def main() -> None:
     ap.add_argument("--profile", default="", help="PARITY_PROFILE_STEPS for every run (parity.core.profile); with "
                     "--contended-only, only this tree's phase runs (under MPS), without the earlier tree")
     ap.add_argument("--contended-only", action="store_true", help="only this tree's side-by-side phase")
-    ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for every run of this tree's phase")
+    ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for every run of this tree's phase "
+                    "(e.g. CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25, PARITY_CUDA_BLOCKING_SYNC=1)")
+    ap.add_argument("--new-extra", default="", help="more overrides for every run of this tree's phase, "
+                    "space-separated (settings the earlier tree does not know, e.g. trainer.eval_rows=512)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     if a.profile:
@@ -245,8 +249,9 @@ def main() -> None:
         profile_table("solo", record["solo"])
         return
     if a.contended_only:
-        record["new"] = phase("new", f"{ROOT / 'platform'}:{site}", runs, work, a.timeout, "auto", extra_env)
-        record["extra_env"] = extra_env
+        record["new"] = phase("new", f"{ROOT / 'platform'}:{site}", runs, work, a.timeout, "auto", extra_env,
+                              a.new_extra.split())
+        record["extra_env"], record["new_extra"] = extra_env, a.new_extra.split()
         out.write_text(json.dumps(record, indent=1, default=str))
         n = record["new"]
         print(f"contended: {n['run_steps']} run-steps in {n['wall_s']} s = {n['run_steps_per_s']:.2f}/s "
@@ -260,8 +265,9 @@ def main() -> None:
     out.write_text(json.dumps(record, indent=1, default=str))
     print(f"old: {old['run_steps']} run-steps in {old['wall_s']} s = {old['run_steps_per_s']:.2f}/s "
           f"(steady {old['steady_run_steps_per_s']})", flush=True)
-    new = phase("new", f"{ROOT / 'platform'}:{site}", runs, work, a.timeout, "auto", extra_env)
+    new = phase("new", f"{ROOT / 'platform'}:{site}", runs, work, a.timeout, "auto", extra_env, a.new_extra.split())
     record["new"] = new
+    record["extra_env"], record["new_extra"] = extra_env, a.new_extra.split()
     record["ratio"] = new["run_steps_per_s"] / old["run_steps_per_s"]
     if old["steady_run_steps_per_s"] and new["steady_run_steps_per_s"]:
         record["steady_ratio"] = new["steady_run_steps_per_s"] / old["steady_run_steps_per_s"]
