@@ -1,0 +1,81 @@
+"""How far a decode's log-probs sit from a full forward of the same tokens, with and without a low-precision KV
+cache, on any device (the CPU plain loop included): the reference for "one INT4 format" (docs/INT4_DECODE.md).
+
+For each KV format, the rollout engine of a prepared model samples held-out prompts; the same engine's full
+forward with the simulated cache (tests/kv_packed_checks.teacher_forced_logprobs: every K/V through the codec's
+round trip) scores the sampled tokens; printed: mean, p99 and max |decode log-prob - forward log-prob|. With bf16
+the gap is the arithmetic's own (a decode step and a full forward round differently); a codec can only widen it,
+by flipping the code of a value near a rounding boundary.
+
+    python3 tests/bench/int4_decode_vs_forward.py --model-dir MODEL --device cpu --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "platform"), str(ROOT)]
+
+FORMATS = {"bf16": [], "int4_per_token_head": ["rollout.precision.kv_cache=int4_per_token_head"],
+           "int4_per_token_head, no rotation": ["rollout.precision.kv_cache=int4_per_token_head",
+                                                "rollout.precision.kv_hadamard=false"],
+           "fp8_per_token_head": ["rollout.precision.kv_cache=fp8_per_token_head"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--experiment", default="countdown_gpu")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--samples", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from parity.config import load_config
+    from parity.core.sampling import SamplingSpec
+    from parity.data.prompts import render_prompt
+    from parity.data.tasks import heldout_problems
+    from parity.rollout import build_engine
+    from tests.kv_packed_checks import teacher_forced_logprobs
+
+    tok = AutoTokenizer.from_pretrained(a.model_dir)
+    rows = {}
+    for label, over in FORMATS.items():
+        cfg = load_config([f"experiment={a.experiment}", f"model.path={a.model_dir}", f"trainer.device={a.device}",
+                           f"model.dtype={a.dtype}", *over])
+        eng = build_engine(cfg, a.model_dir)
+        ids = [tok(render_prompt(cfg.data.prompt_template, p.problem))["input_ids"]
+               for p in heldout_problems(cfg, a.prompts)]
+        t = time.time()
+        b = eng.generate(ids, SamplingSpec(temperature=1.0, max_new_tokens=a.tokens, n=a.samples, seed=3),
+                         prompt_ids=list(range(len(ids))))
+        ref = teacher_forced_logprobs(eng, b, 1.0)
+        d = (b.rollout_logprobs.to(ref.device) - ref).abs()[b.response_mask.to(ref.device)].float()
+        rows[label] = {"tokens": int(d.numel()), "mean_abs_dlogp": float(d.mean()), "p99": float(d.quantile(0.99)),
+                       "max": float(d.max()), "decode_path": b.meta.get("decode_path", "plain loop"),
+                       "kv_cache_layout": b.meta.get("kv_cache_layout")}
+        print(f"{label:34s} tokens {rows[label]['tokens']:5d}  mean {rows[label]['mean_abs_dlogp']:.5f}  "
+              f"p99 {rows[label]['p99']:.4f}  max {rows[label]['max']:.3f}  ({time.time() - t:.0f} s)", flush=True)
+    if a.out:
+        import os
+        import platform
+        cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                    if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else None
+        Path(a.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
+                                           "device": a.device, "dtype": a.dtype, "cpu": cpu, "cpus": os.cpu_count(),
+                                           "torch": torch.__version__, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
