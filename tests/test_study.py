@@ -335,3 +335,30 @@ def test_early_warning_leads_and_false_alarms_by_hand() -> None:
     assert ew["false_alarms"] == ["d"] and ew["runs_without_alarm"] == 2 and not ew["led_every_collapse"]
     assert "| k3 | 1/3 | 7.0 | 1/2 |" in early_warning_table(runs)
     assert early_warning_table([run("c", base, None)]) == ""
+
+
+def test_the_deployed_model_gets_its_own_held_out_panel(tmp_path) -> None:
+    """A study with a quantized arm (held-out on the exact engine every evaluation and in its own format at some)
+    draws a third panel beside reward and exact held-out; a study of exact arms only draws two. The panel's
+    curve is the run's `eval/accuracy` points (the exact arm's own engine is the reference)."""
+    import struct
+
+    from parity.study.report import _band, figures
+
+    def width(png: Path) -> int:
+        return struct.unpack(">I", png.read_bytes()[16:20])[0]  # IHDR width
+
+    exact = _run("bf16 / none", 0, 0.5, 0.4, None)
+    exact["curves"] = {"reward/mean": [[s, 0.4] for s in range(1, 31)]}
+    exact["evals"] = {"eval/accuracy": [[s, 0.3 + s / 300] for s in range(0, 31, 10)]}
+    quant = _run("w4a4 / none", 0, 0.2, 0.1, 25)
+    quant["curves"] = {"reward/mean": [[s, 0.3] for s in range(1, 31)]}
+    quant["evals"] = {"eval/accuracy_unquantized": [[s, 0.3] for s in range(0, 31, 10)],
+                      "eval/accuracy": [[0, 0.31], [30, 0.05]]}
+    (tmp_path / "q").mkdir()
+    (tmp_path / "e").mkdir()
+    figures([exact, quant], tmp_path / "q", "t")
+    figures([exact], tmp_path / "e", "t")
+    assert width(tmp_path / "q" / "reward_curves.png") == 18 * 110
+    assert width(tmp_path / "e" / "reward_curves.png") == 12 * 110
+    assert _band([quant], "eval/accuracy", "evals") == ([0, 30], [0.31, 0.05], [0.31, 0.05], [0.31, 0.05])

@@ -332,14 +332,21 @@ def figures(results: list[dict], out_dir: Path, title: str, smooth: int = 5) -> 
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
-    curve_panel(axes[0], "reward/mean", label=f"sampled reward (mean of {smooth} steps; band ± s.e. over seeds; "
-                                              "dotted: collapse alarm)")
     for rs in groups.values():  # study.json files written before the key existed
         for r in rs:
             r["evals"].setdefault("heldout_unquantized", r["evals"].get("eval/accuracy_unquantized")
                                   or r["evals"].get("eval/accuracy", []))
+    # the deployed model: the trained weights through the rollout's own engine (a run whose rollout is exact has
+    # only that engine: its curve is the exact one, drawn as the reference)
+    deployed = any(r["evals"].get("eval/accuracy_unquantized") and r["evals"].get("eval/accuracy")
+                   for rs in groups.values() for r in rs)
+    fig, axes = plt.subplots(1, 3 if deployed else 2, figsize=(18 if deployed else 12, 4.2))
+    curve_panel(axes[0], "reward/mean", label=f"sampled reward (mean of {smooth} steps; band ± s.e. over seeds; "
+                                              "dotted: collapse alarm)")
     curve_panel(axes[1], "heldout_unquantized", "evals", 1, "held-out accuracy, trained weights on an exact engine")
+    if deployed:
+        curve_panel(axes[2], "eval/accuracy", "evals", 1,
+                    "held-out accuracy, the deployed model (trained weights in the rollout's format)")
     axes[0].legend(fontsize=7, loc="best")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
