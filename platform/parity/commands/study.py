@@ -78,7 +78,8 @@ def _parser() -> argparse.ArgumentParser:
                         "(auto: where nvidia-cuda-mps-control and a GPU exist; parity.study.mps)")
     p.add_argument("--mps-sm-share", type=int, default=None, metavar="PERCENT",
                    help="under MPS, each run's process uses at most this share of the SMs at a time, so that "
-                        "the runs' small kernels run on different SMs at once (default: all; parity.study.mps)")
+                        "the runs' small kernels run on different SMs at once (default: the preset's; "
+                        "parity.study.mps)")
     p.add_argument("--figures-only", action="store_true", help="rewrite study.md and the figures from study.json")
     p.add_argument("--collect", action="store_true", help="read the runs' folders as they are (unfinished ones "
                    "marked partial) into study.json, the table and the figures, without training")
@@ -270,7 +271,8 @@ def main(argv: list[str]) -> dict:
         print(f"[{elapsed:6.0f} s {k}/{n}] {r['arm']} seed {r['seed']}: {brief}", flush=True)
 
     on_gpu = any(o == "trainer.device=cuda" for o in base)
-    with MpsDaemon(a.mps if on_gpu and concurrency > 1 else "off", sm_share=a.mps_sm_share) as mps:
+    sm_share = a.mps_sm_share if a.mps_sm_share is not None else preset.mps_sm_share
+    with MpsDaemon(a.mps if on_gpu and concurrency > 1 else "off", sm_share=sm_share) as mps:
         study["mps"] = mps.status
         print(f"study: MPS {mps.status}", flush=True)
         study["runs"] = run_all(specs, a.outputs_dir, concurrency, threads, out / "logs", done,

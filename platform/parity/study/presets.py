@@ -111,6 +111,8 @@ class Preset:
     # overrides every run of seed s gets beside trainer.seed=s, "{seed}" replaced by s: with
     # "model.warm_start.seed={seed}" each seed starts from a warm start of its own (seeds independent)
     seed_overrides: tuple[str, ...] = ()
+    # under CUDA MPS, the share of the SMs each run's process may use at a time (parity.study.mps; None: all)
+    mps_sm_share: int | None = None
 
 
 QUICK = ("model.warm_start.steps=20", "model.warm_start.batch_size=16", "model.warm_start.eval_problems=8",
@@ -176,6 +178,9 @@ GPU = Preset(
     steps=150, eval_every=10, seeds=CORE_SEEDS, concurrency=16, threads_per_run=1,
     seed_overrides=("model.warm_start.seed={seed}",),
     env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+    # each run's kernels on a quarter of the SMs, so that four runs' small kernels run at once: 1.47x the rollout
+    # tokens of uncapped processes (docs/PERFORMANCE.md, "Sixteen rollouts on one GPU"); scheduling, not arithmetic
+    mps_sm_share=25,
     search=(arm("bf16"), arm("int8+int4kv"), arm("w4a4+int4kv"), *_dose((0.1, 0.2), 0.2)),
     # the calibration as it ran (docs/study/gpu_grpo_calibration.json): lr and batch shape of the reference, and
     # the mismatch sources at lr 1e-4, at trainer.micro_batch_size=32
