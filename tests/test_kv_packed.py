@@ -70,6 +70,8 @@ def test_decode_path_packed_equals_simulated(model_dir, kind, spec):
     packed = eng.cuda_decoder.generate(PROMPTS, spec, use_graphs=False)
     assert sim.meta["kv_cache_layout"] == "simulated" and packed.meta["kv_cache_layout"] == "packed"
     assert eng.cuda_decoder.state.extras["packed"].backend == "torch"
+    # the run's record names the attention kernel and its variant (no autotuned launch without CUDA)
+    assert packed.meta["kv_kernel"] == {"name": "packed_dequant", "fused_pre_attention": False, "tuned": {}}
     assert torch.equal(packed.responses, sim.responses)
     assert torch.equal(packed.rollout_logprobs, sim.rollout_logprobs)
     if spec.topk_logprobs:
@@ -98,3 +100,35 @@ def test_kv_budget_chunks_a_call_into_rows_that_fit(model_dir):
     eng.kv_budget_bytes = 100
     with pytest.raises(ValueError, match=r"engine.kv_budget_bytes=100: one batch row's KV cache of 64 slots"):
         eng.cuda_decoder.generate(PROMPTS, spec, use_graphs=False)
+
+
+def test_the_record_carries_the_autotuned_attention_variant(monkeypatch):
+    """What the autotuner chose (its cache: key -> launch configuration) is what a run records as its kernel's
+    variant, one entry a tuned key."""
+    from types import SimpleNamespace
+
+    from parity.rollout import decode_attention as da
+    chosen = {(2, True, 64, 16, False, None): "BLOCK_N: 64, num_warps: 4, num_stages: 2"}
+    monkeypatch.setattr(da, "_attn_tuned", SimpleNamespace(cache=chosen), raising=False)
+    assert da.tuned_configs() == {"(2, True, 64, 16, False, None)": "BLOCK_N: 64, num_warps: 4, num_stages: 2"}
+    monkeypatch.setattr(da, "_attn_tuned", SimpleNamespace(cache={}), raising=False)
+    assert da.tuned_configs() == {}
+
+
+def test_a_runs_record_keeps_one_path_while_the_autotuner_adds_launches():
+    """A run records the distinct rollout paths its batches took; the attention kernel's autotuned launches grow
+    as new shapes are tuned (one more entry, not another path), while another kernel is another path."""
+    from types import SimpleNamespace
+
+    from parity.training.run_folder import RolloutPaths
+
+    def batch(kernel: dict) -> SimpleNamespace:
+        return SimpleNamespace(meta={"engine": "torch", "kv_cache_layout": "packed", "kv_kernel": kernel})
+
+    paths = RolloutPaths()
+    paths.see(batch({"name": "packed_dequant", "tuned": {"a": "BLOCK_N: 64"}}))
+    paths.see(batch({"name": "packed_dequant", "tuned": {"a": "BLOCK_N: 64", "b": "BLOCK_N: 32"}}))
+    assert paths.seen == [{"engine": "torch", "kv_cache_layout": "packed", "decode_path": "plain_loop",
+                           "kv_kernel": {"name": "packed_dequant", "tuned": {"a": "BLOCK_N: 64", "b": "BLOCK_N: 32"}}}]
+    paths.see(batch({"name": "int4_rotated", "config": {"rows": 16}}))
+    assert [p["kv_kernel"]["name"] for p in paths.seen] == ["packed_dequant", "int4_rotated"]

@@ -263,13 +263,13 @@ def _int8_triton_shapes(layers: list) -> list[tuple[int, int]]:
 
 
 def kv_kernel_meta(packed: Any) -> dict:
-    """The decode attention's kernel for a packed cache (rotated int4 with its launch configuration, or the
-    dequantizing kernel) and whether the fused pre-attention kernel feeds it; nothing for a plain or simulated
-    cache (the batched-matmul attention)."""
+    """The decode attention's kernel for a packed cache (rotated int4 with its pinned launch configuration, or the
+    dequantizing kernel with the configurations its autotuner chose) and whether the fused pre-attention kernel
+    feeds it; nothing for a plain or simulated cache (the batched-matmul attention)."""
     if packed is None:
         return {}
     from parity.rollout import pre_attention
-    from parity.rollout.decode_attention import int4_rotated
+    from parity.rollout.decode_attention import int4_rotated, tuned_configs
 
     rotated = int4_rotated(packed)
     kernel = {"name": "int4_rotated" if rotated else "packed_dequant",
@@ -277,6 +277,8 @@ def kv_kernel_meta(packed: Any) -> dict:
     if rotated:
         from parity.rollout.int4_attention import CONFIG
         kernel["config"] = dict(CONFIG)
+    else:
+        kernel["tuned"] = tuned_configs()
     return {"kv_kernel": kernel}
 
 

@@ -117,6 +117,14 @@ def _workspace(cache: PackedKVCache):
     return ws
 
 
+def tuned_configs() -> dict[str, str]:
+    """The launch configurations (BLOCK_N, warps, stages) the autotuner chose for this module's attention kernel so
+    far in this process, by its key (format, rotation, head_dim, group rows, one split, dot precision): the
+    variant a run's rollout used, for its record. Empty without Triton or before the first CUDA call."""
+    cache = getattr(globals().get("_attn_tuned"), "cache", None) or {}
+    return {str(k): str(v) for k, v in cache.items()}
+
+
 def int4_rotated(cache: PackedKVCache) -> bool:
     """Whether this cache's attention is parity.rollout.int4_attention's (rotated basis, Triton backend)."""
     return (INT4_ROTATED and cache.backend == "triton" and cache.kind_id == KIND_INT4 and cache.head_dim >= 64)

@@ -6,6 +6,7 @@ or refused; nothing already written is touched by a refusal."""
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import time
@@ -71,8 +72,20 @@ class RolloutPaths:
         meta = getattr(batch, "meta", None) or {}
         path = {k: meta[k] for k in PATH_KEYS if k in meta}
         path.setdefault("decode_path", "plain_loop" if meta.get("engine") == "torch" else meta.get("engine"))
-        if path not in self.seen:
-            self.seen.append(path)
+        tuned = dict((path.get("kv_kernel") or {}).get("tuned") or {})
+        for seen in self.seen:  # the kernel's autotuned launches grow as new shapes are tuned: one path still
+            if _untuned(seen) == _untuned(path):
+                if tuned:
+                    seen["kv_kernel"]["tuned"] = {**seen["kv_kernel"].get("tuned", {}), **tuned}
+                return
+        self.seen.append(copy.deepcopy(path))
+
+
+def _untuned(path: dict) -> dict:
+    """A rollout path without the attention kernel's autotuned launch configurations."""
+    if not isinstance(path.get("kv_kernel"), dict):
+        return path
+    return {**path, "kv_kernel": {k: v for k, v in path["kv_kernel"].items() if k != "tuned"}}
 
 
 def code_version() -> str | None:
