@@ -45,3 +45,23 @@ def test_without_the_daemon(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
         pass
     with pytest.raises(ValueError, match="expected auto, on or off"):
         MpsDaemon("yes")
+
+
+def test_blocking_host_waits_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PARITY_CUDA_BLOCKING_SYNC: unset or 0 does nothing; any other value than 0 / 1 is refused naming the
+    variable; 1 without a CUDA driver (none loadable) is nothing to do, not an error."""
+    import ctypes.util
+
+    from parity.core.device import BLOCKING_SYNC_ENV, blocking_sync_from_env, cuda_blocking_sync
+    from parity.errors import ConfigError
+
+    monkeypatch.delenv(BLOCKING_SYNC_ENV, raising=False)
+    assert blocking_sync_from_env() is False
+    monkeypatch.setenv(BLOCKING_SYNC_ENV, "0")
+    assert blocking_sync_from_env() is False
+    monkeypatch.setenv(BLOCKING_SYNC_ENV, "yes")
+    with pytest.raises(ConfigError, match=BLOCKING_SYNC_ENV):
+        blocking_sync_from_env()
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: "libparity-no-such-driver.so")
+    monkeypatch.setenv(BLOCKING_SYNC_ENV, "1")
+    assert cuda_blocking_sync() is False and blocking_sync_from_env() is False

@@ -73,6 +73,7 @@ def worker(args: argparse.Namespace) -> None:
     problems = heldout_problems(cfg, 1024)
     per_call = max(1, args.rows // n)
     spec = sampling_spec(cfg, seed=args.index)
+    meta: dict = {}  # the last batch's rollout path
 
     def call(i: int) -> tuple[int, int, float]:
         chunk = [problems[(i * per_call + j) % len(problems)] for j in range(per_call)]
@@ -83,8 +84,6 @@ def worker(args: argparse.Namespace) -> None:
             torch.cuda.synchronize()
         meta.update(batch.meta or {})
         return len(chunk) * n, int(batch.response_mask.sum()), time.perf_counter() - t
-
-    meta: dict = {}
 
     for i in range(args.warmup):
         call(i)  # compilation, capture of every attended length, autotuning
