@@ -65,3 +65,23 @@ def test_blocking_host_waits_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ctypes.util, "find_library", lambda name: "libparity-no-such-driver.so")
     monkeypatch.setenv(BLOCKING_SYNC_ENV, "1")
     assert cuda_blocking_sync() is False and blocking_sync_from_env() is False
+
+
+
+def test_gpu_preset_runs_wait_asleep(tmp_path) -> None:
+    """The `gpu` study hands its runs PARITY_CUDA_BLOCKING_SYNC=1 (preset env, merged into every run's environment by
+    parity.study.runs.run_all): a process started with that environment passes the training loop's check of it (on
+    a machine without a CUDA driver the setting is nothing to do)."""
+    import os
+    import subprocess
+    import sys
+
+    from parity.core.device import BLOCKING_SYNC_ENV
+    from parity.study.presets import PRESETS
+
+    env = dict(os.environ, **PRESETS["gpu"].env)
+    code = ("import os; from parity.core.device import blocking_sync_from_env; "
+            f"print(os.environ[{BLOCKING_SYNC_ENV!r}], blocking_sync_from_env())")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    value, applied = out.split()
+    assert value == "1" and applied in ("True", "False")

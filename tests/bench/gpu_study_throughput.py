@@ -269,6 +269,9 @@ def main() -> None:
     record["new"] = new
     record["extra_env"], record["new_extra"] = extra_env, a.new_extra.split()
     record["ratio"] = new["run_steps_per_s"] / old["run_steps_per_s"]
+    # a run that failed did less work in its phase: the ratio then compares different amounts of work
+    record["failed_runs"] = {ph["name"]: [r["arm"] for r in ph["runs"] if r["returncode"] != 0] for ph in (old, new)}
+    record["ratio_valid"] = not any(record["failed_runs"].values())
     if old["steady_run_steps_per_s"] and new["steady_run_steps_per_s"]:
         record["steady_ratio"] = new["steady_run_steps_per_s"] / old["steady_run_steps_per_s"]
     record["fixed_inputs"] = compare_rows(old, new)
@@ -277,6 +280,8 @@ def main() -> None:
           f"(steady {new['steady_run_steps_per_s']}); MPS {new['mps']}", flush=True)
     print(f"ratio {record['ratio']:.2f} (steady {record.get('steady_ratio')}); fixed inputs equal: "
           f"{record['fixed_inputs']['all_equal']}", flush=True)
+    if not record["ratio_valid"]:
+        print(f"  NOT VALID: runs failed, so the phases did different work: {record['failed_runs']}", flush=True)
     for c in record["fixed_inputs"]["checks"]:
         if c.get("missing") or c.get("differ"):
             print("  differs:", c["arm"], "step", c["step"], json.dumps(c.get("differ"))[:300], flush=True)

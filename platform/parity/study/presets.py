@@ -177,7 +177,10 @@ GPU = Preset(
           "data.countdown.min_attempts=1", "trainer.lr=5e-5"),
     steps=150, eval_every=10, seeds=CORE_SEEDS, concurrency=16, threads_per_run=1,
     seed_overrides=("model.warm_start.seed={seed}",),
-    env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+    # host waits asleep (parity.core.device.cuda_blocking_sync): 16 runs no longer spin 16 cores through every
+    # synchronisation (48-57 CPU-seconds a run against 180-264 in the side-by-side of docs/PERFORMANCE.md, "The
+    # levers side by side"); how the host waits, not arithmetic
+    env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "PARITY_CUDA_BLOCKING_SYNC": "1"},
     # each run's kernels on a quarter of the SMs, so that four runs' small kernels run at once: 1.47x the rollout
     # tokens of uncapped processes (docs/PERFORMANCE.md, "Sixteen rollouts on one GPU"); scheduling, not arithmetic
     mps_sm_share=25,
