@@ -362,3 +362,41 @@ def test_the_deployed_model_gets_its_own_held_out_panel(tmp_path) -> None:
     assert width(tmp_path / "q" / "reward_curves.png") == 18 * 110
     assert width(tmp_path / "e" / "reward_curves.png") == 12 * 110
     assert _band([quant], "eval/accuracy", "evals") == ([0, 30], [0.31, 0.05], [0.31, 0.05], [0.31, 0.05])
+
+
+def test_final_evaluation_and_the_harmless_rule_by_hand() -> None:
+    """The larger final evaluation per arm, paired with the reference seed by seed, and the harmless rule of
+    docs/study/grpo_study.md on constructed runs."""
+    from parity.study.report import final_rows, final_table
+
+    def run(arm, seed, large, deployed=None, collapse=None, lost=None, source="w", correction="none"):
+        return {"arm": arm, "seed": seed, "labels": {"source": source, "correction": correction, "extra": ""},
+                "heldout_large_final": large, "heldout_large_deployed_final": deployed, "collapse_step": collapse,
+                "lost_gain_step": lost, "evals": {}}
+
+    ref = [run("ref", s, v, v, source="bf16") for s, v in ((0, .30), (1, .20), (2, .25))]
+    runs = [*ref,
+            # differences +.01, -.01, +.00: mean 0, s.e. = stdev(.01, -.01, 0) / sqrt 3 = .01 / sqrt 3: harmless
+            run("same", 0, .31, .30), run("same", 1, .19, .18), run("same", 2, .25, .24),
+            # -.05, -.06, -.04: mean -.05, s.e. .01 / sqrt 3 = .0058: below -2 s.e.
+            run("worse", 0, .25), run("worse", 1, .14), run("worse", 2, .21),
+            # one seed lost the gain: not harmless whatever the difference
+            run("lost", 0, .30), run("lost", 1, .20, lost=60), run("lost", 2, .25),
+            # two seeds with the final evaluation, the third stopped early: undecided
+            run("short", 0, .30), run("short", 1, .20), run("short", 2, None),
+            # +.05, +.06, +.04: above
+            run("better", 0, .35), run("better", 1, .26), run("better", 2, .29)]
+    rows = {r["arm"]: r for r in final_rows(runs)}
+    s = rows["same"]
+    assert s["vs_reference"]["mean"] == pytest.approx(0.0, abs=1e-12)
+    assert s["vs_reference"]["se"] == pytest.approx(0.01 / math.sqrt(3))
+    assert s["per_seed"] == {0: pytest.approx(.01), 1: pytest.approx(-.01), 2: pytest.approx(0.0, abs=1e-12)}
+    assert s["deployed"]["mean"] == pytest.approx(.24) and s["verdict"] == "harmless"
+    assert rows["worse"]["vs_reference"]["mean"] == pytest.approx(-.05) and rows["worse"]["verdict"] == "not harmless"
+    assert rows["lost"]["failed_seeds"] == [1] and rows["lost"]["verdict"] == "not harmless"
+    assert rows["short"]["vs_reference"]["n"] == 2 and rows["short"]["verdict"] == "undecided (2 seeds)"
+    assert rows["better"]["verdict"] == "above" and rows["ref"]["verdict"] == "reference"
+    md = final_table(runs)
+    assert "| same | 25.0 ± 3.5 | 24.0 ± 3.5 | +0.0 ± 0.6 | s0 +1.0, s1 -1.0, s2 +0.0 | — | harmless |" in md
+    assert "| lost | 25.0 ± 2.9 | — | +0.0 ± 0.0 | s0 +0.0, s1 +0.0, s2 +0.0 | 1 | not harmless |" in md
+    assert final_table([run("ref", 0, None, source="bf16")]) == ""

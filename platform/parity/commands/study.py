@@ -34,6 +34,8 @@ from parity.study.report import (
     early_warning,
     early_warning_table,
     figures,
+    final_rows,
+    final_table,
     gains_at,
     gains_table,
     lost_gain_step,
@@ -132,13 +134,14 @@ def write_outputs(study: dict, out: Path) -> list[str]:
     study["early_warning"] = early_warning(study["runs"])
     step = common_eval_step(study["runs"])
     study["gains"] = gains_at(study["runs"], step) if step is not None else []
+    study["final"] = final_rows(study["runs"])
     (out / "study.json").write_text(json.dumps(study, indent=1, default=str))
     head = (f"# Study `{study['preset']}` ({study['stage']}{', quick' if study.get('quick') else ''})\n\n"
             f"{study.get('note', '')}\n\nCommand: `{study['command']}`  \nDate: {study['date']}; host: "
             f"{json.dumps(study['host'])}; wall time {study.get('wall_s', 0):.0f} s; {len(study['runs'])} runs, "
             f"{study['steps']} steps each, seeds {study['seeds']}.\n\n")
     (out / "study.md").write_text("\n".join(x for x in (
-        head + table(study["runs"]), gains_table(study["runs"]), lost_gain_tables(study["runs"]),
+        head + table(study["runs"]), final_table(study["runs"]), gains_table(study["runs"]), lost_gain_tables(study["runs"]),
         early_warning_table(study["runs"])) if x))
     try:
         return [str(p) for p in figures(study["runs"], out, f"{study['preset']} / {study['stage']}")]

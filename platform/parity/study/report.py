@@ -226,6 +226,70 @@ def gains_table(results: list[dict], step: int | None = None, why: str = "the la
     return "\n".join(lines) + "\n"
 
 
+HARMLESS_MIN_SEEDS = 3  # the rule's verdict needs at least this many seeds with the final evaluation
+
+
+def final_rows(results: list[dict]) -> list[dict]:
+    """Per arm, the larger final evaluation (512 x 4 at the last step; `heldout_large_final` on the exact engine,
+    `heldout_large_deployed_final` in the rollout's format): mean ± s.e. of both, the paired difference from the
+    reference arm seed by seed on the exact engine, the seeds that collapsed or lost the gain, and the "harmless"
+    rule of docs/study/grpo_study.md: harmless when the paired difference lies within two standard errors of 0
+    over at least HARMLESS_MIN_SEEDS seeds and no seed collapsed or lost the gain; not harmless as soon as one
+    seed collapsed or lost the gain, or when the difference lies below -2 s.e.; `above` when it lies above +2 s.e.;
+    else undecided. A run without the final evaluation (stopped early) counts as a missing seed."""
+    groups = group_by_arm(results)
+    ref = reference_arm(results)
+    ref_by_seed = {r["seed"]: r.get("heldout_large_final") for r in groups.get(ref, [])} if ref else {}
+    rows = []
+    for arm, rs in groups.items():
+        failed = sorted(r["seed"] for r in rs if r.get("collapse_step") is not None or r.get("lost_gain_step") is not None)
+        diffs = {r["seed"]: r["heldout_large_final"] - ref_by_seed[r["seed"]] for r in rs
+                 if r.get("heldout_large_final") is not None and ref_by_seed.get(r["seed"]) is not None}
+        d = dict(zip(("mean", "se", "n"), mean_se(list(diffs.values()))))
+        if arm == ref:
+            verdict = "reference"
+        elif failed:
+            verdict = "not harmless"
+        elif d["n"] < HARMLESS_MIN_SEEDS or d["se"] is None:
+            verdict = f"undecided ({d['n']} seed{'s' if d['n'] != 1 else ''})"
+        elif d["mean"] < -2 * d["se"]:
+            verdict = "not harmless"
+        elif d["mean"] > 2 * d["se"]:
+            verdict = "above"
+        else:
+            verdict = "harmless"
+        rows.append({"arm": arm, "exact": dict(zip(("mean", "se", "n"), mean_se([r.get("heldout_large_final") for r in rs]))),
+                     "deployed": dict(zip(("mean", "se", "n"),
+                                          mean_se([r.get("heldout_large_deployed_final") for r in rs]))),
+                     "vs_reference": None if arm == ref else d, "per_seed": dict(sorted(diffs.items())),
+                     "failed_seeds": failed, "verdict": verdict})
+    return rows
+
+
+def final_table(results: list[dict]) -> str:
+    """The larger final evaluation per arm in Markdown (points), with the "harmless" rule's verdict; empty when no
+    run has it."""
+    rows = final_rows(results)
+    if not any(r["exact"]["n"] for r in rows):
+        return ""
+
+    def acc(d: dict) -> str:
+        if d["mean"] is None:
+            return "—"
+        return f"{100 * d['mean']:.1f}" + (f" ± {100 * d['se']:.1f}" if d["se"] is not None else "")
+
+    lines = ["The larger final evaluation (512 problems x 4 at the last step; points, mean ± s.e. over the seeds that "
+             f"have it; paired with the reference arm {reference_arm(results) or '—'} seed by seed; the harmless rule "
+             f"needs {HARMLESS_MIN_SEEDS} seeds):", "",
+             "| arm | exact engine | deployed format | vs reference (paired) | per seed | seeds that collapsed or lost the gain | harmless? |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        per = ", ".join(f"s{s} {100 * v:+.1f}" for s, v in r["per_seed"].items()) if r["vs_reference"] else ""
+        lines.append(f"| {r['arm']} | {acc(r['exact'])} | {acc(r['deployed'])} | {_pts(r['vs_reference'])} | {per} | "
+                     f"{', '.join(map(str, r['failed_seeds'])) or '—'} | {r['verdict']} |")
+    return "\n".join(lines) + "\n"
+
+
 def lost_gain_tables(results: list[dict]) -> str:
     """The arms compared again at each step where an uncorrected arm's seed-mean curve lost its gain."""
     parts = []
