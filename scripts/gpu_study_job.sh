@@ -14,7 +14,10 @@
 # finished and the partial runs are collected into study.json, and the run folders (metrics, summaries), the study
 # folders and the logs are packed into $OUT/runs.tgz, to be read back with the runs of other jobs by
 # `python -m parity study --collect`. The job touches $OUT/job.done when it ends.
-#   usage: [PREPARE_EXTRA=...] [WARM_IMPORT=DIR] [WARM_EXPORT=1] [THROUGHPUT_OLD=DIR] \
+# WARM_SEEDS="3 4" also builds those seeds' warm starts beside the job's own (each its own process, at once) and
+# writes their pieces to $OUT/warm_seed<S>/, for later jobs' WARM_IMPORT: a machine's first minutes build every
+# warm start a session's later parts need.
+#   usage: [PREPARE_EXTRA=...] [WARM_IMPORT=DIR] [WARM_EXPORT=1] [WARM_SEEDS="S ..."] [THROUGHPUT_OLD=DIR] \
 #          scripts/gpu_study_job.sh JOB_SECONDS PRESET "STUDY ARGS" [...]
 set -u
 budget=$1; preset=$2; shift 2
@@ -25,11 +28,21 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
 if [ -n "${WARM_IMPORT:-}" ]; then python3 scripts/warm_start_pieces.py import "$WARM_IMPORT" $po/models; fi
 base=$(python3 -c "from parity.study.presets import PRESETS; p=PRESETS['$preset']; print(' '.join(['experiment='+p.experiment, *p.base]))")
+warm_pids=()
+for s in ${WARM_SEEDS:-}; do
+  ( python3 -m parity prepare outputs_dir=$po/warm$s $base model.warm_start.seed=$s > $logs/prepare_seed$s.log 2>&1 \
+      && d=$(tail -n 1 $logs/prepare_seed$s.log | python3 -c "import json,sys; print(json.load(sys.stdin)['model_dir'])") \
+      && python3 scripts/warm_start_pieces.py export "$d" "$out/warm_seed$s"
+  ) > $logs/warm_seed$s.log 2>&1 &
+  warm_pids+=($!)
+done
 python3 -m parity prepare outputs_dir=$po $base ${PREPARE_EXTRA:-} > $logs/prepare.log 2>&1
 tail -n 1 $logs/prepare.log | tee "$out/prepare.json"
 model_dir=$(python3 -c "import json; print(json.load(open('$out/prepare.json'))['model_dir'])")
 if [ -n "${WARM_EXPORT:-}" ]; then python3 scripts/warm_start_pieces.py export "$model_dir" "$out"; fi
 echo "prepare: $(( $(date +%s) - t0 )) s"
+for p in "${warm_pids[@]}"; do wait "$p" || echo "a warm start of WARM_SEEDS failed: see $logs/prepare_seed*.log"; done
+[ -n "${WARM_SEEDS:-}" ] && echo "warm starts of seeds ${WARM_SEEDS}: $(( $(date +%s) - t0 )) s" && ls "$out"/warm_seed*
 if [ -n "${THROUGHPUT_OLD:-}" ]; then
   python3 tests/bench/gpu_study_throughput.py --old "$THROUGHPUT_OLD" --model-dir "$model_dir" --preset "$preset" \
       --steps "${THROUGHPUT_STEPS:-20}" --eval-every 10 --old-commit "${THROUGHPUT_OLD_COMMIT:-}" \

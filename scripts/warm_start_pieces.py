@@ -23,6 +23,7 @@ import json
 import lzma
 import sys
 import tarfile
+import tempfile
 from pathlib import Path
 
 PIECE = 15 * 2**20  # below the 16 MiB a returned file may have
@@ -47,9 +48,11 @@ def export(model_dir: Path, out: Path) -> None:
     with tarfile.open(fileobj=buf, mode="w") as tar:
         for f in sorted(model_dir.iterdir()):
             if f.name == "model.safetensors":
-                save_file({k: v.to(torch.bfloat16) if v.dtype == torch.float32 else v for k, v in rounded.items()},
-                          "/tmp/_bf16.safetensors")
-                data = Path("/tmp/_bf16.safetensors").read_bytes()
+                with tempfile.TemporaryDirectory() as tmp:  # its own file: several exports may run at once
+                    half = Path(tmp) / "bf16.safetensors"
+                    save_file({k: v.to(torch.bfloat16) if v.dtype == torch.float32 else v for k, v in rounded.items()},
+                              str(half))
+                    data = half.read_bytes()
                 ti = tarfile.TarInfo(f"{model_dir.name}/model.bf16.safetensors")
                 ti.size = len(data)
                 tar.addfile(ti, io.BytesIO(data))
