@@ -16,6 +16,9 @@ busy. Variants, each a fresh set of processes:
     rows<R>      R rows a call (R / n prompts): what decoding several runs' rows in one call would buy, kernel for
                  kernel (one set of weights stands in for stacked ones)
     procs<N>     N processes instead of one an arm (the same formats in turn)
+    cohort       one process a rollout format holding as many engines as the preset has arms of it (nine W4A4,
+                 three FP8, ...), all decoded in one call of theirs (parity.rollout.cohort: weights stacked over
+                 the runs, batched products): the runs of a format in one engine call, for real
     alone        one process of each format, one at a time (the reference)
 
 Variants combine with '+' (e.g. rows512+procs4). Prints a table of rows/s and tokens/s per variant with the ratio to
@@ -74,16 +77,25 @@ def worker(args: argparse.Namespace) -> None:
     per_call = max(1, args.rows // n)
     spec = sampling_spec(cfg, seed=args.index)
     meta: dict = {}  # the last batch's rollout path
+    cohort = None
+    if args.cohort > 1:  # this format's runs in one engine call, each its own engine (the same warm start here)
+        from parity.rollout.cohort import CohortEngine
+        cohort = CohortEngine([engine] + [build_engine(cfg, args.model_dir, reference_dir=args.model_dir)
+                                          for _ in range(args.cohort - 1)])
+        specs = [sampling_spec(cfg, seed=1000 * args.index + k) for k in range(args.cohort)]
 
     def call(i: int) -> tuple[int, int, float]:
         chunk = [problems[(i * per_call + j) % len(problems)] for j in range(per_call)]
         ids = [tok(render_prompt(cfg.data.prompt_template, p.problem))["input_ids"] for p in chunk]
         t = time.perf_counter()
-        batch = engine.generate(ids, spec, prompt_ids=list(range(len(chunk))))
+        if cohort is not None:
+            batches = cohort.generate([(ids, s, list(range(len(chunk)))) for s in specs])
+        else:
+            batches = [engine.generate(ids, spec, prompt_ids=list(range(len(chunk))))]
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        meta.update(batch.meta or {})
-        return len(chunk) * n, int(batch.response_mask.sum()), time.perf_counter() - t
+        meta.update(batches[0].meta or {})
+        return len(chunk) * n * len(batches), sum(int(b.response_mask.sum()) for b in batches), time.perf_counter() - t
 
     for i in range(args.warmup):
         call(i)  # compilation, capture of every attended length, autotuning
@@ -107,7 +119,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def parse_variant(v: str) -> dict:
-    opts = {"name": v, "rows": 128, "procs": None, "sm": None, "blocking": False, "alone": False}
+    opts = {"name": v, "rows": 128, "procs": None, "sm": None, "blocking": False, "alone": False, "cohort": False}
     for part in v.split("+"):
         if part == "base":
             continue
@@ -115,6 +127,8 @@ def parse_variant(v: str) -> dict:
             opts["blocking"] = True
         elif part == "alone":
             opts["alone"] = True
+        elif part == "cohort":
+            opts["cohort"] = True
         elif part.startswith("sm"):
             opts["sm"] = int(part[2:])
         elif part.startswith("rows"):
@@ -132,7 +146,7 @@ def run_set(args: argparse.Namespace, opts: dict, formats: list, work: Path, env
     go = work / "go"
     go.unlink(missing_ok=True)
     procs = []
-    for i, (fmt, pre) in enumerate(formats):
+    for i, (fmt, pre, *count) in enumerate(formats):
         ready = work / f"ready{i}"
         ready.unlink(missing_ok=True)
         e = dict(env)
@@ -143,6 +157,8 @@ def run_set(args: argparse.Namespace, opts: dict, formats: list, work: Path, env
                "--ready", str(ready), "--go", str(go), "--warmup", str(args.warmup), "--seconds", str(args.seconds)]
         if opts["blocking"]:
             cmd.append("--blocking")
+        if count:
+            cmd += ["--cohort", str(count[0])]
         procs.append((fmt, ready, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                                    env=e)))
     t0 = time.time()
@@ -184,6 +200,7 @@ def main() -> None:
     ap.add_argument("--ready", default="", help=argparse.SUPPRESS)
     ap.add_argument("--go", default="", help=argparse.SUPPRESS)
     ap.add_argument("--blocking", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--cohort", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -212,6 +229,11 @@ def main() -> None:
                 workers += run_set(args, opts, [(fmt, pre)], Path(args.work) / v / fmt, dict(os.environ))
         else:
             formats = mix if opts["procs"] is None else [mix[i % len(mix)] for i in range(opts["procs"])]
+            if opts["cohort"]:  # one process a format, with one engine per arm of that format
+                counts: dict = {}
+                for fmt, pre in mix:
+                    counts.setdefault(fmt, [pre, 0])[1] += 1
+                formats = [(fmt, pre, k) for fmt, (pre, k) in counts.items()]
             with MpsDaemon("auto", pipe_dir=f"{args.work}/mps-pipe", log_dir=f"{args.work}/mps-log") as d:
                 workers = run_set(args, opts, formats, Path(args.work) / v, dict(os.environ, **child_env(d)))
                 mps = d.status

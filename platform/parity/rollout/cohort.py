@@ -2,188 +2,198 @@
 
 A study runs many arms that share a rollout format (the nine W4A4 + INT4 KV arms of a seed differ only in their
 correction), and on one GPU their decodes are many small kernels each (docs/PERFORMANCE.md, "Sixteen rollouts on
-one GPU": four processes of 512 rows decoded 2.71x the tokens of sixteen of 128). A cohort decodes N runs' calls as
-one batch: the runs' rows stacked (rows grouped by run, run i's B rows at i * B), every weight stacked over the
-runs ([N, ...]), so that a projection is one batched product for all runs, a norm one kernel with each row's
-run's weight, and attention (no weights) one call over all rows.
+one GPU": four processes of 512 rows decoded 2.71x the tokens of sixteen of 128). A cohort decodes N runs' calls
+as one batch: the runs' rows stacked (rows grouped by run, run i's B rows at i * B) and every weight stacked over
+the runs ([N, ...]), so that a projection is one batched product for all runs (rollout/decode_layers.py,
+`cohort_linear`; the integer and FP8 products run per run, their kernels having no batched form here), a norm one
+kernel with each row's run's weight, and attention (no weights) one call over all rows.
 
-`CohortEngine` is that arithmetic on the plain loop (any device, no CUDA graphs): N TorchEngines of one model
-shape and one precision, each with its own weights, and `generate` taking one call per run. Each run's rows keep
-their own sampling (their seeds, their uniforms) and come back as that run's RolloutBatch, with the numbers the
-run's own engine gives for the same call up to the rounding of a batched product against a single one (and of a
-prompt padded to the cohort's widest prompt): tests/test_cohort.py checks tokens and log-probs against each
-engine's own `generate` for plain, simulated W4A4 + INT4 KV and INT8 W8A8 engines. Quantized products whose
-kernels have no batched form here (the integer and FP8 paths) run once per run on its rows.
+`CohortEngine` holds N TorchEngines of one model shape and one precision, each with its own weights, and presents
+their stacked weights as one model of the TorchEngine surface (`model.model.layers[i].self_attn.q_proj`, ...):
+TorchEngine's own forward runs over it (the plain loop), and the CUDA decode path's decoder runs over it unchanged
+(static cache, CUDA graphs, compiled layer functions, packed KV cache), its layer functions taking a weight with a
+leading run dimension as a cohort's. `generate` takes one call per run and gives each run the RolloutBatch its own
+engine gives for that call, up to the rounding of a batched product against a single one:
+tests/test_cohort.py checks tokens and log-probs against each engine's own `generate`, plain loop and the decode
+path's logic run eagerly, for plain float32, simulated W4A4 + INT4 KV and INT8 W8A8 engines.
 
-What the arithmetic follows: TorchEngine._layer and TorchEngine.forward (HF Qwen3's order of operations: float32
-RMS normalisation cast back before the weight, q/k norms before the rotary, the KV codec's roundtrip before the
-cache write, SDPA with grouped-query attention).
+`sync()` copies the engines' weights into the stacks in place (after their `update_weights`), so the decode path's
+kept states and captured graphs see them, as a single engine's do.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from transformers.models.qwen3.modeling_qwen3 import rotate_half
 
 from parity.core.layout import BatchLayout, Responses, key_slots, layout_batch, left_pad, positions, prefill_mask
 from parity.core.sampling import SamplingSpec
-from parity.precision.formats import fake_quantize
-from parity.precision.linear import QuantLinear, is_simulated, quant_linear_forward, simulated_weight
+from parity.precision.linear import QuantLinear
+from parity.rollout.decode_layers import _linear, _rms
+from parity.rollout.torch_engine import TorchEngine
 from parity.types import RolloutBatch
 
-def _stacked_lin(mods: list[torch.nn.Module]) -> tuple:
-    """One projection of every run as (weight [N, out, in], scale [N, out, 1] | None, bias [N, out] | None, kind):
-    kind None for nn.Linear, ("batched", activations) for a simulated product (weight: the float32 w_hat), else
-    QuantLinear's (weights, activations, path), computed per run."""
-    first = mods[0]
-    if isinstance(first, torch.nn.Linear):
-        bias = torch.stack([m.bias for m in mods]) if first.bias is not None else None
-        return torch.stack([m.weight for m in mods]), None, bias, None
-    if not isinstance(first, QuantLinear):
-        raise TypeError(f"cohort: a projection of type {type(first).__name__} has no stacked form")
-    bias = torch.stack([m.bias for m in mods]) if first.bias is not None else None
-    if is_simulated(first.path, first.weights, first.activations):
-        w_hat = torch.stack([simulated_weight(m.weight, m.weight_scale, m.weights) for m in mods])
-        return w_hat, None, bias, ("batched", first.activations)
-    return (torch.stack([m.weight for m in mods]), torch.stack([m.weight_scale for m in mods]), bias,
-            (first.weights, first.activations, first.path))
+
+class _Stacked:
+    """One tensor attribute of every run's module, stacked over the runs ([N, ...]); `sync` copies it again."""
+
+    def __init__(self, mods: list, attr: str) -> None:
+        self.mods, self.attr = mods, attr
+        self.value = torch.stack([getattr(m, attr) for m in mods])
+
+    def sync(self) -> None:
+        torch.stack([getattr(m, self.attr) for m in self.mods], out=self.value)
 
 
-def cohort_linear(x: torch.Tensor, lin: tuple, runs: int) -> torch.Tensor:
-    """x [N * B, ..., in] (rows grouped by run) -> [N * B, ..., out], each run's rows through its own weight."""
-    w, scale, bias, kind = lin
-    lead, k = x.shape[:-1], x.shape[-1]
-    xs = x.reshape(runs, -1, k)  # [N, B * ..., in]
-    if kind is None:
-        y = torch.bmm(xs, w.transpose(1, 2))
-    elif kind[0] == "batched":
-        y = torch.bmm(fake_quantize(xs.float(), kind[1]), w.transpose(1, 2)).to(x.dtype)
-    else:
-        y = torch.stack([quant_linear_forward(xs[i], w[i], scale[i], None, *kind) for i in range(runs)])
-    if bias is not None:
-        y = y + bias[:, None, :].to(y.dtype)
-    return y.reshape(*lead, y.shape[-1])
+class StackedLinear:
+    """A projection of every run: weight [N, out, in] (scales [N, out, 1], bias [N, out]); called like the
+    module on rows grouped by run, and read by the decode path through `decode_lin`."""
+
+    def __init__(self, mods: list) -> None:
+        first = mods[0]
+        if not isinstance(first, torch.nn.Linear | QuantLinear):
+            raise TypeError(f"cohort: a projection of type {type(first).__name__} has no stacked form")
+        self.parts = [_Stacked(mods, "weight")]
+        self.quant = isinstance(first, QuantLinear)
+        self.kind = (first.weights, first.activations, first.path) if self.quant else None
+        if self.quant:
+            self.parts.append(_Stacked(mods, "weight_scale"))
+        self.bias = _Stacked(mods, "bias") if first.bias is not None else None
+        self.in_features, self.out_features = first.in_features, first.out_features
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.parts[0].value
+
+    def decode_lin(self) -> tuple:
+        return (self.parts[0].value, self.parts[1].value if self.quant else None,
+                None if self.bias is None else self.bias.value, self.kind)
+
+    def sync(self) -> None:
+        for p in [*self.parts, *([self.bias] if self.bias is not None else [])]:
+            p.sync()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _linear(x, self.decode_lin())
 
 
-def cohort_rms(x: torch.Tensor, w: torch.Tensor, eps: float, runs: int) -> torch.Tensor:
-    """HF Qwen3RMSNorm on rows grouped by run, x [N * B, ..., d] with run i's weight w[i] [d]: float32
-    normalisation, cast back, then the weight."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    wr = w.reshape(runs, *(1,) * (x.dim() - 1), x.shape[-1])  # [N, 1, ..., d]
-    return (wr * xf.to(x.dtype).reshape(runs, -1, *x.shape[1:])).reshape(x.shape)
+class StackedNorm:
+    """An RMSNorm of every run: weight [N, d] (decode_layers._rms takes it as a cohort's)."""
+
+    def __init__(self, mods: list) -> None:
+        self.part = _Stacked(mods, "weight")
+        self.variance_epsilon = mods[0].variance_epsilon
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.part.value
+
+    def sync(self) -> None:
+        self.part.sync()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _rms(x, self.part.value, self.variance_epsilon)
 
 
-@dataclass
-class _Layer:
-    ln: torch.Tensor
-    eps: float
-    q: tuple
-    k: tuple
-    v: tuple
-    qn: torch.Tensor
-    kn: torch.Tensor
-    eps_qk: float
-    o: tuple
-    ln_post: torch.Tensor
-    eps_post: float
-    gate: tuple
-    up: tuple
-    down: tuple
-    scale: float
+class StackedEmbedding:
+    """The token embeddings of every run, [N, V, d]: row r of ids [N * B, T] looks up its run's table."""
+
+    def __init__(self, mods: list) -> None:
+        self.part = _Stacked(mods, "weight")
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.part.value
+
+    def sync(self) -> None:
+        self.part.sync()
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        N = self.part.value.shape[0]
+        run = torch.arange(N, device=ids.device).repeat_interleave(ids.shape[0] // N)
+        return self.part.value[run[:, None], ids]
+
+
+class _MLP(SimpleNamespace):
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # Qwen3MLP: down(silu(gate(x)) * up(x))
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _stacked_model(models: list) -> SimpleNamespace:
+    """The runs' models as one model of stacked weights, with the attribute paths the engine and the decode path
+    read."""
+    inners = [m.model for m in models]
+    layers = []
+    for mods in zip(*(m.layers for m in inners), strict=True):
+        att, mlp = [m.self_attn for m in mods], [m.mlp for m in mods]
+        layers.append(SimpleNamespace(
+            input_layernorm=StackedNorm([m.input_layernorm for m in mods]),
+            post_attention_layernorm=StackedNorm([m.post_attention_layernorm for m in mods]),
+            self_attn=SimpleNamespace(**{n: StackedLinear([getattr(a, n) for a in att])
+                                         for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
+                                      q_norm=StackedNorm([a.q_norm for a in att]),
+                                      k_norm=StackedNorm([a.k_norm for a in att]), scaling=att[0].scaling),
+            mlp=_MLP(**{n: StackedLinear([getattr(m, n) for m in mlp]) for n in ("gate_proj", "up_proj", "down_proj")})))
+    inner = SimpleNamespace(layers=layers, embed_tokens=StackedEmbedding([m.embed_tokens for m in inners]),
+                            norm=StackedNorm([m.norm for m in inners]), rotary_emb=inners[0].rotary_emb)
+    return SimpleNamespace(config=models[0].config, model=inner, lm_head=StackedLinear([m.lm_head for m in models]))
+
+
+def _syncables(model: SimpleNamespace) -> list:
+    inner = model.model
+    out = [inner.embed_tokens, inner.norm, model.lm_head]
+    for layer in inner.layers:
+        a, m = layer.self_attn, layer.mlp
+        out += [layer.input_layernorm, layer.post_attention_layernorm, a.q_proj, a.k_proj, a.v_proj, a.o_proj,
+                a.q_norm, a.k_norm, m.gate_proj, m.up_proj, m.down_proj]
+    return out
 
 
 class CohortEngine:
-    """N TorchEngines of one model shape and one precision decoded together (see the module doc). `refresh()`
-    restacks the weights from the engines after their `update_weights`."""
+    """N TorchEngines of one model shape and one precision decoded together (see the module doc)."""
 
     name = "torch-cohort"
+    # the engine surface the plain loop and the decode path read, TorchEngine's own arithmetic over stacked weights
+    _layer = TorchEngine._layer
+    forward = TorchEngine.forward
+    sample = staticmethod(TorchEngine.sample)
 
     def __init__(self, engines: list[Any]) -> None:
         if not engines:
             raise ValueError("cohort: at least one engine")
         e0 = engines[0]
         for i, e in enumerate(engines[1:], 1):
-            for attr in ("n_kv", "head_dim", "vocab_size", "pad_id", "eos_id", "dtype_name", "linear_path"):
+            for attr in ("n_kv", "head_dim", "vocab_size", "pad_id", "eos_id", "dtype_name", "linear_path", "device"):
                 if getattr(e, attr) != getattr(e0, attr):
                     raise ValueError(f"cohort: engine {i} differs from engine 0 in {attr} "
                                      f"({getattr(e, attr)!r} against {getattr(e0, attr)!r}); a cohort is one format")
             if e.describe() != e0.describe():
                 raise ValueError(f"cohort: engine {i} runs {e.describe()} against engine 0's {e0.describe()}")
-        if any(getattr(e, "recorder", None) is not None for e in engines):
+        if any(e.recorder is not None for e in engines):
             raise ValueError("cohort: routing capture (MoE replay) is not supported")
         self.engines = engines
-        self.device = e0.device
-        self.kv_codec = e0.kv_codec
-        self.refresh()
+        for attr in ("device", "pad_id", "eos_id", "n_kv", "head_dim", "vocab_size", "kv_codec", "precision"):
+            setattr(self, attr, getattr(e0, attr))
+        self.recorder = None
+        self.kv_packed = getattr(e0, "kv_packed", None)
+        self.model = _stacked_model([e.model for e in engines])
+        self._parts = _syncables(self.model)
+        from parity.rollout.cuda_decode import CudaDecoder
+        self.cuda_decoder = CudaDecoder(self)
 
     @property
     def runs(self) -> int:
         return len(self.engines)
 
-    def refresh(self) -> None:
-        """Stack every run's weights (a copy: call after the engines' weights change)."""
-        models = [e.model for e in self.engines]
-        inners = [m.model for m in models]
-        self.embed = torch.stack([m.embed_tokens.weight for m in inners])
-        self.norm = torch.stack([m.norm.weight for m in inners])
-        self.norm_eps = inners[0].norm.variance_epsilon
-        self.lm_head = _stacked_lin([m.lm_head for m in models])
-        self.rotary = inners[0].rotary_emb
-        self.layers = []
-        for layer_mods in zip(*(m.layers for m in inners), strict=True):
-            att = [m.self_attn for m in layer_mods]
-            mlp = [m.mlp for m in layer_mods]
-            self.layers.append(_Layer(
-                ln=torch.stack([m.input_layernorm.weight for m in layer_mods]),
-                eps=layer_mods[0].input_layernorm.variance_epsilon,
-                q=_stacked_lin([a.q_proj for a in att]), k=_stacked_lin([a.k_proj for a in att]),
-                v=_stacked_lin([a.v_proj for a in att]),
-                qn=torch.stack([a.q_norm.weight for a in att]), kn=torch.stack([a.k_norm.weight for a in att]),
-                eps_qk=att[0].q_norm.variance_epsilon, o=_stacked_lin([a.o_proj for a in att]),
-                ln_post=torch.stack([m.post_attention_layernorm.weight for m in layer_mods]),
-                eps_post=layer_mods[0].post_attention_layernorm.variance_epsilon,
-                gate=_stacked_lin([m.gate_proj for m in mlp]), up=_stacked_lin([m.up_proj for m in mlp]),
-                down=_stacked_lin([m.down_proj for m in mlp]), scale=att[0].scaling))
+    def describe(self) -> dict:
+        return {**self.engines[0].describe(), "cohort": self.runs}
 
-    # ---- the forward over all runs' rows ----
-
-    def _layer(self, L: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               cache: tuple[torch.Tensor, torch.Tensor], start: int, mask: torch.Tensor) -> torch.Tensor:
-        N, (NB, T, _), D = self.runs, h.shape, self.engines[0].head_dim
-        x = cohort_rms(h, L.ln, L.eps, N)
-        q = cohort_rms(cohort_linear(x, L.q, N).view(NB, T, -1, D), L.qn, L.eps_qk, N).transpose(1, 2)
-        k = cohort_rms(cohort_linear(x, L.k, N).view(NB, T, -1, D), L.kn, L.eps_qk, N).transpose(1, 2)
-        v = cohort_linear(x, L.v, N).view(NB, T, -1, D).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        if self.kv_codec is not None:
-            k, v = self.kv_codec.roundtrip(k), self.kv_codec.roundtrip(v)
-        ck, cv = cache
-        ck[:, :, start:start + T], cv[:, :, start:start + T] = k, v
-        out = F.scaled_dot_product_attention(q, ck[:, :, :start + T], cv[:, :, :start + T], attn_mask=mask,
-                                             scale=L.scale, enable_gqa=True)
-        h = h + cohort_linear(out.transpose(1, 2).reshape(NB, T, -1), L.o, N)
-        y = cohort_rms(h, L.ln_post, L.eps_post, N)
-        return h + cohort_linear(F.silu(cohort_linear(y, L.gate, N)) * cohort_linear(y, L.up, N), L.down, N)
-
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor, caches: list, start: int,
-                mask: torch.Tensor) -> torch.Tensor:
-        """Logits [N * B, V] float32 of the last position of `ids` [N * B, T] (rows grouped by run)."""
-        N, NB = self.runs, ids.shape[0]
-        run_of_row = torch.arange(N, device=ids.device).repeat_interleave(NB // N)
-        h = self.embed[run_of_row[:, None], ids]
-        cos, sin = self.rotary(h, pos)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        for L, cache in zip(self.layers, caches, strict=True):
-            h = self._layer(L, h, cos, sin, cache, start, mask)
-        return cohort_linear(cohort_rms(h[:, -1], self.norm, self.norm_eps, N), self.lm_head, N).float()
-
-    # ---- one call per run, decoded together ----
+    def sync(self) -> None:
+        """Copy every run's weights into the stacks, in place (after the engines' `update_weights`)."""
+        for p in self._parts:
+            p.sync()
 
     def _layouts(self, calls: list[tuple]) -> list[BatchLayout]:
         if len(calls) != self.runs:
@@ -194,55 +204,75 @@ class CohortEngine:
                 if getattr(s, f) != getattr(specs[0], f):
                     raise ValueError(f"cohort: run {i}'s sampling differs from run 0's in {f} "
                                      f"({getattr(s, f)!r} against {getattr(specs[0], f)!r})")
-        e0 = self.engines[0]
-        lays = [layout_batch(c[0], c[1], c[2] if len(c) > 2 else None, e0.pad_id,
-                             e0.model.config.max_position_embeddings) for c in calls]
-        sizes = {lay.size for lay in lays}
-        if len(sizes) != 1:
+        max_pos = self.model.config.max_position_embeddings
+        lays = [layout_batch(c[0], c[1], c[2] if len(c) > 2 else None, self.pad_id, max_pos) for c in calls]
+        if len({lay.size for lay in lays}) != 1:
             raise ValueError(f"cohort: every run's call must have the same number of rows, got {[lay.size for lay in lays]}")
         return lays
 
     @torch.no_grad()
-    def generate(self, calls: list[tuple[list[list[int]], SamplingSpec] | tuple[list[list[int]], SamplingSpec,
-                                                                                    list[int] | None]]
+    def generate(self, calls: list[tuple], fast: bool | None = None, use_graphs: bool | None = None
                  ) -> list[RolloutBatch]:
-        """calls[i] = (prompt_token_ids, spec[, prompt_ids]) of run i; run i's RolloutBatch, as its engine's
-        `generate` would give it, for each."""
+        """calls[i] = (prompt_token_ids, spec[, prompt_ids]) of run i, in engine order; run i's RolloutBatch, as its
+        engine's `generate` gives it, for each. `fast`: the decode path (default: on CUDA), else the plain loop;
+        `use_graphs` as the decode path's (default: on CUDA)."""
         lays = self._layouts(calls)
-        spec, dev, N = calls[0][1], self.device, self.runs
-        R, P = spec.max_new_tokens, max(lay.width for lay in lays)
-        # the runs' prompts left-padded to the widest (positions count real tokens, so padding moves nothing)
+        spec, N = calls[0][1], self.runs
+        P = max(lay.width for lay in lays)
+        # the runs' prompts left-padded to the widest (rope positions count real tokens only)
         rows = [lay.prompts[r, lay.prompt_mask[r]].tolist() for lay in lays for r in range(lay.size)]
-        prompts, pmask = left_pad(rows, self.engines[0].pad_id, width=P)
-        prompts, pmask = prompts.to(dev), pmask.to(dev)
-        uniforms = torch.cat([lay.uniforms() for lay in lays]).to(dev)
-        NB = prompts.shape[0]
-        greedy = spec.temperature == 0.0
-        temp = 1.0 if greedy else spec.temperature
-        e0 = self.engines[0]
-        dtype = self.embed.dtype if self.embed.is_floating_point() else torch.bfloat16
-        caches = [(torch.zeros(NB, e0.n_kv, P + R, e0.head_dim, dtype=dtype, device=dev),
-                   torch.zeros(NB, e0.n_kv, P + R, e0.head_dim, dtype=dtype, device=dev)) for _ in self.layers]
-        key_ok = key_slots(pmask, R)
-        plen = pmask.sum(-1)
-        out = Responses.empty(NB, R, spec.topk_logprobs, e0.pad_id, dev)
-        logits = self.forward(prompts, positions(pmask), caches, 0, prefill_mask(pmask)[:, None])
-        for t in range(R):
-            logp = torch.log_softmax(logits / temp, dim=-1)
-            tok = e0.sample(logp, spec.top_p, uniforms[:, t], greedy)
-            out.record(t, tok, logp, e0.pad_id, e0.eos_id)
-            if bool(out.done.all()) or t == R - 1:
-                break
-            step_mask = (torch.arange(P + R, device=dev)[None, :] <= P + t) & key_ok
-            logits = self.forward(out.tokens[:, t:t + 1], (plen + t)[:, None], caches, P + t,
-                                  step_mask[:, None, None, :P + t + 1])
-        B = NB // N
+        prompts, pmask = left_pad(rows, self.pad_id, width=P)
+        uniforms = torch.cat([lay.uniforms() for lay in lays])
+        fast = self.device.type == "cuda" if fast is None else fast
+        if fast:
+            from parity.rollout import cuda_decode
+            if cuda_decode._FUSED_PRE and self.kv_codec is not None:
+                raise NotImplementedError("cohort: the fused pre-attention kernel (cuda_decode._FUSED_PRE) reads one "
+                                          "run's q/k norms; a cohort decodes with it off")
+            dec = self.cuda_decoder
+            graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
+            st = dec.run(prompts, pmask, uniforms.to(self.device), spec, graphs)
+            if st is None:  # compilation was given up during the call: the same call uncompiled
+                st = dec.run(prompts, pmask, uniforms.to(self.device), spec, graphs)
+            out = Responses(tokens=st.responses, mask=st.rmask, logprobs=st.logps, topk_ids=st.topk_ids,
+                            topk_logprobs=st.topk_lp, done=st.done)
+            meta = dec.meta(st, graphs, graphs and dec.compile)
+        else:
+            out = self._plain(prompts.to(self.device), pmask.to(self.device), uniforms.to(self.device), spec)
+            meta = {"engine": self.name, **self.describe()}
+        B = out.tokens.shape[0] // N
         batches = []
-        for i, (lay, eng) in enumerate(zip(lays, self.engines, strict=True)):
+        for i, lay in enumerate(lays):
             part = slice(i * B, (i + 1) * B)
             mine = Responses(tokens=out.tokens[part], mask=out.mask[part], logprobs=out.logprobs[part],
                              topk_ids=None if out.topk_ids is None else out.topk_ids[part],
                              topk_logprobs=None if out.topk_logprobs is None else out.topk_logprobs[part],
                              done=out.done[part])
-            batches.append(lay.batch_of(mine, meta={"engine": eng.name, **eng.describe(), "cohort": N}))
+            batches.append(lay.batch_of(mine, meta={**meta, "cohort_run": i}))
         return batches
+
+    def _plain(self, prompts: torch.Tensor, pmask: torch.Tensor, uniforms: torch.Tensor, spec: SamplingSpec
+               ) -> Responses:
+        """TorchEngine's plain loop (prompt forward per row, one forward a step) over the stacked model."""
+        dev, R, (NB, P) = self.device, spec.max_new_tokens, prompts.shape
+        greedy = spec.temperature == 0.0
+        temp = 1.0 if greedy else spec.temperature
+        w = self.model.lm_head.weight
+        dtype = w.dtype if w.is_floating_point() else torch.bfloat16
+        caches = [(torch.zeros(NB, self.n_kv, P + R, self.head_dim, dtype=dtype, device=dev),
+                   torch.zeros(NB, self.n_kv, P + R, self.head_dim, dtype=dtype, device=dev))
+                  for _ in self.model.model.layers]
+        key_ok = key_slots(pmask, R)
+        plen = pmask.sum(-1)
+        out = Responses.empty(NB, R, spec.topk_logprobs, self.pad_id, dev)
+        logits = self.forward(prompts, positions(pmask), caches, 0, prefill_mask(pmask)[:, None])
+        for t in range(R):
+            logp = torch.log_softmax(logits / temp, dim=-1)
+            tok = self.sample(logp, spec.top_p, uniforms[:, t], greedy)
+            out.record(t, tok, logp, self.pad_id, self.eos_id)
+            if bool(out.done.all()) or t == R - 1:
+                break
+            step_mask = (torch.arange(P + R, device=dev)[None, :] <= P + t) & key_ok
+            logits = self.forward(out.tokens[:, t:t + 1], (plen + t)[:, None], caches, P + t,
+                                  step_mask[:, None, None, :P + t + 1])
+        return out

@@ -171,6 +171,9 @@ class DecodeState:
 
 
 def _lin_of(mod: torch.nn.Module) -> tuple:
+    stacked = getattr(mod, "decode_lin", None)  # a cohort's projection of every run (parity.rollout.cohort)
+    if stacked is not None:
+        return stacked()
     if isinstance(mod, torch.nn.Linear):
         return (mod.weight, None, mod.bias, None)
     return (mod.weight, mod.weight_scale, mod.bias, (mod.weights, mod.activations, mod.path))
@@ -192,13 +195,18 @@ class _Fused:
         w0, _, b0, k0 = lins[0]
         if any(k != k0 or w.dtype != w0.dtype or (b is None) != (b0 is None) for w, _, b, k in lins):
             return None  # mixed formats: one product each
-        cat = [None if lins[0][i] is None else torch.cat([lin[i] for lin in lins]) for i in range(3)]
-        return cls(mods=mods, lin=(cat[0], cat[1], cat[2], k0), sizes=tuple(int(w.shape[0]) for w, *_ in lins))
+        # stacked along the output rows: weight and scale [(N,) out, ...] on dim -2, bias [(N,) out] on dim -1 (a
+        # cohort's tensors carry the runs first)
+        cat = [None if lins[0][i] is None else torch.cat([lin[i] for lin in lins], dim=_CAT_DIM[i]) for i in range(3)]
+        return cls(mods=mods, lin=(cat[0], cat[1], cat[2], k0), sizes=tuple(int(w.shape[-2]) for w, *_ in lins))
 
     def refresh(self) -> None:
         for i in range(3):
             if self.lin[i] is not None:
-                torch.cat([_lin_of(m)[i] for m in self.mods], out=self.lin[i])
+                torch.cat([_lin_of(m)[i] for m in self.mods], dim=_CAT_DIM[i], out=self.lin[i])
+
+
+_CAT_DIM = (-2, -2, -1)  # weight, scale, bias: the output rows' dimension
 
 
 @dataclass
@@ -257,7 +265,7 @@ def _int8_triton_shapes(layers: list) -> list[tuple[int, int]]:
     out = []
     for pre, post in layers:
         for lins in (pre[2], (post[1],), post[4], (post[6],)):
-            out += [(int(w.shape[0]), int(w.shape[1])) for w, _, _, kind in lins
+            out += [(int(w.shape[-2]), int(w.shape[-1])) for w, _, _, kind in lins
                     if kind is not None and kind[2] == "int8_triton"]
     return out
 
@@ -323,22 +331,49 @@ class CudaDecoder:
         lay = layout_batch(prompt_token_ids, spec, prompt_ids, eng.pad_id, max_pos)
         B, P = lay.prompts.shape
         S = min(-(-(P + R) // _S_ALIGN) * _S_ALIGN, max_pos)
-        K = spec.topk_logprobs
         w = eng.model.lm_head.weight
         dtype = w.dtype if w.is_floating_point() else torch.bfloat16
-        compile_layers = use_graphs and self.compile
         if getattr(eng, "kv_budget_bytes", None):  # a capped KV cache: as many rows a call as fit, in chunks
             from parity.rollout.kv_budget import generate_in_chunks, rows_that_fit
             fit = rows_that_fit(eng, S, dtype, _PACKED_KV)
             if B > fit:
                 return generate_in_chunks(eng, prompt_token_ids, spec, prompt_ids, fit, P,
                                           lambda _e, *a: self.generate(*a, use_graphs=use_graphs))
+        st = self.run(lay.prompts, lay.prompt_mask, lay.uniforms(), spec, use_graphs)
+        if st is None:  # compilation was given up during the call: the same call uncompiled
+            return self.generate(prompt_token_ids, spec, prompt_ids, use_graphs)
+        return lay.rollout_batch(st.responses, st.rmask, st.logps, ~st.done, st.topk_ids, st.topk_lp,
+                                 meta=self.meta(st, use_graphs, use_graphs and self.compile))
+
+    def meta(self, st: DecodeState, use_graphs: bool, compile_layers: bool) -> dict:
+        """A batch's record of the engine and the route its call took."""
+        eng = self.engine
+        return {"engine": eng.name, **eng.describe(),
+                "decode_path": ("cuda_graph" if use_graphs else "static_cache_eager")
+                + ("+inductor_layers" if compile_layers else ""),
+                "kv_cache_layout": ("packed" if "packed" in st.extras else
+                                    "plain" if eng.kv_codec is None else "simulated"),
+                **kv_kernel_meta(st.extras.get("packed"))}
+
+    def run(self, prompts: torch.Tensor, pmask: torch.Tensor, uniforms: torch.Tensor, spec: SamplingSpec,
+            use_graphs: bool) -> DecodeState | None:
+        """Prefill and decode one batch (left-padded prompts [B, P], their mask, the rows' uniforms [B, R]) into a
+        kept or new state, whose buffers then hold the responses; None when compilation failed during the call
+        (it is then off, and the caller runs the call again)."""
+        eng = self.engine
+        dev, R = eng.device, spec.max_new_tokens
+        B, P = prompts.shape
+        S = min(-(-(P + R) // _S_ALIGN) * _S_ALIGN, eng.model.config.max_position_embeddings)
+        K = spec.topk_logprobs
+        w = eng.model.lm_head.weight
+        dtype = w.dtype if w.is_floating_point() else torch.bfloat16
+        compile_layers = use_graphs and self.compile
         key = (B, S, R, K, spec.temperature, spec.top_p, dtype, use_graphs, compile_layers, _PACKED_KV,
                getattr(eng, "kv_packed", None))
         st = self._state_for(key, B, S, R, K, dtype, use_graphs, compile_layers)
 
-        prompts, pmask = lay.prompts.to(dev), lay.prompt_mask.to(dev)
-        st.uniforms.copy_(lay.uniforms())
+        prompts, pmask = prompts.to(dev), pmask.to(dev)
+        st.uniforms.copy_(uniforms)
         st.key_ok.copy_(key_slots(pmask, R, S))
         st.plen.copy_(pmask.sum(-1))
         st.start.fill_(P)
@@ -365,18 +400,11 @@ class CudaDecoder:
                         raise
                     self.compile, self.compile_error = False, f"{type(e).__name__}: {e}"[:500]
                     self.reset()
-                    return self.generate(prompt_token_ids, spec, prompt_ids, use_graphs)
+                    return None
             steps += 1
             if steps % _DONE_CHECK == 0 and steps < R and bool(st.done.all()):
                 break  # later steps would only write pad tokens, which the buffers already hold
-        return lay.rollout_batch(
-            st.responses, st.rmask, st.logps, ~st.done, st.topk_ids, st.topk_lp,
-            meta={"engine": eng.name, **eng.describe(),
-                  "decode_path": ("cuda_graph" if use_graphs else "static_cache_eager")
-                  + ("+inductor_layers" if compile_layers else ""),
-                  "kv_cache_layout": ("packed" if "packed" in st.extras else
-                                      "plain" if eng.kv_codec is None else "simulated"),
-                  **kv_kernel_meta(st.extras.get("packed"))})
+        return st
 
     def _state_for(self, key: tuple, B: int, S: int, R: int, K: int, dtype: torch.dtype, use_graphs: bool,
                    compile_layers: bool) -> DecodeState:

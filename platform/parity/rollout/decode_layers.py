@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from parity.precision.linear import quant_linear_forward
+from parity.precision.formats import fake_quantize
+from parity.precision.linear import PREPARED, is_simulated, quant_linear_forward, simulated_weight
 
 
 def _decode_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, kmask: torch.Tensor,
@@ -28,19 +29,52 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF Qwen3RMSNorm's arithmetic: float32 normalisation, cast back, then the weight."""
+    """HF Qwen3RMSNorm's arithmetic: float32 normalisation, cast back, then the weight. A weight [N, d] is a
+    cohort's (parity.rollout.cohort): x's rows are grouped by run, run i's through w[i]."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if w.dim() == 2:
+        return cohort_rms_weight(xf.to(x.dtype), w)
     return w * xf.to(x.dtype)
+
+
+def cohort_rms_weight(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [N * B, ..., d] (rows grouped by run) times run i's weight w[i] [d] on its rows."""
+    N = w.shape[0]
+    return (w.reshape(N, *(1,) * (x.dim() - 1), x.shape[-1]) * x.reshape(N, -1, *x.shape[1:])).reshape(x.shape)
 
 
 def _linear(x: torch.Tensor, lin: tuple) -> torch.Tensor:
     """lin = (weight, scale | None, bias | None, kind): kind None = plain nn.Linear, else QuantLinear's
-    (weights, activations, path), computed by its own forward function."""
+    (weights, activations, path), computed by its own forward function. A weight [N, out, in] is a cohort's:
+    `cohort_linear`."""
     w, scale, bias, kind = lin
+    if w.dim() == 3:
+        return cohort_linear(x, lin)
     if kind is None:
         return F.linear(x, w, bias)
     return quant_linear_forward(x, w, scale, bias, *kind)
+
+
+def cohort_linear(x: torch.Tensor, lin: tuple) -> torch.Tensor:
+    """A cohort's projection (parity.rollout.cohort): x [N * B, ..., in] with rows grouped by run, weight
+    [N, out, in] (scales [N, out, 1], bias [N, out]): run i's rows through its own weight, as one batched product
+    where the format is plain or simulated (fake-quantized activations, row by row, times a float32 weight), else
+    through QuantLinear's forward run by run (the integer and FP8 kernels have no batched form here)."""
+    w, scale, bias, kind = lin
+    N, lead, k = w.shape[0], x.shape[:-1], x.shape[-1]
+    xs = x.reshape(N, -1, k)
+    if kind is None:
+        y = torch.bmm(xs, w.transpose(1, 2))
+    elif kind[2] == PREPARED:
+        y = torch.bmm(fake_quantize(xs.float(), kind[1]), w.transpose(1, 2)).to(x.dtype)
+    elif is_simulated(kind[2], kind[0], kind[1]):
+        y = torch.bmm(fake_quantize(xs.float(), kind[1]), simulated_weight(w, scale, kind[0]).transpose(1, 2)).to(x.dtype)
+    else:
+        y = torch.stack([quant_linear_forward(xs[i], w[i], scale[i], None, *kind) for i in range(N)])
+    if bias is not None:
+        y = y + bias[:, None, :].to(y.dtype)
+    return y.reshape(*lead, y.shape[-1])
 
 
 def _project(x: torch.Tensor, lins: tuple, sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
