@@ -172,6 +172,9 @@ class RolloutConfig:
     max_model_len: int = 256
     gpu_memory_utilization: float = 0.3
     seed: int = 0
+    # SOCKET#i: sample through a cohort's rollout server (parity.rollout.cohort_server) as its member i, the runs of
+    # one rollout format decoded in one engine call; empty: the run's own engine
+    cohort: str = ""
     # vLLM engine (rollout.name=vllm): in-process engine core (no extra process; starts in seconds on CPU),
     # eager mode (no torch.compile / CUDA graphs), and how a W8A8 INT8/FP8 engine takes new weights:
     # requantize (in place, re-prepacking each quantized linear layer) | rebuild (restart on a new checkpoint)

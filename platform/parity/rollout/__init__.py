@@ -32,6 +32,8 @@ def build_engine(cfg: ParityConfig, model_dir: str | Path, precision: PrecisionC
     > 0 and `reference_dir` (theta_0: the run's starting model) given, the engine samples with theta + Delta
     (parity.rollout.perturbed; `syncs` = weight syncs done before, on resume)."""
     precision = rollout_precision(cfg) if precision is None else precision
+    if str(cfg.rollout.cohort or ""):
+        return _cohort_member(cfg, model_dir, reference_dir, precision)
     device = resolve_device(cfg.trainer.device)
     if cfg.rollout.name == "torch":
         from parity.rollout.torch_engine import TorchEngine
@@ -51,6 +53,27 @@ def build_engine(cfg: ParityConfig, model_dir: str | Path, precision: PrecisionC
         start = theta0 if Path(reference_dir).resolve() == Path(model_dir).resolve() else load_reference(model_dir)
         return PerturbedEngine(engine, Perturbation(theta0, *perturbation_of(precision)), start, syncs)  # type: ignore[return-value]
     return engine
+
+
+def _cohort_member(cfg: ParityConfig, model_dir: str | Path, reference_dir: str | Path | None,
+                   precision: PrecisionConfig) -> Engine:
+    """The run's side of a cohort (rollout.cohort=SOCKET#i): the server's engines start from the run's starting
+    weights, so a run that resumes from other weights, or that draws its own perturbation, is not a member."""
+    from parity.errors import ConfigError
+    from parity.rollout.cohort_server import CohortClient, parse_member
+
+    if cfg.rollout.name != "torch":
+        raise ConfigError(f"rollout.cohort: the cohort decodes torch engines, not rollout.name={cfg.rollout.name!r}")
+    if is_perturbed(precision):
+        raise ConfigError("rollout.cohort: a perturbed rollout draws its own Delta per run; it cannot share a cohort")
+    if reference_dir is not None and Path(reference_dir).resolve() != Path(model_dir).resolve():
+        raise ConfigError("rollout.cohort: a resumed run starts from other weights than the cohort's; run it on its "
+                          "own engine (rollout.cohort='')")
+    try:
+        address, member = parse_member(cfg.rollout.cohort)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    return CohortClient(address, member)  # type: ignore[return-value]
 
 
 def sampling_spec(cfg: ParityConfig, seed: int) -> SamplingSpec:

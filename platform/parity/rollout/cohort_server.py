@@ -1,0 +1,223 @@
+"""A cohort's rollout server: the runs of one rollout format, each in its own process with its own trainer, sampling
+through one CohortEngine (parity.rollout.cohort) in this one.
+
+    python -m parity.rollout.cohort_server --address SOCKET --members N --model-dir MODEL [--ready FILE] -- OVERRIDES...
+
+builds N engines of the configuration OVERRIDES on MODEL (every member's rollout engine as its own run would build
+it), listens on the Unix socket SOCKET and waits for the N members. A member is a run whose config sets
+`rollout.cohort=SOCKET#i`: `build_engine` then gives it a `CohortClient`, which stands where its engine stood
+(generate, update_weights, describe, close). The server answers a weight sync at once (into that member's engine;
+the stacks are refreshed before the next decode) and holds a generate call until every connected member has one
+waiting; then it decodes them as one cohort call (calls of different shapes or sampling, such as a held-out
+evaluation beside a rollout, as one cohort call each, the members without such a call standing in with a copy of
+another's and their rows dropped) and answers each member with its own batch. A member that exits leaves the
+cohort; the server ends when none is left.
+
+Messages are pickled by value (batches, CPU tensors), except a member's CUDA weights, which go as CUDA IPC handles
+(multiprocessing's pickler with torch's reductions: the server reads the trainer's tensors on the device, no copy
+through the host; the member keeps them alive until the server has answered). CPU tensors are not sent through
+shared memory: torch shares those through multiprocessing's resource sharer, which only a parent and its children
+can reach. The socket is local to the machine, its folder the study's; the connection is authenticated with a fixed
+key against accidental cross-talk between studies, not against a hostile local user.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import sys
+import time
+import traceback
+from multiprocessing.connection import Client, Connection, Listener, wait
+from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing  # noqa: F401  (registers torch's tensor reductions with multiprocessing's pickler)
+
+from parity.core.sampling import SamplingSpec
+from parity.types import RolloutBatch
+
+AUTHKEY = b"parity-cohort"
+
+
+def parse_member(value: str) -> tuple[str, int]:
+    """`rollout.cohort`'s value SOCKET#i -> (socket path, member index)."""
+    address, sep, member = str(value).rpartition("#")
+    if not sep or not address or not member.isdigit():
+        raise ValueError(f"rollout.cohort: expected SOCKET#MEMBER (a socket path and a member index), got {value!r}")
+    return address, int(member)
+
+
+def _send(conn: Connection, obj: Any) -> None:
+    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _recv(conn: Connection) -> Any:
+    return pickle.loads(conn.recv_bytes())
+
+
+def _signature(spec: SamplingSpec, rows: int) -> tuple:
+    return (rows, spec.temperature, spec.top_p, spec.max_new_tokens, spec.topk_logprobs)
+
+
+class CohortClient:
+    """A run's rollout engine when its run is a cohort member: its calls go to the cohort's server."""
+
+    name = "torch-cohort-member"
+
+    def __init__(self, address: str, member: int, connect_timeout_s: float = 600.0) -> None:
+        self.address, self.member = address, int(member)
+        deadline = time.time() + connect_timeout_s
+        while True:
+            try:
+                self.conn: Connection = Client(address, family="AF_UNIX", authkey=AUTHKEY)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.time() > deadline:
+                    raise TimeoutError(f"rollout.cohort: no cohort server at {address} after {connect_timeout_s:.0f} s")
+                time.sleep(0.2)
+        _send(self.conn, {"member": self.member})
+        self._describe = self._answer()
+
+    def _answer(self) -> Any:
+        try:
+            out = _recv(self.conn)
+        except EOFError:
+            raise RuntimeError(f"rollout.cohort: the cohort server at {self.address} closed the connection "
+                               f"(member {self.member}); its log says why") from None
+        if isinstance(out, dict) and "error" in out:
+            raise RuntimeError(f"rollout.cohort: the cohort server failed on member {self.member}'s call:\n{out['error']}")
+        return out
+
+    def generate(self, prompt_token_ids: list[list[int]], spec: SamplingSpec,
+                 prompt_ids: list[int] | None = None) -> RolloutBatch:
+        _send(self.conn, ("generate", prompt_token_ids, spec, prompt_ids))
+        return self._answer()
+
+    def update_weights(self, named_tensors: Any) -> float:
+        tensors = [(k, v.detach()) for k, v in named_tensors]  # kept alive until the server has read them
+        on_device = [(k, v) for k, v in tensors if v.is_cuda]
+        blob = bytes(ForkingPickler.dumps(on_device)) if on_device else b""  # CUDA IPC handles
+        _send(self.conn, ("weights", [(k, v) for k, v in tensors if not v.is_cuda], blob))
+        return float(self._answer())
+
+    def describe(self) -> dict:
+        return {**self._describe, "cohort_member": self.member}
+
+    def close(self) -> None:
+        try:
+            _send(self.conn, ("bye",))
+            self.conn.close()
+        except OSError:
+            pass
+
+
+class CohortServer:
+    """The server's state: the cohort, the members' connections, their waiting calls."""
+
+    def __init__(self, engines: list[Any]) -> None:
+        from parity.rollout.cohort import CohortEngine
+
+        self.engines = engines
+        self.cohort = CohortEngine(engines)
+        self.conns: dict[int, Connection] = {}
+        self.waiting: dict[int, tuple] = {}
+        self.stale = False  # a member's weights changed since the stacks were copied
+
+    def accept(self, listener: Listener, members: int) -> None:
+        while len(self.conns) < members:
+            conn = listener.accept()
+            hello = _recv(conn)
+            m = hello.get("member") if isinstance(hello, dict) else None
+            if not isinstance(m, int) or not 0 <= m < members or m in self.conns:
+                _send(conn, {"error": f"member {m!r}: expected a free index in 0..{members - 1}"})
+                conn.close()
+                continue
+            _send(conn, self.cohort.describe())
+            self.conns[m] = conn
+
+    def serve(self) -> None:
+        while self.conns:
+            for conn in wait(list(self.conns.values())):
+                m = next(k for k, c in self.conns.items() if c is conn)
+                try:
+                    msg = _recv(conn)
+                except (EOFError, OSError):
+                    self._leave(m)
+                    continue
+                if msg[0] == "weights":
+                    try:
+                        named = msg[1] + (pickle.loads(msg[2]) if msg[2] else [])
+                        seconds = self.engines[m].update_weights(named)
+                        del named  # the member's CUDA tensors: released before it goes on
+                        self.stale = True
+                        _send(conn, seconds)
+                    except Exception:  # noqa: BLE001 - the member's run fails with the server's traceback
+                        _send(conn, {"error": traceback.format_exc()})
+                elif msg[0] == "generate":
+                    self.waiting[m] = msg[1:]
+                else:
+                    self._leave(m)
+            if self.conns and set(self.waiting) >= set(self.conns):
+                self.decode()
+
+    def _leave(self, m: int) -> None:
+        self.conns.pop(m).close()
+        self.waiting.pop(m, None)
+
+    def decode(self) -> None:
+        """Every live member has a call waiting: one cohort call per shape and sampling."""
+        if self.stale:
+            self.cohort.sync()
+            self.stale = False
+        groups: dict[tuple, list[int]] = {}
+        for m, (ids, spec, _) in sorted(self.waiting.items()):
+            groups.setdefault(_signature(spec, len(ids) * spec.n), []).append(m)
+        for ms in groups.values():
+            calls = [self.waiting.get(i) if i in ms else self.waiting[ms[0]] for i in range(self.cohort.runs)]
+            try:
+                batches = self.cohort.generate(calls)
+                answers: dict[int, Any] = {m: batches[m] for m in ms}
+            except Exception:  # noqa: BLE001 - every member of the call fails with the traceback
+                answers = {m: {"error": traceback.format_exc()} for m in ms}
+            for m in ms:
+                _send(self.conns[m], answers[m])
+        self.waiting.clear()
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    own, overrides = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    ap = argparse.ArgumentParser(prog="python -m parity.rollout.cohort_server", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--address", required=True, help="the Unix socket to listen on")
+    ap.add_argument("--members", type=int, required=True)
+    ap.add_argument("--model-dir", required=True, help="the members' starting weights (their warm start)")
+    ap.add_argument("--ready", default=None, help="a file written once the socket listens")
+    a = ap.parse_args(own)
+    if a.members < 1:
+        ap.error("--members: at least 1")
+    from parity.config import load_config
+    from parity.core.device import blocking_sync_from_env
+    from parity.rollout import build_engine, is_perturbed, rollout_precision
+
+    blocking_sync_from_env()
+    cfg = load_config([*overrides, "rollout.cohort="])
+    if is_perturbed(rollout_precision(cfg)):
+        raise SystemExit("cohort server: a perturbed rollout draws its own Delta per run; it is not a cohort")
+    engines = [build_engine(cfg, a.model_dir, reference_dir=a.model_dir) for _ in range(a.members)]
+    server = CohortServer(engines)
+    Path(a.address).parent.mkdir(parents=True, exist_ok=True)
+    with Listener(a.address, family="AF_UNIX", authkey=AUTHKEY) as listener:
+        if a.ready:
+            Path(a.ready).write_text(a.address)
+        print(f"cohort server: {a.members} members of {server.cohort.describe()} on {a.address}", flush=True)
+        server.accept(listener, a.members)
+        server.serve()
+    print("cohort server: every member left", flush=True)
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    main()

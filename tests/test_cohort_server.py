@@ -1,0 +1,113 @@
+"""A cohort's rollout server (parity.rollout.cohort_server) as a real process on a Unix socket, its members as
+clients: each member gets the batch its own engine gives (before and after its own weight sync, which travels
+through shared memory), a member that leaves leaves the others going, and the server ends when none is left.
+Members are threads of this process here (a real run is a process of its own; the protocol is the same)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from parity.config.schema import PrecisionConfig
+from parity.core.sampling import SamplingSpec
+from parity.rollout.cohort_server import CohortClient, parse_member
+from parity.rollout.torch_engine import TorchEngine
+from tests.conftest import QUICK
+
+W4A4 = ["rollout.precision.weights=int4", "rollout.precision.activations=int4",
+        "rollout.precision.kv_cache=int4_per_token_head"]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _start(tmp_path: Path, model_dir: Path, members: int) -> tuple[subprocess.Popen, str]:
+    sock, ready = str(tmp_path / "c.sock"), tmp_path / "ready"
+    cmd = [sys.executable, "-m", "parity.rollout.cohort_server", "--address", sock, "--members", str(members),
+           "--model-dir", str(model_dir), "--ready", str(ready), "--",
+           f"outputs_dir={tmp_path}", *QUICK, "model.dtype=float32", "trainer.device=cpu", *W4A4]
+    proc = subprocess.Popen(cmd, cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    t0 = time.time()
+    while not ready.exists():
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.time() - t0 < 300, "cohort server did not start"
+        time.sleep(0.2)
+    return proc, sock
+
+
+def _calls(model_dir: Path) -> list[tuple]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    calls = []
+    for i in range(2):
+        prompts = [tok(f"{a}+{b}{'+1' * i}=")["input_ids"] for a, b in ((3 + i, 50), (20, 41 - i), (37, 32))]
+        calls.append((prompts, SamplingSpec(temperature=1.0, max_new_tokens=12, n=2, seed=5 + i, pad_prompts_to=12),
+                      [7 * i + j for j in range(3)]))
+    return calls
+
+
+def _together(clients: list[CohortClient], calls: list[tuple]) -> list:
+    out: list = [None] * len(clients)
+
+    def go(i: int) -> None:
+        out[i] = clients[i].generate(*calls[i])
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(clients))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    return out
+
+
+def _same(batch, ref) -> None:
+    for f in ("responses", "response_mask", "truncated", "prompts", "group_ids"):
+        assert torch.equal(getattr(batch, f), getattr(ref, f)), f
+    # float32: a batched product against the run's own (see tests/test_cohort.py)
+    torch.testing.assert_close(batch.rollout_logprobs, ref.rollout_logprobs, rtol=0, atol=1e-4)
+
+
+def test_members_get_their_own_engines_batches_through_the_server(prepared_model, tmp_path) -> None:
+    proc, sock = _start(tmp_path, prepared_model, 2)
+    try:
+        clients = [CohortClient(sock, i, connect_timeout_s=60) for i in range(2)]
+        assert clients[1].describe()["cohort"] == 2 and clients[1].describe()["cohort_member"] == 1
+        calls = _calls(prepared_model)
+        own = [TorchEngine(prepared_model, precision=PrecisionConfig(weights="int4", activations="int4",
+                                                                     kv_cache="int4_per_token_head"),
+                           dtype=torch.float32, share_prefill=False) for _ in range(2)]
+        for batch, eng, call in zip(_together(clients, calls), own, calls, strict=True):
+            _same(batch, eng.generate(*call))
+        # member 1's trainer moves its weights: they reach the server's engine 1 only
+        ref = TorchEngine(prepared_model, dtype=torch.float32)
+        g = torch.Generator().manual_seed(3)
+        new = [(k, v + 0.05 * v.abs().mean() * torch.randn(v.shape, generator=g))
+               for k, v in ref.model.state_dict().items() if v.is_floating_point()]
+        assert clients[1].update_weights(new) >= 0.0
+        own[1].update_weights(new)
+        second = _together(clients, calls)
+        for batch, eng, call in zip(second, own, calls, strict=True):
+            _same(batch, eng.generate(*call))
+        # a member leaves: the other still samples (its call no longer waits for it)
+        clients[0].close()
+        _same(clients[1].generate(*calls[1]), own[1].generate(*calls[1]))
+        clients[1].close()
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and "every member left" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_bad_member_value_is_refused_naming_the_key() -> None:
+    assert parse_member("/tmp/a.sock#3") == ("/tmp/a.sock", 3)
+    for bad in ("/tmp/a.sock", "#1", "/tmp/a.sock#x"):
+        with pytest.raises(ValueError, match="rollout.cohort: expected SOCKET#MEMBER"):
+            parse_member(bad)
+    with pytest.raises(TimeoutError, match="no cohort server at"):
+        CohortClient("/nonexistent/dir/c.sock", 0, connect_timeout_s=0.5)
