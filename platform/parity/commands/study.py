@@ -15,6 +15,7 @@ Runs already finished (their summary.json exists) are read back, not rerun."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -82,6 +83,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="under MPS, each run's process uses at most this share of the SMs at a time, so that "
                         "the runs' small kernels run on different SMs at once (default: the preset's; "
                         "parity.study.mps)")
+    p.add_argument("--cohorts", action="store_true",
+                   help="runs with the same rollout engine (format, sampling, starting weights) sample through one "
+                        "rollout server each, their rows decoded in one engine call (parity.study.cohorts); every run "
+                        "of the study at once (--concurrency at least its runs)")
     p.add_argument("--figures-only", action="store_true", help="rewrite study.md and the figures from study.json")
     p.add_argument("--collect", action="store_true", help="read the runs' folders as they are (unfinished ones "
                    "marked partial) into study.json, the table and the figures, without training")
@@ -242,6 +247,9 @@ def main(argv: list[str]) -> dict:
         check_finished_matches(s, Path(a.outputs_dir) / "runs" / s.name)
     concurrency = a.concurrency or (1 if a.quick else preset.concurrency)
     threads = a.threads or preset.threads_per_run
+    if a.cohorts and concurrency < max(2, len(specs)):
+        raise ValueError(f"--cohorts: a cohort's runs meet at every engine call, so every run runs at once: "
+                         f"--concurrency {concurrency} is fewer than the study's {len(specs)} runs")
     t0 = time.time()
     print(f"study {a.preset}/{a.stage}: {len(specs)} runs ({len(arms)} arms x {len(seeds)} seeds), {steps} steps, "
           f"{concurrency} at a time; preparing the warm start", flush=True)
@@ -273,13 +281,27 @@ def main(argv: list[str]) -> dict:
             f"{r['heldout_initial']} -> {r['heldout_final']}, collapse {r['collapse_step']}")
         print(f"[{elapsed:6.0f} s {k}/{n}] {r['arm']} seed {r['seed']}: {brief}", flush=True)
 
+    cohorts: list = []
+    if a.cohorts:
+        from parity.study.cohorts import plan, with_members
+        by_seed = {p.get("seed"): p["model_dir"] for p in preps.values()}
+        model_dirs = {s.name: by_seed[s.seed if s.seed in by_seed else None] for s in specs}
+        import tempfile
+        # the servers' sockets in a short folder of their own (a Unix socket's path is at most 107 bytes)
+        cohorts = plan(specs, model_dirs, Path(tempfile.mkdtemp(prefix="parity-cohorts-")))
+        specs = with_members(specs, cohorts)
+        study["cohorts"] = [{"members": c.members, "model_dir": c.model_dir} for c in cohorts]
     on_gpu = any(o == "trainer.device=cuda" for o in base)
     sm_share = a.mps_sm_share if a.mps_sm_share is not None else preset.mps_sm_share
     with MpsDaemon(a.mps if on_gpu and concurrency > 1 else "off", sm_share=sm_share) as mps:
         study["mps"] = mps.status
         print(f"study: MPS {mps.status}", flush=True)
-        study["runs"] = run_all(specs, a.outputs_dir, concurrency, threads, out / "logs", done,
-                                {**preset.env, **child_env(mps)}, train=train)
+        env = {**preset.env, **child_env(mps)}
+        with contextlib.ExitStack() as stack:
+            if cohorts:
+                from parity.study.cohorts import serving
+                stack.enter_context(serving(cohorts, dict(os.environ, **env), out / "logs"))
+            study["runs"] = run_all(specs, a.outputs_dir, concurrency, threads, out / "logs", done, env, train=train)
     study["wall_s"] = round(time.time() - t0, 1)
     figs = write_outputs(study, out)
     print((out / "study.md").read_text(), flush=True)

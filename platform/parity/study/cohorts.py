@@ -1,0 +1,108 @@
+"""A study's cohorts: its runs grouped by rollout engine, each group of two or more sampling through one rollout
+server (parity.rollout.cohort_server), its members' loops meeting at each engine call.
+
+Two runs share a rollout engine when their composed configs agree on everything the engine is built from: the
+`rollout` section (format, sampling, engine), the `model` section, the device and the starting weights (a seed's
+own warm start). The arms of one format differ in their correction and the trainer's settings, which the server
+does not see. A perturbed rollout (the dial) draws its own Delta per run and is never a member.
+
+    cohorts = plan(specs, model_dirs, folder)       # which runs share a server (groups of two or more)
+    specs = with_members(specs, cohorts)            # their overrides gain rollout.cohort=SOCKET#i
+    with serving(cohorts, env, log_dir): run_all(...)   # servers up before the runs, down after them
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from parity.study.members import RunSpec
+
+
+@dataclass
+class Cohort:
+    members: list[str]  # run names, in member order
+    overrides: list[str]  # the first member's (what the server builds its engines from)
+    model_dir: str
+    address: str
+    proc: Any = field(default=None, repr=False)
+
+
+def rollout_key(overrides: list[str], model_dir: str) -> str | None:
+    """What a run's rollout engine is built from (None: the run cannot share one)."""
+    from omegaconf import OmegaConf
+
+    from parity.config import load_config
+    from parity.rollout import is_perturbed, rollout_precision
+
+    cfg = load_config(list(overrides))
+    if cfg.rollout.name != "torch" or is_perturbed(rollout_precision(cfg)):
+        return None
+    return json.dumps({"rollout": OmegaConf.to_container(OmegaConf.structured(cfg.rollout)),
+                       "model": OmegaConf.to_container(OmegaConf.structured(cfg.model)),
+                       "device": str(cfg.trainer.device), "weights": str(Path(model_dir).resolve())},
+                      sort_keys=True, default=str)
+
+
+def plan(specs: list[RunSpec], model_dirs: dict[str, str], folder: Path) -> list[Cohort]:
+    """The groups of two or more runs that share a rollout engine; `model_dirs`: run name -> starting weights."""
+    groups: dict[str, list[RunSpec]] = {}
+    for s in specs:
+        key = rollout_key(list(s.overrides), model_dirs[s.name])
+        if key is not None:
+            groups.setdefault(key, []).append(s)
+    out = []
+    for i, ss in enumerate(g for g in groups.values() if len(g) > 1):
+        out.append(Cohort(members=[s.name for s in ss], overrides=list(ss[0].overrides),
+                          model_dir=model_dirs[ss[0].name], address=str(folder / f"cohort{i}.sock")))
+    return out
+
+
+def with_members(specs: list[RunSpec], cohorts: list[Cohort]) -> list[RunSpec]:
+    """The specs, each member's overrides with its `rollout.cohort`."""
+    member = {name: (c, i) for c in cohorts for i, name in enumerate(c.members)}
+    # quoted: '#' is not a character of Hydra's unquoted override values
+    return [replace(s, overrides=(*s.overrides, f"rollout.cohort='{member[s.name][0].address}#{member[s.name][1]}'"))
+            if s.name in member else s for s in specs]
+
+
+@contextlib.contextmanager
+def serving(cohorts: list[Cohort], env: dict, log_dir: Path, timeout_s: float = 600.0) -> Iterator[list[Cohort]]:
+    """Start every cohort's server (its engines built before the runs start), yield, stop them."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        for i, c in enumerate(cohorts):
+            ready = Path(c.address).with_suffix(".ready")
+            ready.unlink(missing_ok=True)
+            Path(c.address).unlink(missing_ok=True)
+            log = (log_dir / f"cohort{i}.log").open("w")
+            c.proc = subprocess.Popen([sys.executable, "-m", "parity.rollout.cohort_server", "--address", c.address,
+                                       "--members", str(len(c.members)), "--model-dir", c.model_dir, "--ready",
+                                       str(ready), "--", *c.overrides], env=env, stdout=log, stderr=subprocess.STDOUT)
+            t0 = time.time()
+            while not ready.exists():
+                if c.proc.poll() is not None or time.time() - t0 > timeout_s:
+                    tail = (log_dir / f"cohort{i}.log").read_text()[-2000:]
+                    raise RuntimeError(f"cohort server {i} ({len(c.members)} members: {', '.join(c.members)}) did not "
+                                       f"start:\n{tail}")
+                time.sleep(0.2)
+            print(f"study: cohort {i} serves {len(c.members)} runs ({', '.join(c.members)}) on {c.address}", flush=True)
+        yield cohorts
+    finally:
+        for c in cohorts:
+            if c.proc is not None and c.proc.poll() is None:
+                c.proc.terminate()
+                try:
+                    c.proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    c.proc.kill()
+
+
+__all__ = ["Cohort", "plan", "rollout_key", "serving", "with_members"]
