@@ -17,12 +17,14 @@ over the window in which the runs made the middle 80% of their steps (`steady`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -83,8 +85,9 @@ def profiles(run_dir: Path) -> dict:
 
 
 def phase(name: str, pythonpath: str, runs: list[dict], work: Path, timeout_s: float, mps_mode: str,
-          extra_env: dict | None = None, extra_overrides: list[str] | None = None) -> dict:
-    """All `runs` at once, each a `python -m parity train` process with this phase's code."""
+          extra_env: dict | None = None, extra_overrides: list[str] | None = None, cohorts: bool = False) -> dict:
+    """All `runs` at once, each a `python -m parity train` process with this phase's code; with `cohorts`, the runs
+    of one rollout engine sampling through one rollout server (parity.study.cohorts)."""
     out_dir = work / name
     shutil.rmtree(out_dir, ignore_errors=True)
     (out_dir / "logs").mkdir(parents=True)
@@ -92,15 +95,28 @@ def phase(name: str, pythonpath: str, runs: list[dict], work: Path, timeout_s: f
                PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True", TOKENIZERS_PARALLELISM="false",
                TORCHINDUCTOR_CACHE_DIR=str(out_dir / "inductor"), TRITON_CACHE_DIR=str(out_dir / "triton"),
                **(extra_env or {}))
-    with MpsDaemon(mps_mode, pipe_dir=str(work / "mps-pipe"), log_dir=str(work / "mps-log")) as mps:
+    overrides = {r["name"]: [*r["overrides"], *(extra_overrides or [])] for r in runs}
+    groups: list = []
+    if cohorts:
+        from parity.study.cohorts import plan, with_members
+        from parity.study.members import RunSpec
+        specs = [RunSpec(name=r["name"], arm=r["arm"], seed=None, overrides=tuple(overrides[r["name"]])) for r in runs]
+        model_dirs = {r["name"]: next(o.split("=", 1)[1] for o in r["overrides"] if o.startswith("model.path="))
+                      for r in runs}
+        groups = plan(specs, model_dirs, Path(tempfile.mkdtemp(prefix="parity-cohorts-")))
+        overrides = {s.name: list(s.overrides) for s in with_members(specs, groups)}
+    with MpsDaemon(mps_mode, pipe_dir=str(work / "mps-pipe"), log_dir=str(work / "mps-log")) as mps, \
+            contextlib.ExitStack() as stack:
         env.update(child_env(mps))
         t0 = time.time()
+        if groups:
+            from parity.study.cohorts import serving
+            stack.enter_context(serving(groups, env, out_dir / "logs"))
         procs = []
         for r in runs:
             log = (out_dir / "logs" / f"{r['name']}.log").open("w")
             procs.append((r, subprocess.Popen([sys.executable, "-m", "parity", "train", f"outputs_dir={out_dir}",
-                                               *r["overrides"], *(extra_overrides or [])], env=env, stdout=log,
-                                              stderr=subprocess.STDOUT,
+                                               *overrides[r["name"]]], env=env, stdout=log, stderr=subprocess.STDOUT,
                                               cwd=str(ROOT))))
         timeline, gpu, server, load = [], [], None, []
         cpu = {r["name"]: None for r, _ in procs}
@@ -144,7 +160,8 @@ def phase(name: str, pythonpath: str, runs: list[dict], work: Path, timeout_s: f
     t_lo = next((t for t, d in timeline if d >= lo), None)
     t_hi = next((t for t, d in timeline if d >= hi), None)
     steady = (hi - lo) / (t_hi - t_lo) if t_lo is not None and t_hi is not None and t_hi > t_lo else None
-    return {"name": name, "pythonpath": pythonpath, "mps": mps_status, "wall_s": round(wall, 1), "run_steps": total,
+    return {"name": name, "pythonpath": pythonpath, "mps": mps_status,
+            "cohorts": [{"members": c.members} for c in groups], "wall_s": round(wall, 1), "run_steps": total,
             "run_steps_per_s": total / wall, "steady_run_steps_per_s": steady, "timeline": timeline,
             "loadavg_1min": load, "cpus": os.cpu_count(),
             "gpu_util_mean": statistics.fmean(g[0] for g in gpu) if gpu else None,
@@ -229,6 +246,8 @@ def main() -> None:
                     "(e.g. CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25, PARITY_CUDA_BLOCKING_SYNC=1)")
     ap.add_argument("--new-extra", default="", help="more overrides for every run of this tree's phase, "
                     "space-separated (settings the earlier tree does not know, e.g. trainer.eval_rows=512)")
+    ap.add_argument("--new-cohorts", action="store_true", help="this tree's phase with the runs of one rollout "
+                    "engine sampling through one rollout server (parity.study.cohorts; `parity study --cohorts`)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     if a.profile:
@@ -250,7 +269,7 @@ def main() -> None:
         return
     if a.contended_only:
         record["new"] = phase("new", f"{ROOT / 'platform'}:{site}", runs, work, a.timeout, "auto", extra_env,
-                              a.new_extra.split())
+                              a.new_extra.split(), a.new_cohorts)
         record["extra_env"], record["new_extra"] = extra_env, a.new_extra.split()
         out.write_text(json.dumps(record, indent=1, default=str))
         n = record["new"]
@@ -265,7 +284,8 @@ def main() -> None:
     out.write_text(json.dumps(record, indent=1, default=str))
     print(f"old: {old['run_steps']} run-steps in {old['wall_s']} s = {old['run_steps_per_s']:.2f}/s "
           f"(steady {old['steady_run_steps_per_s']})", flush=True)
-    new = phase("new", f"{ROOT / 'platform'}:{site}", runs, work, a.timeout, "auto", extra_env, a.new_extra.split())
+    new = phase("new", f"{ROOT / 'platform'}:{site}", runs, work, a.timeout, "auto", extra_env, a.new_extra.split(),
+                a.new_cohorts)
     record["new"] = new
     record["extra_env"], record["new_extra"] = extra_env, a.new_extra.split()
     record["ratio"] = new["run_steps_per_s"] / old["run_steps_per_s"]
