@@ -80,6 +80,7 @@ class CohortClient:
                 time.sleep(0.2)
         _send(self.conn, {"member": self.member})
         self._describe = self._answer()
+        self.ipc, self.ipc_error = True, None  # CUDA weights as IPC handles until the driver refuses one
 
     def _answer(self) -> Any:
         try:
@@ -99,12 +100,19 @@ class CohortClient:
     def update_weights(self, named_tensors: Any) -> float:
         tensors = [(k, v.detach()) for k, v in named_tensors]  # kept alive until the server has read them
         on_device = [(k, v) for k, v in tensors if v.is_cuda]
-        blob = bytes(ForkingPickler.dumps(on_device)) if on_device else b""  # CUDA IPC handles
-        _send(self.conn, ("weights", [(k, v) for k, v in tensors if not v.is_cuda], blob))
+        blob = b""
+        if on_device and self.ipc:
+            try:
+                blob = bytes(ForkingPickler.dumps(on_device))  # CUDA IPC handles
+            except RuntimeError as e:  # memory the driver cannot share (some allocator settings): by value instead
+                self.ipc, self.ipc_error = False, f"{type(e).__name__}: {e}"[:300]
+        by_value = [(k, v) for k, v in tensors if not v.is_cuda or not blob]
+        _send(self.conn, ("weights", by_value, blob))
         return float(self._answer())
 
     def describe(self) -> dict:
-        return {**self._describe, "cohort_member": self.member}
+        return {**self._describe, "cohort_member": self.member,
+                **({"cohort_weights_by_value": self.ipc_error} if self.ipc_error else {})}
 
     def close(self) -> None:
         try:

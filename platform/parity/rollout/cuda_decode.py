@@ -427,7 +427,9 @@ class CudaDecoder:
                                for layer in self.engine.model.model.layers]
         if _PIN_INT8 and use_graphs:
             from parity.precision import int8_triton
-            st.extras["int8_pinned"] = int8_triton.tune_decode(B, _int8_triton_shapes(st.extras["layers"]),
+            # a cohort's integer products run per run, on its B / runs rows (parity.rollout.cohort)
+            st.extras["int8_pinned"] = int8_triton.tune_decode(B // getattr(self.engine, "runs", 1),
+                                                               _int8_triton_shapes(st.extras["layers"]),
                                                                self.engine.device)
         self._kept[key] = self.state = st
         return st
