@@ -25,10 +25,10 @@ W4A4 = ["rollout.precision.weights=int4", "rollout.precision.activations=int4",
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _start(tmp_path: Path, model_dir: Path, members: int) -> tuple[subprocess.Popen, str]:
+def _start(tmp_path: Path, model_dir: Path, members: int, *extra: str) -> tuple[subprocess.Popen, str]:
     sock, ready = str(tmp_path / "c.sock"), tmp_path / "ready"
     cmd = [sys.executable, "-m", "parity.rollout.cohort_server", "--address", sock, "--members", str(members),
-           "--model-dir", str(model_dir), "--ready", str(ready), "--",
+           "--model-dir", str(model_dir), "--ready", str(ready), *extra, "--",
            f"outputs_dir={tmp_path}", *QUICK, "model.dtype=float32", "trainer.device=cpu", *W4A4]
     proc = subprocess.Popen(cmd, cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     t0 = time.time()
@@ -99,6 +99,30 @@ def test_members_get_their_own_engines_batches_through_the_server(prepared_model
         clients[1].close()
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0 and "every member left" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_member_that_never_joins_holds_the_others_only_until_the_join_timeout(prepared_model, tmp_path) -> None:
+    """Three members, of which one never connects (its run failed before it did): the two that joined wait for it
+    until --join-timeout, then are served without it; a second member 1 is refused naming the index."""
+    proc, sock = _start(tmp_path, prepared_model, 3, "--join-timeout", "4")
+    try:
+        clients = [CohortClient(sock, i, connect_timeout_s=60) for i in range(2)]
+        with pytest.raises(RuntimeError, match="member 1 has joined already"):
+            CohortClient(sock, 1, connect_timeout_s=60)
+        calls = _calls(prepared_model)
+        got = _together(clients, calls)
+        assert all(b is not None for b in got)  # they waited for member 2 until the timeout, then went on
+        own = TorchEngine(prepared_model, precision=PrecisionConfig(weights="int4", activations="int4",
+                                                                    kv_cache="int4_per_token_head"),
+                          dtype=torch.float32, share_prefill=False)
+        _same(got[0], own.generate(*calls[0]))
+        for c in clients:
+            c.close()
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and "members [2] never joined" in out
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -4,7 +4,8 @@ through one CohortEngine (parity.rollout.cohort) in this one.
     python -m parity.rollout.cohort_server --address SOCKET --members N --model-dir MODEL [--ready FILE] -- OVERRIDES...
 
 builds N engines of the configuration OVERRIDES on MODEL (every member's rollout engine as its own run would build
-it), listens on the Unix socket SOCKET and waits for the N members. A member is a run whose config sets
+it) and listens on the Unix socket SOCKET for the N members, which join while it runs (calls wait until all have
+joined or --join-timeout has passed: a run that failed before it connected does not hold the others forever). A member is a run whose config sets
 `rollout.cohort=SOCKET#i`: `build_engine` then gives it a `CohortClient`, which stands where its engine stood
 (generate, update_weights, describe, close). The server answers a weight sync at once (into that member's engine;
 the stacks are refreshed before the next decode) and holds a generate call until every connected member has one
@@ -25,7 +26,9 @@ from __future__ import annotations
 
 import argparse
 import pickle
+import queue
 import sys
+import threading
 import time
 import traceback
 from multiprocessing.connection import Client, Connection, Listener, wait
@@ -123,32 +126,64 @@ class CohortClient:
 
 
 class CohortServer:
-    """The server's state: the cohort, the members' connections, their waiting calls."""
+    """The server's state: the cohort, the members' connections, their waiting calls. Members join while the
+    server runs (`listen` accepts them on a thread of its own); until every member has joined, or `join_timeout_s`
+    has passed since `serve` began (a member whose run failed before it connected never will), calls wait."""
 
-    def __init__(self, engines: list[Any]) -> None:
+    def __init__(self, engines: list[Any], join_timeout_s: float = 600.0) -> None:
         from parity.rollout.cohort import CohortEngine
 
         self.engines = engines
+        self.members = len(engines)
         self.cohort = CohortEngine(engines)
         self.conns: dict[int, Connection] = {}
+        self.joined: set[int] = set()  # members that connected at some point
+        self.arrivals: queue.Queue = queue.Queue()  # (member, connection) from the listening thread
         self.waiting: dict[int, tuple] = {}
         self.stale = False  # a member's weights changed since the stacks were copied
+        self.join_timeout_s = join_timeout_s
+        self.t0 = time.time()
 
-    def accept(self, listener: Listener, members: int) -> None:
-        while len(self.conns) < members:
-            conn = listener.accept()
-            hello = _recv(conn)
+    def listen(self, listener: Listener) -> None:
+        """Accept members until the listener closes (a thread's loop)."""
+        while True:
+            try:
+                conn = listener.accept()
+                hello = _recv(conn)
+            except (OSError, EOFError):
+                return
             m = hello.get("member") if isinstance(hello, dict) else None
-            if not isinstance(m, int) or not 0 <= m < members or m in self.conns:
-                _send(conn, {"error": f"member {m!r}: expected a free index in 0..{members - 1}"})
+            if not isinstance(m, int) or not 0 <= m < self.members:
+                _send(conn, {"error": f"member {m!r}: expected an index in 0..{self.members - 1}"})
+                conn.close()
+                continue
+            self.arrivals.put((m, conn))
+
+    def _admit(self) -> None:
+        while not self.arrivals.empty():
+            m, conn = self.arrivals.get_nowait()
+            if m in self.joined:
+                _send(conn, {"error": f"member {m} has joined already"})
                 conn.close()
                 continue
             _send(conn, self.cohort.describe())
             self.conns[m] = conn
+            self.joined.add(m)
+
+    def everyone_in(self) -> bool:
+        """Every member joined, or the time to join is over."""
+        return len(self.joined) == self.members or time.time() - self.t0 > self.join_timeout_s
 
     def serve(self) -> None:
-        while self.conns:
-            for conn in wait(list(self.conns.values())):
+        self.t0 = time.time()
+        while True:
+            self._admit()
+            if not self.conns and self.everyone_in():
+                return  # the members that joined have left, and no other is coming
+            ready = wait(list(self.conns.values()), timeout=0.5) if self.conns else []
+            if not self.conns:
+                time.sleep(0.1)
+            for conn in ready:
                 m = next(k for k, c in self.conns.items() if c is conn)
                 try:
                     msg = _recv(conn)
@@ -168,7 +203,7 @@ class CohortServer:
                     self.waiting[m] = msg[1:]
                 else:
                     self._leave(m)
-            if self.conns and set(self.waiting) >= set(self.conns):
+            if self.conns and set(self.waiting) >= set(self.conns) and self.everyone_in():
                 self.decode()
 
     def _leave(self, m: int) -> None:
@@ -203,6 +238,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--members", type=int, required=True)
     ap.add_argument("--model-dir", required=True, help="the members' starting weights (their warm start)")
     ap.add_argument("--ready", default=None, help="a file written once the socket listens")
+    ap.add_argument("--join-timeout", type=float, default=600.0,
+                    help="seconds the members have to join; calls wait for the missing ones until then")
     a = ap.parse_args(own)
     if a.members < 1:
         ap.error("--members: at least 1")
@@ -215,15 +252,16 @@ def main(argv: list[str] | None = None) -> None:
     if is_perturbed(rollout_precision(cfg)):
         raise SystemExit("cohort server: a perturbed rollout draws its own Delta per run; it is not a cohort")
     engines = [build_engine(cfg, a.model_dir, reference_dir=a.model_dir) for _ in range(a.members)]
-    server = CohortServer(engines)
+    server = CohortServer(engines, join_timeout_s=a.join_timeout)
     Path(a.address).parent.mkdir(parents=True, exist_ok=True)
     with Listener(a.address, family="AF_UNIX", authkey=AUTHKEY) as listener:
+        threading.Thread(target=server.listen, args=(listener,), daemon=True).start()
         if a.ready:
             Path(a.ready).write_text(a.address)
         print(f"cohort server: {a.members} members of {server.cohort.describe()} on {a.address}", flush=True)
-        server.accept(listener, a.members)
         server.serve()
-    print("cohort server: every member left", flush=True)
+    missing = sorted(set(range(a.members)) - server.joined)
+    print("cohort server: every member left" + (f" (members {missing} never joined)" if missing else ""), flush=True)
 
 
 if __name__ == "__main__":
