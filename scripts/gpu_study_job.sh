@@ -15,8 +15,8 @@
 # folders and the logs are packed into $OUT/runs.tgz, to be read back with the runs of other jobs by
 # `python -m parity study --collect`. The job touches $OUT/job.done when it ends.
 # WARM_SEEDS="3 4" also builds those seeds' warm starts beside the job's own (each its own process, at once) and
-# writes their pieces to $OUT/warm_seed<S>/, for later jobs' WARM_IMPORT: a machine's first minutes build every
-# warm start a session's later parts need.
+# writes their pieces to $OUT/warm_seed<S>/, for later jobs' WARM_IMPORT: one job's first minutes build every
+# warm start the later jobs need.
 #   usage: [PREPARE_EXTRA=...] [WARM_IMPORT=DIR] [WARM_EXPORT=1] [WARM_SEEDS="S ..."] [THROUGHPUT_OLD=DIR] \
 #          scripts/gpu_study_job.sh JOB_SECONDS PRESET "STUDY ARGS" [...]
 set -u
