@@ -29,6 +29,8 @@ LAZY = {
     "parity.core.device": ("torch", "parity.config.validate checks keys, types and paths before torch loads: a bad "
                                     "command line is answered in under a second (tests/test_cli_errors.py)"),
     "parity.study.runs": ("torch", "`python -m parity study --help` (the command's parser) answers without it"),
+    "parity.rollout": ("torch", "parity.study.cohorts reads the runs' rollout configs only when a study runs with "
+                                "--cohorts, so `python -m parity study --help` answers without torch"),
 }
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from parity.paths import plain_name
+from parity.study.cohorts import plan, serving, with_members
 from parity.study.members import expand
 from parity.study.mps import MpsDaemon, child_env
 from parity.study.presets import OBJECTIVES, PRESETS, QUICK
@@ -283,7 +284,6 @@ def main(argv: list[str]) -> dict:
 
     cohorts: list = []
     if a.cohorts:
-        from parity.study.cohorts import plan, with_members
         by_seed = {p.get("seed"): p["model_dir"] for p in preps.values()}
         model_dirs = {s.name: by_seed[s.seed if s.seed in by_seed else None] for s in specs}
         import tempfile
@@ -299,7 +299,6 @@ def main(argv: list[str]) -> dict:
         env = {**preset.env, **child_env(mps)}
         with contextlib.ExitStack() as stack:
             if cohorts:
-                from parity.study.cohorts import serving
                 stack.enter_context(serving(cohorts, dict(os.environ, **env), out / "logs"))
             study["runs"] = run_all(specs, a.outputs_dir, concurrency, threads, out / "logs", done, env, train=train)
     study["wall_s"] = round(time.time() - t0, 1)

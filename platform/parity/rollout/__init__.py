@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from parity.core.device import compute_dtype, resolve_device
 from parity.core.sampling import Engine, SamplingSpec
 from parity.cpu_lanes import check_lanes
+from parity.errors import ConfigError
 from parity.precision.config import resolve_precision
 from parity.precision.perturbation import Perturbation, is_perturbed, load_reference, perturbation_of
 
@@ -59,7 +60,6 @@ def _cohort_member(cfg: ParityConfig, model_dir: str | Path, reference_dir: str 
                    precision: PrecisionConfig) -> Engine:
     """The run's side of a cohort (rollout.cohort=SOCKET#i): the server's engines start from the run's starting
     weights, so a run that resumes from other weights, or that draws its own perturbation, is not a member."""
-    from parity.errors import ConfigError
     from parity.rollout.cohort_server import CohortClient, parse_member
 
     if cfg.rollout.name != "torch":
