@@ -1,0 +1,60 @@
+"""The decode path's weights as its layer functions take them (parity.rollout.cuda_decode): a projection as
+(weight, scale, bias, kind), projections that read the same input stacked into one product (`_Fused`), and the
+INT8 products' shapes that the decoder pins tile configurations for. A cohort's projection (parity.rollout.cohort)
+carries the runs first in every tensor ([N, out, in]); these stack it along the output rows the same way."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def _lin_of(mod: torch.nn.Module) -> tuple:
+    stacked = getattr(mod, "decode_lin", None)  # a cohort's projection of every run (parity.rollout.cohort)
+    if stacked is not None:
+        return stacked()
+    if isinstance(mod, torch.nn.Linear):
+        return (mod.weight, None, mod.bias, None)
+    return (mod.weight, mod.weight_scale, mod.bias, (mod.weights, mod.activations, mod.path))
+
+
+@dataclass
+class _Fused:
+    """Projections that read the same input (q/k/v; gate/up) stacked into one weight, so a decode step runs one
+    product instead of three or two: at batch 64 each product is latency-bound, and the INT8 path quantizes the
+    input once. The stacked copies are refreshed from the modules at every call (`refresh`), so in-place weight
+    updates between calls are seen."""
+    mods: list
+    lin: tuple
+    sizes: tuple[int, ...]
+
+    @classmethod
+    def build(cls, mods: list) -> _Fused | None:
+        lins = [_lin_of(m) for m in mods]
+        w0, _, b0, k0 = lins[0]
+        if any(k != k0 or w.dtype != w0.dtype or (b is None) != (b0 is None) for w, _, b, k in lins):
+            return None  # mixed formats: one product each
+        # stacked along the output rows: weight and scale [(N,) out, ...] on dim -2, bias [(N,) out] on dim -1 (a
+        # cohort's tensors carry the runs first)
+        cat = [None if lins[0][i] is None else torch.cat([lin[i] for lin in lins], dim=_CAT_DIM[i]) for i in range(3)]
+        return cls(mods=mods, lin=(cat[0], cat[1], cat[2], k0), sizes=tuple(int(w.shape[-2]) for w, *_ in lins))
+
+    def refresh(self) -> None:
+        for i in range(3):
+            if self.lin[i] is not None:
+                torch.cat([_lin_of(m)[i] for m in self.mods], dim=_CAT_DIM[i], out=self.lin[i])
+
+
+_CAT_DIM = (-2, -2, -1)  # weight, scale, bias: the output rows' dimension
+
+
+def _int8_triton_shapes(layers: list) -> list[tuple[int, int]]:
+    """(N, K) of every int8_triton product among the layers' arguments (_layer_args: q/k/v, o, gate/up, down,
+    stacked ones as stacked)."""
+    out = []
+    for pre, post in layers:
+        for lins in (pre[2], (post[1],), post[4], (post[6],)):
+            out += [(int(w.shape[-2]), int(w.shape[-1])) for w, _, _, kind in lins
+                    if kind is not None and kind[2] == "int8_triton"]
+    return out
