@@ -28,8 +28,7 @@ from typing import Any
 
 import torch
 
-from parity.core.layout import BatchLayout, Responses, key_slots, layout_batch, left_pad, positions, prefill_mask
-from parity.core.sampling import SamplingSpec
+from parity.core.layout import BatchLayout, Responses, layout_batch, left_pad, positions, prefill_mask
 from parity.precision.linear import QuantLinear
 from parity.rollout.decode_layers import _linear, _rms
 from parity.rollout.torch_engine import TorchEngine
@@ -79,12 +78,11 @@ class StackedLinear:
         return _linear(x, self.decode_lin())
 
 
-class StackedNorm:
-    """An RMSNorm of every run: weight [N, d] (decode_layers._rms takes it as a cohort's)."""
+class _StackedTensor:
+    """A module of every run whose state is one tensor, `weight`, stacked over the runs."""
 
     def __init__(self, mods: list) -> None:
         self.part = _Stacked(mods, "weight")
-        self.variance_epsilon = mods[0].variance_epsilon
 
     @property
     def weight(self) -> torch.Tensor:
@@ -92,23 +90,21 @@ class StackedNorm:
 
     def sync(self) -> None:
         self.part.sync()
+
+
+class StackedNorm(_StackedTensor):
+    """An RMSNorm of every run: weight [N, d] (decode_layers._rms takes it as a cohort's)."""
+
+    def __init__(self, mods: list) -> None:
+        super().__init__(mods)
+        self.variance_epsilon = mods[0].variance_epsilon
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return _rms(x, self.part.value, self.variance_epsilon)
 
 
-class StackedEmbedding:
+class StackedEmbedding(_StackedTensor):
     """The token embeddings of every run, [N, V, d]: row r of ids [N * B, T] looks up its run's table."""
-
-    def __init__(self, mods: list) -> None:
-        self.part = _Stacked(mods, "weight")
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.part.value
-
-    def sync(self) -> None:
-        self.part.sync()
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         N = self.part.value.shape[0]
@@ -158,6 +154,7 @@ class CohortEngine:
     # the engine surface the plain loop and the decode path read, TorchEngine's own arithmetic over stacked weights
     _layer = TorchEngine._layer
     forward = TorchEngine.forward
+    _decode_plain = TorchEngine._decode_plain  # the plain loop; the cohort's prompt forward is one per row
     sample = staticmethod(TorchEngine.sample)
 
     def __init__(self, engines: list[Any]) -> None:
@@ -238,7 +235,9 @@ class CohortEngine:
                             topk_logprobs=st.topk_lp, done=st.done)
             meta = dec.meta(st, graphs, graphs and dec.compile)
         else:
-            out = self._plain(prompts.to(self.device), pmask.to(self.device), uniforms.to(self.device), spec)
+            prompts, pmask = prompts.to(self.device), pmask.to(self.device)
+            out, _ = self._decode_plain(prompts, pmask, uniforms.to(self.device), spec, lambda caches: self.forward(
+                prompts, positions(pmask), caches, 0, prefill_mask(pmask)[:, None]))
             meta = {"engine": self.name, **self.describe()}
         B = out.tokens.shape[0] // N
         batches = []
@@ -251,28 +250,3 @@ class CohortEngine:
             batches.append(lay.batch_of(mine, meta={**meta, "cohort_run": i}))
         return batches
 
-    def _plain(self, prompts: torch.Tensor, pmask: torch.Tensor, uniforms: torch.Tensor, spec: SamplingSpec
-               ) -> Responses:
-        """TorchEngine's plain loop (prompt forward per row, one forward a step) over the stacked model."""
-        dev, R, (NB, P) = self.device, spec.max_new_tokens, prompts.shape
-        greedy = spec.temperature == 0.0
-        temp = 1.0 if greedy else spec.temperature
-        w = self.model.lm_head.weight
-        dtype = w.dtype if w.is_floating_point() else torch.bfloat16
-        caches = [(torch.zeros(NB, self.n_kv, P + R, self.head_dim, dtype=dtype, device=dev),
-                   torch.zeros(NB, self.n_kv, P + R, self.head_dim, dtype=dtype, device=dev))
-                  for _ in self.model.model.layers]
-        key_ok = key_slots(pmask, R)
-        plen = pmask.sum(-1)
-        out = Responses.empty(NB, R, spec.topk_logprobs, self.pad_id, dev)
-        logits = self.forward(prompts, positions(pmask), caches, 0, prefill_mask(pmask)[:, None])
-        for t in range(R):
-            logp = torch.log_softmax(logits / temp, dim=-1)
-            tok = self.sample(logp, spec.top_p, uniforms[:, t], greedy)
-            out.record(t, tok, logp, self.pad_id, self.eos_id)
-            if bool(out.done.all()) or t == R - 1:
-                break
-            step_mask = (torch.arange(P + R, device=dev)[None, :] <= P + t) & key_ok
-            logits = self.forward(out.tokens[:, t:t + 1], (plen + t)[:, None], caches, P + t,
-                                  step_mask[:, None, None, :P + t + 1])
-        return out
