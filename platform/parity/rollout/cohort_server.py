@@ -5,8 +5,9 @@ through one CohortEngine (parity.rollout.cohort) in this one.
 
 builds N engines of the configuration OVERRIDES on MODEL (every member's rollout engine as its own run would build
 it) and listens on the Unix socket SOCKET for the N members, which join while it runs (calls wait until all have
-joined or --join-timeout has passed: a run that failed before it connected does not hold the others forever). A member is a run whose config sets
-`rollout.cohort=SOCKET#i`: `build_engine` then gives it a `CohortClient`, which stands where its engine stood
+joined or --join-timeout has passed: a run that failed before it connected does not hold the others forever). A
+member is a run whose config sets `rollout.cohort=SOCKET#i`: `build_engine` then gives it a `CohortClient`, which
+stands where its engine stood
 (generate, update_weights, describe, close). The server answers a weight sync at once (into that member's engine;
 the stacks are refreshed before the next decode) and holds a generate call until every connected member has one
 waiting; then it decodes them as one cohort call (calls of different shapes or sampling, such as a held-out
@@ -79,7 +80,8 @@ class CohortClient:
                 break
             except (FileNotFoundError, ConnectionRefusedError):
                 if time.time() > deadline:
-                    raise TimeoutError(f"rollout.cohort: no cohort server at {address} after {connect_timeout_s:.0f} s")
+                    raise TimeoutError(f"rollout.cohort: no cohort server at {address} after "
+                                       f"{connect_timeout_s:.0f} s") from None
                 time.sleep(0.2)
         _send(self.conn, {"member": self.member})
         self._describe = self._answer()
@@ -92,7 +94,8 @@ class CohortClient:
             raise RuntimeError(f"rollout.cohort: the cohort server at {self.address} closed the connection "
                                f"(member {self.member}); its log says why") from None
         if isinstance(out, dict) and "error" in out:
-            raise RuntimeError(f"rollout.cohort: the cohort server failed on member {self.member}'s call:\n{out['error']}")
+            raise RuntimeError(f"rollout.cohort: the cohort server failed on member {self.member}'s call:\n"
+                               f"{out['error']}")
         return out
 
     def generate(self, prompt_token_ids: list[list[int]], spec: SamplingSpec,
