@@ -135,3 +135,25 @@ def test_a_bad_member_value_is_refused_naming_the_key() -> None:
             parse_member(bad)
     with pytest.raises(TimeoutError, match="no cohort server at"):
         CohortClient("/nonexistent/dir/c.sock", 0, connect_timeout_s=0.5)
+
+
+def test_servers_get_their_own_sm_share_and_a_bad_one_is_refused(prepared_model, tmp_path) -> None:
+    """`serving(..., sm_share=P)` (--cohort-sm-share): the server's process starts with P as its MPS SM share while
+    the runs keep theirs; a share outside 1-100 is refused before any server starts."""
+    import os
+
+    from parity.study.cohorts import Cohort, serving
+
+    overrides = [f"outputs_dir={tmp_path}", *QUICK, "model.dtype=float32", "trainer.device=cpu", *W4A4]
+    env = dict(os.environ, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="25", PYTHONPATH=f"{ROOT / 'platform'}:{ROOT}")
+    cohort = Cohort(members=["a", "b"], overrides=overrides, model_dir=str(prepared_model),
+                    address=str(tmp_path / "s.sock"))
+    with pytest.raises(ValueError, match="--cohort-sm-share"):
+        with serving([cohort], env, tmp_path / "logs", sm_share=0):
+            pass
+    assert cohort.proc is None
+    with serving([cohort], env, tmp_path / "logs", sm_share=60) as (c,):
+        environ = dict(kv.split("=", 1) for kv in Path(f"/proc/{c.proc.pid}/environ").read_text().split("\0") if kv)
+        assert environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "60"
+    assert c.proc.poll() is not None  # stopped with the block
+    assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"  # the runs' environment is left as it was

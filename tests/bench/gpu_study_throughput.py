@@ -85,7 +85,8 @@ def profiles(run_dir: Path) -> dict:
 
 
 def phase(name: str, pythonpath: str, runs: list[dict], work: Path, timeout_s: float, mps_mode: str,
-          extra_env: dict | None = None, extra_overrides: list[str] | None = None, cohorts: bool = False) -> dict:
+          extra_env: dict | None = None, extra_overrides: list[str] | None = None, cohorts: bool = False,
+          cohort_sm_share: int | None = None) -> dict:
     """All `runs` at once, each a `python -m parity train` process with this phase's code; with `cohorts`, the runs
     of one rollout engine sampling through one rollout server (parity.study.cohorts)."""
     out_dir = work / name
@@ -111,7 +112,7 @@ def phase(name: str, pythonpath: str, runs: list[dict], work: Path, timeout_s: f
         t0 = time.time()
         if groups:
             from parity.study.cohorts import serving
-            stack.enter_context(serving(groups, env, out_dir / "logs"))
+            stack.enter_context(serving(groups, env, out_dir / "logs", sm_share=cohort_sm_share))
         procs = []
         for r in runs:
             log = (out_dir / "logs" / f"{r['name']}.log").open("w")
@@ -161,7 +162,8 @@ def phase(name: str, pythonpath: str, runs: list[dict], work: Path, timeout_s: f
     t_hi = next((t for t, d in timeline if d >= hi), None)
     steady = (hi - lo) / (t_hi - t_lo) if t_lo is not None and t_hi is not None and t_hi > t_lo else None
     return {"name": name, "pythonpath": pythonpath, "mps": mps_status,
-            "cohorts": [{"members": c.members} for c in groups], "wall_s": round(wall, 1), "run_steps": total,
+            "cohorts": [{"members": c.members} for c in groups], "cohort_sm_share": cohort_sm_share,
+            "wall_s": round(wall, 1), "run_steps": total,
             "run_steps_per_s": total / wall, "steady_run_steps_per_s": steady, "timeline": timeline,
             "loadavg_1min": load, "cpus": os.cpu_count(),
             "gpu_util_mean": statistics.fmean(g[0] for g in gpu) if gpu else None,
@@ -248,6 +250,8 @@ def main() -> None:
                     "space-separated (settings the earlier tree does not know, e.g. trainer.eval_rows=512)")
     ap.add_argument("--new-cohorts", action="store_true", help="this tree's phase with the runs of one rollout "
                     "engine sampling through one rollout server (parity.study.cohorts; `parity study --cohorts`)")
+    ap.add_argument("--new-cohort-sm-share", type=int, default=None, metavar="PERCENT",
+                    help="with --new-cohorts, the share of the SMs each rollout server may use (default: the runs')")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     if a.profile:
@@ -269,7 +273,7 @@ def main() -> None:
         return
     if a.contended_only:
         record["new"] = phase("new", f"{ROOT / 'platform'}:{site}", runs, work, a.timeout, "auto", extra_env,
-                              a.new_extra.split(), a.new_cohorts)
+                              a.new_extra.split(), a.new_cohorts, a.new_cohort_sm_share)
         record["extra_env"], record["new_extra"] = extra_env, a.new_extra.split()
         out.write_text(json.dumps(record, indent=1, default=str))
         n = record["new"]
@@ -285,7 +289,7 @@ def main() -> None:
     print(f"old: {old['run_steps']} run-steps in {old['wall_s']} s = {old['run_steps_per_s']:.2f}/s "
           f"(steady {old['steady_run_steps_per_s']})", flush=True)
     new = phase("new", f"{ROOT / 'platform'}:{site}", runs, work, a.timeout, "auto", extra_env, a.new_extra.split(),
-                a.new_cohorts)
+                a.new_cohorts, a.new_cohort_sm_share)
     record["new"] = new
     record["extra_env"], record["new_extra"] = extra_env, a.new_extra.split()
     record["ratio"] = new["run_steps_per_s"] / old["run_steps_per_s"]

@@ -88,6 +88,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="runs with the same rollout engine (format, sampling, starting weights) sample through one "
                         "rollout server each, their rows decoded in one engine call (parity.study.cohorts); every run "
                         "of the study at once (--concurrency at least its runs)")
+    p.add_argument("--cohort-sm-share", type=int, default=None, metavar="PERCENT",
+                   help="with --cohorts under MPS, the share of the SMs each rollout server may use at a time "
+                        "(default: the runs' share)")
     p.add_argument("--figures-only", action="store_true", help="rewrite study.md and the figures from study.json")
     p.add_argument("--collect", action="store_true", help="read the runs' folders as they are (unfinished ones "
                    "marked partial) into study.json, the table and the figures, without training")
@@ -299,7 +302,9 @@ def main(argv: list[str]) -> dict:
         env = {**preset.env, **child_env(mps)}
         with contextlib.ExitStack() as stack:
             if cohorts:
-                stack.enter_context(serving(cohorts, dict(os.environ, **env), out / "logs"))
+                stack.enter_context(serving(cohorts, dict(os.environ, **env), out / "logs",
+                                            sm_share=a.cohort_sm_share))
+                study["mps"]["cohort_sm_share"] = a.cohort_sm_share
             study["runs"] = run_all(specs, a.outputs_dir, concurrency, threads, out / "logs", done, env, train=train)
     study["wall_s"] = round(time.time() - t0, 1)
     figs = write_outputs(study, out)

@@ -74,9 +74,17 @@ def with_members(specs: list[RunSpec], cohorts: list[Cohort]) -> list[RunSpec]:
 
 
 @contextlib.contextmanager
-def serving(cohorts: list[Cohort], env: dict, log_dir: Path, timeout_s: float = 600.0) -> Iterator[list[Cohort]]:
-    """Start every cohort's server (its engines built before the runs start), yield, stop them."""
+def serving(cohorts: list[Cohort], env: dict, log_dir: Path, timeout_s: float = 600.0,
+            sm_share: int | None = None) -> Iterator[list[Cohort]]:
+    """Start every cohort's server (its engines built before the runs start), yield, stop them. `sm_share`: under
+    CUDA MPS, the share of the SMs a server's process may use at a time, where it differs from the runs' (a server
+    decodes the rows of all its members in one call)."""
     log_dir.mkdir(parents=True, exist_ok=True)
+    if sm_share is not None:
+        from parity.study.mps import SM_SHARE_ENV
+        if not 1 <= sm_share <= 100:
+            raise ValueError(f"cohort servers' SM share {sm_share!r} (--cohort-sm-share): a percentage, 1-100")
+        env = {**env, SM_SHARE_ENV: str(sm_share)}
     try:
         for i, c in enumerate(cohorts):
             ready = Path(c.address).with_suffix(".ready")
