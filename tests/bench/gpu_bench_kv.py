@@ -88,6 +88,17 @@ def _dlogp(eng, b) -> dict:
             "p99_abs_dlogp": float(d.quantile(0.99)) if d.numel() <= 16_000_000 else None, "tokens": int(d.numel())}
 
 
+def _dlogp_replay(eng, ps: list, spec, b) -> dict:
+    """|rollout log-prob - replayed log-prob| of b's own tokens, the replay the same engine's plain loop over them
+    (TorchEngine.replay: teacher-forced decoding through the simulated cache, step by step): the decode path's own
+    distance from the reference decode of its format, the "one INT4 format" measure."""
+    rep = eng.replay(ps, spec, b.responses)
+    m = b.response_mask.to(rep.rollout_logprobs.device)
+    d = (b.rollout_logprobs.to(m.device) - rep.rollout_logprobs).abs()[m].float()
+    return {"mean_abs_dlogp": float(d.mean()), "max_abs_dlogp": float(d.max()),
+            "p99_abs_dlogp": float(d.quantile(0.99)) if d.numel() <= 16_000_000 else None, "tokens": int(d.numel())}
+
+
 @section("kv")
 def kv_rows(d: str, reps: int, rows: list | None = None, budget_batches: bool = True,
             teacher_forced: bool = True) -> None:
@@ -141,6 +152,7 @@ def kv_rows(d: str, reps: int, rows: list | None = None, budget_batches: bool = 
                 ref.model, b)
             if teacher_forced and (kv != "bf16" or label == "bf16"):
                 row["dlogp_vs_teacher_forced_same_arithmetic"] = _dlogp(eng, b)
+                row["dlogp_vs_replay"] = _dlogp_replay(eng, prompts(BATCH), spec, b)
             if label == "int8_w8a8_int4kv":
                 row["decode_step_profile"] = profile_decode_step(eng)
             dump()
@@ -175,6 +187,13 @@ def kv_rows(d: str, reps: int, rows: list | None = None, budget_batches: bool = 
             "simulated_decode_same_measure": out.get("int8_w8a8_int4kv_simulated", {}).get(
                 "dlogp_vs_teacher_forced_same_arithmetic"),
             "bf16_decode_same_measure": out.get("bf16", {}).get("dlogp_vs_teacher_forced_same_arithmetic")}
+        # the criterion: the packed decode against the simulated decode of the same tokens, within twice the bf16
+        # decode path's own distance from the bf16 plain loop
+        rp, rb = (out.get(k, {}).get("dlogp_vs_replay") for k in ("int8_w8a8_int4kv", "bf16"))
+        if rp is not None and rb is not None:
+            out["int4kv_packed_vs_simulated"].update(
+                vs_replay=rp, bf16_vs_replay=rb, ratio_to_bf16=rp["mean_abs_dlogp"] / max(rb["mean_abs_dlogp"], 1e-12),
+                within_twice_bf16=rp["mean_abs_dlogp"] <= 2 * rb["mean_abs_dlogp"])
     out["summary"] = {k: {m: v.get(m) for m in ("tok_s_b64", "over_bf16_b64", "kv_bytes_per_step_over_bf16",
                                                 "of_roof_with_kv_b64", "max_batch_in_budget", "tok_s_max_batch",
                                                 "over_bf16_b64_at_max_batch")}

@@ -7,7 +7,14 @@ round trip) scores the sampled tokens; printed: mean, p99 and max |decode log-pr
 the gap is the arithmetic's own (a decode step and a full forward round differently); a codec can only widen it,
 by flipping the code of a value near a rounding boundary.
 
+Second measure, the "one INT4 format" criterion: the same tokens replayed through the plain loop
+(TorchEngine.replay: teacher-forced decoding, the simulated cache step by step), mean / p99 / max |decode log-prob -
+replay log-prob|. On CUDA the decode is the fast path (for a low-precision cache its packed codes and kernel), so
+the bf16 row is the fast path's own gap from the plain loop and an INT4 row the packed path's; `one_format` says
+whether each low-precision row stays within twice the bf16 row's mean. On CPU both are the plain loop (gap 0).
+
     python3 tests/bench/int4_decode_vs_forward.py --model-dir MODEL --device cpu --dtype bfloat16
+    python3 tests/bench/int4_decode_vs_forward.py --model-dir MODEL --device cuda --out packed_kv_countdown.json
 """
 
 from __future__ import annotations
@@ -58,15 +65,33 @@ def main() -> None:
         ids = [tok(render_prompt(cfg.data.prompt_template, p.problem))["input_ids"]
                for p in heldout_problems(cfg, a.prompts)]
         t = time.time()
-        b = eng.generate(ids, SamplingSpec(temperature=1.0, max_new_tokens=a.tokens, n=a.samples, seed=3),
-                         prompt_ids=list(range(len(ids))))
+        spec = SamplingSpec(temperature=1.0, max_new_tokens=a.tokens, n=a.samples, seed=3)
+        b = eng.generate(ids, spec, prompt_ids=list(range(len(ids))))
         ref = teacher_forced_logprobs(eng, b, 1.0)
-        d = (b.rollout_logprobs.to(ref.device) - ref).abs()[b.response_mask.to(ref.device)].float()
+        m = b.response_mask.to(ref.device)
+        d = (b.rollout_logprobs.to(ref.device) - ref).abs()[m].float()
+        rep = eng.replay(ids, spec, b.responses, prompt_ids=list(range(len(ids))))
+        assert torch.equal(rep.responses, b.responses), "the replay recorded other tokens than it was given"
+        dr = (b.rollout_logprobs.to(ref.device) - rep.rollout_logprobs.to(ref.device)).abs()[m].float()
         rows[label] = {"tokens": int(d.numel()), "mean_abs_dlogp": float(d.mean()), "p99": float(d.quantile(0.99)),
-                       "max": float(d.max()), "decode_path": b.meta.get("decode_path", "plain loop"),
-                       "kv_cache_layout": b.meta.get("kv_cache_layout")}
-        print(f"{label:34s} tokens {rows[label]['tokens']:5d}  mean {rows[label]['mean_abs_dlogp']:.5f}  "
-              f"p99 {rows[label]['p99']:.4f}  max {rows[label]['max']:.3f}  ({time.time() - t:.0f} s)", flush=True)
+                       "max": float(d.max()), "vs_replay": {"mean_abs_dlogp": float(dr.mean()),
+                                                           "p99": float(dr.quantile(0.99)), "max": float(dr.max())},
+                       "decode_path": b.meta.get("decode_path", "plain loop"),
+                       "kv_cache_layout": b.meta.get("kv_cache_layout"),
+                       "kv_kernel": b.meta.get("kv_kernel")}
+        print(f"{label:34s} tokens {rows[label]['tokens']:5d}  vs forward: mean {rows[label]['mean_abs_dlogp']:.5f}  "
+              f"p99 {rows[label]['p99']:.4f}  max {rows[label]['max']:.3f};  vs replay: mean {float(dr.mean()):.5f}  "
+              f"max {float(dr.max()):.3f}  [{rows[label]['decode_path']}, {rows[label]['kv_cache_layout']}]  "
+              f"({time.time() - t:.0f} s)", flush=True)
+    bf16 = rows["bf16"]["vs_replay"]["mean_abs_dlogp"]
+    one_format = {label: {"mean_abs_dlogp_vs_replay": r["vs_replay"]["mean_abs_dlogp"], "bf16_same_measure": bf16,
+                          "ratio_to_bf16": r["vs_replay"]["mean_abs_dlogp"] / bf16 if bf16 else None,
+                          "within_twice_bf16": r["vs_replay"]["mean_abs_dlogp"] <= 2 * bf16}
+                  for label, r in rows.items() if label != "bf16"}
+    for label, v in one_format.items():
+        ratio = "n/a (bf16 gap 0)" if v["ratio_to_bf16"] is None else f"{v['ratio_to_bf16']:.2f}x bf16's"
+        print(f"one format, {label}: decode vs replay {v['mean_abs_dlogp_vs_replay']:.5f} = {ratio}; within twice: "
+              f"{v['within_twice_bf16']}", flush=True)
     if a.out:
         import os
         import platform
@@ -74,7 +99,8 @@ def main() -> None:
                     if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else None
         Path(a.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
                                            "device": a.device, "dtype": a.dtype, "cpu": cpu, "cpus": os.cpu_count(),
-                                           "torch": torch.__version__, "rows": rows}, indent=1))
+                                           "torch": torch.__version__, "rows": rows,
+                                           "one_format": one_format}, indent=1))
 
 
 if __name__ == "__main__":

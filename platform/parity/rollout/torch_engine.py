@@ -214,12 +214,32 @@ class TorchEngine:
                                                            num_experts=self.model.config.num_experts)
         return batch
 
+    @torch.no_grad()
+    def replay(self, prompt_token_ids: list[list[int]], spec: SamplingSpec, responses: torch.Tensor,
+               prompt_ids: list[int] | None = None) -> RolloutBatch:
+        """The plain loop over given response tokens [B, R] instead of sampled ones (teacher-forced decoding): the
+        batch a plain-loop call of these inputs would give had it drawn `responses`, its `rollout_logprobs` their
+        log-probs step by step through the simulated cache (every K/V through the codec's round trip). Scores
+        another decode path's tokens (the CUDA path's packed INT4 cache) against the same format decoded the
+        reference way, position for position, so that one early difference does not decide every later token."""
+        dev = self.device
+        lay = layout_batch(prompt_token_ids, spec, prompt_ids, self.pad_id, self.model.config.max_position_embeddings)
+        if responses.shape[0] != lay.size:
+            raise ValueError(f"replay: responses has {responses.shape[0]} rows, the call lays out {lay.size} "
+                             f"({len(prompt_token_ids)} prompts x n={spec.n})")
+        forced = torch.full((lay.size, spec.max_new_tokens), self.pad_id, dtype=torch.long, device=dev)
+        forced[:, :responses.shape[1]] = responses[:, :spec.max_new_tokens].to(dev)
+        prompts, pmask, uniforms = lay.prompts.to(dev), lay.prompt_mask.to(dev), lay.uniforms().to(dev)
+        out, _ = self._decode_plain(prompts, pmask, uniforms, spec,
+                                    lambda caches: self._prefill(lay, prompts, pmask, caches), forced=forced)
+        return lay.batch_of(out, meta={"engine": self.name, **self.describe(), "decode_path": "plain loop (replay)"})
+
     def _decode_plain(self, prompts: torch.Tensor, pmask: torch.Tensor, uniforms: torch.Tensor, spec: SamplingSpec,
-                      prefill: Any) -> tuple[Responses, list | None]:
+                      prefill: Any, forced: torch.Tensor | None = None) -> tuple[Responses, list | None]:
         """The plain loop on a laid-out batch (device tensors: left-padded prompts [B, P], their mask, the rows'
         uniforms [B, R]): `prefill(caches)` fills the caches' prompt slots and gives the last prompt position's
-        logits, then one forward a sampled token. The responses, and the routed experts of every position when the
-        engine records routing (else None)."""
+        logits, then one forward a sampled token (`forced` [B, R]: that token instead, see `replay`). The
+        responses, and the routed experts of every position when the engine records routing (else None)."""
         dev, R, (B, P) = self.device, spec.max_new_tokens, prompts.shape
         greedy = spec.temperature == 0.0
         temp = 1.0 if greedy else spec.temperature
@@ -241,7 +261,7 @@ class TorchEngine:
             routing.append(self.recorder.pop()[:, -1])  # [B, n_layers, top_k]
         for t in range(R):
             logp = torch.log_softmax(logits / temp, dim=-1)
-            tok = self.sample(logp, spec.top_p, uniforms[:, t], greedy)
+            tok = self.sample(logp, spec.top_p, uniforms[:, t], greedy) if forced is None else forced[:, t]
             out.record(t, tok, logp, self.pad_id, self.eos_id)
             if bool(out.done.all()) or t == R - 1:
                 break
