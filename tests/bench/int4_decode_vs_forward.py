@@ -10,8 +10,10 @@ by flipping the code of a value near a rounding boundary.
 Second measure, the "one INT4 format" criterion: the same tokens replayed through the plain loop
 (TorchEngine.replay: teacher-forced decoding, the simulated cache step by step), mean / p99 / max |decode log-prob -
 replay log-prob|. On CUDA the decode is the fast path (for a low-precision cache its packed codes and kernel), so
-the bf16 row is the fast path's own gap from the plain loop and an INT4 row the packed path's; `one_format` says
-whether each low-precision row stays within twice the bf16 row's mean. On CPU both are the plain loop (gap 0).
+the bf16 row is the fast path's own gap from the plain loop and an INT4 row the packed path's; the "simulated
+cache" row is the fast path with the codec's round trip in place of the packed cache, the same compiled layers
+and the same codes, so the packed row against it is the packed cache's own share; `one_format` says whether each
+low-precision row stays within twice the bf16 row's mean. On CPU both are the plain loop (gap 0).
 
     python3 tests/bench/int4_decode_vs_forward.py --model-dir MODEL --device cpu --dtype bfloat16
     python3 tests/bench/int4_decode_vs_forward.py --model-dir MODEL --device cuda --out packed_kv_countdown.json
@@ -29,6 +31,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "platform"), str(ROOT)]
 
 FORMATS = {"bf16": [], "int4_per_token_head": ["rollout.precision.kv_cache=int4_per_token_head"],
+           # the same format through the decode path with the simulated cache (cuda_decode._PACKED_KV off): the
+           # packed cache's own share of the INT4 row's distance from the replay
+           "int4_per_token_head, simulated cache": ["rollout.precision.kv_cache=int4_per_token_head"],
            "int4_per_token_head, no rotation": ["rollout.precision.kv_cache=int4_per_token_head",
                                                 "rollout.precision.kv_hadamard=false"],
            "fp8_per_token_head": ["rollout.precision.kv_cache=fp8_per_token_head"]}
@@ -62,6 +67,8 @@ def main() -> None:
         cfg = load_config([f"experiment={a.experiment}", f"model.path={a.model_dir}", f"trainer.device={a.device}",
                            f"model.dtype={a.dtype}", *over])
         eng = build_engine(cfg, a.model_dir)
+        from parity.rollout import cuda_decode
+        cuda_decode._PACKED_KV = "simulated cache" not in label
         ids = [tok(render_prompt(cfg.data.prompt_template, p.problem))["input_ids"]
                for p in heldout_problems(cfg, a.prompts)]
         t = time.time()
