@@ -54,3 +54,28 @@ def test_replay_scores_the_decode_paths_tokens_and_forces_what_it_is_given(prepa
     assert torch.equal(r2.rollout_logprobs[rest], r.rollout_logprobs[rest])
     with pytest.raises(ValueError, match="responses has 3 rows"):
         eng.replay(prompts, spec, fast.responses[:3], ids)
+
+
+@pytest.mark.parametrize("precision", [None, W4A4], ids=["fp32", "w4a4-int4kv"])
+def test_the_decode_paths_replay_of_its_own_tokens_is_that_path(prepared_model, precision) -> None:
+    """CudaDecoder.replay: the decode path (its logic run eagerly on CPU here) over given tokens. On its own sampled
+    tokens it gives its own batch bit for bit; on the plain loop's tokens it gives the plain loop's log-probs to
+    float32 rounding (the two paths' products sum in other orders)."""
+    eng = TorchEngine(prepared_model, precision=precision, dtype=torch.float32)
+    prompts, spec, ids = _calls(prepared_model, n=1)[0]
+    dec = eng.cuda_decoder
+    with _threads(1):
+        fast = dec.generate(prompts, spec, ids, use_graphs=False)
+        again = dec.replay(prompts, spec, fast.responses, ids, use_graphs=False)
+        plain = eng.generate(prompts, spec, ids)
+        scored = dec.replay(prompts, spec, plain.responses, ids, use_graphs=False)
+        after = dec.generate(prompts, spec, ids, use_graphs=False)  # sampling again after a replay
+    for f in ("responses", "response_mask", "truncated", "topk_ids"):
+        assert torch.equal(getattr(again, f), getattr(fast, f)), f
+    assert torch.equal(again.rollout_logprobs, fast.rollout_logprobs)
+    assert again.meta["replay"] is True and "replay" not in fast.meta
+    assert torch.equal(scored.responses, plain.responses)
+    torch.testing.assert_close(scored.rollout_logprobs, plain.rollout_logprobs, rtol=0, atol=1e-4)
+    assert torch.equal(after.responses, fast.responses) and torch.equal(after.rollout_logprobs, fast.rollout_logprobs)
+    with pytest.raises(ValueError, match="responses has 3 rows"):
+        dec.replay(prompts, spec, fast.responses[:3], ids, use_graphs=False)

@@ -153,6 +153,17 @@ def kv_rows(d: str, reps: int, rows: list | None = None, budget_batches: bool = 
             if teacher_forced and (kv != "bf16" or label == "bf16"):
                 row["dlogp_vs_teacher_forced_same_arithmetic"] = _dlogp(eng, b)
                 row["dlogp_vs_replay"] = _dlogp_replay(eng, prompts(BATCH), spec, b)
+                if b.meta.get("kv_cache_layout") == "packed":  # its tokens through the simulated cache, same route
+                    cd._PACKED_KV = False
+                    try:
+                        sim = eng.cuda_decoder.replay(prompts(BATCH), spec, b.responses)
+                    finally:
+                        cd._PACKED_KV = packed
+                    m = b.response_mask.to(sim.rollout_logprobs.device)
+                    ds = (b.rollout_logprobs.to(m.device) - sim.rollout_logprobs).abs()[m].float()
+                    row["dlogp_vs_simulated_cache_same_route"] = {"mean_abs_dlogp": float(ds.mean()),
+                                                                  "max_abs_dlogp": float(ds.max()),
+                                                                  "tokens": int(ds.numel())}
             if label == "int8_w8a8_int4kv":
                 row["decode_step_profile"] = profile_decode_step(eng)
             dump()
@@ -189,6 +200,12 @@ def kv_rows(d: str, reps: int, rows: list | None = None, budget_batches: bool = 
             "bf16_decode_same_measure": out.get("bf16", {}).get("dlogp_vs_teacher_forced_same_arithmetic")}
         # the criterion: the packed decode against the simulated decode of the same tokens, within twice the bf16
         # decode path's own distance from the bf16 plain loop
+        same = out.get("int8_w8a8_int4kv", {}).get("dlogp_vs_simulated_cache_same_route")
+        bf16_fwd = out.get("bf16", {}).get("dlogp_vs_teacher_forced_same_arithmetic")
+        if same is not None and bf16_fwd is not None:  # the criterion: packed against simulated, same tokens
+            out["int4kv_packed_vs_simulated"].update(
+                same_route=same, packed_within_twice_bf16_forward=same["mean_abs_dlogp"] <= 2 * bf16_fwd[
+                    "mean_abs_dlogp"])
         rp, rb = (out.get(k, {}).get("dlogp_vs_replay") for k in ("int8_w8a8_int4kv", "bf16"))
         if rp is not None and rb is not None:
             out["int4kv_packed_vs_simulated"].update(

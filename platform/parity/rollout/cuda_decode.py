@@ -296,6 +296,27 @@ class CudaDecoder:
         return lay.rollout_batch(st.responses, st.rmask, st.logps, ~st.done, st.topk_ids, st.topk_lp,
                                  meta=self.meta(st, use_graphs, use_graphs and self.compile))
 
+    def replay(self, prompt_token_ids: list[list[int]], spec: SamplingSpec, responses: torch.Tensor,
+               prompt_ids: list[int] | None = None, use_graphs: bool | None = None) -> RolloutBatch:
+        """`generate` over given response tokens [B, R] instead of sampled ones (teacher-forced decoding on this
+        path: its compiled layers, its cache layout and attention kernel); the batch's `rollout_logprobs` are the
+        given tokens' log-probs step by step. With TorchEngine.replay (the plain loop) it scores one path's tokens
+        under another path's arithmetic, e.g. the packed INT4 cache's tokens under the simulated cache."""
+        eng = self.engine
+        dev, R = eng.device, spec.max_new_tokens
+        use_graphs = dev.type == "cuda" if use_graphs is None else use_graphs
+        lay = layout_batch(prompt_token_ids, spec, prompt_ids, eng.pad_id, eng.model.config.max_position_embeddings)
+        if responses.shape[0] != lay.size:
+            raise ValueError(f"replay: responses has {responses.shape[0]} rows, the call lays out {lay.size} "
+                             f"({len(prompt_token_ids)} prompts x n={spec.n})")
+        forced = torch.full((lay.size, R), eng.pad_id, dtype=torch.long)
+        forced[:, :responses.shape[1]] = responses[:, :R].cpu()
+        st = self.run(lay.prompts, lay.prompt_mask, lay.uniforms(), spec, use_graphs, forced=forced)
+        if st is None:  # compilation was given up during the call: the same call uncompiled
+            return self.replay(prompt_token_ids, spec, responses, prompt_ids, use_graphs)
+        return lay.rollout_batch(st.responses, st.rmask, st.logps, ~st.done, st.topk_ids, st.topk_lp,
+                                 meta={**self.meta(st, use_graphs, use_graphs and self.compile), "replay": True})
+
     def meta(self, st: DecodeState, use_graphs: bool, compile_layers: bool) -> dict:
         """A batch's record of the engine and the route its call took."""
         eng = self.engine
@@ -307,10 +328,11 @@ class CudaDecoder:
                 **kv_kernel_meta(st.extras.get("packed"))}
 
     def run(self, prompts: torch.Tensor, pmask: torch.Tensor, uniforms: torch.Tensor, spec: SamplingSpec,
-            use_graphs: bool) -> DecodeState | None:
+            use_graphs: bool, forced: torch.Tensor | None = None) -> DecodeState | None:
         """Prefill and decode one batch (left-padded prompts [B, P], their mask, the rows' uniforms [B, R]) into a
         kept or new state, whose buffers then hold the responses; None when compilation failed during the call
-        (it is then off, and the caller runs the call again)."""
+        (it is then off, and the caller runs the call again). `forced` [B, R]: these tokens instead of sampled
+        ones (`replay`; a state and graphs of their own)."""
         eng = self.engine
         dev, R = eng.device, spec.max_new_tokens
         B, P = prompts.shape
@@ -320,8 +342,10 @@ class CudaDecoder:
         dtype = w.dtype if w.is_floating_point() else torch.bfloat16
         compile_layers = use_graphs and self.compile
         key = (B, S, R, K, spec.temperature, spec.top_p, dtype, use_graphs, compile_layers, _PACKED_KV,
-               getattr(eng, "kv_packed", None))
+               getattr(eng, "kv_packed", None), forced is not None)
         st = self._state_for(key, B, S, R, K, dtype, use_graphs, compile_layers)
+        if forced is not None:  # a fixed buffer the captured steps read
+            st.extras.setdefault("forced", torch.empty(B, R, dtype=torch.long, device=dev)).copy_(forced)
 
         prompts, pmask = prompts.to(dev), pmask.to(dev)
         st.uniforms.copy_(uniforms)
@@ -540,7 +564,9 @@ class CudaDecoder:
         temp = 1.0 if greedy else spec.temperature
         logp = torch.log_softmax(st.logits / temp, dim=-1)
         u = st.uniforms.index_select(1, st.t).squeeze(1)
-        if greedy or spec.top_p < 1.0:
+        if "forced" in st.extras:
+            tok = st.extras["forced"].index_select(1, st.t).squeeze(1)
+        elif greedy or spec.top_p < 1.0:
             tok = eng.sample(logp, spec.top_p, u, greedy)
         else:
             tok = sample_inverse_cdf(logp, u)
