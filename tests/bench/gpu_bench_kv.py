@@ -202,7 +202,7 @@ def kv_rows(d: str, reps: int, rows: list | None = None, budget_batches: bool = 
         # decode path's own distance from the bf16 plain loop
         same = out.get("int8_w8a8_int4kv", {}).get("dlogp_vs_simulated_cache_same_route")
         bf16_fwd = out.get("bf16", {}).get("dlogp_vs_teacher_forced_same_arithmetic")
-        if same is not None and bf16_fwd is not None:  # the criterion: packed against simulated, same tokens
+        if same is not None and bf16_fwd is not None:  # the one-format criterion: packed against simulated, same tokens
             out["int4kv_packed_vs_simulated"].update(
                 same_route=same, packed_within_twice_bf16_forward=same["mean_abs_dlogp"] <= 2 * bf16_fwd[
                     "mean_abs_dlogp"])
