@@ -81,3 +81,15 @@ def test_a_study_with_cohorts_logs_what_it_logs_without(tmp_path) -> None:
                     assert ra[k] == pytest.approx(rb[k], abs=1e-4, rel=1e-3), (name, ra["step"], k)
                 else:
                     assert ra[k] == rb[k], (name, ra["step"], k)
+
+
+def test_a_servers_sm_share_without_cohorts_or_out_of_range_is_refused_before_anything_runs(tmp_path) -> None:
+    from parity.commands.study import main
+
+    common = ["--preset", "laptop", "--quick", "--arms", "w4a4+int4kv / none,w4a4+int4kv / dual / ", "--concurrency",
+              "2", "--outputs-dir", str(tmp_path), "--out", str(tmp_path / "s")]
+    with pytest.raises(ValueError, match="--cohort-sm-share is the rollout servers' SM share: it needs --cohorts"):
+        main([*common, "--cohort-sm-share", "50"])
+    with pytest.raises(ValueError, match="--cohort-sm-share 0: a percentage"):
+        main([*common, "--cohorts", "--cohort-sm-share", "0"])
+    assert not (tmp_path / "models").exists() and not (tmp_path / "runs").exists()  # no warm start, no run

@@ -251,6 +251,10 @@ def main(argv: list[str]) -> dict:
         check_finished_matches(s, Path(a.outputs_dir) / "runs" / s.name)
     concurrency = a.concurrency or (1 if a.quick else preset.concurrency)
     threads = a.threads or preset.threads_per_run
+    if a.cohort_sm_share is not None and not a.cohorts:
+        raise ValueError("--cohort-sm-share is the rollout servers' SM share: it needs --cohorts")
+    if a.cohort_sm_share is not None and not 1 <= a.cohort_sm_share <= 100:
+        raise ValueError(f"--cohort-sm-share {a.cohort_sm_share}: a percentage, 1-100")
     if a.cohorts and concurrency < max(2, len(specs)):
         raise ValueError(f"--cohorts: a cohort's runs meet at every engine call, so every run runs at once: "
                          f"--concurrency {concurrency} is fewer than the study's {len(specs)} runs")
