@@ -132,6 +132,16 @@ class BatchLayout:
         return torch.stack([torch.rand(self.new_tokens, generator=torch.Generator().manual_seed(s),
                                        dtype=torch.float64) for s in self.row_seeds()])
 
+    def forced(self, responses: torch.Tensor, pad_id: int) -> torch.Tensor:
+        """[B, R] int64 (host): given response tokens laid out as this call's rows, cut or padded to R, for a
+        decode that replays them instead of sampling (TorchEngine.replay, CudaDecoder.replay)."""
+        if responses.shape[0] != self.size:
+            raise ValueError(f"replay: responses has {responses.shape[0]} rows, the call lays out {self.size} "
+                             f"({len(self.prompt_ids)} prompts x n={self.size // max(1, len(self.prompt_ids))})")
+        out = torch.full((self.size, self.new_tokens), pad_id, dtype=torch.long)
+        out[:, :responses.shape[1]] = responses[:, :self.new_tokens].cpu()
+        return out
+
     def batch_of(self, r: Responses, meta: dict[str, Any] | None = None) -> RolloutBatch:
         return self.rollout_batch(r.tokens, r.mask, r.logprobs, ~r.done, r.topk_ids, r.topk_logprobs, meta)
 

@@ -63,7 +63,7 @@ import torch
 from parity.core.fast_compile import raise_recompile_limit
 from parity.core.layout import key_slots, layout_batch, positions, prefill_mask
 from parity.core.sampling import SamplingSpec
-from parity.precision.linear import PREPARED, QuantLinear, is_simulated, simulated_weight
+from parity.precision.linear import QuantLinear
 from parity.rollout.decode_layers import (  # noqa: F401  (tests and benchmarks import some here)
     _decode_attention,
     _linear,
@@ -79,7 +79,13 @@ from parity.rollout.decode_layers import (  # noqa: F401  (tests and benchmarks 
     _rms,
     _rope,
 )
-from parity.rollout.decode_weights import _Fused, _int8_triton_shapes, _lin_of
+from parity.rollout.decode_weights import (  # noqa: F401  (tests import _Fused and _group here)
+    _Fused,
+    _group,
+    _int8_triton_shapes,
+    _layer_args,
+    _lin_of,
+)
 from parity.rollout.sampling import _cdf_block, sample_inverse_cdf  # noqa: F401  (tests and benchmarks import them here)
 from parity.types import RolloutBatch
 
@@ -171,56 +177,6 @@ class DecodeState:
     extras: dict = field(default_factory=dict)
 
 
-@dataclass
-class _Prepared:
-    """A simulated product's float32 weight (w_hat = codes x scales: W4A4 and other mixed formats) kept computed
-    instead of dequantized inside every product: one dequantization a call, not one a layer and decode step. The
-    product is the same (quant_linear_forward's PREPARED path multiplies by the same w_hat). `refresh` recomputes it
-    from its source (a module's tensors or a _Fused stack, refreshed first) at every call, so in-place weight
-    updates between calls are seen."""
-    source: tuple
-    lin: tuple
-
-    @classmethod
-    def wrap(cls, lin: tuple, prepared: list | None) -> tuple:
-        """`lin` itself, or for a simulated product with `_PREPARE_SIMULATED` on, the lin of a new record
-        appended to `prepared`."""
-        w, scale, bias, kind = lin
-        if prepared is None or not _PREPARE_SIMULATED or kind is None or not is_simulated(kind[2], *kind[:2]):
-            return lin
-        rec = cls(source=lin, lin=(simulated_weight(w, scale, kind[0]), None, bias, (*kind[:2], PREPARED)))
-        prepared.append(rec)
-        return rec.lin
-
-    def refresh(self) -> None:
-        w, scale, _, kind = self.source
-        self.lin[0].copy_(simulated_weight(w, scale, kind[0]))
-
-
-def _group(mods: list, fused: list, prepared: list | None = None) -> tuple[tuple, tuple[int, ...]]:
-    """(lins, sizes) for _project: one fused entry when the modules can be stacked, else one per module."""
-    f = _Fused.build(mods) if _STACK else None
-    if f is None:
-        return tuple(_Prepared.wrap(_lin_of(m), prepared) for m in mods), tuple(m.out_features for m in mods)
-    fused.append(f)
-    return (_Prepared.wrap(f.lin, prepared),), f.sizes
-
-
-def _layer_args(layer: torch.nn.Module, fused: list, prepared: list | None = None) -> tuple[tuple, tuple]:
-    """The tensors (and constants) of one decoder layer for _pre_attention / _post_attention: the modules' own
-    tensors (a replay sees in-place weight updates) except stacked q/k/v and gate/up weights, whose _Fused
-    records are appended to `fused` for refreshing, and simulated products' dequantized weights, whose _Prepared
-    records go to `prepared` (refreshed after `fused`)."""
-    a, m = layer.self_attn, layer.mlp
-    pre = (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
-           *_group([a.q_proj, a.k_proj, a.v_proj], fused, prepared), a.q_norm.weight, a.k_norm.weight,
-           a.q_norm.variance_epsilon)
-    post = (a.scaling, _Prepared.wrap(_lin_of(a.o_proj), prepared), layer.post_attention_layernorm.weight,
-            layer.post_attention_layernorm.variance_epsilon, *_group([m.gate_proj, m.up_proj], fused, prepared),
-            _Prepared.wrap(_lin_of(m.down_proj), prepared))
-    return pre, post
-
-
 def kv_kernel_meta(packed: Any) -> dict:
     """The decode attention's kernel for a packed cache (rotated int4 with its pinned launch configuration, or the
     dequantizing kernel with the configurations its autotuner chose) and whether the fused pre-attention kernel
@@ -303,15 +259,10 @@ class CudaDecoder:
         given tokens' log-probs step by step. With TorchEngine.replay (the plain loop) it scores one path's tokens
         under another path's arithmetic, e.g. the packed INT4 cache's tokens under the simulated cache."""
         eng = self.engine
-        dev, R = eng.device, spec.max_new_tokens
-        use_graphs = dev.type == "cuda" if use_graphs is None else use_graphs
+        use_graphs = eng.device.type == "cuda" if use_graphs is None else use_graphs
         lay = layout_batch(prompt_token_ids, spec, prompt_ids, eng.pad_id, eng.model.config.max_position_embeddings)
-        if responses.shape[0] != lay.size:
-            raise ValueError(f"replay: responses has {responses.shape[0]} rows, the call lays out {lay.size} "
-                             f"({len(prompt_token_ids)} prompts x n={spec.n})")
-        forced = torch.full((lay.size, R), eng.pad_id, dtype=torch.long)
-        forced[:, :responses.shape[1]] = responses[:, :R].cpu()
-        st = self.run(lay.prompts, lay.prompt_mask, lay.uniforms(), spec, use_graphs, forced=forced)
+        st = self.run(lay.prompts, lay.prompt_mask, lay.uniforms(), spec, use_graphs,
+                      forced=lay.forced(responses, eng.pad_id))
         if st is None:  # compilation was given up during the call: the same call uncompiled
             return self.replay(prompt_token_ids, spec, responses, prompt_ids, use_graphs)
         return lay.rollout_batch(st.responses, st.rmask, st.logps, ~st.done, st.topk_ids, st.topk_lp,
@@ -398,7 +349,8 @@ class CudaDecoder:
         st = self.new_state(key, B, S, R, K, dtype)
         st.extras["fns"] = self.layer_functions(compile_layers)
         st.extras["fused"], st.extras["prepared"] = [], []
-        st.extras["layers"] = [_layer_args(layer, st.extras["fused"], st.extras["prepared"])
+        st.extras["layers"] = [_layer_args(layer, st.extras["fused"],
+                                           st.extras["prepared"] if _PREPARE_SIMULATED else None, stack=_STACK)
                                for layer in self.engine.model.model.layers]
         if _PIN_INT8 and use_graphs:
             from parity.precision import int8_triton
@@ -563,13 +515,12 @@ class CudaDecoder:
         greedy = spec.temperature == 0.0
         temp = 1.0 if greedy else spec.temperature
         logp = torch.log_softmax(st.logits / temp, dim=-1)
-        u = st.uniforms.index_select(1, st.t).squeeze(1)
         if "forced" in st.extras:
             tok = st.extras["forced"].index_select(1, st.t).squeeze(1)
         elif greedy or spec.top_p < 1.0:
-            tok = eng.sample(logp, spec.top_p, u, greedy)
+            tok = eng.sample(logp, spec.top_p, st.uniforms.index_select(1, st.t).squeeze(1), greedy)
         else:
-            tok = sample_inverse_cdf(logp, u)
+            tok = sample_inverse_cdf(logp, st.uniforms.index_select(1, st.t).squeeze(1))
         live = ~st.done
         tok_out = torch.where(live, tok, eng.pad_id)
         st.responses.index_copy_(1, st.t, tok_out[:, None])

@@ -224,11 +224,7 @@ class TorchEngine:
         reference way, position for position, so that one early difference does not decide every later token."""
         dev = self.device
         lay = layout_batch(prompt_token_ids, spec, prompt_ids, self.pad_id, self.model.config.max_position_embeddings)
-        if responses.shape[0] != lay.size:
-            raise ValueError(f"replay: responses has {responses.shape[0]} rows, the call lays out {lay.size} "
-                             f"({len(prompt_token_ids)} prompts x n={spec.n})")
-        forced = torch.full((lay.size, spec.max_new_tokens), self.pad_id, dtype=torch.long, device=dev)
-        forced[:, :responses.shape[1]] = responses[:, :spec.max_new_tokens].to(dev)
+        forced = lay.forced(responses, self.pad_id).to(dev)
         prompts, pmask, uniforms = lay.prompts.to(dev), lay.prompt_mask.to(dev), lay.uniforms().to(dev)
         out, _ = self._decode_plain(prompts, pmask, uniforms, spec,
                                     lambda caches: self._prefill(lay, prompts, pmask, caches), forced=forced)
