@@ -28,7 +28,7 @@ from typing import Any
 from parity.paths import plain_name
 from parity.study.cohorts import plan, serving, with_members
 from parity.study.members import expand
-from parity.study.mps import MpsDaemon, child_env
+from parity.study.mps import MpsDaemon, check_sm_share, child_env
 from parity.study.presets import OBJECTIVES, PRESETS, QUICK
 from parity.study.report import (
     arm_rows,
@@ -253,8 +253,8 @@ def main(argv: list[str]) -> dict:
     threads = a.threads or preset.threads_per_run
     if a.cohort_sm_share is not None and not a.cohorts:
         raise ValueError("--cohort-sm-share is the rollout servers' SM share: it needs --cohorts")
-    if a.cohort_sm_share is not None and not 1 <= a.cohort_sm_share <= 100:
-        raise ValueError(f"--cohort-sm-share {a.cohort_sm_share}: a percentage, 1-100")
+    if a.cohort_sm_share is not None:
+        check_sm_share(a.cohort_sm_share, "--cohort-sm-share")
     if a.cohorts and concurrency < max(2, len(specs)):
         raise ValueError(f"--cohorts: a cohort's runs meet at every engine call, so every run runs at once: "
                          f"--concurrency {concurrency} is fewer than the study's {len(specs)} runs")

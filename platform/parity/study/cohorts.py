@@ -81,10 +81,8 @@ def serving(cohorts: list[Cohort], env: dict, log_dir: Path, timeout_s: float = 
     decodes the rows of all its members in one call)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     if sm_share is not None:
-        from parity.study.mps import SM_SHARE_ENV
-        if not 1 <= sm_share <= 100:
-            raise ValueError(f"cohort servers' SM share {sm_share!r} (--cohort-sm-share): a percentage, 1-100")
-        env = {**env, SM_SHARE_ENV: str(sm_share)}
+        from parity.study.mps import SM_SHARE_ENV, check_sm_share
+        env = {**env, SM_SHARE_ENV: str(check_sm_share(sm_share, "--cohort-sm-share"))}
     try:
         for i, c in enumerate(cohorts):
             ready = Path(c.address).with_suffix(".ready")

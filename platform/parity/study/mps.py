@@ -30,6 +30,13 @@ CONTROL = "nvidia-cuda-mps-control"
 SM_SHARE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 
 
+def check_sm_share(value: int, what: str) -> int:
+    """`value` if it is a percentage of the SMs (1-100), else a ValueError naming `what` (the option or variable)."""
+    if not 1 <= value <= 100:
+        raise ValueError(f"{what} {value!r}: a percentage, 1-100")
+    return value
+
+
 class MpsDaemon:
     """The MPS control daemon for the processes started inside the block.
 
@@ -43,8 +50,8 @@ class MpsDaemon:
         inherited = os.environ.get(SM_SHARE_ENV)
         if sm_share is None and inherited:
             sm_share = int(inherited) if inherited.strip().isdigit() else -1
-        if sm_share is not None and not 1 <= sm_share <= 100:
-            raise ValueError(f"MPS SM share {sm_share!r} (--mps-sm-share or {SM_SHARE_ENV}): a percentage, 1-100")
+        if sm_share is not None:
+            check_sm_share(sm_share, f"MPS SM share (--mps-sm-share or {SM_SHARE_ENV})")
         self.mode = mode
         self.sm_share = sm_share
         self.pipe_dir = Path(pipe_dir or os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps")
