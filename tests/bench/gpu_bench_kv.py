@@ -72,6 +72,14 @@ def _tok_s(eng, ps: list, spec, reps: int) -> tuple[float, object]:
     return n / t, b
 
 
+def _gap(b, other) -> dict:
+    """|b's rollout log-prob - `other`'s log-prob| [B, R] over b's response tokens."""
+    m = b.response_mask.to(other.device)
+    d = (b.rollout_logprobs.to(m.device) - other).abs()[m].float()
+    return {"mean_abs_dlogp": float(d.mean()), "max_abs_dlogp": float(d.max()),
+            "p99_abs_dlogp": float(d.quantile(0.99)) if d.numel() <= 16_000_000 else None, "tokens": int(d.numel())}
+
+
 def _dlogp(eng, b) -> dict:
     """|rollout log-prob - teacher-forced log-prob| of b's own tokens, the teacher the same engine's full forward with
     the simulated cache (tests/kv_packed_checks.teacher_forced_logprobs; no codec: the plain forward)."""
@@ -81,22 +89,7 @@ def _dlogp(eng, b) -> dict:
     if root not in sys.path:
         sys.path.insert(0, root)
     from tests.kv_packed_checks import teacher_forced_logprobs
-    ref = teacher_forced_logprobs(eng, b, 1.0)
-    m = b.response_mask.to(ref.device)
-    d = (b.rollout_logprobs.to(ref.device) - ref).abs()[m].float()
-    return {"mean_abs_dlogp": float(d.mean()), "max_abs_dlogp": float(d.max()),
-            "p99_abs_dlogp": float(d.quantile(0.99)) if d.numel() <= 16_000_000 else None, "tokens": int(d.numel())}
-
-
-def _dlogp_replay(eng, ps: list, spec, b) -> dict:
-    """|rollout log-prob - replayed log-prob| of b's own tokens, the replay the same engine's plain loop over them
-    (TorchEngine.replay: teacher-forced decoding through the simulated cache, step by step): the decode path's own
-    distance from the reference decode of its format, the "one INT4 format" measure."""
-    rep = eng.replay(ps, spec, b.responses)
-    m = b.response_mask.to(rep.rollout_logprobs.device)
-    d = (b.rollout_logprobs.to(m.device) - rep.rollout_logprobs).abs()[m].float()
-    return {"mean_abs_dlogp": float(d.mean()), "max_abs_dlogp": float(d.max()),
-            "p99_abs_dlogp": float(d.quantile(0.99)) if d.numel() <= 16_000_000 else None, "tokens": int(d.numel())}
+    return _gap(b, teacher_forced_logprobs(eng, b, 1.0))
 
 
 @section("kv")
@@ -152,18 +145,16 @@ def kv_rows(d: str, reps: int, rows: list | None = None, budget_batches: bool = 
                 ref.model, b)
             if teacher_forced and (kv != "bf16" or label == "bf16"):
                 row["dlogp_vs_teacher_forced_same_arithmetic"] = _dlogp(eng, b)
-                row["dlogp_vs_replay"] = _dlogp_replay(eng, prompts(BATCH), spec, b)
+                # the decode path against the plain loop replaying its tokens (TorchEngine.replay: the reference
+                # decode of its format, step by step), the "one INT4 format" measure
+                row["dlogp_vs_replay"] = _gap(b, eng.replay(prompts(BATCH), spec, b.responses).rollout_logprobs)
                 if b.meta.get("kv_cache_layout") == "packed":  # its tokens through the simulated cache, same route
                     cd._PACKED_KV = False
                     try:
                         sim = eng.cuda_decoder.replay(prompts(BATCH), spec, b.responses)
                     finally:
                         cd._PACKED_KV = packed
-                    m = b.response_mask.to(sim.rollout_logprobs.device)
-                    ds = (b.rollout_logprobs.to(m.device) - sim.rollout_logprobs).abs()[m].float()
-                    row["dlogp_vs_simulated_cache_same_route"] = {"mean_abs_dlogp": float(ds.mean()),
-                                                                  "max_abs_dlogp": float(ds.max()),
-                                                                  "tokens": int(ds.numel())}
+                    row["dlogp_vs_simulated_cache_same_route"] = _gap(b, sim.rollout_logprobs)
             if label == "int8_w8a8_int4kv":
                 row["decode_step_profile"] = profile_decode_step(eng)
             dump()

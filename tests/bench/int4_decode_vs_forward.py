@@ -61,8 +61,13 @@ def main() -> None:
     from parity.core.sampling import SamplingSpec
     from parity.data.prompts import render_prompt
     from parity.data.tasks import heldout_problems
-    from parity.rollout import build_engine
+    from parity.rollout import build_engine, cuda_decode
     from tests.kv_packed_checks import teacher_forced_logprobs
+
+    def gap(lp: torch.Tensor, other: torch.Tensor, m: torch.Tensor) -> dict:
+        d = (lp.to(m.device) - other.to(m.device)).abs()[m].float()
+        return {"tokens": int(d.numel()), "mean_abs_dlogp": float(d.mean()), "p99": float(d.quantile(0.99)),
+                "max": float(d.max())}
 
     tok = AutoTokenizer.from_pretrained(a.model_dir)
     rows = {}
@@ -70,7 +75,6 @@ def main() -> None:
         cfg = load_config([f"experiment={a.experiment}", f"model.path={a.model_dir}", f"trainer.device={a.device}",
                            f"model.dtype={a.dtype}", *over])
         eng = build_engine(cfg, a.model_dir)
-        from parity.rollout import cuda_decode
         cuda_decode._PACKED_KV = "simulated cache" not in label
         ids = [tok(render_prompt(cfg.data.prompt_template, p.problem))["input_ids"]
                for p in heldout_problems(cfg, a.prompts)]
@@ -79,33 +83,28 @@ def main() -> None:
         b = eng.generate(ids, spec, prompt_ids=list(range(len(ids))))
         ref = teacher_forced_logprobs(eng, b, 1.0)
         m = b.response_mask.to(ref.device)
-        d = (b.rollout_logprobs.to(ref.device) - ref).abs()[m].float()
         rep = eng.replay(ids, spec, b.responses, prompt_ids=list(range(len(ids))))
         assert torch.equal(rep.responses, b.responses), "the replay recorded other tokens than it was given"
-        dr = (b.rollout_logprobs.to(ref.device) - rep.rollout_logprobs.to(ref.device)).abs()[m].float()
         same_route = None
         if b.meta.get("kv_cache_layout") == "packed":  # the packed tokens through the simulated cache, same route
-            from parity.rollout import cuda_decode as cdm
-            cdm._PACKED_KV = False
+            cuda_decode._PACKED_KV = False
             try:
                 sim = eng.cuda_decoder.replay(ids, spec, b.responses, prompt_ids=list(range(len(ids))))
             finally:
-                cdm._PACKED_KV = True
-            ds = (b.rollout_logprobs.to(ref.device) - sim.rollout_logprobs.to(ref.device)).abs()[m].float()
-            same_route = {"mean_abs_dlogp": float(ds.mean()), "p99": float(ds.quantile(0.99)), "max": float(ds.max()),
+                cuda_decode._PACKED_KV = True
+            same_route = {**gap(b.rollout_logprobs, sim.rollout_logprobs, m),
                           "replay_kv_cache_layout": sim.meta.get("kv_cache_layout")}
-            print(f"{'':34s} packed vs the simulated cache on the same route and tokens: mean {float(ds.mean()):.5f} "
-                  f"max {float(ds.max()):.3f}", flush=True)
-        rows[label] = {"vs_simulated_cache_same_route": same_route, "tokens": int(d.numel()), "mean_abs_dlogp": float(d.mean()), "p99": float(d.quantile(0.99)),
-                       "max": float(d.max()), "vs_replay": {"mean_abs_dlogp": float(dr.mean()),
-                                                           "p99": float(dr.quantile(0.99)), "max": float(dr.max())},
+            print(f"{'':34s} packed vs the simulated cache on the same route and tokens: mean "
+                  f"{same_route['mean_abs_dlogp']:.5f} max {same_route['max']:.3f}", flush=True)
+        vs_replay = gap(b.rollout_logprobs, rep.rollout_logprobs, m)
+        rows[label] = {**gap(b.rollout_logprobs, ref, m), "vs_replay": vs_replay,
+                       "vs_simulated_cache_same_route": same_route,
                        "decode_path": b.meta.get("decode_path", "plain loop"),
-                       "kv_cache_layout": b.meta.get("kv_cache_layout"),
-                       "kv_kernel": b.meta.get("kv_kernel")}
+                       "kv_cache_layout": b.meta.get("kv_cache_layout"), "kv_kernel": b.meta.get("kv_kernel")}
         print(f"{label:34s} tokens {rows[label]['tokens']:5d}  vs forward: mean {rows[label]['mean_abs_dlogp']:.5f}  "
-              f"p99 {rows[label]['p99']:.4f}  max {rows[label]['max']:.3f};  vs replay: mean {float(dr.mean()):.5f}  "
-              f"max {float(dr.max()):.3f}  [{rows[label]['decode_path']}, {rows[label]['kv_cache_layout']}]  "
-              f"({time.time() - t:.0f} s)", flush=True)
+              f"p99 {rows[label]['p99']:.4f}  max {rows[label]['max']:.3f};  vs replay: mean "
+              f"{vs_replay['mean_abs_dlogp']:.5f}  max {vs_replay['max']:.3f}  [{rows[label]['decode_path']}, "
+              f"{rows[label]['kv_cache_layout']}]  ({time.time() - t:.0f} s)", flush=True)
     bf16 = rows["bf16"]["vs_replay"]["mean_abs_dlogp"]
     bf16_forward = rows["bf16"]["mean_abs_dlogp"]
     one_format = {label: {"mean_abs_dlogp_vs_replay": r["vs_replay"]["mean_abs_dlogp"], "bf16_same_measure": bf16,
