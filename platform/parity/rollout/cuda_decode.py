@@ -25,7 +25,7 @@ from the plain loop, and why:
   from the modules at every call): at batch 64 every product is latency-bound, so five products a layer cost
   less than seven, and the INT8 path quantizes each input once. Projections of different formats stay apart.
 - A simulated product (W4A4 and other mixed formats: both sides fake-quantized, a float32 product) multiplies by
-  its float32 weight computed once a call (`_Prepared`, refreshed like the stacks) instead of dequantizing the
+  its float32 weight computed once a call (`decode_weights._Prepared`, refreshed like the stacks) instead of dequantizing the
   codes inside every product of every step: the same numbers, 40 fewer kernels a decode step for the 8-layer
   Countdown model.
 - Decode attention is grouped-query attention written as two batched matmuls over the cache (the query
