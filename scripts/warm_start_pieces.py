@@ -3,6 +3,9 @@ travel (docs/study/grpo_study.md, "Reproducing").
 
     python scripts/warm_start_pieces.py export MODEL_DIR OUT_DIR   # round the weights to bfloat16 in place, then
                                                                    # write OUT_DIR/warm.tar.part00, part01, ...
+    python scripts/warm_start_pieces.py exact MODEL_DIR OUT_DIR    # the folder as it is, float32 unrounded: for a
+                                                                   # warm start that runs already started from (twice
+                                                                   # the bytes: two calls' worth of carry)
     python scripts/warm_start_pieces.py pack PIECES_DIR OUT_DIR    # the same pieces xz-compressed (warm.tar.xz.part*):
                                                                    # about 70% of the bytes, to carry to a job beside the
                                                                    # repository (the device's tree limit); slow, so done
@@ -13,7 +16,7 @@ travel (docs/study/grpo_study.md, "Reproducing").
 prepare.json's weights_sha256 updated): every run of the study, in this job and in later ones, then starts from
 exactly these weights, and the pieces carry them in bfloat16, half the bytes, without loss. `import` writes the
 model folder back with the same float32 file (its hash is checked against prepare.json), from plain or packed
-pieces."""
+pieces, rounded or exact."""
 
 from __future__ import annotations
 
@@ -31,6 +34,13 @@ PIECE = 15 * 2**20  # below the 16 MiB a returned file may have
 
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _write_pieces(blob: bytes, out: Path, stem: str) -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    for i in range(0, len(blob), PIECE):
+        (out / f"{stem}.part{i // PIECE:02d}").write_bytes(blob[i:i + PIECE])
+    return -(-len(blob) // PIECE)
 
 
 def export(model_dir: Path, out: Path) -> None:
@@ -59,11 +69,24 @@ def export(model_dir: Path, out: Path) -> None:
             else:
                 tar.add(str(f), arcname=f"{model_dir.name}/{f.name}")
     blob = buf.getvalue()
-    out.mkdir(parents=True, exist_ok=True)
-    for i in range(0, len(blob), PIECE):
-        (out / f"warm.tar.part{i // PIECE:02d}").write_bytes(blob[i:i + PIECE])
-    print(json.dumps({"model": model_dir.name, "bytes": len(blob), "pieces": -(-len(blob) // PIECE),
-                      "weights_sha256": info["weights_sha256"]}))
+    n = _write_pieces(blob, out, "warm.tar")
+    print(json.dumps({"model": model_dir.name, "bytes": len(blob), "pieces": n, "weights_sha256": info["weights_sha256"]}))
+
+
+def exact(model_dir: Path, out: Path) -> None:
+    """The model folder in pieces as it is: the float32 weights unrounded, prepare.json's hash theirs. For a warm
+    start that runs have already started from without export's rounding, so later runs start from the same."""
+    want = json.loads((model_dir / "prepare.json").read_text())["weights_sha256"]
+    got = _sha256(model_dir / "model.safetensors")
+    if got != want:
+        raise ValueError(f"{model_dir}: weights hash {got} differs from prepare.json's {want}")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for f in sorted(model_dir.iterdir()):
+            tar.add(str(f), arcname=f"{model_dir.name}/{f.name}")
+    blob = buf.getvalue()
+    n = _write_pieces(blob, out, "warm.tar")
+    print(json.dumps({"model": model_dir.name, "bytes": len(blob), "pieces": n, "weights_sha256": got}))
 
 
 def _blob(pieces: Path, pattern: str) -> bytes:
@@ -76,10 +99,7 @@ def _blob(pieces: Path, pattern: str) -> bytes:
 def pack(pieces: Path, out: Path) -> None:
     """Plain pieces (warm.tar.part*) to xz-compressed ones (warm.tar.xz.part*), same tar inside."""
     blob = lzma.compress(_blob(pieces, "warm.tar.part*"), preset=9 | lzma.PRESET_EXTREME)
-    out.mkdir(parents=True, exist_ok=True)
-    for i in range(0, len(blob), PIECE):
-        (out / f"warm.tar.xz.part{i // PIECE:02d}").write_bytes(blob[i:i + PIECE])
-    print(json.dumps({"bytes": len(blob), "pieces": -(-len(blob) // PIECE)}))
+    print(json.dumps({"bytes": len(blob), "pieces": _write_pieces(blob, out, "warm.tar.xz")}))
 
 
 def restore(pieces: Path, models: Path) -> None:
@@ -97,9 +117,10 @@ def restore(pieces: Path, models: Path) -> None:
         tar.extractall(models, filter="data")
     d = models / top
     half = d / "model.bf16.safetensors"
-    save_file({k: v.to(torch.float32) if v.dtype == torch.bfloat16 else v for k, v in load_file(str(half)).items()},
-              str(d / "model.safetensors"), metadata={"format": "pt"})
-    half.unlink()
+    if half.exists():  # export's pieces; exact's hold model.safetensors itself
+        save_file({k: v.to(torch.float32) if v.dtype == torch.bfloat16 else v for k, v in load_file(str(half)).items()},
+                  str(d / "model.safetensors"), metadata={"format": "pt"})
+        half.unlink()
     want = json.loads((d / "prepare.json").read_text())["weights_sha256"]
     got = _sha256(d / "model.safetensors")
     if got != want:
@@ -109,7 +130,7 @@ def restore(pieces: Path, models: Path) -> None:
 
 if __name__ == "__main__":
     verb, a, b = sys.argv[1:4]
-    verbs = {"export": export, "pack": pack, "import": restore}
+    verbs = {"export": export, "exact": exact, "pack": pack, "import": restore}
     if verb not in verbs:
         sys.exit(f"warm_start_pieces.py: unknown verb {verb!r}; expected one of {', '.join(verbs)}")
     verbs[verb](Path(a), Path(b))

@@ -53,3 +53,24 @@ def test_import_names_a_folder_without_pieces(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="warm.tar.part"):
         pieces_mod.restore(tmp_path / "empty", tmp_path / "models")
+
+
+def test_exact_pieces_restore_the_unrounded_weights(tmp_path, monkeypatch):
+    monkeypatch.setattr(pieces_mod, "PIECE", 100_000)
+    d = _model_dir(tmp_path)
+    info = json.loads((d / "prepare.json").read_text())
+    info["weights_sha256"] = pieces_mod._sha256(d / "model.safetensors")
+    (d / "prepare.json").write_text(json.dumps(info))
+    original = load_file(str(d / "model.safetensors"))
+    pieces_mod.exact(d, tmp_path / "exact")
+    assert len(list((tmp_path / "exact").glob("warm.tar.part*"))) > 1
+    assert torch.equal(load_file(str(d / "model.safetensors"))["w"], original["w"])  # the source left as it was
+    pieces_mod.restore(tmp_path / "exact", tmp_path / "restored")
+    w = load_file(str(tmp_path / "restored" / "tiny-abc" / "model.safetensors"))
+    assert torch.equal(w["w"], original["w"]) and w["w"].dtype == torch.float32  # not rounded to bfloat16
+
+
+def test_exact_refuses_weights_that_differ_from_prepare_json(tmp_path):
+    d = _model_dir(tmp_path)  # prepare.json says "before"
+    with pytest.raises(ValueError, match="differs from prepare.json"):
+        pieces_mod.exact(d, tmp_path / "exact")
