@@ -21,6 +21,13 @@
 #          scripts/gpu_study_job.sh JOB_SECONDS PRESET "STUDY ARGS" [...]
 set -u
 budget=$1; preset=$2; shift 2
+# The job runs from its own copy of the tree (the carried .gpucarry with it): a later call to the machine copies the
+# working tree afresh and drops a carried folder it does not name again, which would pull packages from under
+# processes still starting. Paths into the tree given in WARM_IMPORT or THROUGHPUT_OLD follow the copy.
+orig=$PWD; copy=$(mktemp -d /tmp/parity-job.XXXXXX)/tree
+cp -r "$orig" "$copy" && cd "$copy" || { echo "could not copy the tree to $copy"; exit 1; }
+[ -n "${WARM_IMPORT:-}" ] && WARM_IMPORT=${WARM_IMPORT/#$orig/$copy}
+[ -n "${THROUGHPUT_OLD:-}" ] && THROUGHPUT_OLD=${THROUGHPUT_OLD/#$orig/$copy}
 export PYTHONPATH=$PWD/platform:$PWD/.gpucarry/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 out=${OUT:-/tmp/out}; po=/tmp/po; logs=$po/joblogs; mkdir -p "$out" $logs
 t0=$(date +%s)
