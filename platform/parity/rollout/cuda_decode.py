@@ -415,7 +415,9 @@ class CudaDecoder:
         fns = st.extras.get("prefill_fns")
         if fns is None:
             fns = eager
-            if _PREFILL == "compiled" and compile_layers and (self.engine.kv_codec is None or "packed" in st.extras):
+            # every cache layout takes the compiled halves (a simulated cache's codec roundtrip runs eagerly between
+            # them): the packed and the simulated cache then differ in the cache and its attention alone
+            if _PREFILL == "compiled" and compile_layers:
                 if self._prefill_fns is None:
                     self._prefill_fns = (torch.compile(_prefill_pre, fullgraph=True),
                                          torch.compile(_prefill_post, fullgraph=True))
