@@ -43,6 +43,21 @@ def _write_pieces(blob: bytes, out: Path, stem: str) -> int:
     return -(-len(blob) // PIECE)
 
 
+def _tar(model_dir: Path, weights: tuple[str, bytes] | None = None) -> bytes:
+    """The model folder as one tar under its own name; `weights` (member name, bytes), when given, stands in for
+    model.safetensors."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for f in sorted(model_dir.iterdir()):
+            if weights is not None and f.name == "model.safetensors":
+                ti = tarfile.TarInfo(f"{model_dir.name}/{weights[0]}")
+                ti.size = len(weights[1])
+                tar.addfile(ti, io.BytesIO(weights[1]))
+            else:
+                tar.add(str(f), arcname=f"{model_dir.name}/{f.name}")
+    return buf.getvalue()
+
+
 def export(model_dir: Path, out: Path) -> None:
     import torch
     from safetensors.torch import load_file, save_file
@@ -54,21 +69,10 @@ def export(model_dir: Path, out: Path) -> None:
     info = json.loads((model_dir / "prepare.json").read_text())
     info.update(weights_sha256=_sha256(weights), weights_rounded_to="bfloat16")
     (model_dir / "prepare.json").write_text(json.dumps(info, indent=1))
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for f in sorted(model_dir.iterdir()):
-            if f.name == "model.safetensors":
-                with tempfile.TemporaryDirectory() as tmp:  # its own file: several exports may run at once
-                    half = Path(tmp) / "bf16.safetensors"
-                    save_file({k: v.to(torch.bfloat16) if v.dtype == torch.float32 else v for k, v in rounded.items()},
-                              str(half))
-                    data = half.read_bytes()
-                ti = tarfile.TarInfo(f"{model_dir.name}/model.bf16.safetensors")
-                ti.size = len(data)
-                tar.addfile(ti, io.BytesIO(data))
-            else:
-                tar.add(str(f), arcname=f"{model_dir.name}/{f.name}")
-    blob = buf.getvalue()
+    with tempfile.TemporaryDirectory() as tmp:  # its own file: several exports may run at once
+        half = Path(tmp) / "bf16.safetensors"
+        save_file({k: v.to(torch.bfloat16) if v.dtype == torch.float32 else v for k, v in rounded.items()}, str(half))
+        blob = _tar(model_dir, ("model.bf16.safetensors", half.read_bytes()))
     n = _write_pieces(blob, out, "warm.tar")
     print(json.dumps({"model": model_dir.name, "bytes": len(blob), "pieces": n, "weights_sha256": info["weights_sha256"]}))
 
@@ -80,11 +84,7 @@ def exact(model_dir: Path, out: Path) -> None:
     got = _sha256(model_dir / "model.safetensors")
     if got != want:
         raise ValueError(f"{model_dir}: weights hash {got} differs from prepare.json's {want}")
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for f in sorted(model_dir.iterdir()):
-            tar.add(str(f), arcname=f"{model_dir.name}/{f.name}")
-    blob = buf.getvalue()
+    blob = _tar(model_dir)
     n = _write_pieces(blob, out, "warm.tar")
     print(json.dumps({"model": model_dir.name, "bytes": len(blob), "pieces": n, "weights_sha256": got}))
 

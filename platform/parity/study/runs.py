@@ -21,8 +21,8 @@ from typing import Any
 
 from parity.config import load_config
 from parity.errors import ParityError
-from parity.models.prepare import resolve_model_dir
 from parity.study.members import RunSpec
+from parity.training.warm_start import built_model
 from parity.training.warm_start import prepare_model as prepare_start_model
 
 # per-step metrics kept in study.json (the rest stay in each run's metrics.jsonl)
@@ -176,12 +176,12 @@ def prepare_model(base: list[str], outputs_dir: str, env_threads: int, in_proces
     """Build the shared warm start once, before the runs start (every run would otherwise race to build it). A
     build runs in a process of its own (its own thread count); a warm start already built is read here, without
     starting one (a study re-run or a second part begins at once)."""
-    if in_process:
-        return prepare_start_model(load_config([f"outputs_dir={outputs_dir}", *base]))
     cfg = load_config([f"outputs_dir={outputs_dir}", *base])
-    target = resolve_model_dir(cfg)
-    if cfg.model.source == "hf" or cfg.model.path or (Path(target) / "prepare.json").is_file():
+    if in_process:
         return prepare_start_model(cfg)
+    built = built_model(cfg)
+    if built is not None:
+        return built
     env = dict(os.environ, OMP_NUM_THREADS=str(env_threads), PYTHONUNBUFFERED="1")
     p = subprocess.run([sys.executable, "-m", "parity", "prepare", f"outputs_dir={outputs_dir}", *base],
                        env=env, capture_output=True, text=True)

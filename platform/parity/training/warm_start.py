@@ -29,17 +29,22 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def prepare_model(cfg: ParityConfig) -> dict:
-    """The run's starting model: {"model_dir", "cached", ...the warm start's record (prepare.json)}."""
+def built_model(cfg: ParityConfig) -> dict | None:
+    """The run's starting model when nothing has to be built (a checkpoint given, or a warm start already
+    cached): {"model_dir", "cached": True, ...prepare.json}; None when the warm start is still to build."""
     target = resolve_model_dir(cfg)
     if cfg.model.source == "hf" or cfg.model.path:
         return {"model_dir": str(target), "cached": True}
-    target = Path(target)
-    done = target / "prepare.json"
+    done = Path(target) / "prepare.json"
     if done.is_file():
-        info = json.loads(done.read_text())
-        return {"model_dir": str(target), "cached": True, **info}
-    return _build_tiny(cfg, target)
+        return {"model_dir": str(target), "cached": True, **json.loads(done.read_text())}
+    return None
+
+
+def prepare_model(cfg: ParityConfig) -> dict:
+    """The run's starting model: {"model_dir", "cached", ...the warm start's record (prepare.json)}."""
+    built = built_model(cfg)
+    return built if built is not None else _build_tiny(cfg, Path(resolve_model_dir(cfg)))
 
 
 def _build_tiny(cfg: ParityConfig, target: Path) -> dict:
