@@ -254,8 +254,9 @@ def test_grpo_laptop_quick_study_with_the_duals(tmp_path) -> None:
     merged = main(["--preset", "laptop", "--merge", str(out / "study.json"), "--arms", "dual_centered", "--out",
                    str(tmp_path / "merged")])
     assert merged["runs"] == 1
-    assert [r["arm"] for r in json.loads((tmp_path / "merged" / "study.json").read_text())["runs"]] == [
-        "w4a4+int4kv / dual_centered / grpo"]
+    merged_study = json.loads((tmp_path / "merged" / "study.json").read_text())
+    assert [r["arm"] for r in merged_study["runs"]] == ["w4a4+int4kv / dual_centered / grpo"]
+    assert merged_study["date"] == study["date"] and merged_study["wall_s"] == round(study["wall_s"], 1)
 
 
 def test_deployed_model_evaluated_at_its_steps_and_the_larger_final_evaluation(tmp_path) -> None:
@@ -306,6 +307,11 @@ def test_lost_the_gain_by_hand() -> None:
            "evals": {"heldout_unquantized": [[st, v + d] for st, v in curve]}} for s, d in ((0, -.01), (1, .01))]
     assert arm_lost_gain_step(rs) == 60
     assert "at step 60, where the uncorrected arm w / none lost its gain" in lost_gain_tables(rs)
+    # a second uncorrected arm that loses its gain at the same step shares the one table of that step
+    rs2 = rs + [{**r, "arm": "d / none", "labels": {"source": "d", "correction": "none"}} for r in rs]
+    text = lost_gain_tables(rs2)
+    assert text.count("| arm | held-out at step 60 |") == 1
+    assert "where the uncorrected arms w / none and d / none lost their gain" in text
 
 
 def test_early_warning_leads_and_false_alarms_by_hand() -> None:

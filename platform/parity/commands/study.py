@@ -167,7 +167,10 @@ def merge(a: argparse.Namespace, argv: list[str], out: Path) -> dict:
     runs = {r["name"]: r for part in parts for r in part["runs"]
             if (not words or any(w in r["arm"] for w in words)) and (seeds is None or r["seed"] in seeds)}
     first = parts[0]
+    dates = sorted({p["date"] for p in parts if p.get("date")})
     study = {**{k: v for k, v in first.items() if k not in ("runs", "arms")},
+             "date": " to ".join(dict.fromkeys((dates[0], dates[-1]))) if dates else first.get("date"),
+             "wall_s": round(sum(p.get("wall_s") or 0 for p in parts), 1),  # the parts' wall times together
              "command": "python -m parity study " + " ".join(shlex.quote(x) for x in argv),
              "parts": [{"file": str(f), "command": p.get("command"), "date": p.get("date"), "host": p.get("host"),
                         "runs": [r["name"] for r in p["runs"]]} for f, p in zip(a.merge, parts, strict=True)],

@@ -292,13 +292,17 @@ def final_table(results: list[dict]) -> str:
 
 def lost_gain_tables(results: list[dict]) -> str:
     """The arms compared again at each step where an uncorrected arm's seed-mean curve lost its gain."""
-    parts = []
+    by_step: dict[int, list[str]] = {}
     for arm, rs in group_by_arm(results).items():
         if rs[0].get("labels", {}).get("correction") != "none":
             continue
         step = arm_lost_gain_step(rs)
         if step is not None:
-            parts.append(gains_table(results, step, f"where the uncorrected arm {arm} lost its gain"))
+            by_step.setdefault(step, []).append(arm)
+    parts = []
+    for step, arms in sorted(by_step.items()):  # one table a step, naming every arm that lost its gain there
+        which = f"arm {arms[0]} lost its gain" if len(arms) == 1 else f"arms {' and '.join(arms)} lost their gain"
+        parts.append(gains_table(results, step, f"where the uncorrected {which}"))
     return "\n".join(parts)
 
 
