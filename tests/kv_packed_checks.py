@@ -260,3 +260,16 @@ def teacher_forced_logprobs(eng, b, temperature: float, rows_per_forward: int = 
             lp = torch.log_softmax(logits / temperature, -1).gather(-1, resp[..., None])[..., 0]
         out.append(lp * b.response_mask[rows].to(eng.device))
     return torch.cat(out)
+
+
+def write_small_qwen3(d) -> None:
+    """A small random Qwen3 with the 0.6B model's head_dim (128) and grouped-query attention (4 heads, 2 KV) saved
+    to folder `d` (the CUDA tests' model)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    # initializer_range 0.1: logits of a few units, so a wrong attention moves log-probs by far more than rounding
+    cfg = Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=128, max_position_embeddings=512,
+                      tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=0,
+                      initializer_range=0.1)
+    Qwen3ForCausalLM(cfg).save_pretrained(str(d))

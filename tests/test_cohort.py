@@ -20,12 +20,13 @@ from tests.test_cpu_lanes import _threads
 FIELDS = ("prompts", "prompt_mask", "responses", "response_mask", "truncated", "group_ids", "prompt_ids", "topk_ids")
 
 
-def _engines(model_dir, precision, n: int = 3) -> list[TorchEngine]:
+def _engines(model_dir, precision, n: int = 3, device: str = "cpu", dtype: torch.dtype = torch.float32
+             ) -> list[TorchEngine]:
     """n engines of the model, engine i's weights moved by 2% of their size along a direction drawn from seed i
     (engine 0 keeps the warm start), through the engine's own weight sync (re-quantizing where it quantizes)."""
     out = []
     for i in range(n):
-        eng = TorchEngine(model_dir, precision=precision, dtype=torch.float32, share_prefill=False)
+        eng = TorchEngine(model_dir, precision=precision, dtype=dtype, device=device, share_prefill=False)
         if i:
             ref = TorchEngine(model_dir, dtype=torch.float32)
             g = torch.Generator().manual_seed(100 + i)

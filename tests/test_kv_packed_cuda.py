@@ -31,6 +31,7 @@ from tests.kv_packed_checks import (  # noqa: E402
     check_pre_attention,
     check_write_and_values,
     teacher_forced_logprobs,
+    write_small_qwen3,
 )
 
 CUDA = torch.device("cuda")
@@ -123,15 +124,8 @@ def test_self_check_passes(kind, hadamard):
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A small random Qwen3 with the 0.6B model's head_dim (128) and grouped-query attention (4 heads, 2 KV)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
     d = tmp_path_factory.mktemp("kv_packed_cuda_model")
-    torch.manual_seed(0)
-    # initializer_range 0.1: logits of a few units, so a wrong attention moves log-probs by far more than rounding
-    cfg = Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=128, max_position_embeddings=512,
-                      tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=0,
-                      initializer_range=0.1)
-    Qwen3ForCausalLM(cfg).save_pretrained(str(d))
+    write_small_qwen3(d)
     return d
 
 
