@@ -1,0 +1,49 @@
+"""The side-by-side bench's step-0 check (tests/bench/gpu_study_throughput.py, step0_exact_eval), by hand: the
+held-out evaluation of one warm start is one computation repeated in every run of a phase, so the two phases'
+means are compared against their own spread, not for exact equality."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "bench"))
+from gpu_study_throughput import step0_exact_eval  # noqa: E402
+
+
+def _phase(values: list[float], key: str = "eval/accuracy_unquantized") -> dict:
+    return {"runs": [{"rows": {"0": {key: v}}} for v in values]}
+
+
+def test_step0_check_by_hand() -> None:
+    u = 1 / 512  # one sample of 128 problems x 4
+    old = _phase([160 * u, 160 * u, 159 * u, 161 * u])
+    new = _phase([160 * u, 158 * u, 160 * u, 160 * u])
+    r = step0_exact_eval(old, new)
+    # means 160u and 159.5u; sample variances (0 + 0 + 1 + 1) u^2 / 3 = 2/3 u^2 and (.25 + 2.25 + .25 + .25) u^2 / 3
+    # = 1 u^2; se of the difference sqrt(2/3 / 4 + 1 / 4) u = sqrt(5/12) u; the grid's step u; the bound
+    # 2 sqrt(5/12) u + u = 2.29u against a difference of 0.5u
+    assert r["diff"] == pytest.approx(-0.5 * u) and r["se_diff"] == pytest.approx((5 / 12) ** 0.5 * u)
+    assert r["one_sample"] == pytest.approx(u) and r["within_noise"] is True
+    # the same spread around a mean five samples lower: a changed computation
+    shifted = _phase([155 * u, 153 * u, 155 * u, 155 * u])
+    assert step0_exact_eval(old, shifted)["within_noise"] is False
+    # the bf16 arm logs its exact-engine evaluation as eval/accuracy: read too
+    mixed = {"runs": old["runs"] + _phase([160 * u], "eval/accuracy")["runs"]}
+    assert len(step0_exact_eval(mixed, new)["old"]) == 5
+    # fewer than two evaluations a phase: no verdict, and a reason
+    r = step0_exact_eval(_phase([160 * u]), new)
+    assert r["within_noise"] is None and "fewer than two" in r["why"]
+
+
+def test_step0_check_on_a_measured_side_by_side() -> None:
+    """The phases of 2026-12-03 on one H200 (old tree 5aee8cb, new 483ca94 under MPS): not one step-0 value equal in
+    the exact sense for several runs, yet the means within the phases' own noise."""
+    d = json.loads((ROOT / "docs" / "perf_runs" / "2026-12-03_study_throughput_mps.json").read_text())
+    r = step0_exact_eval(d["old"], d["new"])
+    assert not d["fixed_inputs"]["all_equal"] and len(r["old"]) == len(r["new"]) == 16
+    assert r["within_noise"] is True and r["one_sample"] == pytest.approx(1 / 512)
