@@ -131,3 +131,51 @@ def test_trainer_step_same_with_and_without_shared_prefix(quick_cfg, prepared_mo
         assert out["on"][key] == pytest.approx(out["off"][key], rel=1e-9, abs=1e-12), key
     for k in weights["on"]:
         assert torch.allclose(weights["on"][k], weights["off"][k], atol=1e-12, rtol=0), k
+
+
+def test_padded_batch_keeps_every_real_token_in_place() -> None:
+    b = _batch()
+    b.topk_ids = torch.zeros(9, 6, 2, dtype=torch.int32)
+    b.topk_logprobs = torch.full((9, 6, 2), -1.5)
+    p = b.padded(4, pad_id=0)
+    assert p.prompts.shape == (9, 8) and p.responses.shape == (9, 8) and p.topk_ids.shape == (9, 8, 2)
+    assert torch.equal(p.prompts[:, 1:], b.prompts) and not p.prompt_mask[:, 0].any()  # one column on the left
+    assert torch.equal(p.responses[:, :6], b.responses) and not p.response_mask[:, 6:].any()  # two on the right
+    assert (p.topk_ids[:, 6:] == -1).all() and (p.rollout_logprobs[:, 6:] == 0).all()
+    assert torch.equal(p.input_ids[p.attention_mask], b.input_ids[b.attention_mask])
+    assert b.padded(2) is not b and b.padded(1) is b  # widths 7 and 6: a multiple of 1 needs nothing
+    with pytest.raises(ValueError, match="multiple must be >= 1"):
+        b.padded(0)
+
+
+def test_trainer_step_same_with_a_padded_batch(quick_cfg, prepared_model):
+    """trainer.pad_to_multiple: the step on a batch padded to multiples of 8 tokens (the full forward, shared prefix
+    off) gives the loss, gradient norm and updated weights of the unpadded step, in float64."""
+    from parity.training.trainer import build_trainer
+
+    batch = _batch()
+    batch.rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0])
+    out, weights = {}, {}
+    for multiple in (0, 8):
+        model = _model("qwen3")
+        cfg = quick_cfg("model.dtype=float32", "trainer.shared_prefix=off", "trainer.micro_batch_size=4",
+                        f"trainer.pad_to_multiple={multiple}")
+        tr = build_trainer(model, cfg, torch.device("cpu"))
+        tr.compute_dtype = torch.float64
+        tr._autocast = contextlib.nullcontext  # type: ignore[method-assign]
+        assert batch.prompts.shape == (9, 7)  # the caller's batch is not padded in place
+        out[multiple] = tr.step(batch)
+        weights[multiple] = {k: p.detach().clone() for k, p in model.named_parameters()}
+    # masked keys add exact zeros to the attention (float64); the head's per-token log-probs are float32, and a sum
+    # over them meets the padded positions' zeros in other places of its summation tree: a few float32 ulps
+    # (2^-24 = 6e-8 relative each) in the loss and the gradient; 1e-6 relative bounds ten of them
+    for key in ("train/loss", "train/grad_norm", "mismatch/k1_kl", "response/length_mean"):
+        assert out[8][key] == pytest.approx(out[0][key], rel=1e-6, abs=1e-12), key
+    for k in weights[0]:
+        torch.testing.assert_close(weights[8][k], weights[0][k], rtol=1e-6, atol=1e-9, msg=k)
+
+
+def test_a_negative_pad_multiple_is_refused_naming_the_key(quick_cfg):
+    from parity.config.validate import ConfigError
+    with pytest.raises(ConfigError, match="trainer.pad_to_multiple"):
+        quick_cfg("trainer.pad_to_multiple=-1")

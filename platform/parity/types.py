@@ -75,6 +75,34 @@ class RolloutBatch:
                 out[f.name] = v
         return replace(self, **out)
 
+    def padded(self, multiple: int, pad_id: int = 0) -> RolloutBatch:
+        """The batch with its prompts left-padded and its responses right-padded to the next multiple of `multiple`
+        tokens (padded positions masked: prompt_mask and response_mask False, log-prob 0, top-K id -1 and log-prob
+        0); the same batch when both widths are multiples already. Not for a batch with MoE routing (its replay
+        is laid out by position)."""
+        if multiple < 1:
+            raise ValueError(f"padded: multiple must be >= 1, got {multiple}")
+        P, R = self.prompts.shape[1], self.responses.shape[1]
+        dp, dr = -P % multiple, -R % multiple
+        if not (dp or dr):
+            return self
+        if self.routed_experts is not None:
+            raise ValueError("padded: a batch with MoE routing replay keeps its widths (trainer.pad_to_multiple=0)")
+        b = self.batch_size
+
+        def right(t: torch.Tensor | None, value: float) -> torch.Tensor | None:
+            if t is None or not dr:
+                return t
+            return torch.cat([t, t.new_full((b, dr, *t.shape[2:]), value)], dim=1)
+
+        def left(t: torch.Tensor, value: float) -> torch.Tensor:
+            return torch.cat([t.new_full((b, dp), value), t], dim=1) if dp else t
+
+        return replace(self, prompts=left(self.prompts, pad_id), prompt_mask=left(self.prompt_mask, False),
+                       responses=right(self.responses, pad_id), response_mask=right(self.response_mask, False),
+                       rollout_logprobs=right(self.rollout_logprobs, 0.0), topk_ids=right(self.topk_ids, -1),
+                       topk_logprobs=right(self.topk_logprobs, 0.0))
+
     def to(self, device: torch.device | str) -> RolloutBatch:
         out = {f.name: getattr(self, f.name).to(device) for f in fields(self)
                if isinstance(getattr(self, f.name), torch.Tensor)}

@@ -283,6 +283,11 @@ class TrainerConfig:
     # sums' rounding), so a fixed number, not the machine's cores; 1 = off. Not with gradient_checkpointing,
     # compile_layers, MoE routing replay or the data-parallel trainer
     cpu_lanes: int = 2
+    # pad each step's batch, prompts (on the left) and responses (on the right), to a multiple of this many tokens,
+    # padded positions masked: a compiled trainer then meets a few batch shapes instead of a new one most steps, so
+    # compile_mode=reduce-overhead replays its recorded CUDA graphs instead of recording again (RL batches vary in
+    # length). The same loss and gradients up to the order of the attention's sums; more tokens to compute. 0 = off
+    pad_to_multiple: int = 0
 
 
 @dataclass

@@ -24,6 +24,7 @@ def validate_config(cfg: DictConfig) -> None:
     _check(t.micro_batch_size >= 1, "trainer.micro_batch_size", f"must be >= 1, got {t.micro_batch_size}")
     _check(t.mini_batches >= 1, "trainer.mini_batches", f"must be >= 1, got {t.mini_batches}")
     _check(t.cpu_lanes >= 1, "trainer.cpu_lanes", f"must be >= 1 (1 = off), got {t.cpu_lanes}")
+    _check(t.pad_to_multiple >= 0, "trainer.pad_to_multiple", f"must be >= 0 (0 = off), got {t.pad_to_multiple}")
     _check(t.grad_clip > 0, "trainer.grad_clip", f"must be > 0, got {t.grad_clip}")
     _check(t.max_bad_steps >= 1, "trainer.max_bad_steps", f"must be >= 1, got {t.max_bad_steps}")
     _check(t.compile_mode in ("default", "reduce-overhead"), "trainer.compile_mode",

@@ -196,6 +196,8 @@ class Trainer:
 
     def step(self, batch: RolloutBatch) -> dict[str, float]:
         self.model.train()
+        if self.tcfg.pad_to_multiple:  # a few batch shapes for a compiled trainer (its CUDA graphs replay)
+            batch = batch.padded(self.tcfg.pad_to_multiple, int(getattr(self.model.config, "pad_token_id", 0) or 0))
         adv = compute_advantages(self.alg.adv_estimator, batch.rewards.float(), batch.group_ids,
                                  norm_by_std=self.alg.norm_adv_by_std)
         metrics = StepMetrics()
