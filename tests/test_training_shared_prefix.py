@@ -1,7 +1,7 @@
 """The shared-prefix trainer forward (parity.training.shared_prefix) against the model's own full forward, in
 float64: hidden states at every response position and the gradients of every parameter, for dense and MoE Qwen3,
 prompts of different lengths (left padding), responses of different lengths (EOS before the end); and a whole
-trainer step with it on and off."""
+trainer step with it on and off, and on a batch padded to fixed multiples (trainer.pad_to_multiple)."""
 
 from __future__ import annotations
 
