@@ -236,7 +236,8 @@ def step0_exact_eval(old: dict, new: dict) -> dict:
     each process the repeats differ by a sample or two (a flipped token re-samples the rest of its response), so
     exact equality across phases says nothing. This compares the two phases' means of that one computation
     against their own spread: `within_noise` when they differ by at most two standard errors of the difference
-    plus one sample of the evaluation (1 / (problems x samples), read from the values' grid when not given)."""
+    plus one sample of the evaluation (1 / (problems x samples), read from the values' grid: their smallest
+    nonzero difference)."""
     def values(ph: dict) -> list[float]:
         vals = []
         for r in ph["runs"]:

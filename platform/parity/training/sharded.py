@@ -157,8 +157,7 @@ class ShardedTrainer(Trainer):
         return old
 
     def step(self, batch: RolloutBatch) -> dict[str, float]:
-        if self.tcfg.pad_to_multiple:  # padded here already, so the ranks' bookkeeping sees the widths the step does
-            batch = batch.padded(self.tcfg.pad_to_multiple, int(getattr(self.model.config, "pad_token_id", 0) or 0))
+        batch = self._shaped(batch)  # here already, so the ranks' bookkeeping sees the widths the step does
         self._batch = batch
         try:
             return super().step(batch)

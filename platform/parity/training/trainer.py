@@ -194,10 +194,16 @@ class Trainer:
     def _reduce_step_state(self, metrics: StepMetrics) -> None:
         """Before the step's metrics and the corrections' end_step are computed."""
 
+    def _shaped(self, batch: RolloutBatch) -> RolloutBatch:
+        """The step's batch padded to trainer.pad_to_multiple (a few batch shapes for a compiled trainer, whose CUDA
+        graphs then replay); the batch itself when off or already of those widths."""
+        if not self.tcfg.pad_to_multiple:
+            return batch
+        return batch.padded(self.tcfg.pad_to_multiple, int(getattr(self.model.config, "pad_token_id", 0) or 0))
+
     def step(self, batch: RolloutBatch) -> dict[str, float]:
         self.model.train()
-        if self.tcfg.pad_to_multiple:  # a few batch shapes for a compiled trainer (its CUDA graphs replay)
-            batch = batch.padded(self.tcfg.pad_to_multiple, int(getattr(self.model.config, "pad_token_id", 0) or 0))
+        batch = self._shaped(batch)
         adv = compute_advantages(self.alg.adv_estimator, batch.rewards.float(), batch.group_ids,
                                  norm_by_std=self.alg.norm_adv_by_std)
         metrics = StepMetrics()
