@@ -5,7 +5,9 @@ under CUDA MPS, parity.study.mps). It prints and writes run-steps per second of 
 that the numbers did not move: every run's step-0 row (held-out accuracy of the warm start) and step-1 row (one
 rollout batch from fixed weights and seed, one trainer step on it) against the same run's under the other code,
 for exact equality (which timing-autotuned kernels do not give across processes on a GPU), and the step-0
-evaluation, one computation in every run, as the two phases' means against their own spread (`step0_exact_eval`).
+evaluation, one computation in every run, as the two phases' means against their own spread (`step0_exact_eval`),
+and, after the phases, one trainer step of a few arms on one fixed batch under each tree within the bounds of bf16
+arithmetic (`trainer_step`, tests/bench/fixed_trainer_step.py).
 
     python3 tests/bench/gpu_study_throughput.py --old OLD_TREE/platform --model-dir MODEL \\
         --steps 20 --eval-every 10 --out OUT.json
@@ -257,6 +259,55 @@ def step0_exact_eval(old: dict, new: dict) -> dict:
             "se_diff": se, "one_sample": sample, "within_noise": abs(diff) <= 2 * se + sample}
 
 
+FIXED_STEP = ROOT / "tests" / "bench" / "fixed_trainer_step.py"
+
+
+def fixed_trainer_steps(runs: list[dict], arms: str, old_path: str, new_path: str, new_extra: list[str],
+                        model_dir: str, topk: int, work: Path, timeout_s: float) -> dict:
+    """One trainer step on one fixed batch (sampled by the warm start, tests/bench/fixed_trainer_step.py) per
+    chosen arm under each tree, this tree's with its phase's extra settings, compared within the bounds of bf16
+    arithmetic: the trainer side of "equal on fixed inputs"."""
+    from parity.config import load_config
+    chosen = [r for r in runs if any(r["arm"].startswith(w.strip()) for w in arms.split(",") if w.strip())]
+    if not chosen:
+        return {"checks": [], "all_within": None, "why": f"no arm matches {arms!r}"}
+    cfg = load_config([o for o in chosen[0]["overrides"] if not o.startswith("trainer.run_name=")])
+    d = work / "fixed_step"
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    env = dict(os.environ, PYTHONPATH=new_path, PYTHONUNBUFFERED="1", TORCHINDUCTOR_CACHE_DIR=str(d / "inductor"),
+               TRITON_CACHE_DIR=str(d / "triton"))
+    batch = d / "batch.pt"
+    t0 = time.time()
+    b = subprocess.run([sys.executable, str(FIXED_STEP), "batch", "--model-dir", model_dir,
+                        "--rows", str(cfg.trainer.prompts_per_step * cfg.rollout.n), "--group", str(cfg.rollout.n),
+                        "--max-new", str(cfg.rollout.max_new_tokens), "--topk", str(topk),
+                        "--temperature", str(cfg.rollout.temperature), "--out", str(batch)],
+                       env=env, capture_output=True, text=True, timeout=timeout_s)
+    if b.returncode:
+        return {"checks": [], "all_within": None, "why": "batch: " + b.stderr[-800:]}
+    out = {"batch": json.loads(b.stdout.strip().splitlines()[-1]), "checks": []}
+    for r in chosen:
+        res = {}
+        for tree, path, extra in (("old", old_path, []), ("new", new_path, new_extra)):
+            f = d / f"{r['name']}_{tree}.pt"
+            p = subprocess.run([sys.executable, str(FIXED_STEP), "step", "--model-dir", model_dir, "--batch",
+                                str(batch), "--overrides", json.dumps([*r["overrides"], *extra]), "--out", str(f)],
+                               env=dict(env, PYTHONPATH=path), capture_output=True, text=True, timeout=timeout_s)
+            res[tree] = f if p.returncode == 0 else p.stderr[-800:]
+        if not all(isinstance(v, Path) for v in res.values()):
+            out["checks"].append({"arm": r["arm"], "error": {k: v for k, v in res.items() if not isinstance(v, Path)}})
+            continue
+        c = subprocess.run([sys.executable, str(FIXED_STEP), "compare", str(res["old"]), str(res["new"]), "--json",
+                            str(d / f"{r['name']}_compare.json")], env=env, capture_output=True, text=True)
+        cmp = json.loads((d / f"{r['name']}_compare.json").read_text()) if c.returncode in (0, 1) else \
+            {"within": None, "error": c.stderr[-800:]}
+        out["checks"].append({"arm": r["arm"], **cmp})
+    out["all_within"] = all(c.get("within") is True for c in out["checks"])
+    out["seconds"] = round(time.time() - t0, 1)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--old", help="the earlier tree's platform/ folder (not needed with --solo)")
@@ -282,6 +333,9 @@ def main() -> None:
                     "engine sampling through one rollout server (parity.study.cohorts; `parity study --cohorts`)")
     ap.add_argument("--new-cohort-sm-share", type=int, default=None, metavar="PERCENT",
                     help="with --new-cohorts, the share of the SMs each rollout server may use (default: the runs')")
+    ap.add_argument("--fixed-step-arms", default="bf16 / none,w4a4+int4kv / score_centering / ,w4a4+int4kv / tis",
+                    help="arms (comma-separated name prefixes) whose trainer step on one fixed batch is compared "
+                    "between the trees after the phases (tests/bench/fixed_trainer_step.py); empty: none")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     if a.profile:
@@ -345,6 +399,16 @@ def main() -> None:
         for r in ph["runs"]:
             if r["returncode"] != 0:
                 print(f"  {ph['name']} {r['arm']} exit {r['returncode']}: {(r['log_tail'] or '')[-300:]}", flush=True)
+    if a.fixed_step_arms:
+        fx = fixed_trainer_steps(runs, a.fixed_step_arms, f"{a.old}:{site}", f"{ROOT / 'platform'}:{site}",
+                                 a.new_extra.split(), a.model_dir, PRESETS[a.preset].topk, work, a.timeout)
+        record["fixed_inputs"]["trainer_step"] = fx
+        out.write_text(json.dumps(record, indent=1, default=str))
+        for c in fx["checks"]:
+            print(f"fixed trainer step {c['arm']}: within {c.get('within')} (update rel L2 {c.get('update_rel_l2')}, "
+                  f"differ {c.get('differ')}{'; ' + str(c['error'])[:300] if c.get('error') else ''})", flush=True)
+        if fx.get("why"):
+            print("fixed trainer step:", fx["why"], flush=True)
 
 
 if __name__ == "__main__":

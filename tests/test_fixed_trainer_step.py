@@ -1,0 +1,95 @@
+"""The side-by-side bench's trainer-side fixed-input check (tests/bench/fixed_trainer_step.py): its comparison by
+hand, and one trainer step on a fixed batch sampled by a small model on CPU, the same step computed another way
+(the batch padded to a multiple of tokens) within the bound and a changed step (twice the learning rate) outside it."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "bench"))
+sys.path.insert(0, str(ROOT / "tests"))
+from fixed_trainer_step import REL, compare, main, make_batch, run_step  # noqa: E402
+from gpu_study_throughput import run_list  # noqa: E402
+from kv_packed_checks import write_small_qwen3  # noqa: E402
+
+
+def test_compare_by_hand() -> None:
+    a = {"metrics": {"train/loss": 1.0, "train/grad_norm": 4.0, "adv/mean": 1e-9, "mismatch/k3_kl": float("nan")},
+         "update": {"w": torch.tensor([3.0, 4.0]), "b": torch.tensor([0.0])}}
+    # loss off by half the bound, grad norm by twice it, a near-zero mean by 5e-7 (absolute bound 1e-6)
+    b = {"metrics": {"train/loss": 1.0 + REL / 2, "train/grad_norm": 4.0 * (1 + 2 * REL), "adv/mean": -4e-7,
+                     "mismatch/k3_kl": float("nan")},
+         "update": {"w": torch.tensor([3.0, 4.0 + 5 * REL / 2]), "b": torch.tensor([0.0])}}
+    r = compare(a, b)
+    rows = {x["key"]: x for x in r["metrics"]}
+    assert rows["train/loss"]["within"] and rows["adv/mean"]["within"] and rows["mismatch/k3_kl"]["within"]
+    assert not rows["train/grad_norm"]["within"] and r["differ"] == ["train/grad_norm"]
+    # ||a - b|| / ||a|| = (5 REL / 2) / 5 = REL / 2
+    assert r["update_norm"] == pytest.approx(5.0) and r["update_rel_l2"] == pytest.approx(REL / 2)
+    assert r["update_within"] and not r["metrics_within"] and r["within"] is False
+    # an update twice the size: relative difference 1; a parameter one side lacks: not within
+    assert compare(a, {**a, "update": {"w": 2 * a["update"]["w"], "b": a["update"]["b"]}})["update_rel_l2"] == 1.0
+    lacking = compare(a, {**a, "update": {"w": a["update"]["w"]}})
+    assert lacking["missing_parameters"] == ["b"] and lacking["within"] is False
+
+
+@pytest.fixture(scope="module")
+def fixed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[str]]:
+    d = tmp_path_factory.mktemp("fixed_step")
+    write_small_qwen3(d / "model")
+    batch = make_batch(str(d / "model"), rows=16, group=8, prompt_len=16, max_new=24, topk=8, temperature=1.0,
+                       seed=0, device="cpu")
+    torch.save(batch, d / "batch.pt")
+    overrides = [*run_list("gpu", 0, 1, 0, str(d / "model"), "w4a4+int4kv / score_centering / ")[0]["overrides"],
+                 "trainer.device=cpu", "model.dtype=float32", "trainer.prompts_per_step=2",
+                 "trainer.micro_batch_size=8", "rollout.topk_logprobs=8"]
+    return d / "model", d / "batch.pt", overrides
+
+
+def test_fixed_batch_is_the_models_own(fixed: tuple[Path, Path, list[str]]) -> None:
+    _, batch_file, _ = fixed
+    b = torch.load(batch_file, weights_only=False)
+    assert b["prompts"].shape == (16, 16) and b["responses"].shape[0] == 16 and b["responses"].shape[1] <= 24
+    # the groups share their prompt; left padding; rewards 0/1; the rollout's log-probs within 4 sd of the
+    # model's own (their noise is N(0, 0.02)) and the top-K's first column at least the sampled token's
+    assert torch.equal(b["prompts"][:8], b["prompts"][:1].expand(8, -1))
+    assert b["prompt_mask"][:, -1].all() and set(b["rewards"].tolist()) <= {0.0, 1.0}
+    m = b["response_mask"]
+    assert (b["rollout_logprobs"][m] <= 0).all() and (b["rollout_logprobs"][~m] == 0).all()
+    assert (b["topk_logprobs"][..., 0][m] + 0.08 >= b["rollout_logprobs"][m]).all()
+    assert b["topk_ids"].dtype == torch.int32 and (b["topk_ids"][~m] == -1).all()
+
+
+def test_same_step_another_way_within_and_a_changed_step_outside(fixed: tuple[Path, Path, list[str]]) -> None:
+    model, batch_file, overrides = fixed
+    base = run_step(str(model), str(batch_file), overrides, seed=0)
+    assert base["tree"] == str(ROOT / "platform") and "train/loss" in base["metrics"]
+    assert "correction/sc_term_abs" in base["metrics"]  # the score-centering arm saw the top-K
+    padded = run_step(str(model), str(batch_file), [*overrides, "trainer.pad_to_multiple=16"], seed=0)
+    r = compare(base, padded)
+    assert r["within"] is True and r["update_rel_l2"] <= REL, r["differ"]
+    # Adam's first update is lr x g / (|g| + eps) elementwise: twice the lr, twice the update (relative L2 1)
+    doubled = run_step(str(model), str(batch_file), [*overrides, "trainer.lr=1e-4"], seed=0)
+    r2 = compare(base, doubled)
+    assert r2["within"] is False and math.isclose(r2["update_rel_l2"], 1.0, rel_tol=1e-3)
+    assert r2["metrics_within"]  # the logged numbers are of the step's start, which the lr does not move
+
+
+def test_compare_command_exit_status(tmp_path: Path) -> None:
+    a = {"metrics": {"train/loss": 1.0}, "update": {"w": torch.ones(3)}}
+    torch.save(a, tmp_path / "a.pt")
+    torch.save({**a, "update": {"w": 2 * torch.ones(3)}}, tmp_path / "b.pt")
+    with pytest.raises(SystemExit) as same:
+        main(["compare", str(tmp_path / "a.pt"), str(tmp_path / "a.pt"), "--json", str(tmp_path / "same.json")])
+    assert same.value.code == 0
+    assert json.loads((tmp_path / "same.json").read_text())["within"] is True
+    with pytest.raises(SystemExit) as e:
+        main(["compare", str(tmp_path / "a.pt"), str(tmp_path / "b.pt")])
+    assert e.value.code == 1
