@@ -57,13 +57,14 @@ def test_fixed_batch_is_the_models_own(fixed: tuple[Path, Path, list[str]]) -> N
     _, batch_file, _ = fixed
     b = torch.load(batch_file, weights_only=False)
     assert b["prompts"].shape == (16, 16) and b["responses"].shape[0] == 16 and b["responses"].shape[1] <= 24
-    # the groups share their prompt; left padding; rewards 0/1; the rollout's log-probs within 4 sd of the
-    # model's own (their noise is N(0, 0.02)) and the top-K's first column at least the sampled token's
+    # the groups share their prompt; left padding; rewards 0/1; the rollout's log-probs within 6 sd of the
+    # model's own (their noise is N(0, 0.02): beyond 6 sd about 2e-9 a token, whatever tokens a CPU samples), and
+    # the top-K's first column at least the sampled token's
     assert torch.equal(b["prompts"][:8], b["prompts"][:1].expand(8, -1))
     assert b["prompt_mask"][:, -1].all() and set(b["rewards"].tolist()) <= {0.0, 1.0}
     m = b["response_mask"]
     assert (b["rollout_logprobs"][m] <= 0).all() and (b["rollout_logprobs"][~m] == 0).all()
-    assert (b["topk_logprobs"][..., 0][m] + 0.08 >= b["rollout_logprobs"][m]).all()
+    assert (b["topk_logprobs"][..., 0][m] + 6 * 0.02 >= b["rollout_logprobs"][m]).all()
     assert b["topk_ids"].dtype == torch.int32 and (b["topk_ids"][~m] == -1).all()
 
 

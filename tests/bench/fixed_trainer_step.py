@@ -88,12 +88,11 @@ def run_step(model_dir: str, batch_file: str, overrides: list[str], seed: int) -
     from parity.core.device import resolve_device
     from parity.training.trainer import build_trainer
     from parity.types import RolloutBatch
-    saved = torch.load(batch_file, weights_only=False)
-    fields = {k: v for k, v in saved.items() if k != "meta"}
-    if saved.get("topk_ids") is None or not any("topk_logprobs" in o for o in overrides):
+    cfg = load_config(overrides)
+    fields = {k: v for k, v in torch.load(batch_file, weights_only=False).items() if k != "meta"}
+    if not cfg.rollout.topk_logprobs:
         fields["topk_ids"] = fields["topk_logprobs"] = None  # an arm without top-K log-probs never sees them
     batch = RolloutBatch(**fields)
-    cfg = load_config(overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     before = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}

@@ -291,10 +291,13 @@ def fixed_trainer_steps(runs: list[dict], arms: str, old_path: str, new_path: st
         res = {}
         for tree, path, extra in (("old", old_path, []), ("new", new_path, new_extra)):
             f = d / f"{r['name']}_{tree}.pt"
-            p = subprocess.run([sys.executable, str(FIXED_STEP), "step", "--model-dir", model_dir, "--batch",
-                                str(batch), "--overrides", json.dumps([*r["overrides"], *extra]), "--out", str(f)],
-                               env=dict(env, PYTHONPATH=path), capture_output=True, text=True, timeout=timeout_s)
-            res[tree] = f if p.returncode == 0 else p.stderr[-800:]
+            try:
+                p = subprocess.run([sys.executable, str(FIXED_STEP), "step", "--model-dir", model_dir, "--batch",
+                                    str(batch), "--overrides", json.dumps([*r["overrides"], *extra]), "--out", str(f)],
+                                   env=dict(env, PYTHONPATH=path), capture_output=True, text=True, timeout=timeout_s)
+                res[tree] = f if p.returncode == 0 else p.stderr[-800:]
+            except subprocess.TimeoutExpired:
+                res[tree] = f"no step within {timeout_s} s"
         if not all(isinstance(v, Path) for v in res.values()):
             out["checks"].append({"arm": r["arm"], "error": {k: v for k, v in res.items() if not isinstance(v, Path)}})
             continue
