@@ -40,6 +40,41 @@ def test_compare_by_hand() -> None:
     assert lacking["missing_parameters"] == ["b"] and lacking["within"] is False
 
 
+def test_compare_gradient_log_probs_and_sign_changes_by_hand() -> None:
+    g = {"w": torch.tensor([1.0, -2.0, 1e-6]), "b": torch.tensor([0.5])}
+    lp = torch.tensor([-1.0, -0.5, -2.0], dtype=torch.float64)
+    roll = torch.tensor([-1.1, -0.4, -2.0], dtype=torch.float64)
+    a = {"metrics": {"mismatch/k1_kl": 0.0}, "grad": g, "token_logprobs": lp, "rollout_logprobs": roll,
+         "update": {"w": torch.tensor([-1e-3, 1e-3, -1e-3]), "b": torch.tensor([-1e-3])}}
+    # the third element's gradient (1e-6) changed sign: its update flips, the rest agree; the gradient moved by
+    # REL / 4 of its norm; each log-prob by 1e-3, k1 by 1e-3 (bound 2 x 1 x 1e-3)
+    gb = {"w": g["w"] + torch.tensor([0.0, 0.0, -2e-6]) + REL / 4 * torch.tensor([0.6, 0.0, 0.0]) * 2.5,
+          "b": g["b"]}
+    b = {"metrics": {"mismatch/k1_kl": 1e-3}, "grad": gb, "token_logprobs": lp + 1e-3, "rollout_logprobs": roll,
+         "update": {"w": torch.tensor([-1e-3, 1e-3, 1e-3]), "b": torch.tensor([-1e-3])}}
+    r = compare(a, b)
+    assert r["update_sign_changes"] == 1 and r["update_same_sign_rel_l2"] == 0.0
+    assert r["update_sign_change_grad_mass"] == pytest.approx(1e-6 / 3.500001)
+    # the whole update differs by 2e-3 of its norm 2e-3: relative L2 1, shown but not the check
+    assert r["update_rel_l2"] == pytest.approx(1.0) and r["update_within"]
+    assert r["grad_within"] and r["grad_rel_l2"] < REL and r["logprob_within"]
+    assert r["logprob_mean_abs_diff"] == pytest.approx(1e-3) and r["within"], r
+    k1 = {x["key"]: x for x in r["metrics"]}["mismatch/k1_kl"]
+    assert k1["bound"] == pytest.approx(2e-3) and k1["within"]
+    # k1 moved by three times the log-probs' change: outside; the gradient by 4 REL: outside
+    assert not compare(a, {**b, "metrics": {"mismatch/k1_kl": 3e-3}})["within"]
+    far = compare(a, {**b, "grad": {"w": g["w"] * (1 + 4 * REL), "b": g["b"] * (1 + 4 * REL)}})
+    assert not far["grad_within"] and not far["within"]
+    # with the float32 reference: b as far from it as a is, within; three and 21 times as far (beyond REL x the
+    # mean |log-prob| too), not
+    ref = {**a, "grad": {"w": g["w"] * (1 + REL), "b": g["b"] * (1 + REL)}, "token_logprobs": lp - 1e-3}
+    assert compare(a, b, ref=ref)["grad_within"]
+    r3 = compare(a, {**b, "grad": {"w": g["w"] * (1 + 4 * REL), "b": g["b"] * (1 + 4 * REL)},
+                     "token_logprobs": lp + 2e-2}, ref=ref)
+    assert not r3["grad_within"] and not r3["logprob_within"]
+    assert r3["logprob_mean_abs_to_ref"] == {"a": pytest.approx(1e-3), "b": pytest.approx(2.1e-2)}
+
+
 @pytest.fixture(scope="module")
 def fixed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[str]]:
     d = tmp_path_factory.mktemp("fixed_step")
@@ -75,7 +110,8 @@ def test_same_step_another_way_within_and_a_changed_step_outside(fixed: tuple[Pa
     assert "correction/sc_term_abs" in base["metrics"]  # the score-centering arm saw the top-K
     padded = run_step(str(model), str(batch_file), [*overrides, "trainer.pad_to_multiple=16"], seed=0)
     r = compare(base, padded)
-    assert r["within"] is True and r["update_rel_l2"] <= REL, r["differ"]
+    assert r["within"] is True and r["update_same_sign_rel_l2"] <= REL and r["grad_within"], r["differ"]
+    assert r["logprob_within"] and r["logprob_mean_abs_diff"] <= REL
     # Adam's first update is lr x g / (|g| + eps) elementwise: twice the lr, twice the update (relative L2 1)
     doubled = run_step(str(model), str(batch_file), [*overrides, "trainer.lr=1e-4"], seed=0)
     r2 = compare(base, doubled)

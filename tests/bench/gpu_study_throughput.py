@@ -289,7 +289,9 @@ def fixed_trainer_steps(runs: list[dict], arms: str, old_path: str, new_path: st
     out = {"batch": json.loads(b.stdout.strip().splitlines()[-1]), "checks": []}
     for r in chosen:
         res = {}
-        for tree, path, extra in (("old", old_path, []), ("new", new_path, new_extra)):
+        # ref: the old tree in float32, the reference both trees' bf16 steps round from
+        for tree, path, extra in (("old", old_path, []), ("new", new_path, new_extra),
+                                  ("ref", old_path, ["model.dtype=float32"])):
             f = d / f"{r['name']}_{tree}.pt"
             try:
                 p = subprocess.run([sys.executable, str(FIXED_STEP), "step", "--model-dir", model_dir, "--batch",
@@ -301,8 +303,9 @@ def fixed_trainer_steps(runs: list[dict], arms: str, old_path: str, new_path: st
         if not all(isinstance(v, Path) for v in res.values()):
             out["checks"].append({"arm": r["arm"], "error": {k: v for k, v in res.items() if not isinstance(v, Path)}})
             continue
-        c = subprocess.run([sys.executable, str(FIXED_STEP), "compare", str(res["old"]), str(res["new"]), "--json",
-                            str(d / f"{r['name']}_compare.json")], env=env, capture_output=True, text=True)
+        c = subprocess.run([sys.executable, str(FIXED_STEP), "compare", str(res["old"]), str(res["new"]), "--ref",
+                            str(res["ref"]), "--json", str(d / f"{r['name']}_compare.json")], env=env,
+                           capture_output=True, text=True)
         cmp = json.loads((d / f"{r['name']}_compare.json").read_text()) if c.returncode in (0, 1) else \
             {"within": None, "error": c.stderr[-800:]}
         out["checks"].append({"arm": r["arm"], **cmp})
@@ -408,8 +411,10 @@ def main() -> None:
         record["fixed_inputs"]["trainer_step"] = fx
         out.write_text(json.dumps(record, indent=1, default=str))
         for c in fx["checks"]:
-            print(f"fixed trainer step {c['arm']}: within {c.get('within')} (update rel L2 {c.get('update_rel_l2')}, "
-                  f"differ {c.get('differ')}{'; ' + str(c['error'])[:300] if c.get('error') else ''})", flush=True)
+            print(f"fixed trainer step {c['arm']}: within {c.get('within')} (same-sign update rel L2 "
+                  f"{c.get('update_same_sign_rel_l2')}, gradient to the float32 step {c.get('grad_rel_l2_to_ref')}, "
+                  f"log-probs {c.get('logprob_mean_abs_to_ref')}, differ {c.get('differ')}"
+                  f"{'; ' + str(c['error'])[:300] if c.get('error') else ''})", flush=True)
         if fx.get("why"):
             print("fixed trainer step:", fx["why"], flush=True)
 

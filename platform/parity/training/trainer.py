@@ -97,6 +97,9 @@ class Trainer:
         self.shared_prefix = self._shared_prefix_mode()
         if self.tcfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
+        # compiled layers replayed as CUDA graphs (Inductor's cudagraph trees): only on CUDA
+        self.graph_replay = bool(self.tcfg.compile_layers) and str(self.tcfg.compile_mode) == "reduce-overhead" \
+            and device.type == "cuda"
         if self.tcfg.compile_layers:
             mode = str(self.tcfg.compile_mode)
             compile_decoder_layers_(self.model, mode=None if mode == "default" else mode)
@@ -126,6 +129,15 @@ class Trainer:
         once for its responses where trainer.shared_prefix is on, parity.training.shared_prefix)."""
         return self._hidden(mb)
 
+    def _own_grads(self) -> None:
+        """Under graph replay, a parameter whose .grad was None takes the backward graph's output tensor itself,
+        which lives in the graphs' memory pool and is overwritten by the next micro-batch's replay (on the H200 the
+        step then failed with "accessing tensor output of CUDAGraphs that has been overwritten"): copies made
+        here are the step's own. A copy of the weights' size per micro-batch."""
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad = p.grad.clone()
+
     def _after_backward(self) -> None:
         """After each micro-batch's loss.backward(), inside its routing-replay block: where a mode's forward left
         gradient work of its own (LaneTrainer)."""
@@ -153,6 +165,10 @@ class Trainer:
     def policy_forward(self, mb: RolloutBatch, head: Callable[[torch.Tensor, torch.Tensor], Any]) -> Any:
         """`head(hidden, lm_head weight)` on a micro-batch: the one place the policy runs, so the sharded trainer
         (parity.training.sharded) can run it inside its root module's forward."""
+        if self.graph_replay:
+            # a new step of Inductor's cudagraph trees before each micro-batch: its forward's outputs (saved for its
+            # backward) get their own generation instead of sharing one with the previous micro-batch's
+            torch.compiler.cudagraph_mark_step_begin()
         return head(self.response_hidden(mb), self.head_weight())
 
     @torch.no_grad()
@@ -238,6 +254,8 @@ class Trainer:
                         loss = self.policy_forward(mb, head)
                         loss.backward()  # inside the replay block: checkpointed recomputation replays too
                         self._after_backward()
+                    if self.graph_replay:
+                        self._own_grads()
                     total += float(loss.detach())
                 total, gn = self._reduce_and_clip(total)
                 if not (torch.isfinite(gn) and torch.isfinite(torch.tensor(total))):
