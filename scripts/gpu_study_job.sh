@@ -7,7 +7,8 @@
 # bfloat16 and writes its pieces to $OUT, so later jobs start from the same weights. With THROUGHPUT_OLD (an earlier
 # tree's platform/ folder) the study-throughput bench runs first, old code against this tree's, from that warm start
 # (tests/bench/gpu_study_throughput.py; THROUGHPUT_STEPS, default 20; THROUGHPUT_ARGS, more of its options such as
-# --env or --new-extra), and with STUDY_MIN_RATIO the job ends there
+# --env, split at spaces; THROUGHPUT_NEW_EXTRA, the overrides of its --new-extra, one argument), and with
+# STUDY_MIN_RATIO the job ends there
 # unless the new code ran at least that many times faster (a study part that cannot finish in time is not begun). Then the CUDA MPS daemon is started where the
 # image has it (the runs' kernels side by side instead of time-sliced; parity.study.mps) and each STUDY argument
 # runs as its own `python -m parity study` process, all at once, cut at JOB_SECONDS from the job's start; what
@@ -53,7 +54,8 @@ for p in "${warm_pids[@]}"; do wait "$p" || echo "a warm start of WARM_SEEDS fai
 if [ -n "${THROUGHPUT_OLD:-}" ]; then
   python3 tests/bench/gpu_study_throughput.py --old "$THROUGHPUT_OLD" --model-dir "$model_dir" --preset "$preset" \
       --steps "${THROUGHPUT_STEPS:-20}" --eval-every 10 --old-commit "${THROUGHPUT_OLD_COMMIT:-}" \
-      --out "$out/study_throughput.json" ${THROUGHPUT_ARGS:-} 2>&1 | tee $logs/throughput.log
+      --out "$out/study_throughput.json" ${THROUGHPUT_ARGS:-} ${THROUGHPUT_NEW_EXTRA:+--new-extra "$THROUGHPUT_NEW_EXTRA"} \
+      2>&1 | tee $logs/throughput.log
   echo "throughput: $(( $(date +%s) - t0 )) s"
   if [ -n "${STUDY_MIN_RATIO:-}" ] && ! python3 -c "import json,sys; sys.exit(json.load(open('$out/study_throughput.json')).get('ratio', 0) < $STUDY_MIN_RATIO)"; then
     echo "throughput ratio below $STUDY_MIN_RATIO: the study parts are not started"; touch "$out/job.done"; exit 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -58,11 +59,18 @@ def test_missing_model_path_is_one_clear_error(outputs_dir):
 
 def test_cli_train_prints_summary_json(outputs_dir, prepared_model):
     from tests.conftest import QUICK
+    t0 = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "parity", "train", f"outputs_dir={outputs_dir}", *QUICK,
                           "trainer.run_name=cli", "trainer.total_steps=1"], capture_output=True, text=True, timeout=600)
+    wall = time.perf_counter() - t0
     assert out.returncode == 0, out.stderr[-2000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["command"] == "train" and summary["steps"] == 1 and summary["latest_checkpoint"]
+    # where the process's time went before its step: seconds since the process started, in the order they happen,
+    # the imports (the interpreter, torch, transformers) more than nothing, all of it within the process's life
+    marks = summary["startup_s"]
+    assert list(marks) == ["imports", "model", "sides", "eval0", "first_step"], marks
+    assert 0 < marks["imports"] <= marks["model"] <= marks["sides"] <= marks["eval0"] <= marks["first_step"] < wall
 
 
 def test_quantized_rollout_also_evaluates_the_unquantized_weights(quick_cfg, prepared_model):

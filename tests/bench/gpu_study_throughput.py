@@ -157,7 +157,7 @@ def phase(name: str, pythonpath: str, runs: list[dict], work: Path, timeout_s: f
                         "cpu_s": cpu[r["name"]],
                         "rows": {str(x["step"]): x for x in rows if x["step"] in (0, 1)},
                         "median": med, "rollout_path": summary.get("rollout_path"),
-                        "profiles": profiles(run_dir),
+                        "startup_s": summary.get("startup_s"), "profiles": profiles(run_dir),
                         "log_tail": None if p.returncode == 0 else
                         (out_dir / "logs" / f"{r['name']}.log").read_text()[-1500:]})
     total = sum(x["steps"] for x in results)
@@ -165,7 +165,11 @@ def phase(name: str, pythonpath: str, runs: list[dict], work: Path, timeout_s: f
     t_lo = next((t for t, d in timeline if d >= lo), None)
     t_hi = next((t for t, d in timeline if d >= hi), None)
     steady = (hi - lo) / (t_hi - t_lo) if t_lo is not None and t_hi is not None and t_hi > t_lo else None
-    return {"name": name, "pythonpath": pythonpath, "mps": mps_status,
+    # where the runs' time went before their steps (summary.json's startup_s, this tree's runs only): the median
+    # run's seconds since its process started at each point
+    marks = [x["startup_s"] for x in results if x.get("startup_s")]
+    startup = {k: statistics.median(m[k] for m in marks if k in m) for k in marks[0]} if marks else None
+    return {"name": name, "pythonpath": pythonpath, "mps": mps_status, "startup_median_s": startup,
             "cohorts": [{"members": c.members} for c in groups], "cohort_sm_share": cohort_sm_share,
             "wall_s": round(wall, 1), "run_steps": total,
             "run_steps_per_s": total / wall, "steady_run_steps_per_s": steady, "timeline": timeline,
@@ -391,7 +395,8 @@ def main() -> None:
     record["fixed_inputs"] = compare_rows(old, new)
     out.write_text(json.dumps(record, indent=1, default=str))
     print(f"new: {new['run_steps']} run-steps in {new['wall_s']} s = {new['run_steps_per_s']:.2f}/s "
-          f"(steady {new['steady_run_steps_per_s']}); MPS {new['mps']}", flush=True)
+          f"(steady {new['steady_run_steps_per_s']}); MPS {new['mps']}; startup (median run, s since its process "
+          f"started) {new['startup_median_s']}", flush=True)
     e0 = record["fixed_inputs"]["step0_exact_eval"]
     print(f"ratio {record['ratio']:.2f} (steady {record.get('steady_ratio')}); fixed inputs equal: "
           f"{record['fixed_inputs']['all_equal']}; step-0 evaluation old {e0.get('old_mean')} new {e0.get('new_mean')}"

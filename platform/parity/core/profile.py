@@ -105,4 +105,28 @@ class StepProfiler:
             (Path(folder) / f"profile_step{step}.json").write_text(json.dumps(self.phases.pop(step), indent=1))
 
 
-__all__ = ["StepProfiler", "summarize_trace", "profiled_steps", "ENV"]
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux: /proc/self/stat's start time against /proc/uptime), so that the
+    interpreter's start and the imports count too; None where /proc does not say."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class StartupClock:
+    """Where a run's time goes before its steps: mark(name) records the seconds since the process started (since
+    the clock was made where /proc is missing) at each point; `marks` is what summary.json's `startup_s` holds."""
+
+    def __init__(self) -> None:
+        age = process_age_s()
+        self._t0 = time.perf_counter() - (age if age is not None else 0.0)
+        self.marks: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        self.marks.setdefault(name, round(time.perf_counter() - self._t0, 2))
+
+
+__all__ = ["StepProfiler", "StartupClock", "process_age_s", "summarize_trace", "profiled_steps", "ENV"]

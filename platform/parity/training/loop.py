@@ -23,7 +23,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from parity.core.device import blocking_sync_from_env
-from parity.core.profile import StepProfiler
+from parity.core.profile import StartupClock, StepProfiler
 from parity.core.progress import Progress
 from parity.data.prompts import build_train_stream, render_prompt
 from parity.rewards.grader import GraderPool
@@ -46,6 +46,8 @@ class Callback(Protocol):
 def train(cfg: ParityConfig, callbacks: list[Callback] | None = None, *, runner: Callable) -> dict:
     """One RL run with the two sides `runner` builds; returns its summary. parity.commands.train.train passes the
     runner distributed.enabled asks for."""
+    clock = StartupClock()  # summary.json's startup_s: the seconds since the process started at each point
+    clock.mark("imports")  # the interpreter, the config and the imports
     blocking_sync_from_env()  # before the first CUDA use (PARITY_CUDA_BLOCKING_SYNC; the study sets it for its runs)
     seed = int(cfg.trainer.seed)
     random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
@@ -60,16 +62,18 @@ def train(cfg: ParityConfig, callbacks: list[Callback] | None = None, *, runner:
         stream.load_state_dict(run.data_state)
     # long prompts (MATH with the tiny model's 256 positions) keep their end, where the question is
     max_prompt = AutoConfig.from_pretrained(base).max_position_embeddings - cfg.rollout.max_new_tokens
+    clock.mark("model")  # the warm start found or built, the tokenizer and the data stream
     with runner(cfg, base, run, tolerance.measured) as sides, \
             GraderPool(workers=cfg.eval.grade_workers, timeout_s=cfg.eval.grade_timeout_s) as grader:
+        clock.mark("sides")  # the trainer and the rollout engine (or its client) built, the graders started
         data = Data(tok, stream, cfg.data.prompt_template, max_prompt, grader)
         heldout = HeldOut(cfg, tok, grader, str(run.resume_from or base))
         try:
-            alarm = rl_loop(cfg, data, sides.rollout, sides.learner, heldout, run)
+            alarm = rl_loop(cfg, data, sides.rollout, sides.learner, heldout, run, clock)
         finally:
             heldout.close()
         outcome = {"collapse_step": alarm.fired_at, "tolerance": tolerance_in_force(tolerance, run.metrics.read()),
-                   "start_weights_sha256": start.get("weights_sha256")}
+                   "start_weights_sha256": start.get("weights_sha256"), "startup_s": clock.marks}
     return run.finish(int(cfg.trainer.total_steps), sides.summary, outcome)
 
 
@@ -81,7 +85,9 @@ def tolerance_in_force(setting: ToleranceSetting, rows: list[dict]) -> dict:
 
 
 def rl_loop(cfg: ParityConfig, data: Data, rollout: RolloutSide, learner: LearnerSide, heldout: HeldOut,
-            run: RunFolder) -> CollapseAlarm:
+            run: RunFolder, clock: StartupClock | None = None) -> CollapseAlarm:
+    """The RL steps from run.start_step; `clock` (train's) marks the step-0 evaluation and the first step."""
+    clock = clock or StartupClock()
     tc, overlap = cfg.trainer, bool(cfg.distributed.off_policy_overlap)
     alarm = CollapseAlarm.from_config(cfg)
     alarm.replay(run.metrics.read())  # a resumed run's alarm state is that of its logged rewards
@@ -95,6 +101,7 @@ def rl_loop(cfg: ParityConfig, data: Data, rollout: RolloutSide, learner: Learne
 
     if run.start_step == 0:
         run.emit(0, heldout.evaluate(rollout, learner, 0, final=tc.total_steps == 0))
+        clock.mark("eval0")  # the held-out evaluation of the warm start
     pending = launch(run.start_step) if run.start_step < tc.total_steps else None
     bar = Progress("train", int(tc.total_steps), initial=run.start_step)
     prof = StepProfiler()  # PARITY_PROFILE_STEPS: where listed steps' time goes (parity.core.profile)
@@ -130,6 +137,7 @@ def rl_loop(cfg: ParityConfig, data: Data, rollout: RolloutSide, learner: Learne
         if pending is None and done < tc.total_steps:
             pending = launch(done)
         bar.update(1, reward=f"{metrics['reward/mean']:.3f}")
+        clock.mark("first_step")  # the first step's rollout (compiles and graph captures of its shapes), train, sync
     return alarm
 
 
