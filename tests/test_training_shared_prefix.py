@@ -148,9 +148,27 @@ def test_padded_batch_keeps_every_real_token_in_place() -> None:
         b.padded(0)
 
 
+def test_padded_query_attends_to_itself_and_real_queries_as_before() -> None:
+    from parity.training.trainer import attention_mask_4d
+    am = torch.tensor([[0, 0, 1, 1, 0], [1, 1, 1, 0, 0]])
+    m = attention_mask_4d(am)
+    assert m.shape == (2, 1, 5, 5) and m.dtype == torch.bool
+    # row 0: positions 0, 1 are left padding (each sees only itself), 2 and 3 real (causal over the real ones), 4 is
+    # right padding (the real prefix, as a 2D mask gives it, and itself)
+    assert m[0, 0].int().tolist() == [[1, 0, 0, 0, 0], [0, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0],
+                                      [0, 0, 1, 1, 1]]
+    assert m[1, 0].int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0],
+                                      [1, 1, 1, 0, 1]]
+    # what a real query sees is the causal mask and the 2D one, exactly; every query sees something
+    real = am.bool()
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()
+    assert torch.equal(m[:, 0][real], (causal[None] & real[:, None, :])[real]) and m.any(-1).all()
+
+
 def test_trainer_step_same_with_a_padded_batch(quick_cfg, prepared_model):
     """trainer.pad_to_multiple: the step on a batch padded to multiples of 8 tokens (the full forward, shared prefix
-    off) gives the loss, gradient norm and updated weights of the unpadded step, in float64."""
+    off, the 4D mask whose padding queries see themselves) gives the loss, gradient norm and updated weights of the
+    unpadded step, in float64."""
     from parity.training.trainer import build_trainer
 
     batch = _batch()

@@ -2,12 +2,14 @@
 
 On an H200 (2026-12-04) one trainer step of the gpu preset's bf16 arm on a fixed batch padded to multiples of 64
 tokens (trainer.pad_to_multiple=64) gave a non-finite gradient, eager or compiled, where the same batch unpadded
-gave a finite one and, on CPU, padded and unpadded give the same step. This bench runs that step (one process,
-one configuration after another, the batch sampled by the model itself as tests/bench/fixed_trainer_step.py does)
-unpadded and padded, the padded one also with each of PyTorch's attention back-ends switched off in turn (cuDNN;
-cuDNN and flash; all but the math kernel), with the trainer's shared-prefix path, and once with a hook on every
-module that names the first whose output is non-finite and at which positions; it writes each one's loss,
-gradient norm and whether the optimizer stepped.
+gave a finite one and, on CPU, padded and unpadded give the same step. The trainer now passes a padded batch's
+forward a 4D mask in which each padding position attends to itself (parity.training.trainer.attention_mask_4d: no
+query attends to nothing). This bench runs that step (one process, one configuration after another, the batch
+sampled by the model itself as tests/bench/fixed_trainer_step.py does) unpadded, padded, padded with the 2D mask
+as before, and so with each of PyTorch's attention back-ends switched off in turn (cuDNN; cuDNN and flash; all but
+the math kernel), with the trainer's shared-prefix path, and once with a hook on every module that names the first
+whose output or input gradient is non-finite and where; it writes each one's loss, gradient norm and whether the
+optimizer stepped.
 
     PYTHONPATH=platform:.gpucarry/site python3 tests/bench/gpu_trainer_padding.py --model-dir MODEL --out pad.json
 (without --model-dir: the small random Qwen3 of the CUDA tests)."""
@@ -96,17 +98,21 @@ def main() -> None:
     torch.save(batch, work / "batch.pt")
     overrides = [*run_list("gpu", 0, 1, 0, model_dir, a.preset_arm)[0]["overrides"], "rollout.topk_logprobs=8"]
     pad = [f"trainer.pad_to_multiple={a.multiple}"]
-    cases = [("unpadded", [], "all"), ("padded", pad, "all"), *((f"padded_{k}", pad, k) for k in BACKENDS if k != "all"),
-             ("padded_shared_prefix", [*pad, "trainer.shared_prefix=on"], "all"),
-             ("unpadded_shared_prefix", ["trainer.shared_prefix=on"], "all")]
+    # (name, overrides, attention back-ends, padding queries attend to themselves: the trainer's 4D mask)
+    cases = [("unpadded", [], "all", True), ("padded", pad, "all", True), ("padded_2d_mask", pad, "all", False),
+             *((f"padded_2d_mask_{k}", pad, k, False) for k in BACKENDS if k != "all"),
+             ("padded_shared_prefix", [*pad, "trainer.shared_prefix=on"], "all", True),
+             ("unpadded_shared_prefix", ["trainer.shared_prefix=on"], "all", True)]
     record = {"date": time.strftime("%Y-%m-%d"), "command": " ".join([Path(sys.executable).name, *sys.argv]),
               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "batch": {"rows": a.rows, "prompt_width": int(batch["prompts"].shape[1]),
                         "response_width": int(batch["responses"].shape[1]),
                         "left_pads": [int(x) for x in (~batch["prompt_mask"]).sum(1)[:: 8].tolist()]},
               "cases": {}}
-    for name, extra, backends in cases:
+    import parity.training.trainer as trainer_module
+    for name, extra, backends, sees_itself in cases:
         set_backends(BACKENDS[backends])
+        trainer_module.PADDED_QUERY_SEES_ITSELF = sees_itself
         t0 = time.time()
         try:
             r = run_step(model_dir, str(work / "batch.pt"), [*overrides, *extra], seed=0)
@@ -116,12 +122,14 @@ def main() -> None:
                    "finite": all(math.isfinite(float(m.get(k, float("nan")))) for k in ("train/loss", "train/grad_norm"))}
         except Exception as e:  # noqa: BLE001 -- a case that raises is this bench's finding, not its end
             row = {"error": f"{type(e).__name__}: {str(e)[-600:]}"}
-        row.update(extra=extra, backends=BACKENDS[backends], seconds=round(time.time() - t0, 1))
+        row.update(extra=extra, backends=BACKENDS[backends], padded_query_sees_itself=sees_itself,
+                   seconds=round(time.time() - t0, 1))
         record["cases"][name] = row
         print(name, json.dumps(row), flush=True)
         Path(a.out).write_text(json.dumps(record, indent=1))
     set_backends({})
-    # the padded step once more, every module's output watched: where the first non-finite value appears
+    trainer_module.PADDED_QUERY_SEES_ITSELF = False
+    # the padded step once more with the 2D mask, every module's output watched: where the first non-finite value is
     try:
         _, seen = first_nonfinite(lambda: run_step(model_dir, str(work / "batch.pt"), [*overrides, *pad], seed=0))
     except Exception as e:  # noqa: BLE001 -- hooks on every module may not suit one of them: say so

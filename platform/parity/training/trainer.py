@@ -50,6 +50,25 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
 
 
+# trainer.pad_to_multiple's forward passes the model attention_mask_4d(...) instead of the 2D mask (a switch for the
+# bench that compares the two, tests/bench/gpu_trainer_padding.py)
+PADDED_QUERY_SEES_ITSELF = True
+
+
+def attention_mask_4d(attention_mask: torch.Tensor) -> torch.Tensor:
+    """The [b, 1, L, L] boolean mask a causal LM's attention takes (True: attend): a real position attends to the
+    real positions up to itself, as the 2D mask says, and a padding position attends to itself as well, so that no
+    query attends to nothing. A left-padding position's row is otherwise empty, and an attention kernel may then
+    give NaN there (0/0 in its softmax or in the softmax's backward), which reaches every gradient even though no
+    real position reads it. Real positions' outputs are those of the 2D mask: no real query sees a padding key."""
+    keep = attention_mask.bool()
+    L = keep.shape[1]
+    causal = torch.ones(L, L, dtype=torch.bool, device=keep.device).tril()
+    mask = causal[None] & keep[:, None, :]
+    mask |= torch.eye(L, dtype=torch.bool, device=keep.device)[None] & ~keep[:, :, None]
+    return mask[:, None]
+
+
 def check_token_ids(batch: RolloutBatch, vocab: int) -> bool:
     """Raise ValueError naming the field and row when a response token (under the mask) or a top-K id lies
     outside [0, vocab) (negative top-K ids are padding); True when checked here, False when the batch is not on
@@ -150,10 +169,14 @@ class Trainer:
                 return h
         ids, am = mb.input_ids.to(self.device), mb.attention_mask.to(self.device)
         P = mb.prompts.shape[1]
+        # padded to a multiple of tokens: every row has left padding, whose query rows would attend to nothing
+        # (a boolean 4D mask is what HF's SDPA attention takes as is; its eager attention adds the mask as a bias)
+        sdpa = getattr(self.model.config, "_attn_implementation", "sdpa") == "sdpa"
+        mask = attention_mask_4d(am) if self.tcfg.pad_to_multiple and PADDED_QUERY_SEES_ITSELF and sdpa else am
         with self._autocast():
             # use_cache=False: training needs no KV cache (HF builds one by default: memory, and under
             # trainer.compile_layers a per-layer guard on it that recompiled every layer)
-            out = self.model.model(input_ids=ids, attention_mask=am, position_ids=position_ids(am), use_cache=False)
+            out = self.model.model(input_ids=ids, attention_mask=mask, position_ids=position_ids(am), use_cache=False)
         return out.last_hidden_state[:, P - 1:-1]
 
     def head_weight(self) -> torch.Tensor:
