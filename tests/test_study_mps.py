@@ -85,3 +85,22 @@ def test_gpu_preset_runs_wait_asleep(tmp_path) -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     value, applied = out.split()
     assert value == "1" and applied in ("True", "False")
+
+
+def test_gpu_preset_runs_compile_in_their_own_process() -> None:
+    """The `gpu` study's runs (and its rollout servers, which get the same environment) compile with Inductor in
+    their own process: a process started with the preset's environment has one compile thread, so it starts no
+    pool of compile workers, where one started without it has one a core (at least two here)."""
+    import os
+    import subprocess
+    import sys
+
+    from parity.study.presets import PRESETS
+
+    code = "import torch._inductor.config as c; print(c.compile_threads)"
+    env = dict(os.environ, **PRESETS["gpu"].env)
+    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip() == "1"
+    plain = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_COMPILE_THREADS"}
+    assert int(subprocess.run([sys.executable, "-c", code], env=plain, capture_output=True, text=True,
+                              check=True).stdout.strip()) == min(32, len(os.sched_getaffinity(0)))

@@ -350,7 +350,9 @@ def main() -> None:
     a = ap.parse_args()
     if a.profile:
         os.environ["PARITY_PROFILE_STEPS"] = a.profile
-    extra_env = dict(kv.split("=", 1) for kv in a.env)
+    # this tree's phase runs as `parity study` runs the preset: its environment (the host's waits, the compile
+    # threads), then --env; the old tree's phase with the bench's base environment, which holds what its preset set
+    extra_env = {**PRESETS[a.preset].env, **dict(kv.split("=", 1) for kv in a.env)}
     site = os.environ.get("PARITY_CARRY_SITE", str(ROOT / ".gpucarry" / "site"))
     runs = run_list(a.preset, a.seed, a.steps, a.eval_every, a.model_dir, a.arms)
     record = {"date": time.strftime("%Y-%m-%d"), "command": " ".join([Path(sys.executable).name, *sys.argv]),

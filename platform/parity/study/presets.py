@@ -180,7 +180,12 @@ GPU = Preset(
     # host waits asleep (parity.core.device.cuda_blocking_sync): 16 runs no longer spin 16 cores through every
     # synchronisation (48-57 CPU-seconds a run against 180-264 in the side-by-side of docs/PERFORMANCE.md, "The
     # levers side by side"); how the host waits, not arithmetic
-    env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "PARITY_CUDA_BLOCKING_SYNC": "1"},
+    # Inductor compiles in the run's own process (TORCHINDUCTOR_COMPILE_THREADS=1): by default each process starts a
+    # pool of as many compile workers as the machine has cores, each a Python importing torch, so 16 runs and their
+    # rollout servers start some 300 processes on 16 cores before their first step; the same kernels, compiled
+    # one after another in each process while the other runs use the other cores
+    env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "PARITY_CUDA_BLOCKING_SYNC": "1",
+         "TORCHINDUCTOR_COMPILE_THREADS": "1"},
     # each run's kernels on a quarter of the SMs, so that four runs' small kernels run at once: 1.47x the rollout
     # tokens of uncapped processes (docs/PERFORMANCE.md, "Sixteen rollouts on one GPU"); scheduling, not arithmetic
     mps_sm_share=25,
