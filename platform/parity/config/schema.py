@@ -286,7 +286,8 @@ class TrainerConfig:
     # pad each step's batch, prompts (on the left) and responses (on the right), to a multiple of this many tokens,
     # padded positions masked: a compiled trainer then meets a few batch shapes instead of a new one most steps, so
     # compile_mode=reduce-overhead replays its recorded CUDA graphs instead of recording again (RL batches vary in
-    # length). The same loss and gradients up to the order of the attention's sums; more tokens to compute. 0 = off
+    # length). The same loss and gradients up to the order of the attention's sums; more tokens to compute, and the
+    # forward takes a [micro-batch, L, L] boolean mask (parity.training.trainer.attention_mask_4d). 0 = off
     pad_to_multiple: int = 0
 
 
