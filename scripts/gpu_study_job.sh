@@ -15,10 +15,12 @@
 # finished and the partial runs are collected into study.json, and the run folders (metrics, summaries), the study
 # folders and the logs are packed into $OUT/runs.tgz, to be read back with the runs of other jobs by
 # `python -m parity study --collect`. The job touches $OUT/job.done when it ends.
+# AFTER_PREPARE: a shell command run once the warm start is there (MODEL holds its folder), before the bench, its
+# output in $OUT/after_prepare.log (e.g. the CUDA tests, or a bench that needs the trained model).
 # WARM_SEEDS="3 4" also builds those seeds' warm starts beside the job's own (each its own process, at once) and
 # writes their pieces to $OUT/warm_seed<S>/, for later jobs' WARM_IMPORT: one job's first minutes build every
 # warm start the later jobs need.
-#   usage: [PREPARE_EXTRA=...] [WARM_IMPORT=DIR] [WARM_EXPORT=1] [WARM_SEEDS="S ..."] [THROUGHPUT_OLD=DIR] \
+#   usage: [PREPARE_EXTRA=...] [AFTER_PREPARE=CMD] [WARM_IMPORT=DIR] [WARM_EXPORT=1] [WARM_SEEDS="S ..."] [THROUGHPUT_OLD=DIR] \
 #          scripts/gpu_study_job.sh JOB_SECONDS PRESET "STUDY ARGS" [...]
 set -u
 budget=$1; preset=$2; shift 2
@@ -51,6 +53,10 @@ if [ -n "${WARM_EXPORT:-}" ]; then python3 scripts/warm_start_pieces.py export "
 echo "prepare: $(( $(date +%s) - t0 )) s"
 for p in "${warm_pids[@]}"; do wait "$p" || echo "a warm start of WARM_SEEDS failed: see $logs/prepare_seed*.log"; done
 [ -n "${WARM_SEEDS:-}" ] && echo "warm starts of seeds ${WARM_SEEDS}: $(( $(date +%s) - t0 )) s" && ls "$out"/warm_seed*
+if [ -n "${AFTER_PREPARE:-}" ]; then  # checks that need the warm start, before the bench (MODEL: its folder)
+  ( export MODEL="$model_dir"; eval "$AFTER_PREPARE" ) > "$out/after_prepare.log" 2>&1
+  echo "after prepare (exit $?): $(( $(date +%s) - t0 )) s"; tail -n 5 "$out/after_prepare.log"
+fi
 if [ -n "${THROUGHPUT_OLD:-}" ]; then
   python3 tests/bench/gpu_study_throughput.py --old "$THROUGHPUT_OLD" --model-dir "$model_dir" --preset "$preset" \
       --steps "${THROUGHPUT_STEPS:-20}" --eval-every 10 --old-commit "${THROUGHPUT_OLD_COMMIT:-}" \
