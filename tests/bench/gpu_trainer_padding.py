@@ -110,9 +110,14 @@ def main() -> None:
                         "left_pads": [int(x) for x in (~batch["prompt_mask"]).sum(1)[:: 8].tolist()]},
               "cases": {}}
     import parity.training.trainer as trainer_module
+    mask_4d = trainer_module.attention_mask_4d
+
+    def two_d_mask(am: torch.Tensor) -> torch.Tensor:  # the padded forward given the 2D mask, as before
+        return am
+
     for name, extra, backends, sees_itself in cases:
         set_backends(BACKENDS[backends])
-        trainer_module.PADDED_QUERY_SEES_ITSELF = sees_itself
+        trainer_module.attention_mask_4d = mask_4d if sees_itself else two_d_mask
         t0 = time.time()
         try:
             r = run_step(model_dir, str(work / "batch.pt"), [*overrides, *extra], seed=0)
@@ -128,7 +133,7 @@ def main() -> None:
         print(name, json.dumps(row), flush=True)
         Path(a.out).write_text(json.dumps(record, indent=1))
     set_backends({})
-    trainer_module.PADDED_QUERY_SEES_ITSELF = False
+    trainer_module.attention_mask_4d = two_d_mask
     # the padded step once more with the 2D mask, every module's output watched: where the first non-finite value is
     try:
         _, seen = first_nonfinite(lambda: run_step(model_dir, str(work / "batch.pt"), [*overrides, *pad], seed=0))

@@ -85,9 +85,8 @@ def tolerance_in_force(setting: ToleranceSetting, rows: list[dict]) -> dict:
 
 
 def rl_loop(cfg: ParityConfig, data: Data, rollout: RolloutSide, learner: LearnerSide, heldout: HeldOut,
-            run: RunFolder, clock: StartupClock | None = None) -> CollapseAlarm:
+            run: RunFolder, clock: StartupClock) -> CollapseAlarm:
     """The RL steps from run.start_step; `clock` (train's) marks the step-0 evaluation and the first step."""
-    clock = clock or StartupClock()
     tc, overlap = cfg.trainer, bool(cfg.distributed.off_policy_overlap)
     alarm = CollapseAlarm.from_config(cfg)
     alarm.replay(run.metrics.read())  # a resumed run's alarm state is that of its logged rewards

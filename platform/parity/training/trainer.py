@@ -50,11 +50,6 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
 
 
-# trainer.pad_to_multiple's forward passes the model attention_mask_4d(...) instead of the 2D mask (a switch for the
-# bench that compares the two, tests/bench/gpu_trainer_padding.py)
-PADDED_QUERY_SEES_ITSELF = True
-
-
 def attention_mask_4d(attention_mask: torch.Tensor) -> torch.Tensor:
     """The [b, 1, L, L] boolean mask a causal LM's attention takes (True: attend): a real position attends to the
     real positions up to itself, as the 2D mask says, and a padding position attends to itself as well, so that no
@@ -172,7 +167,7 @@ class Trainer:
         # padded to a multiple of tokens: every row has left padding, whose query rows would attend to nothing
         # (a boolean 4D mask is what HF's SDPA attention takes as is; its eager attention adds the mask as a bias)
         sdpa = getattr(self.model.config, "_attn_implementation", "sdpa") == "sdpa"
-        mask = attention_mask_4d(am) if self.tcfg.pad_to_multiple and PADDED_QUERY_SEES_ITSELF and sdpa else am
+        mask = attention_mask_4d(am) if self.tcfg.pad_to_multiple and sdpa else am
         with self._autocast():
             # use_cache=False: training needs no KV cache (HF builds one by default: memory, and under
             # trainer.compile_layers a per-layer guard on it that recompiled every layer)
