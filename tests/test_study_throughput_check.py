@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "bench"))
-from gpu_study_throughput import step0_exact_eval  # noqa: E402
+from gpu_study_throughput import phase_env, step0_exact_eval  # noqa: E402
 
 
 def _phase(values: list[float], key: str = "eval/accuracy_unquantized") -> dict:
@@ -47,3 +47,16 @@ def test_step0_check_on_a_measured_side_by_side() -> None:
     r = step0_exact_eval(d["old"], d["new"])
     assert not d["fixed_inputs"]["all_equal"] and len(r["old"]) == len(r["new"]) == 16
     assert r["within_noise"] is True and r["one_sample"] == pytest.approx(1 / 512)
+
+
+def test_phase_env_takes_the_presets_environment(tmp_path: Path) -> None:
+    """The gpu preset sets PYTORCH_CUDA_ALLOC_CONF, which the bench's base environment sets too: the preset's value
+    and the --env values win, and the base keys remain."""
+    from parity.study.presets import PRESETS
+    extra = {**PRESETS["gpu"].env, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False", "X_ONLY_HERE": "1"}
+    env = phase_env("/p", tmp_path, extra)
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:False" and env["X_ONLY_HERE"] == "1"
+    assert env["PYTHONPATH"] == "/p" and env["OMP_NUM_THREADS"] == "1"
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+    for k, v in PRESETS["gpu"].env.items():
+        assert k == "PYTORCH_CUDA_ALLOC_CONF" or env[k] == v

@@ -88,6 +88,14 @@ def profiles(run_dir: Path) -> dict:
             for f in sorted(run_dir.glob("profile_step*.json"))}
 
 
+def phase_env(pythonpath: str, out_dir: Path, extra_env: dict | None = None) -> dict:
+    """A phase's runs' environment: the bench's base, then `extra_env` (the preset's and --env), which wins."""
+    return {**os.environ, "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+            "TOKENIZERS_PARALLELISM": "false", "TORCHINDUCTOR_CACHE_DIR": str(out_dir / "inductor"),
+            "TRITON_CACHE_DIR": str(out_dir / "triton"), **(extra_env or {})}
+
+
 def phase(name: str, pythonpath: str, runs: list[dict], work: Path, timeout_s: float, mps_mode: str,
           extra_env: dict | None = None, extra_overrides: list[str] | None = None, cohorts: bool = False,
           cohort_sm_share: int | None = None) -> dict:
@@ -96,10 +104,7 @@ def phase(name: str, pythonpath: str, runs: list[dict], work: Path, timeout_s: f
     out_dir = work / name
     shutil.rmtree(out_dir, ignore_errors=True)
     (out_dir / "logs").mkdir(parents=True)
-    env = dict(os.environ, PYTHONPATH=pythonpath, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True", TOKENIZERS_PARALLELISM="false",
-               TORCHINDUCTOR_CACHE_DIR=str(out_dir / "inductor"), TRITON_CACHE_DIR=str(out_dir / "triton"),
-               **(extra_env or {}))
+    env = phase_env(pythonpath, out_dir, extra_env)
     overrides = {r["name"]: [*r["overrides"], *(extra_overrides or [])] for r in runs}
     groups: list = []
     if cohorts:
