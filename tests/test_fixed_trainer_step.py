@@ -15,7 +15,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))
-from fixed_trainer_step import REL, compare, main, make_batch, run_step  # noqa: E402
+from fixed_trainer_step import F32_REL, REL, compare, float32_check, main, make_batch, run_step  # noqa: E402
 from gpu_study_throughput import run_list  # noqa: E402
 from kv_packed_checks import write_small_qwen3  # noqa: E402
 
@@ -73,6 +73,36 @@ def test_compare_gradient_log_probs_and_sign_changes_by_hand() -> None:
                      "token_logprobs": lp + 2e-2}, ref=ref)
     assert not r3["grad_within"] and not r3["logprob_within"]
     assert r3["logprob_mean_abs_to_ref"] == {"a": pytest.approx(1e-3), "b": pytest.approx(2.1e-2)}
+    # with the reference, a logged number that moved is reported, not judged; the whole update is held to the
+    # reference's: b's update three times as far from it as a's is outside, even where every sign agrees
+    moved = compare(a, {**b, "metrics": {"mismatch/k1_kl": 3e-3}}, ref=ref)
+    assert moved["differ"] == ["mismatch/k1_kl"] and not moved["metrics_judged"] and moved["within"], moved
+    u = a["update"]
+    ref_u = {**ref, "update": {n: t * (1 + REL) for n, t in u.items()}}
+    assert compare(a, b, ref=ref_u)["update_within"]
+    far_u = compare(a, {**b, "update": {n: t * (1 + 4 * REL) for n, t in u.items()}}, ref=ref_u)
+    assert far_u["update_rel_l2_to_ref"]["b"] == pytest.approx(3 * REL, rel=1e-5) and not far_u["update_within"]
+    assert far_u["update_same_sign_rel_l2"] == pytest.approx(4 * REL, rel=1e-5) and not far_u["within"]
+
+
+def test_float32_check_by_hand() -> None:
+    """float32_check: logged numbers within 2^-10, 1e-6 or 2 / tokens; log-probs, gradient, same-sign update within
+    2^-10; b32 in the result of compare when given with the reference."""
+    g = {"w": torch.tensor([1.0, -2.0, 3.0, 0.5])}
+    ref = {"metrics": {"train/loss": 0.5, "correction/clipped_frac": 1e-3, "tiny": 1e-8},
+           "grad": g, "update": {"w": -1e-5 * torch.sign(g["w"])}, "token_logprobs": torch.full((1000,), -2.0,
+                                                                                                  dtype=torch.float64)}
+    same = {**ref, "metrics": {"train/loss": 0.5 * (1 + F32_REL / 2), "correction/clipped_frac": 1e-3 + 1 / 1000,
+                               "tiny": 5e-7}}
+    assert float32_check(ref, same)["within"]
+    for bad in ({**ref, "metrics": {**ref["metrics"], "train/loss": 0.5 * (1 + 2 * F32_REL)}},
+                {**ref, "metrics": {**ref["metrics"], "correction/clipped_frac": 1e-3 + 3 / 1000}},
+                {**ref, "grad": {"w": g["w"] * (1 + 2 * F32_REL)}},
+                {**ref, "update": {"w": ref["update"]["w"] * 2}},
+                {**ref, "token_logprobs": ref["token_logprobs"] - 2 * 2 * F32_REL}):
+        assert not float32_check(ref, bad)["within"], bad
+    r = float32_check(ref, {**ref, "metrics": {**ref["metrics"], "train/loss": 0.6}})
+    assert r["differ"] == [{"key": "train/loss", "ref": 0.5, "b32": 0.6}]
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +160,18 @@ def test_compare_command_exit_status(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as e:
         main(["compare", str(tmp_path / "a.pt"), str(tmp_path / "b.pt")])
     assert e.value.code == 1
+
+
+def test_float32_settings_are_the_reference_function(fixed: tuple[Path, Path, list[str]]) -> None:
+    """The float32 side of the check on real steps: padding to 16 tokens and the shared-prefix forward compute the
+    reference's function (within float32's bounds); a doubled lr does not."""
+    model, batch_file, overrides = fixed
+    ref = run_step(str(model), str(batch_file), overrides, seed=0)
+    for extra in (["trainer.pad_to_multiple=16"], ["trainer.shared_prefix=on"]):
+        b32 = run_step(str(model), str(batch_file), [*overrides, *extra], seed=0)
+        r = float32_check(ref, b32)
+        assert r["within"] and r["grad_rel_l2"] < 1e-5, (extra, r)
+        assert compare(ref, b32, ref=ref, b32=b32)["within"]
+    doubled = run_step(str(model), str(batch_file), [*overrides, "trainer.lr=1e-4"], seed=0)
+    r = float32_check(ref, doubled)
+    assert not r["within"] and r["update_same_sign_rel_l2"] == pytest.approx(1.0, rel=1e-3)

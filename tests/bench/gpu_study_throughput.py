@@ -299,8 +299,10 @@ def fixed_trainer_steps(runs: list[dict], arms: str, old_path: str, new_path: st
     for r in chosen:
         res = {}
         # ref: the old tree in float32, the reference both trees' bf16 steps round from
+        # new32: this tree's settings in float32, held to ref within float32's rounding (the same function)
         for tree, path, extra in (("old", old_path, []), ("new", new_path, new_extra),
-                                  ("ref", old_path, ["model.dtype=float32"])):
+                                  ("ref", old_path, ["model.dtype=float32"]),
+                                  ("new32", new_path, [*new_extra, "model.dtype=float32"])):
             f = d / f"{r['name']}_{tree}.pt"
             try:
                 p = subprocess.run([sys.executable, str(FIXED_STEP), "step", "--model-dir", model_dir, "--batch",
@@ -313,7 +315,8 @@ def fixed_trainer_steps(runs: list[dict], arms: str, old_path: str, new_path: st
             out["checks"].append({"arm": r["arm"], "error": {k: v for k, v in res.items() if not isinstance(v, Path)}})
             continue
         c = subprocess.run([sys.executable, str(FIXED_STEP), "compare", str(res["old"]), str(res["new"]), "--ref",
-                            str(res["ref"]), "--json", str(d / f"{r['name']}_compare.json")], env=env,
+                            str(res["ref"]), "--b32", str(res["new32"]), "--json",
+                            str(d / f"{r['name']}_compare.json")], env=env,
                            capture_output=True, text=True)
         cmp = json.loads((d / f"{r['name']}_compare.json").read_text()) if c.returncode in (0, 1) else \
             {"within": None, "error": c.stderr[-800:]}

@@ -95,11 +95,14 @@ def shared_prefix_hidden(model: torch.nn.Module, prompts: torch.Tensor, prompt_m
                          responses: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor | None:
     """Final-norm hidden states [b, R, H] at the positions predicting each response token (those of
     `model.model(cat(prompts, responses))[:, P - 1:-1]` up to rounding, zeros past each row's response), or None
-    where the shared-prefix forward does not apply. Host tensors in, hidden on the model's device out; call it
-    under the trainer's autocast."""
+    where the shared-prefix forward does not apply. The batch's tensors on any device (the grouping and the index
+    arithmetic run on the host: a copy of b x (P + R) token ids), hidden on the model's device out; call it under the
+    trainer's autocast."""
     cfg = model.config
     if getattr(cfg, "model_type", None) not in SUPPORTED or getattr(cfg, "use_sliding_window", False):
         return None
+    # the trainer hands the micro-batch already on its device; the index tensors below are built on the host
+    prompts, prompt_mask, responses, response_mask = (t.cpu() for t in (prompts, prompt_mask, responses, response_mask))
     b, R = responses.shape
     first, row_group = prompt_groups(prompts, prompt_mask)
     lengths = response_mask.sum(-1)
