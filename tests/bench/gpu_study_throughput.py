@@ -40,11 +40,14 @@ from parity.study.presets import PRESETS  # noqa: E402
 
 # the preset's base keys that the earlier tree also knows (the new evaluation keys are left out of both phases)
 NEW_KEYS = ("trainer.eval_deployed_every", "trainer.final_eval_problems")
+# the preset's base keys the earlier tree does not know that change how, not what, a run computes: this tree's
+# phase runs with them, as `parity study` runs the preset
+NEW_ONLY = ("trainer.share_step0_eval",)
 
 
 def run_list(preset_name: str, seed: int, steps: int, eval_every: int, model_dir: str, arms: str) -> list[dict]:
     preset = PRESETS[preset_name]
-    base = [f"experiment={preset.experiment}", *(o for o in preset.base if not o.startswith(NEW_KEYS)),
+    base = [f"experiment={preset.experiment}", *(o for o in preset.base if not o.startswith(NEW_KEYS + NEW_ONLY)),
             f"trainer.total_steps={steps}", f"trainer.eval_every={eval_every}", f"model.path={model_dir}",
             f"trainer.seed={seed}"]
     words = [w for w in arms.split(",") if w]
@@ -361,6 +364,7 @@ def main() -> None:
     # this tree's phase runs as `parity study` runs the preset: its environment (the host's waits, the compile
     # threads), then --env; the old tree's phase with the bench's base environment, which holds what its preset set
     extra_env = {**PRESETS[a.preset].env, **dict(kv.split("=", 1) for kv in a.env)}
+    new_extra = [*(o for o in PRESETS[a.preset].base if o.startswith(NEW_ONLY)), *a.new_extra.split()]
     site = os.environ.get("PARITY_CARRY_SITE", str(ROOT / ".gpucarry" / "site"))
     runs = run_list(a.preset, a.seed, a.steps, a.eval_every, a.model_dir, a.arms)
     record = {"date": time.strftime("%Y-%m-%d"), "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -377,8 +381,8 @@ def main() -> None:
         return
     if a.contended_only:
         record["new"] = phase("new", f"{ROOT / 'platform'}:{site}", runs, work, a.timeout, "auto", extra_env,
-                              a.new_extra.split(), a.new_cohorts, a.new_cohort_sm_share)
-        record["extra_env"], record["new_extra"] = extra_env, a.new_extra.split()
+                              new_extra, a.new_cohorts, a.new_cohort_sm_share)
+        record["extra_env"], record["new_extra"] = extra_env, new_extra
         out.write_text(json.dumps(record, indent=1, default=str))
         n = record["new"]
         print(f"contended: {n['run_steps']} run-steps in {n['wall_s']} s = {n['run_steps_per_s']:.2f}/s "
@@ -392,10 +396,10 @@ def main() -> None:
     out.write_text(json.dumps(record, indent=1, default=str))
     print(f"old: {old['run_steps']} run-steps in {old['wall_s']} s = {old['run_steps_per_s']:.2f}/s "
           f"(steady {old['steady_run_steps_per_s']})", flush=True)
-    new = phase("new", f"{ROOT / 'platform'}:{site}", runs, work, a.timeout, "auto", extra_env, a.new_extra.split(),
+    new = phase("new", f"{ROOT / 'platform'}:{site}", runs, work, a.timeout, "auto", extra_env, new_extra,
                 a.new_cohorts, a.new_cohort_sm_share)
     record["new"] = new
-    record["extra_env"], record["new_extra"] = extra_env, a.new_extra.split()
+    record["extra_env"], record["new_extra"] = extra_env, new_extra
     record["ratio"] = new["run_steps_per_s"] / old["run_steps_per_s"]
     # a run that failed did less work in its phase: the ratio then compares different amounts of work
     record["failed_runs"] = {ph["name"]: [r["arm"] for r in ph["runs"] if r["returncode"] != 0] for ph in (old, new)}
@@ -422,7 +426,7 @@ def main() -> None:
                 print(f"  {ph['name']} {r['arm']} exit {r['returncode']}: {(r['log_tail'] or '')[-300:]}", flush=True)
     if a.fixed_step_arms:
         fx = fixed_trainer_steps(runs, a.fixed_step_arms, f"{a.old}:{site}", f"{ROOT / 'platform'}:{site}",
-                                 a.new_extra.split(), a.model_dir, PRESETS[a.preset].topk, work, a.timeout)
+                                 new_extra, a.model_dir, PRESETS[a.preset].topk, work, a.timeout)
         record["fixed_inputs"]["trainer_step"] = fx
         out.write_text(json.dumps(record, indent=1, default=str))
         for c in fx["checks"]:

@@ -170,11 +170,12 @@ GPU = Preset(
     # lr 5e-5 and 16 prompts x 8, group-std advantages: fixed by the calibration before any corrected arm ran
     # (docs/study/collapse_study.md); micro-batch 32 for every arm (64 ran the INT8 arm out of memory with 16 runs on
     # the GPU). Held-out: the trained weights on an exact engine every 10 steps (128 problems x 4), the deployed
-    # model (the rollout's own format) every 30 steps and at the end, and both on 512 problems x 4 at the end.
+    # model (the rollout's own format) every 30 steps and at the end, and both on 512 problems x 4 at the end. The
+    # warm start's exact evaluation is one computation for all of a seed's arms (trainer.share_step0_eval).
     base=("trainer.checkpoint_every=0", "eval.grade_workers=1", "trainer.device=cuda", "trainer.micro_batch_size=32",
           "trainer.prompts_per_step=16", "trainer.eval_problems=128", "trainer.eval_through_rollout=false",
           "trainer.eval_deployed_every=30", "trainer.final_eval_problems=512",
-          "data.countdown.min_attempts=1", "trainer.lr=5e-5"),
+          "data.countdown.min_attempts=1", "trainer.lr=5e-5", "trainer.share_step0_eval=true"),
     steps=150, eval_every=10, seeds=CORE_SEEDS, concurrency=16, threads_per_run=1,
     seed_overrides=("model.warm_start.seed={seed}",),
     # host waits asleep (parity.core.device.cuda_blocking_sync): 16 runs no longer spin 16 cores through every

@@ -8,6 +8,13 @@ measured sampled: greedy decoding of a search trace repeats its likeliest attemp
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from parity.core.sampling import Engine, SamplingSpec
@@ -60,7 +67,8 @@ class HeldOut:
     and the last one (the deployed model). With trainer.final_eval_problems, the last step also measures both on
     that many problems (`eval/final_accuracy`, `eval/final_accuracy_unquantized`)."""
 
-    def __init__(self, cfg: ParityConfig, tok: Any, grader: Any, start_dir: str) -> None:
+    def __init__(self, cfg: ParityConfig, tok: Any, grader: Any, start_dir: str, weights_sha256: str | None = None
+                 ) -> None:
         self.tok, self.grader, self.template = tok, grader, cfg.data.prompt_template
         self.max_new_tokens = int(cfg.rollout.max_new_tokens)
         self.problems = heldout_problems(cfg, cfg.trainer.eval_problems)
@@ -70,10 +78,17 @@ class HeldOut:
         self.through_rollout = bool(cfg.trainer.eval_through_rollout)
         self.deployed_every = int(cfg.trainer.eval_deployed_every)
         self.plain: Any = None
+        self.shared_file: Path | None = None  # the step-0 plain evaluation's record shared by runs (share_step0_eval)
+        self.step0_shared: dict | None = None  # what the step-0 evaluation took from it (the run's summary)
+        self.run_name = str(cfg.trainer.run_name)
         if cfg.trainer.eval_unquantized and cfg.trainer.eval_every and changes_numerics(rollout_precision(cfg)):
             device = resolve_device(cfg.trainer.device)
-            self.plain = TorchEngine(start_dir, device=str(device), dtype=compute_dtype(cfg.model.dtype, device),
-                                     cpu_lanes=engine_lanes(cfg))
+            dtype, lanes = compute_dtype(cfg.model.dtype, device), engine_lanes(cfg)
+            self.plain = TorchEngine(start_dir, device=str(device), dtype=dtype, cpu_lanes=lanes)
+            if cfg.trainer.share_step0_eval:
+                key = step0_key(start_dir, weights_sha256, self.problems, self.template, self.max_new_tokens,
+                                self.settings, device, dtype, lanes, cfg.eval)
+                self.shared_file = Path(cfg.outputs_dir) / "eval0" / f"{key}.json"
 
     def accuracy(self, engine: Engine, problems: list[Problem] | None = None) -> float:
         return heldout_accuracy(engine, self.tok, self.problems if problems is None else problems, self.template,
@@ -87,7 +102,9 @@ class HeldOut:
         out = {}
         if self.plain is None or self.through_rollout or self.deployed_due(step, final):
             out["eval/accuracy"] = self.accuracy(rollout)
-        if self.plain is not None:
+        if self.plain is not None and self.shared_file is not None and step == 0 and not final:
+            out["eval/accuracy_unquantized"] = self._shared_step0(learner)
+        elif self.plain is not None:
             self.plain.update_weights(learner.weights())
             out["eval/accuracy_unquantized"] = self.accuracy(self.plain)
         if final and self.final_problems:
@@ -96,6 +113,58 @@ class HeldOut:
                 out["eval/final_accuracy_unquantized"] = self.accuracy(self.plain, self.final_problems)
         return out
 
+    def _shared_step0(self, learner: Any) -> float:
+        """The warm start's plain-engine accuracy, computed once for every run that shares `shared_file`: the first
+        run to take the lock computes and writes it (atomically), the others wait for the lock and read it."""
+        path = self.shared_file
+        assert path is not None
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_suffix(".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                rec = None
+                if path.is_file():
+                    try:
+                        rec = json.loads(path.read_text())
+                        float(rec["accuracy"])
+                    except (ValueError, KeyError, TypeError) as e:  # not written by this code: computed again
+                        print(f"held-out: {path} unreadable ({type(e).__name__}: {e}); evaluating the warm start "
+                              "again", flush=True)
+                        rec = None
+                if rec is not None:
+                    self.step0_shared = {"file": str(path), "computed_by": rec.get("run"), "reused": True}
+                    print(f"held-out: step-0 evaluation of the warm start from {path.name} (computed by run "
+                          f"{rec.get('run')})", flush=True)
+                    return float(rec["accuracy"])
+                t0 = time.perf_counter()
+                self.plain.update_weights(learner.weights())
+                acc = self.accuracy(self.plain)
+                rec = {"accuracy": acc, "run": self.run_name, "seconds": round(time.perf_counter() - t0, 2),
+                       "problems": len(self.problems), **self.settings}
+                tmp = path.with_name(f".{path.name}.{os.getpid()}")
+                tmp.write_text(json.dumps(rec, indent=1))
+                os.replace(tmp, path)
+                self.step0_shared = {"file": str(path), "computed_by": self.run_name, "reused": False}
+                return acc
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
     def close(self) -> None:
         if self.plain is not None:
             self.plain.close()
+
+
+def step0_key(start_dir: str, weights_sha256: str | None, problems: list[Problem], template: str,
+              max_new_tokens: int, settings: dict, device: Any, dtype: Any, lanes: Any, eval_cfg: Any) -> str:
+    """What the warm start's plain-engine accuracy depends on, hashed: the weights (their sha256 where the warm
+    start recorded it, else each weight file's path, size and modification time), the problems and prompt, the
+    sampling settings and seed, the engine's device, dtype and lanes, the grader's settings, torch's version."""
+    import torch
+    d = Path(start_dir).resolve()
+    files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in d.glob("*.safetensors"))
+    content = {"weights": weights_sha256 or [str(d), files], "template": template, "max_new_tokens": max_new_tokens,
+               "problems": hashlib.sha256(json.dumps([[p.problem, str(p.answer)] for p in problems]).encode()
+                                          ).hexdigest(),
+               "settings": settings, "device": str(device), "dtype": str(dtype), "lanes": str(lanes),
+               "grader": asdict(eval_cfg) if is_dataclass(eval_cfg) else str(eval_cfg), "torch": torch.__version__}
+    return hashlib.sha256(json.dumps(content, sort_keys=True, default=str).encode()).hexdigest()[:24]

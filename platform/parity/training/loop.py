@@ -67,13 +67,15 @@ def train(cfg: ParityConfig, callbacks: list[Callback] | None = None, *, runner:
             GraderPool(workers=cfg.eval.grade_workers, timeout_s=cfg.eval.grade_timeout_s) as grader:
         clock.mark("sides")  # the trainer and the rollout engine (or its client) built, the graders started
         data = Data(tok, stream, cfg.data.prompt_template, max_prompt, grader)
-        heldout = HeldOut(cfg, tok, grader, str(run.resume_from or base))
+        heldout = HeldOut(cfg, tok, grader, str(run.resume_from or base), start.get("weights_sha256"))
         try:
             alarm = rl_loop(cfg, data, sides.rollout, sides.learner, heldout, run, clock)
         finally:
             heldout.close()
         outcome = {"collapse_step": alarm.fired_at, "tolerance": tolerance_in_force(tolerance, run.metrics.read()),
                    "start_weights_sha256": start.get("weights_sha256"), "startup_s": clock.marks}
+        if heldout.step0_shared is not None:
+            outcome["step0_eval_shared"] = heldout.step0_shared
     return run.finish(int(cfg.trainer.total_steps), sides.summary, outcome)
 
 
