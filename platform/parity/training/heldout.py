@@ -158,13 +158,17 @@ def step0_key(start_dir: str, weights_sha256: str | None, problems: list[Problem
               max_new_tokens: int, settings: dict, device: Any, dtype: Any, lanes: Any, eval_cfg: Any) -> str:
     """What the warm start's plain-engine accuracy depends on, hashed: the weights (their sha256 where the warm
     start recorded it, else each weight file's path, size and modification time), the problems and prompt, the
-    sampling settings and seed, the engine's device, dtype and lanes, the grader's settings, torch's version."""
+    sampling settings and seed, the engine's device, dtype and lanes, the grader's settings, torch's version and the
+    code's (a changed engine computes another number)."""
     import torch
+
+    from parity.training.run_folder import code_version
     d = Path(start_dir).resolve()
     files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in d.glob("*.safetensors"))
     content = {"weights": weights_sha256 or [str(d), files], "template": template, "max_new_tokens": max_new_tokens,
                "problems": hashlib.sha256(json.dumps([[p.problem, str(p.answer)] for p in problems]).encode()
                                           ).hexdigest(),
                "settings": settings, "device": str(device), "dtype": str(dtype), "lanes": str(lanes),
-               "grader": asdict(eval_cfg) if is_dataclass(eval_cfg) else str(eval_cfg), "torch": torch.__version__}
+               "grader": asdict(eval_cfg) if is_dataclass(eval_cfg) else str(eval_cfg), "torch": torch.__version__,
+               "code": code_version()}
     return hashlib.sha256(json.dumps(content, sort_keys=True, default=str).encode()).hexdigest()[:24]
