@@ -1,7 +1,8 @@
-"""trainer.share_step0_eval: runs that start from the same weights compute the warm start's plain-engine held-out
-accuracy once (the first to take the lock in ${outputs_dir}/eval0/), the others read it; what it depends on (the
-weights, the problems, the sampling seed, the engine) is in the key, so a run that would compute another number
-computes its own."""
+"""trainer.share_step0_eval: runs that start from the same weights compute the warm start's step-0 held-out
+accuracies once (the first to take the lock in ${outputs_dir}/eval0/), the others read them: the plain engine's for
+every run of the warm start, the rollout's for the runs of one format; what a number depends on (the weights, the
+problems, the sampling seed, the engine) is in its key, so a run that would compute another number computes its
+own."""
 
 from __future__ import annotations
 
@@ -18,9 +19,8 @@ OVER = ("+precision=w8a8_int8", "trainer.share_step0_eval=true", "trainer.eval_e
         "trainer.checkpoint_every=0")
 
 
-def _step0(summary: dict) -> float:
-    rows = MetricsLog(Path(summary["run_dir"]) / "metrics.jsonl").read()
-    return rows[0]["eval/accuracy_unquantized"]
+def _step0(summary: dict) -> dict:
+    return MetricsLog(Path(summary["run_dir"]) / "metrics.jsonl").read()[0]
 
 
 def test_runs_of_one_warm_start_share_its_evaluation(quick_cfg, prepared_model, outputs_dir):
@@ -32,29 +32,41 @@ def test_runs_of_one_warm_start_share_its_evaluation(quick_cfg, prepared_model, 
     from parity.rollout.torch_engine import TorchEngine
     from parity.training.heldout import eval_settings, heldout_accuracy
     a = train(quick_cfg("trainer.run_name=share_a", *OVER))
-    # another arm (a correction) from the same warm start: the same step-0 computation, read
+    # another arm (a correction) of the same format from the same warm start: both step-0 computations, read
     b = train(quick_cfg("trainer.run_name=share_b", *OVER, "algorithm.correction.name=tis"))
-    assert a["step0_eval_shared"]["reused"] is False and a["step0_eval_shared"]["computed_by"] == "share_a"
-    assert b["step0_eval_shared"] == {**a["step0_eval_shared"], "reused": True}
-    record = json.loads(Path(a["step0_eval_shared"]["file"]).read_text())
-    assert Path(record_file := a["step0_eval_shared"]["file"]).parent == outputs_dir / "eval0", record_file
-    assert _step0(a) == _step0(b) == record["accuracy"] and record["run"] == "share_a"
-    # the number read is the warm start's own accuracy on a plain engine (greedy, the quick settings)
+    both = ("eval/accuracy", "eval/accuracy_unquantized")
+    assert sorted(a["step0_eval_shared"]) == sorted(b["step0_eval_shared"]) == sorted(both)
+    for m in both:
+        assert a["step0_eval_shared"][m]["reused"] is False and a["step0_eval_shared"][m]["computed_by"] == "share_a"
+        assert b["step0_eval_shared"][m] == {**a["step0_eval_shared"][m], "reused": True}
+        record = json.loads(Path(a["step0_eval_shared"][m]["file"]).read_text())
+        assert Path(a["step0_eval_shared"][m]["file"]).parent == outputs_dir / "eval0"
+        assert _step0(a)[m] == _step0(b)[m] == record["accuracy"] and record["run"] == "share_a"
+    plain_file = a["step0_eval_shared"]["eval/accuracy_unquantized"]["file"]
+    assert plain_file != a["step0_eval_shared"]["eval/accuracy"]["file"]
+    # the plain number read is the warm start's own accuracy on a plain engine (greedy, the quick settings)
     cfg = quick_cfg()
     tok = AutoTokenizer.from_pretrained(str(prepared_model))
     with GraderPool(workers=1) as grader:
         engine = TorchEngine(str(prepared_model), dtype=compute_dtype(cfg.model.dtype, torch.device("cpu")))
         own = heldout_accuracy(engine, tok, arithmetic_problems("test", 16, cfg.data.arithmetic),
                                cfg.data.prompt_template, grader, cfg.rollout.max_new_tokens, **eval_settings(cfg))
-    assert record["accuracy"] == own
-    # fewer held-out problems: another number, computed by the run itself
+    assert _step0(a)["eval/accuracy_unquantized"] == own
+    # another rollout format from the same warm start: the plain number read, the rollout's computed
+    e = train(quick_cfg("trainer.run_name=share_e", *OVER[1:], "+precision=w8a8_int8_kv_int4"))
+    assert e["step0_eval_shared"]["eval/accuracy_unquantized"] == {**a["step0_eval_shared"][both[1]], "reused": True}
+    assert e["step0_eval_shared"]["eval/accuracy"]["reused"] is False
+    # fewer held-out problems: other numbers, computed by the run itself
     c = train(quick_cfg("trainer.run_name=share_c", *OVER, "trainer.eval_problems=8"))
-    assert c["step0_eval_shared"]["reused"] is False and c["step0_eval_shared"]["file"] != record_file
+    assert not any(c["step0_eval_shared"][m]["reused"] for m in both)
+    assert c["step0_eval_shared"][both[1]]["file"] != plain_file
     # a record that is not this code's (cut short by hand) is computed again, not trusted
-    Path(record_file).write_text("{\"accuracy\": ")
+    value = _step0(a)[both[1]]
+    Path(plain_file).write_text("{\"accuracy\": ")
     d = train(quick_cfg("trainer.run_name=share_d", *OVER))
-    assert d["step0_eval_shared"]["reused"] is False and _step0(d) == record["accuracy"]
-    assert json.loads(Path(record_file).read_text())["run"] == "share_d"
+    assert d["step0_eval_shared"][both[1]]["reused"] is False and _step0(d)[both[1]] == value
+    assert d["step0_eval_shared"]["eval/accuracy"]["reused"] is True
+    assert json.loads(Path(plain_file).read_text())["run"] == "share_d"
 
 
 def test_two_evaluations_at_once_compute_it_once(quick_cfg, prepared_model, tmp_path):
@@ -76,11 +88,11 @@ def test_two_evaluations_at_once_compute_it_once(quick_cfg, prepared_model, tmp_
     results: dict[int, tuple[float, dict]] = {}
     with GraderPool(workers=1) as grader:
         evaluators = [HeldOut(cfg, tok, grader, str(prepared_model)) for _ in range(2)]
-        assert evaluators[0].shared_file == evaluators[1].shared_file is not None
+        assert evaluators[0].shared == evaluators[1].shared and len(evaluators[0].shared) == 2
 
         def run(i: int) -> None:
             out = evaluators[i].evaluate(None, StartWeights(), 0)  # eval_through_rollout off below: no rollout
-            results[i] = (out["eval/accuracy_unquantized"], evaluators[i].step0_shared)
+            results[i] = (out["eval/accuracy_unquantized"], evaluators[i].step0_shared["eval/accuracy_unquantized"])
 
         for h in evaluators:
             h.through_rollout, h.deployed_every = False, 0

@@ -261,10 +261,11 @@ class TrainerConfig:
     # (`eval/final_accuracy`) and, for a rollout that changes the numerics, the plain engine
     # (`eval/final_accuracy_unquantized`): the larger sample where arms' differences are decided; 0 = off
     final_eval_problems: int = 0
-    # runs that start from the same weights share their step-0 evaluation on the plain engine
-    # (`eval/accuracy_unquantized` of the warm start: one computation however many arms and corrections start from
-    # it): the first run to reach it computes it under a file lock in ${outputs_dir}/eval0/, the others read it;
-    # the study's GPU preset turns it on (16 runs evaluating one warm start at once); false = each run its own
+    # runs that start from the same weights share their step-0 evaluations: the plain engine's
+    # (`eval/accuracy_unquantized`: one computation however many formats, arms and corrections start from the warm
+    # start) and the rollout's (`eval/accuracy`: one for the runs of one format and seed, whatever their correction);
+    # the first run to reach one computes it under a file lock in ${outputs_dir}/eval0/, the others read it; the
+    # study's GPU preset turns it on (16 runs evaluating one warm start at once); false = each run its own
     share_step0_eval: bool = False
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -78,17 +79,33 @@ class HeldOut:
         self.through_rollout = bool(cfg.trainer.eval_through_rollout)
         self.deployed_every = int(cfg.trainer.eval_deployed_every)
         self.plain: Any = None
-        self.shared_file: Path | None = None  # the step-0 plain evaluation's record shared by runs (share_step0_eval)
-        self.step0_shared: dict | None = None  # what the step-0 evaluation took from it (the run's summary)
+        # share_step0_eval: each step-0 evaluation's record shared by the runs that would compute the same number,
+        # by metric; step0_shared, what this run's step-0 evaluation computed or read (the run's summary)
+        self.shared: dict[str, Path] = {}
+        self.step0_shared: dict[str, dict] = {}
         self.run_name = str(cfg.trainer.run_name)
+        share = bool(cfg.trainer.share_step0_eval)
+        device = resolve_device(cfg.trainer.device)
+
+        def shared_file(engine: dict) -> Path:
+            key = step0_key(start_dir, weights_sha256, self.problems, self.template, self.max_new_tokens,
+                            self.settings, {**engine, "grader": cfg.eval})
+            return Path(cfg.outputs_dir) / "eval0" / f"{key}.json"
+
         if cfg.trainer.eval_unquantized and cfg.trainer.eval_every and changes_numerics(rollout_precision(cfg)):
-            device = resolve_device(cfg.trainer.device)
             dtype, lanes = compute_dtype(cfg.model.dtype, device), engine_lanes(cfg)
             self.plain = TorchEngine(start_dir, device=str(device), dtype=dtype, cpu_lanes=lanes)
-            if cfg.trainer.share_step0_eval:
-                key = step0_key(start_dir, weights_sha256, self.problems, self.template, self.max_new_tokens,
-                                self.settings, device, dtype, lanes, cfg.eval)
-                self.shared_file = Path(cfg.outputs_dir) / "eval0" / f"{key}.json"
+            if share:
+                self.shared["eval/accuracy_unquantized"] = shared_file(
+                    {"kind": "plain", "device": str(device), "dtype": str(dtype), "lanes": lanes})
+        if share:
+            # the rollout side: everything that builds and feeds its engine (the format, a perturbation's seed, the
+            # runner, the model's settings), all of the config but the learner's algorithm and the trainer's
+            # schedule; runs of one format and seed differ only there
+            self.shared["eval/accuracy"] = shared_file(
+                {"kind": "rollout", "model": cfg.model, "data": cfg.data, "rollout": cfg.rollout,
+                 "actor_rollout_ref": cfg.actor_rollout_ref, "distributed": cfg.distributed,
+                 "precision": rollout_precision(cfg), "device": str(device), "seed": int(cfg.trainer.seed)})
 
     def accuracy(self, engine: Engine, problems: list[Problem] | None = None) -> float:
         return heldout_accuracy(engine, self.tok, self.problems if problems is None else problems, self.template,
@@ -100,24 +117,28 @@ class HeldOut:
 
     def evaluate(self, rollout: Engine, learner: Any, step: int = 0, final: bool = False) -> dict[str, float]:
         out = {}
-        if self.plain is None or self.through_rollout or self.deployed_due(step, final):
-            out["eval/accuracy"] = self.accuracy(rollout)
-        if self.plain is not None and self.shared_file is not None and step == 0 and not final:
-            out["eval/accuracy_unquantized"] = self._shared_step0(learner)
-        elif self.plain is not None:
+        share = step == 0 and not final  # the warm start's numbers (a final step 0 also measures the large set)
+
+        def plain() -> float:
             self.plain.update_weights(learner.weights())
-            out["eval/accuracy_unquantized"] = self.accuracy(self.plain)
+            return self.accuracy(self.plain)
+
+        if self.plain is None or self.through_rollout or self.deployed_due(step, final):
+            out["eval/accuracy"] = self._shared_step0("eval/accuracy", lambda: self.accuracy(rollout)) \
+                if share and "eval/accuracy" in self.shared else self.accuracy(rollout)
+        if self.plain is not None:
+            out["eval/accuracy_unquantized"] = self._shared_step0("eval/accuracy_unquantized", plain) \
+                if share and "eval/accuracy_unquantized" in self.shared else plain()
         if final and self.final_problems:
             out["eval/final_accuracy"] = self.accuracy(rollout, self.final_problems)
             if self.plain is not None:
                 out["eval/final_accuracy_unquantized"] = self.accuracy(self.plain, self.final_problems)
         return out
 
-    def _shared_step0(self, learner: Any) -> float:
-        """The warm start's plain-engine accuracy, computed once for every run that shares `shared_file`: the first
-        run to take the lock computes and writes it (atomically), the others wait for the lock and read it."""
-        path = self.shared_file
-        assert path is not None
+    def _shared_step0(self, metric: str, compute: Callable[[], float]) -> float:
+        """The warm start's `metric`, computed once for every run that shares its file: the first run to take the
+        lock computes and writes it (atomically), the others wait for the lock and read it."""
+        path = self.shared[metric]
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path.with_suffix(".lock"), "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
@@ -132,19 +153,18 @@ class HeldOut:
                               "again", flush=True)
                         rec = None
                 if rec is not None:
-                    self.step0_shared = {"file": str(path), "computed_by": rec.get("run"), "reused": True}
-                    print(f"held-out: step-0 evaluation of the warm start from {path.name} (computed by run "
+                    self.step0_shared[metric] = {"file": str(path), "computed_by": rec.get("run"), "reused": True}
+                    print(f"held-out: step-0 {metric} of the warm start from {path.name} (computed by run "
                           f"{rec.get('run')})", flush=True)
                     return float(rec["accuracy"])
                 t0 = time.perf_counter()
-                self.plain.update_weights(learner.weights())
-                acc = self.accuracy(self.plain)
-                rec = {"accuracy": acc, "run": self.run_name, "seconds": round(time.perf_counter() - t0, 2),
-                       "problems": len(self.problems), **self.settings}
+                acc = compute()
+                rec = {"metric": metric, "accuracy": acc, "run": self.run_name,
+                       "seconds": round(time.perf_counter() - t0, 2), "problems": len(self.problems), **self.settings}
                 tmp = path.with_name(f".{path.name}.{os.getpid()}")
                 tmp.write_text(json.dumps(rec, indent=1))
                 os.replace(tmp, path)
-                self.step0_shared = {"file": str(path), "computed_by": self.run_name, "reused": False}
+                self.step0_shared[metric] = {"file": str(path), "computed_by": self.run_name, "reused": False}
                 return acc
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
@@ -155,11 +175,11 @@ class HeldOut:
 
 
 def step0_key(start_dir: str, weights_sha256: str | None, problems: list[Problem], template: str,
-              max_new_tokens: int, settings: dict, device: Any, dtype: Any, lanes: Any, eval_cfg: Any) -> str:
-    """What the warm start's plain-engine accuracy depends on, hashed: the weights (their sha256 where the warm
-    start recorded it, else each weight file's path, size and modification time), the problems and prompt, the
-    sampling settings and seed, the engine's device, dtype and lanes, the grader's settings, torch's version and the
-    code's (a changed engine computes another number)."""
+              max_new_tokens: int, settings: dict, engine: dict) -> str:
+    """What a step-0 accuracy of the warm start depends on, hashed: the weights (their sha256 where the warm start
+    recorded it, else each weight file's path, size and modification time), the problems and prompt, the sampling
+    settings and seed, `engine` (what builds the engine and grades its answers), torch's version and the code's (a
+    changed engine computes another number)."""
     import torch
 
     from parity.training.run_folder import code_version
@@ -168,7 +188,6 @@ def step0_key(start_dir: str, weights_sha256: str | None, problems: list[Problem
     content = {"weights": weights_sha256 or [str(d), files], "template": template, "max_new_tokens": max_new_tokens,
                "problems": hashlib.sha256(json.dumps([[p.problem, str(p.answer)] for p in problems]).encode()
                                           ).hexdigest(),
-               "settings": settings, "device": str(device), "dtype": str(dtype), "lanes": str(lanes),
-               "grader": asdict(eval_cfg) if is_dataclass(eval_cfg) else str(eval_cfg), "torch": torch.__version__,
-               "code": code_version()}
+               "settings": settings, "engine": {k: asdict(v) if is_dataclass(v) else v for k, v in engine.items()},
+               "torch": torch.__version__, "code": code_version()}
     return hashlib.sha256(json.dumps(content, sort_keys=True, default=str).encode()).hexdigest()[:24]

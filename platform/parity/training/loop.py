@@ -74,7 +74,7 @@ def train(cfg: ParityConfig, callbacks: list[Callback] | None = None, *, runner:
             heldout.close()
         outcome = {"collapse_step": alarm.fired_at, "tolerance": tolerance_in_force(tolerance, run.metrics.read()),
                    "start_weights_sha256": start.get("weights_sha256"), "startup_s": clock.marks}
-        if heldout.step0_shared is not None:
+        if heldout.step0_shared:
             outcome["step0_eval_shared"] = heldout.step0_shared
     return run.finish(int(cfg.trainer.total_steps), sides.summary, outcome)
 
