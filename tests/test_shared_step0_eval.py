@@ -105,3 +105,22 @@ def test_two_evaluations_at_once_compute_it_once(quick_cfg, prepared_model, tmp_
             h.close()
     assert results[0][0] == results[1][0]
     assert sorted(r[1]["reused"] for r in results.values()) == [False, True]
+
+
+def test_a_cohort_member_shares_only_the_plain_evaluation(quick_cfg, prepared_model, tmp_path):
+    """A cohort's server holds each generate call until every member has one: its members' rollout evaluations
+    already run as one call, and a member waiting for another's rollout number would hold that one's call. So a
+    member shares the plain engine's step-0 number (in its own process) and not the rollout's."""
+    from transformers import AutoTokenizer
+
+    from parity.rewards.grader import GraderPool
+    from parity.training.heldout import HeldOut
+    tok = AutoTokenizer.from_pretrained(str(prepared_model))
+    with GraderPool(workers=1) as grader:
+        member = HeldOut(quick_cfg(f"outputs_dir={tmp_path}", *OVER, f"rollout.cohort='{tmp_path / 'c.sock'}#0'"),
+                         tok, grader, str(prepared_model))
+        alone = HeldOut(quick_cfg(f"outputs_dir={tmp_path}", *OVER), tok, grader, str(prepared_model))
+        assert list(member.shared) == ["eval/accuracy_unquantized"]
+        assert member.shared["eval/accuracy_unquantized"] == alone.shared["eval/accuracy_unquantized"]
+        assert sorted(alone.shared) == ["eval/accuracy", "eval/accuracy_unquantized"]
+        member.close(), alone.close()

@@ -98,10 +98,12 @@ class HeldOut:
             if share:
                 self.shared["eval/accuracy_unquantized"] = shared_file(
                     {"kind": "plain", "device": str(device), "dtype": str(dtype), "lanes": lanes})
-        if share:
+        if share and not cfg.rollout.cohort:
             # the rollout side: everything that builds and feeds its engine (the format, a perturbation's seed, the
             # runner, the model's settings), all of the config but the learner's algorithm and the trainer's
-            # schedule; runs of one format and seed differ only there
+            # schedule; runs of one format and seed differ only there. Not for a cohort's member: its server holds
+            # each call until every member has one (parity.rollout.cohort_server), so the members' evaluations
+            # already run as one call, and a member waiting here for another's number would hold that one's call
             self.shared["eval/accuracy"] = shared_file(
                 {"kind": "rollout", "model": cfg.model, "data": cfg.data, "rollout": cfg.rollout,
                  "actor_rollout_ref": cfg.actor_rollout_ref, "distributed": cfg.distributed,
