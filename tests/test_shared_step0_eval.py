@@ -42,6 +42,12 @@ def test_runs_of_one_warm_start_share_its_evaluation(quick_cfg, prepared_model, 
         record = json.loads(Path(a["step0_eval_shared"][m]["file"]).read_text())
         assert Path(a["step0_eval_shared"][m]["file"]).parent == outputs_dir / "eval0"
         assert _step0(a)[m] == _step0(b)[m] == record["accuracy"] and record["run"] == "share_a"
+    # reading the numbers leaves the run's course as it was: the same arm, reading both, steps as the one computing
+    a2 = train(quick_cfg("trainer.run_name=share_a2", *OVER))
+    assert all(a2["step0_eval_shared"][m]["reused"] for m in both)
+    row_a, row_a2 = (MetricsLog(Path(s["run_dir"]) / "metrics.jsonl").read()[1] for s in (a, a2))
+    same = [k for k in row_a if not k.startswith("perf/") and k != "time"]
+    assert [row_a[k] for k in same] == [row_a2.get(k) for k in same], [k for k in same if row_a[k] != row_a2.get(k)]
     plain_file = a["step0_eval_shared"]["eval/accuracy_unquantized"]["file"]
     assert plain_file != a["step0_eval_shared"]["eval/accuracy"]["file"]
     # the plain number read is the warm start's own accuracy on a plain engine (greedy, the quick settings)
