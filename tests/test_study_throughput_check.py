@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "bench"))
-from gpu_study_throughput import phase_env, step0_exact_eval  # noqa: E402
+from gpu_study_throughput import phase_env, preflight, run_list, step0_exact_eval  # noqa: E402
 
 
 def _phase(values: list[float], key: str = "eval/accuracy_unquantized") -> dict:
@@ -60,3 +60,17 @@ def test_phase_env_takes_the_presets_environment(tmp_path: Path) -> None:
     assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
     for k, v in PRESETS["gpu"].env.items():
         assert k == "PYTORCH_CUDA_ALLOC_CONF" or env[k] == v
+
+
+def test_preflight_names_a_bad_key_of_the_new_phase_before_any_phase(tmp_path: Path) -> None:
+    """The bench checks the new phase's configs and environment before the old phase runs: the gpu preset's runs
+    with the compiled trainer pass; a misspelt extra key is an error naming it."""
+    from parity.errors import ConfigError
+    from parity.study.presets import PRESETS
+    runs = run_list("gpu", 3, 20, 10, str(tmp_path / "model"), "")
+    assert len(runs) == 16
+    env = PRESETS["gpu"].env
+    preflight(runs, ["trainer.share_step0_eval=true", "trainer.compile_layers=true",
+                     "trainer.compile_mode=reduce-overhead"], env, tmp_path)
+    with pytest.raises(ConfigError, match="trainer.compile_layer"):
+        preflight(runs, ["trainer.compile_layer=true"], env, tmp_path)

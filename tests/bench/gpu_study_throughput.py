@@ -99,6 +99,16 @@ def phase_env(pythonpath: str, out_dir: Path, extra_env: dict | None = None) -> 
             "TRITON_CACHE_DIR": str(out_dir / "triton"), **(extra_env or {})}
 
 
+def preflight(runs: list[dict], new_extra: list[str], extra_env: dict, work: Path) -> None:
+    """What this tree's phase will start with, checked before the old tree's phase spends its minutes: its runs'
+    configs (each run's overrides and the new phase's extra ones, through this tree's config loader: an unknown
+    key or bad value is a ConfigError naming it) and its environment."""
+    from parity.config import load_config
+    for r in runs:
+        load_config([*r["overrides"], *new_extra])
+    phase_env("", work / "new", extra_env)
+
+
 def phase(name: str, pythonpath: str, runs: list[dict], work: Path, timeout_s: float, mps_mode: str,
           extra_env: dict | None = None, extra_overrides: list[str] | None = None, cohorts: bool = False,
           cohort_sm_share: int | None = None) -> dict:
@@ -391,6 +401,7 @@ def main() -> None:
         return
     if not a.old:
         ap.error("--old is needed for the side-by-side phases")
+    preflight(runs, new_extra, extra_env, work)
     old = phase("old", f"{a.old}:{site}", runs, work, a.timeout, "off")
     record["old"] = old
     out.write_text(json.dumps(record, indent=1, default=str))
