@@ -6,8 +6,10 @@ own."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -15,8 +17,10 @@ import torch
 from parity.commands.train import train
 from parity.training.loop import MetricsLog
 
+# the evaluations sampled (2 samples a problem at temperature 1), so that a run which reads a number instead of
+# sampling it would step differently if the engines drew from a shared random state
 OVER = ("+precision=w8a8_int8", "trainer.share_step0_eval=true", "trainer.eval_every=1", "trainer.total_steps=1",
-        "trainer.checkpoint_every=0")
+        "trainer.checkpoint_every=0", "trainer.eval_temperature=1.0", "trainer.eval_samples=2")
 
 
 def _step0(summary: dict) -> dict:
@@ -50,8 +54,8 @@ def test_runs_of_one_warm_start_share_its_evaluation(quick_cfg, prepared_model, 
     assert [row_a[k] for k in same] == [row_a2.get(k) for k in same], [k for k in same if row_a[k] != row_a2.get(k)]
     plain_file = a["step0_eval_shared"]["eval/accuracy_unquantized"]["file"]
     assert plain_file != a["step0_eval_shared"]["eval/accuracy"]["file"]
-    # the plain number read is the warm start's own accuracy on a plain engine (greedy, the quick settings)
-    cfg = quick_cfg()
+    # the plain number read is the warm start's own accuracy on a plain engine (the same sampled settings)
+    cfg = quick_cfg(*OVER)
     tok = AutoTokenizer.from_pretrained(str(prepared_model))
     with GraderPool(workers=1) as grader:
         engine = TorchEngine(str(prepared_model), dtype=compute_dtype(cfg.model.dtype, torch.device("cpu")))
@@ -103,8 +107,15 @@ def test_two_evaluations_at_once_compute_it_once(quick_cfg, prepared_model, tmp_
         for h in evaluators:
             h.through_rollout, h.deployed_every = False, 0
         threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
+        lock_file = evaluators[0].shared["eval/accuracy_unquantized"].with_suffix(".lock")
+        lock_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(lock_file, "a") as held:  # another run holds the lock: both wait for it
+            fcntl.flock(held, fcntl.LOCK_EX)
+            for t in threads:
+                t.start()
+            time.sleep(1.0)
+            assert not results, results
+            fcntl.flock(held, fcntl.LOCK_UN)
         for t in threads:
             t.join()
         for h in evaluators:

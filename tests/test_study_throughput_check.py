@@ -63,14 +63,12 @@ def test_phase_env_takes_the_presets_environment(tmp_path: Path) -> None:
 
 
 def test_preflight_names_a_bad_key_of_the_new_phase_before_any_phase(tmp_path: Path) -> None:
-    """The bench checks the new phase's configs and environment before the old phase runs: the gpu preset's runs
-    with the compiled trainer pass; a misspelt extra key is an error naming it."""
+    """The bench checks the new phase's configs before the old phase runs: the gpu preset's runs with the compiled
+    trainer pass; a misspelt extra key is an error naming it."""
     from parity.errors import ConfigError
-    from parity.study.presets import PRESETS
     runs = run_list("gpu", 3, 20, 10, str(tmp_path / "model"), "")
     assert len(runs) == 16
-    env = PRESETS["gpu"].env
     preflight(runs, ["trainer.share_step0_eval=true", "trainer.compile_layers=true",
-                     "trainer.compile_mode=reduce-overhead"], env, tmp_path)
+                     "trainer.compile_mode=reduce-overhead"])
     with pytest.raises(ConfigError, match="trainer.compile_layer"):
-        preflight(runs, ["trainer.compile_layer=true"], env, tmp_path)
+        preflight(runs, ["trainer.compile_layer=true"])

@@ -99,14 +99,12 @@ def phase_env(pythonpath: str, out_dir: Path, extra_env: dict | None = None) -> 
             "TRITON_CACHE_DIR": str(out_dir / "triton"), **(extra_env or {})}
 
 
-def preflight(runs: list[dict], new_extra: list[str], extra_env: dict, work: Path) -> None:
-    """What this tree's phase will start with, checked before the old tree's phase spends its minutes: its runs'
-    configs (each run's overrides and the new phase's extra ones, through this tree's config loader: an unknown
-    key or bad value is a ConfigError naming it) and its environment."""
+def preflight(runs: list[dict], new_extra: list[str]) -> None:
+    """This tree's phase's run configs (each run's overrides and the phase's extra ones), loaded before the old
+    tree's phase spends its minutes: an unknown key or bad value is a ConfigError naming it."""
     from parity.config import load_config
     for r in runs:
         load_config([*r["overrides"], *new_extra])
-    phase_env("", work / "new", extra_env)
 
 
 def phase(name: str, pythonpath: str, runs: list[dict], work: Path, timeout_s: float, mps_mode: str,
@@ -401,7 +399,7 @@ def main() -> None:
         return
     if not a.old:
         ap.error("--old is needed for the side-by-side phases")
-    preflight(runs, new_extra, extra_env, work)
+    preflight(runs, new_extra)
     old = phase("old", f"{a.old}:{site}", runs, work, a.timeout, "off")
     record["old"] = old
     out.write_text(json.dumps(record, indent=1, default=str))
