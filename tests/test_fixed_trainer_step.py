@@ -15,7 +15,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))
-from fixed_trainer_step import F32_REL, REL, compare, float32_check, main, make_batch, run_step  # noqa: E402
+from fixed_trainer_step import (  # noqa: E402
+    F32_REL,
+    REL,
+    TAIL_CONDITIONED,
+    compare,
+    float32_check,
+    main,
+    make_batch,
+    run_step,
+)
 from gpu_study_throughput import run_list  # noqa: E402
 from kv_packed_checks import write_small_qwen3  # noqa: E402
 
@@ -103,6 +112,48 @@ def test_float32_check_by_hand() -> None:
         assert not float32_check(ref, bad)["within"], bad
     r = float32_check(ref, {**ref, "metrics": {**ref["metrics"], "train/loss": 0.6}})
     assert r["differ"] == [{"key": "train/loss", "ref": 0.5, "b32": 0.6}]
+
+
+def test_centering_diagnostics_are_conditioned_by_the_tail_mass() -> None:
+    """Why TAIL_CONDITIONED numbers are reported, not judged, in float32: in float64, log-probs moved by float32's
+    rounding (2^-23 relative, a fixed pattern) move score centering's coefficient L1 by far more than 2^-10 where the
+    head holds all but 3e-6 of the mass (floor 1e-6), while the centring term's gradient with respect to the logits
+    (sum_H c_v (e_v - p)) moves by less than 2^-14; with 1% in the tail both stay within 2^-10."""
+    from parity.algorithms.corrections.score_centering import centering_coefficients
+
+    g = torch.Generator().manual_seed(0)
+    n, V, K = 64, 64, 8
+
+    def batch(tail: float) -> tuple[torch.Tensor, torch.Tensor]:
+        z = torch.randn(n, V, generator=g, dtype=torch.float64)
+        z[:, K:] -= 12
+        t = z.softmax(-1)[:, K:].sum(-1, keepdim=True)
+        z[:, K:] += (tail / t).log()
+        lq = (z + 0.05 * torch.randn(n, V, generator=g, dtype=torch.float64)).log_softmax(-1)
+        return z.log_softmax(-1), lq
+
+    def l1_and_grad(lp: torch.Tensor, lq: torch.Tensor) -> tuple[float, torch.Tensor]:
+        c = centering_coefficients(lp[:, :K], lq[:, :K], torch.ones(n, K, dtype=torch.bool))["coef"]
+        grad = -c.sum(-1, keepdim=True) * lp.exp()
+        grad[:, :K] += c
+        return float(c.abs().sum()), grad
+
+    sign = torch.tensor([1.0, -1.0], dtype=torch.float64).repeat(V // 2)
+    for tail, ill in ((3e-6, True), (1e-2, False)):
+        lp, lq = batch(tail)
+        l1a, ga = l1_and_grad(lp, lq)
+        l1b, gb = l1_and_grad(lp * (1 + 2.0 ** -23 * sign), lq)
+        coef_rel, grad_rel = abs(l1b - l1a) / l1a, float((gb - ga).norm() / ga.norm())
+        assert grad_rel < 2.0 ** -14, (tail, grad_rel)
+        assert (coef_rel > F32_REL) == ill, (tail, coef_rel)
+    # float32_check reports those keys and judges the rest: a 2% move in them alone is within, in rho it is not
+    ref = {"metrics": {"correction/sc_coef_l1": 0.0125, "correction/sc_term_abs": 9.0e-4, "correction/sc_rho_mean": 1.0},
+           "grad": {"w": torch.ones(4)}, "update": {"w": -1e-5 * torch.ones(4)}}
+    moved = {**ref, "metrics": {**ref["metrics"], **{k: ref["metrics"][k] * 1.02 for k in TAIL_CONDITIONED}}}
+    r = float32_check(ref, moved)
+    assert r["within"] and r["differ"] == [] and [x["key"] for x in r["reported"]] == list(TAIL_CONDITIONED)
+    assert r["reported"][0]["rel"] == pytest.approx(0.02 / 1.02)
+    assert not float32_check(ref, {**moved, "metrics": {**moved["metrics"], "correction/sc_rho_mean": 1.02}})["within"]
 
 
 @pytest.fixture(scope="module")
