@@ -242,14 +242,15 @@ def test_cache_write_routes_equal_the_plain_loop(tmp_path, kv_cache, fused_write
 
 
 def test_simulated_products_keep_their_weight_dequantized_and_follow_updates(tmp_path):
-    """W4A4 (both sides fake-quantized, a float32 product): the decode path multiplies by w_hat = codes x scales
-    computed once a call instead of inside every product. Tokens and log-probs are the plain loop's, before and
-    after a weight sync, and equal to the path that dequantizes in every product bit for bit; the kept weights are
-    the modules' dequantized codes after the sync."""
+    """FP8 weights with INT4 activations (both sides fake-quantized, a float32 product): the decode path multiplies
+    by w_hat = codes x scales computed once a call instead of inside every product. Tokens and log-probs are the
+    plain loop's, before and after a weight sync, and equal to the path that dequantizes in every product bit for
+    bit; the kept weights are the modules' dequantized codes after the sync. (W4A4 multiplies its integer codes
+    instead, `int_codes`: nothing to keep.)"""
     from parity.precision.linear import PREPARED, simulated_weight
     from parity.rollout import cuda_decode as cd
     build_tiny_model("qwen3", TinyModelConfig(), seed=5).save_pretrained(str(tmp_path))
-    prec = PrecisionConfig(weights="int4", activations="int4", kv_cache="bf16")
+    prec = PrecisionConfig(weights="fp8", activations="int4", kv_cache="bf16")
     eng = TorchEngine(tmp_path, dtype=torch.float32, precision=prec)
     spec = SamplingSpec(temperature=0.9, top_p=0.8, max_new_tokens=12, n=2, seed=3)  # top_p < 1: the same sampler
     first = eng.cuda_decoder.generate(PROMPTS, spec, use_graphs=False)
@@ -269,7 +270,7 @@ def test_simulated_products_keep_their_weight_dequantized_and_follow_updates(tmp
     fast = eng.cuda_decoder.generate(PROMPTS, spec, use_graphs=False)
     down = eng.model.model.layers[1].mlp.down_proj
     kept = [p for p in prepared if p.source[0] is down.weight]
-    assert len(kept) == 1 and torch.equal(kept[0].lin[0], simulated_weight(down.weight, down.weight_scale, "int4"))
+    assert len(kept) == 1 and torch.equal(kept[0].lin[0], simulated_weight(down.weight, down.weight_scale, "fp8"))
     plain = eng.generate(PROMPTS, spec)
     assert torch.equal(fast.responses, plain.responses)
     torch.testing.assert_close(fast.rollout_logprobs, plain.rollout_logprobs, atol=2e-5, rtol=0)

@@ -68,3 +68,61 @@ def test_int8_fast_decode_equals_the_plain_loop(tmp_path, monkeypatch, pin: bool
     assert bool(pinned) == pin and all(k[0] == len(prompts) for k in pinned)
     assert torch.equal(fast.responses, plain.responses)
     torch.testing.assert_close(fast.rollout_logprobs, plain.rollout_logprobs, atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("pin", [True, False])
+def test_batched_product_equals_each_runs_product(pin: bool, monkeypatch) -> None:
+    """w8a8_bmm (a cohort's runs in one launch) gives each run's product the bits of w8a8_mm and of torch._int_mm +
+    rescale, on INT4 codes as W4A4 gives them, eagerly and inside a compiled function, with a pinned tile and
+    with the autotuner's."""
+    _usable()
+    from parity.precision import int8_triton as it
+    monkeypatch.setattr(it, "_PINNED", {})
+    runs, m = 7, 128
+    if pin:
+        it.tune_decode(m, [(1536, 512), (512, 1536)], torch.device("cuda"))
+    fn = torch.compile(lambda xq, wq, xs, ws: it.w8a8_bmm(xq, wq, xs, ws, torch.bfloat16), fullgraph=True,
+                       dynamic=False)
+    g = torch.Generator(device="cuda").manual_seed(8)
+    for n, k in [(1536, 512), (512, 1536)]:
+        xq = torch.randint(-7, 8, (runs, m, k), generator=g, device="cuda", dtype=torch.int8)
+        wq = torch.randint(-7, 8, (runs, n, k), generator=g, device="cuda", dtype=torch.int8)
+        xs = torch.rand(runs, m, 1, generator=g, device="cuda") * 3e-2
+        ws = torch.rand(runs, n, 1, generator=g, device="cuda") * 3e-2
+        want = torch.stack([it._reference(xq[i], wq[i], xs[i], ws[i], torch.bfloat16) for i in range(runs)])
+        assert torch.equal(torch.stack([it.w8a8_mm(xq[i], wq[i], xs[i], ws[i], torch.bfloat16)
+                                        for i in range(runs)]), want)
+        assert torch.equal(it.w8a8_bmm(xq, wq, xs, ws, torch.bfloat16), want)
+        assert torch.equal(fn(xq, wq, xs, ws), want)
+
+
+def test_w4a4_integer_codes_fast_decode_equals_the_plain_loop(tmp_path) -> None:
+    """W4A4 on CUDA multiplies its integer codes through the INT8 kernel (`int_codes_triton`): a layer's output
+    equals torch._int_mm + rescale on the same codes bit for bit, and the captured, compiled fast path gives the
+    plain loop's greedy tokens (log-probs to float32 rounding, where one activation code may round the other way)."""
+    _usable()
+    from parity.precision import int8_triton as it
+    from parity.precision.formats import quantize_rowwise
+    from parity.precision.linear import QuantLinear
+    from parity.rollout.torch_engine import TorchEngine
+    torch._dynamo.reset()
+    lin = torch.nn.Linear(512, 256).cuda()
+    q = QuantLinear.from_linear(lin, "int4", "int4")
+    assert q.path == "int_codes_triton"
+    x = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
+    xq, xs = quantize_rowwise(x.float(), "int4")
+    want = it._reference(xq, q.weight, xs, q.weight_scale, torch.bfloat16) + lin.bias.detach().to(torch.bfloat16)
+    assert torch.equal(q(x), want)
+    build_tiny_model("qwen3", TinyModelConfig(), seed=4).save_pretrained(str(tmp_path))
+    prec = PrecisionConfig(weights="int4", activations="int4", kv_cache="bf16")
+    eng = TorchEngine(tmp_path, precision=prec, device="cuda", dtype=torch.float32)
+    assert eng.linear_path == "int_codes_triton"
+    prompts = [[5, 9, 12, 3, 7], [4, 4], [11, 2, 8, 30, 1, 6, 6, 2]] * 3
+    spec = SamplingSpec(temperature=0.0, max_new_tokens=20, n=1, seed=0)
+    eng.fast_decode = False
+    plain = eng.generate(prompts, spec)
+    eng.fast_decode = True
+    fast = eng.generate(prompts, spec)
+    assert fast.meta["decode_path"] == "cuda_graph+inductor_layers", eng.cuda_decoder.compile_error
+    assert torch.equal(fast.responses, plain.responses)
+    torch.testing.assert_close(fast.rollout_logprobs, plain.rollout_logprobs, atol=1e-3, rtol=0)

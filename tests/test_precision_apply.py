@@ -195,12 +195,13 @@ def test_quantized_model_on_cuda_matches_cpu(fmt: str) -> None:
 
 @pytest.mark.parametrize("weights", ["int4", "int8"])
 def test_int4_activation_logits_match_float64_fake_quant_reference(weights: str) -> None:
-    """W4A4 / W8A4: every decoder Linear computes F.linear(fq4(x), fq(W)), fq4 = per-token INT4; the float64
-    reference explains the quantized logits, and the error from bf16 is far larger than at W8A8."""
+    """W4A4 / W8A4: every decoder Linear computes F.linear(fq4(x), fq(W)), fq4 = per-token INT4 (as the integer
+    codes' exact product, `int_codes`); the float64 reference explains the quantized logits, and the error from bf16
+    is far larger than at W8A8."""
     base = _dense()
     q = copy.deepcopy(base)
     info = quantize_model_(q, PrecisionConfig(weights=weights, activations="int4"))
-    assert info["paths"] == {f"w{weights}aint4_simulated": 14}
+    assert info["paths"] == {"int_codes": 14}
     ref = copy.deepcopy(base).double()
     for name, mod in ref.named_modules():
         if isinstance(mod, nn.Linear) and ".layers." in name:

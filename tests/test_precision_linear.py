@@ -249,22 +249,54 @@ def test_cuda_fp8_scaled_mm_matches_simulation() -> None:
 
 @pytest.mark.parametrize("weights", ["int8", "int4", "fp8", "bf16"])
 def test_int4_activations_fake_quantize_both_sides(weights: str) -> None:
-    """W<any>A4: per-token INT4 codes of x (dynamic scale) times the dequantized weight, in float32; W4A4 too
-    (no integer kernel: the simulated path, not a W8A8 GEMM)."""
+    """W<any>A4: per-token INT4 codes of x (dynamic scale) times the weight; with integer weights (W4A4, W8A4) the
+    codes' exact integer product then the two scales (`int_codes`, W8A8's arithmetic), otherwise the dequantized
+    weight in float32 (the simulated path)."""
     lin = _linear(bias=True)
     q = QuantLinear.from_linear(lin, weights, "int4")
-    assert q.path == f"w{weights}aint4_simulated"
+    assert q.path == ("int_codes" if weights in ("int8", "int4") else f"w{weights}aint4_simulated")
     assert select_path(weights, "int4", torch.device("cpu"), 96, 40) == q.path
     x = torch.randn(3, 5, 96)
     xq, xs = quantize_rowwise(x.reshape(-1, 96), "int4")
     assert int(xq.abs().max()) == 7
-    xh, wh = xq.double() * xs.double(), q.dequantized_weight(torch.float64)
+    exact = q.path == "int_codes"  # the integer sums are exact: only the two scales and the casts round
+    # the simulated path multiplies by the float32 w_hat (codes x scales rounded once); the integer one by the codes
+    wh = q.weight.double() * q.weight_scale.double() if exact else q.dequantized_weight(torch.float64)
+    xh = xq.double() * xs.double()
     ref = xh @ wh.t() + lin.bias.detach().double()
     y = q(x)
     assert y.shape == (3, 5, 40)
-    _assert_within(y, ref, _bound(xh, wh, lin.bias, dtype=torch.float32))  # float32 x and layer
+    _assert_within(y, ref, _bound(xh, wh, lin.bias, exact_products=exact, dtype=torch.float32))  # float32 x and layer
     a8 = QuantLinear.from_linear(lin, weights, "int8" if weights != "fp8" else "fp8")(x)
     assert (y - a8).abs().max() > 1e-2  # INT4 activations are visibly coarser than 8-bit ones
+
+
+@pytest.mark.parametrize("weights,activations", [("int4", "int4"), ("int8", "int4"), ("int4", "int8")])
+def test_integer_codes_product_is_the_formats_exact_value(weights: str, activations: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Integer codes on both sides: y = bf16(float32(acc) * sx * sw) with acc the exact integer sum, against float64
+    (acc exact, then two float32 roundings and one bf16 cast: within one bf16 unit of the float64 value, and equal
+    to the float64 value's own path through those roundings everywhere). PARITY_INT_CODES=0 gives the float32
+    product of the dequantized codes (the form before): within its float32 bound of the same value, and not always
+    the same bits."""
+    lin = _linear(k=512, n=64, seed=3)
+    q = QuantLinear.from_linear(lin, weights, activations)
+    assert q.path == "int_codes"
+    x = torch.randn(33, 512).to(torch.bfloat16)
+    xq, xs = quantize_rowwise(x.float(), activations)
+    acc = xq.double() @ q.weight.double().t()  # integers below 2^53: exact
+    assert acc.abs().max() < 2 ** 24 and torch.equal(acc, acc.round())
+    want = ((acc.float() * xs) * q.weight_scale.t()).to(torch.bfloat16)  # the exact sum through the epilogue
+    y = q(x)
+    assert torch.equal(y, want)
+    y64 = acc * xs.double() * q.weight_scale.double().t()
+    assert ((y.double() - y64).abs() <= UBF16 * y64.abs() * (1 + 4 * U32) + 1e-30).all()
+    monkeypatch.setenv("PARITY_INT_CODES", "0")
+    old = QuantLinear.from_linear(lin, weights, activations)
+    assert old.path == f"w{weights}a{activations}_simulated"
+    y_old = old(x)
+    xh, wh = xq.double() * xs.double(), q.dequantized_weight(torch.float64)
+    _assert_within(y_old, y64, _bound(xh, wh, dtype=torch.bfloat16))
 
 
 def test_unknown_activation_format_names_the_known_ones() -> None:

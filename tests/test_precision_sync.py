@@ -99,7 +99,7 @@ def test_w4a4_engine_runs_and_departs_from_bf16_more_than_w8a8(dirs) -> None:  #
         return float((lp.exp() - batch.rollout_logprobs.exp())[m].abs().mean()), engine
 
     dp4, engine = mean_abs_dp(PrecisionConfig(weights="int4", activations="int4", kv_cache="int4_per_token_head"))
-    assert engine.describe()["linear_path"] == "wint4aint4_simulated"
+    assert engine.describe()["linear_path"] == "int_codes"
     assert engine.describe()["activations"] == "int4"
     dp8, _ = mean_abs_dp(PrecisionConfig(weights="int8", activations="int8", kv_cache="bf16"))
     assert dp4 > 3 * dp8 > 0, (dp4, dp8)

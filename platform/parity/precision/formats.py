@@ -77,7 +77,8 @@ def quantize_fp8_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """q * scale in float32 (exact for int8 and fp8 codes), then cast to `dtype`."""
+    """q * scale in float32 (one rounding: a code of up to 8 significant bits times a 24-bit scale), then cast to
+    `dtype`."""
     return (q.float() * scale.float()).to(dtype)
 
 

@@ -7,7 +7,8 @@ xq int8 [M, K] (per-token codes), wq int8 [N, K] (per-channel codes), xs float32
 The int32 accumulator is exact on every path and the epilogue multiplies in the same order as the torch path
 (`acc.float() * xs * ws.t()`, then one round-to-nearest-even cast), so the output is bit-identical to
 `torch._int_mm` followed by the eager rescale; `usable()` checks exactly that on the device before the path is
-chosen.
+chosen. The same kernel serves integer codes of other widths (W4A4: QuantLinear's `int_codes_triton`), and
+`w8a8_bmm` runs a batch of such products in one launch (a cohort's runs, each with its own weight).
 
 Why: at decode batch 64 the projections are latency-bound. cuBLASLt's int8 GEMM plus a separate rescale kernel
 took longer per projection than the bf16 GEMM, so INT8 decode ran slower than BF16 although it reads half the
@@ -48,10 +49,8 @@ unusable_reason: str | None = None
 
 if triton is not None:
     @triton.jit
-    def _w8a8_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, M_KEY,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        pid_n = tl.program_id(0)
-        pid_m = tl.program_id(1)
+    def _w8a8_tile(x_ptr, w_ptr, xs_ptr, ws_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, pid_m, pid_n,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
@@ -73,6 +72,22 @@ if triton is not None:
         y = y * ws[None, :]
         yp = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
         tl.store(yp, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _w8a8_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, M_KEY,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        _w8a8_tile(x_ptr, w_ptr, xs_ptr, ws_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                   tl.program_id(1), tl.program_id(0), BLOCK_M, BLOCK_N, BLOCK_K)
+
+    @triton.jit
+    def _w8a8_bmm_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, y_ptr, M, N, K, stride_xb, stride_xm, stride_wb, stride_wn,
+                         stride_yb, stride_ym, M_KEY, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+        """One product of a batch (grid axis 2): the runs of a cohort, each its own codes, scales and weight."""
+        b = tl.program_id(2).to(tl.int64)
+        _w8a8_tile(x_ptr + b * stride_xb, w_ptr + b * stride_wb, xs_ptr + b * M, ws_ptr + b * N,
+                   y_ptr + b * stride_yb, M, N, K, stride_xm, stride_wn, stride_ym,
+                   tl.program_id(1), tl.program_id(0), BLOCK_M, BLOCK_N, BLOCK_K)
 
     @triton.jit
     def _quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, inv_qmax, BLOCK: tl.constexpr):
@@ -147,6 +162,38 @@ if triton is not None:
             return (triton.cdiv(N, meta["BLOCK_N"]), triton.cdiv(M, meta["BLOCK_M"]))
 
         torch.library.wrap_triton(_w8a8_tuned)[grid](*args)
+        return y
+
+    _w8a8_bmm_tuned = triton.autotune(configs=_CONFIGS, key=["M_KEY", "N", "K"],
+                                      prune_configs_by={"early_config_prune": _prune})(_w8a8_bmm_kernel)
+
+    @torch.library.triton_op("parity::w8a8_bmm", mutates_args=())
+    def w8a8_bmm(xq: torch.Tensor, wq: torch.Tensor, xs: torch.Tensor, ws: torch.Tensor,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+        """y [B, M, N] = (xq[b] @ wq[b]^T) * xs[b] * ws[b]^T for each b: w8a8_mm over a batch in one launch (a
+        cohort's runs, parity.rollout.cohort), each product the same bits as w8a8_mm's. xq [B, M, K], wq [B, N, K]
+        int8, xs [B, M, 1], ws [B, N, 1] float32 (CUDA tensors). A tile pinned for (M, N, K) by tune_decode is
+        launched alone, as in w8a8_mm."""
+        B, M, K = xq.shape
+        N = wq.shape[1]
+        xq, wq, xs, ws = xq.contiguous(), wq.contiguous(), xs.contiguous(), ws.contiguous()
+        y = torch.empty(B, M, N, dtype=out_dtype, device=xq.device)
+        if M == 0 or B == 0:
+            return y
+        args = (xq, wq, xs, ws, y, M, N, K, xq.stride(0), xq.stride(1), wq.stride(0), wq.stride(1), y.stride(0),
+                y.stride(1), _m_key(M))
+        cfg = _PINNED.get((M, N, K)) if all(type(v) is int for v in (M, N, K)) else None
+        if cfg is not None:
+            kw = cfg.kwargs
+            grid = (triton.cdiv(N, kw["BLOCK_N"]), triton.cdiv(M, kw["BLOCK_M"]), B)
+            torch.library.wrap_triton(_w8a8_bmm_kernel)[grid](*args, **kw, num_warps=cfg.num_warps,
+                                                              num_stages=cfg.num_stages)
+            return y
+
+        def grid(meta):
+            return (triton.cdiv(N, meta["BLOCK_N"]), triton.cdiv(M, meta["BLOCK_M"]), B)
+
+        torch.library.wrap_triton(_w8a8_bmm_tuned)[grid](*args)
         return y
 
     @torch.library.triton_op("parity::int8_quant_rows", mutates_args=())
@@ -260,8 +307,8 @@ def chosen_configs() -> dict:
 @functools.cache
 def usable(device_index: int = 0) -> bool:
     """True when Triton is installed, the device is a CUDA GPU with int8 tensor cores (sm_80+), PARITY_INT8_TRITON
-    is not 0, and both kernels equal the torch path bit for bit on random products and activations; otherwise
-    False with the reason in `unusable_reason`."""
+    is not 0, and the kernels (product, batched product, quantization) equal the torch path bit for bit on random
+    products and activations; otherwise False with the reason in `unusable_reason`."""
     global unusable_reason
     if triton is None or not torch.cuda.is_available() or os.environ.get("PARITY_INT8_TRITON", "1") == "0":
         unusable_reason = "no Triton, no CUDA, or PARITY_INT8_TRITON=0"
@@ -279,6 +326,13 @@ def usable(device_index: int = 0) -> bool:
             ws = torch.rand(n, 1, generator=g, device=dev) * 1e-2
             if not torch.equal(w8a8_mm(xq, wq, xs, ws, torch.bfloat16), _reference(xq, wq, xs, ws, torch.bfloat16)):
                 unusable_reason = f"product differs from torch._int_mm + rescale at {(m, n, k)}"
+                return False
+            # the batched product: each of its products the single one's bits (another run's codes and scales)
+            xb, wb = torch.stack([xq, xq.flip(0)]), torch.stack([wq, wq.flip(1)])
+            xsb, wsb = torch.stack([xs, xs.flip(0) * 3]), torch.stack([ws, ws.flip(0) * 5])
+            want = torch.stack([_reference(xb[i], wb[i], xsb[i], wsb[i], torch.bfloat16) for i in range(2)])
+            if not torch.equal(w8a8_bmm(xb, wb, xsb, wsb, torch.bfloat16), want):
+                unusable_reason = f"batched product differs from torch._int_mm + rescale at {(2, m, n, k)}"
                 return False
             x = torch.randn(m, k, generator=g, device=dev).to(torch.bfloat16)
             x[0] = 0  # an all-zero row: scale 1

@@ -7,8 +7,11 @@ quantized policy's (pi_inf), not BF16's:
                 y = acc * sx * sw in float32, then cast to x's dtype (+ bias)
     W8A8 FP8    same with E4M3 codes; the product of two E4M3 codes is exact in float32
     weight-only w_hat = wq * sw in x's dtype; y = x @ w_hat^T
-    others      (e.g. int8 weights with fp8 activations, or int4 activations with any weights: per-token
-                RTN INT4, codes in [-7, 7]) quantize/dequantize both, float32 matmul
+    integer codes on both sides of other widths (W4A4: per-token RTN INT4 activations, codes in [-7, 7], times
+                per-channel INT4 weights; W8A4, W4A8): the same as W8A8 INT8 on the codes: an exact int32
+                accumulator, then acc * sx * sw in float32 and one cast (what an integer kernel computes)
+    others      (e.g. int8 weights with fp8 activations, fp8 weights with int4 activations) quantize/dequantize
+                both, float32 matmul
 
 Which kernel runs is reported by `QuantLinear.path`:
     int8_triton      CUDA with Triton (parity.precision.int8_triton): the int8 product with the rescale fused in,
@@ -22,12 +25,18 @@ Which kernel runs is reported by `QuantLinear.path`:
     int8_mm_cpu      torch._int_mm on CPU (exact too; selectable, slower on AVX2 CPUs)
     fp8_scaled_mm    torch._scaled_mm with row-wise scales (CUDA sm_89+, or CPU)
     fp8_simulated    codes in float32 (same up to summation order)
+    int_codes_triton, int_codes_mm_cuda, int_codes
+                     integer codes of other widths on both sides, through int8_triton's kernel, cuBLASLt's int8
+                     GEMM or the exact float32 GEMMs (CPU): the same int32 accumulator and epilogue, so the same bits
+                     on every path. PARITY_INT_CODES=0 selects the float32 product of the dequantized codes instead
+                     (w<W>a<A>_simulated, the form before: each product and sum rounded to float32, then the cast)
     int8_weight_only, fp8_weight_only, w<W>a<A>_simulated, bf16
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +55,9 @@ from parity.precision.int8_gemm import int8_gemm
 _int8_gemm = int8_gemm  # the name the tests and benchmarks know
 
 _STORAGE_DTYPE = {"int8": torch.int8, "fp8": FP8_DTYPE, "int4": torch.int8, "int3": torch.int8}
+# formats whose codes are integers in int8 storage: any two multiply exactly in an int32 accumulator
+INT_CODE_FORMATS = ("int8", "int4", "int3")
+INT_CODE_PATHS = ("int_codes_triton", "int_codes_mm_cuda", "int_codes")
 
 
 def check_formats(weights: str, activations: str) -> None:
@@ -97,7 +109,10 @@ def select_path(weights: str, activations: str, device: torch.device, in_feature
     if activations == "bf16":
         return f"{weights}_weight_only"
     if weights != activations or weights not in ("int8", "fp8"):
-        # mixed formats, and W4A4 INT4 (no integer kernel here): fake-quantize both sides
+        if weights in INT_CODE_FORMATS and activations in INT_CODE_FORMATS \
+                and os.environ.get("PARITY_INT_CODES", "1") != "0":
+            return _int_codes_path(device, in_features, out_features)
+        # other mixed formats: fake-quantize both sides
         return f"w{weights}a{activations}_simulated"
     if weights == "int8":
         if device.type == "cuda":
@@ -114,6 +129,14 @@ def select_path(weights: str, activations: str, device: torch.device, in_feature
     if aligned and _scaled_mm_works(device.type, device.index if device.type == "cuda" else None):
         return "fp8_scaled_mm"
     return "fp8_simulated"
+
+
+def _int_codes_path(device: torch.device, in_features: int, out_features: int) -> str:
+    """The int8 products' choice (int8_triton, cuBLASLt, exact float32 GEMMs) for integer codes of other widths."""
+    if device.type != "cuda" or in_features % 8 or out_features % 8:
+        return "int_codes"
+    from parity.precision import int8_triton
+    return "int_codes_triton" if int8_triton.usable(device.index or 0) else "int_codes_mm_cuda"
 
 
 # quant_linear_forward's path for a simulated (w<W>a<A>_simulated) product whose weight is given already dequantized
@@ -153,6 +176,13 @@ def quant_linear_forward(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tenso
         xq, xs = quantize_rowwise(x2, "int8")
         acc = int8_gemm(xq, wq, path)
         y = (acc.float() * xs * w_scale.t()).to(x.dtype)
+    elif path in INT_CODE_PATHS:  # the codes of x in the activations' format (from float32, as the simulated path)
+        xq, xs = quantize_rowwise(x2.float(), activations)
+        if path == "int_codes_triton":
+            y = torch.ops.parity.w8a8_mm(xq, wq, xs, w_scale, x.dtype)
+        else:
+            acc = int8_gemm(xq, wq, "int8_mm_cuda" if path == "int_codes_mm_cuda" else "int8_simulated")
+            y = (acc.float() * xs * w_scale.t()).to(x.dtype)
     elif path == "fp8_scaled_mm":
         xq, xs = quantize_rowwise(x2, "fp8")
         # row-wise scaled FP8 GEMM on CUDA (sm_90) writes bfloat16 only; the CPU kernel also writes float32

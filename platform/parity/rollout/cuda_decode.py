@@ -354,7 +354,7 @@ class CudaDecoder:
                                for layer in self.engine.model.model.layers]
         if _PIN_INT8 and use_graphs:
             from parity.precision import int8_triton
-            # a cohort's integer products run per run, on its B / runs rows (parity.rollout.cohort)
+            # a cohort's integer products are per run, on its B / runs rows (batched: one launch, each run's tiles)
             st.extras["int8_pinned"] = int8_triton.tune_decode(B // getattr(self.engine, "runs", 1),
                                                                _int8_triton_shapes(st.extras["layers"]),
                                                                self.engine.device)

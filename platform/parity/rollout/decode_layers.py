@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from parity.precision.formats import fake_quantize
+from parity.precision.formats import fake_quantize, quantize_rowwise
 from parity.precision.linear import PREPARED, is_simulated, quant_linear_forward, simulated_weight
 
 
@@ -60,7 +60,9 @@ def cohort_linear(x: torch.Tensor, lin: tuple) -> torch.Tensor:
     """A cohort's projection (parity.rollout.cohort): x [N * B, ..., in] with rows grouped by run, weight
     [N, out, in] (scales [N, out, 1], bias [N, out]): run i's rows through its own weight, as one batched product
     where the format is plain or simulated (fake-quantized activations, row by row, times a float32 weight), else
-    through QuantLinear's forward run by run (the integer and FP8 kernels have no batched form here)."""
+    through one batched integer product where both sides are integer codes (int8_triton.w8a8_bmm on CUDA: each
+    run's product the bits of its own), else through QuantLinear's forward run by run (the FP8 kernels and
+    cuBLASLt's int8 GEMM have no batched form here)."""
     w, scale, bias, kind = lin
     N, lead, k = w.shape[0], x.shape[:-1], x.shape[-1]
     xs = x.reshape(N, -1, k)
@@ -70,6 +72,10 @@ def cohort_linear(x: torch.Tensor, lin: tuple) -> torch.Tensor:
         y = torch.bmm(fake_quantize(xs.float(), kind[1]), w.transpose(1, 2)).to(x.dtype)
     elif is_simulated(kind[2], kind[0], kind[1]):
         y = torch.bmm(fake_quantize(xs.float(), kind[1]), simulated_weight(w, scale, kind[0]).transpose(1, 2)).to(x.dtype)
+    elif kind[2] in ("int8_triton", "int_codes_triton"):
+        xq, xsc = (quantize_rowwise(xs, "int8") if kind[2] == "int8_triton"
+                   else quantize_rowwise(xs.float(), kind[1]))
+        y = torch.ops.parity.w8a8_bmm(xq, w, xsc, scale, x.dtype)
     else:
         y = torch.stack([quant_linear_forward(xs[i], w[i], scale[i], None, *kind) for i in range(N)])
     if bias is not None:

@@ -53,13 +53,13 @@ _CAT_DIM = (-2, -2, -1)  # weight, scale, bias: the output rows' dimension
 
 
 def _int8_triton_shapes(layers: list) -> list[tuple[int, int]]:
-    """(N, K) of every int8_triton product among the layers' arguments (_layer_args: q/k/v, o, gate/up, down,
-    stacked ones as stacked)."""
+    """(N, K) of every product through int8_triton's kernel (W8A8, and integer codes of other widths) among the
+    layers' arguments (_layer_args: q/k/v, o, gate/up, down, stacked ones as stacked)."""
     out = []
     for pre, post in layers:
         for lins in (pre[2], (post[1],), post[4], (post[6],)):
             out += [(int(w.shape[-2]), int(w.shape[-1])) for w, _, _, kind in lins
-                    if kind is not None and kind[2] == "int8_triton"]
+                    if kind is not None and kind[2] in ("int8_triton", "int_codes_triton")]
     return out
 
 
