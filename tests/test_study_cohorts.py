@@ -44,6 +44,24 @@ def test_runs_share_a_server_when_their_rollout_engines_are_the_same(tmp_path) -
     assert out["exact"].overrides == specs[0].overrides and out["dial-b"].overrides == specs[7].overrides
 
 
+def test_a_large_group_is_dealt_out_over_servers_of_at_most_max_runs(tmp_path) -> None:
+    from parity.study.cohorts import plan
+
+    w4 = ("rollout.precision.weights=int4", "rollout.precision.activations=int4")
+    specs = [_spec(f"w4-{i}", *w4, f"trainer.lr={i + 1}e-5") for i in range(7)] + [_spec("exact"), _spec("exact-b",
+                                                                                                       "trainer.lr=2e-5")]
+    dirs = {s.name: str(tmp_path / "m0") for s in specs}
+    names = [f"w4-{i}" for i in range(7)]
+    assert [c.members for c in plan(specs, dirs, tmp_path)] == [names, ["exact", "exact-b"]]
+    # seven at most four: four and three, in order; three at most: three, two, two; two: the pair stays one
+    assert [c.members for c in plan(specs, dirs, tmp_path, 4)] == [names[:4], names[4:], ["exact", "exact-b"]]
+    got = plan(specs, dirs, tmp_path, 3)
+    assert [len(c.members) for c in got] == [3, 2, 2, 2] and sum((c.members for c in got[:3]), []) == names
+    assert len({c.address for c in got}) == 4
+    with pytest.raises(ValueError, match="--cohort-max-runs 1: a cohort is two or more runs"):
+        plan(specs, dirs, tmp_path, 1)
+
+
 def _metrics(outputs: Path, tag: str) -> dict[str, list[dict]]:
     out = {}
     for f in sorted((outputs / "runs").glob(f"*{tag}*/metrics.jsonl")):
@@ -83,7 +101,7 @@ def test_a_study_with_cohorts_logs_what_it_logs_without(tmp_path) -> None:
                     assert ra[k] == rb[k], (name, ra["step"], k)
 
 
-def test_a_servers_sm_share_without_cohorts_or_out_of_range_is_refused_before_anything_runs(tmp_path) -> None:
+def test_server_options_without_cohorts_or_out_of_range_are_refused_before_anything_runs(tmp_path) -> None:
     from parity.commands.study import main
 
     common = ["--preset", "laptop", "--quick", "--arms", "w4a4+int4kv / none,w4a4+int4kv / dual / ", "--concurrency",
@@ -92,4 +110,8 @@ def test_a_servers_sm_share_without_cohorts_or_out_of_range_is_refused_before_an
         main([*common, "--cohort-sm-share", "50"])
     with pytest.raises(ValueError, match="--cohort-sm-share 0: a percentage"):
         main([*common, "--cohorts", "--cohort-sm-share", "0"])
+    with pytest.raises(ValueError, match="--cohort-max-runs is the size of a rollout server's cohort: it needs"):
+        main([*common, "--cohort-max-runs", "4"])
+    with pytest.raises(ValueError, match="--cohort-max-runs 1: a cohort is two or more runs"):
+        main([*common, "--cohorts", "--cohort-max-runs", "1"])
     assert not (tmp_path / "models").exists() and not (tmp_path / "runs").exists()  # no warm start, no run

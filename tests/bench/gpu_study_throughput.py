@@ -109,9 +109,10 @@ def preflight(runs: list[dict], new_extra: list[str]) -> None:
 
 def phase(name: str, pythonpath: str, runs: list[dict], work: Path, timeout_s: float, mps_mode: str,
           extra_env: dict | None = None, extra_overrides: list[str] | None = None, cohorts: bool = False,
-          cohort_sm_share: int | None = None) -> dict:
+          cohort_sm_share: int | None = None, cohort_max_runs: int | None = None) -> dict:
     """All `runs` at once, each a `python -m parity train` process with this phase's code; with `cohorts`, the runs
-    of one rollout engine sampling through one rollout server (parity.study.cohorts)."""
+    of one rollout engine sampling through one rollout server (at most `cohort_max_runs` a server;
+    parity.study.cohorts)."""
     out_dir = work / name
     shutil.rmtree(out_dir, ignore_errors=True)
     (out_dir / "logs").mkdir(parents=True)
@@ -124,7 +125,7 @@ def phase(name: str, pythonpath: str, runs: list[dict], work: Path, timeout_s: f
         specs = [RunSpec(name=r["name"], arm=r["arm"], seed=None, overrides=tuple(overrides[r["name"]])) for r in runs]
         model_dirs = {r["name"]: next(o.split("=", 1)[1] for o in r["overrides"] if o.startswith("model.path="))
                       for r in runs}
-        groups = plan(specs, model_dirs, Path(tempfile.mkdtemp(prefix="parity-cohorts-")))
+        groups = plan(specs, model_dirs, Path(tempfile.mkdtemp(prefix="parity-cohorts-")), cohort_max_runs)
         overrides = {s.name: list(s.overrides) for s in with_members(specs, groups)}
     with MpsDaemon(mps_mode, pipe_dir=str(work / "mps-pipe"), log_dir=str(work / "mps-log")) as mps, \
             contextlib.ExitStack() as stack:
@@ -362,6 +363,8 @@ def main() -> None:
                     "engine sampling through one rollout server (parity.study.cohorts; `parity study --cohorts`)")
     ap.add_argument("--new-cohort-sm-share", type=int, default=None, metavar="PERCENT",
                     help="with --new-cohorts, the share of the SMs each rollout server may use (default: the runs')")
+    ap.add_argument("--new-cohort-max-runs", type=int, default=None, metavar="N",
+                    help="with --new-cohorts, at most N runs a rollout server (`parity study --cohort-max-runs`)")
     ap.add_argument("--fixed-step-arms", default="bf16 / none,w4a4+int4kv / score_centering / ,w4a4+int4kv / tis",
                     help="arms (comma-separated name prefixes) whose trainer step on one fixed batch is compared "
                     "between the trees after the phases (tests/bench/fixed_trainer_step.py); empty: none")
@@ -389,7 +392,7 @@ def main() -> None:
         return
     if a.contended_only:
         record["new"] = phase("new", f"{ROOT / 'platform'}:{site}", runs, work, a.timeout, "auto", extra_env,
-                              new_extra, a.new_cohorts, a.new_cohort_sm_share)
+                              new_extra, a.new_cohorts, a.new_cohort_sm_share, a.new_cohort_max_runs)
         record["extra_env"], record["new_extra"] = extra_env, new_extra
         out.write_text(json.dumps(record, indent=1, default=str))
         n = record["new"]
@@ -406,7 +409,7 @@ def main() -> None:
     print(f"old: {old['run_steps']} run-steps in {old['wall_s']} s = {old['run_steps_per_s']:.2f}/s "
           f"(steady {old['steady_run_steps_per_s']})", flush=True)
     new = phase("new", f"{ROOT / 'platform'}:{site}", runs, work, a.timeout, "auto", extra_env, new_extra,
-                a.new_cohorts, a.new_cohort_sm_share)
+                a.new_cohorts, a.new_cohort_sm_share, a.new_cohort_max_runs)
     record["new"] = new
     record["extra_env"], record["new_extra"] = extra_env, new_extra
     record["ratio"] = new["run_steps_per_s"] / old["run_steps_per_s"]

@@ -91,6 +91,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cohort-sm-share", type=int, default=None, metavar="PERCENT",
                    help="with --cohorts under MPS, the share of the SMs each rollout server may use at a time "
                         "(default: the runs' share)")
+    p.add_argument("--cohort-max-runs", type=int, default=None, metavar="N",
+                   help="with --cohorts, at most N runs a rollout server: a larger group of one engine is dealt out "
+                        "evenly over as few servers as that allows (default: one server a group)")
     p.add_argument("--figures-only", action="store_true", help="rewrite study.md and the figures from study.json")
     p.add_argument("--collect", action="store_true", help="read the runs' folders as they are (unfinished ones "
                    "marked partial) into study.json, the table and the figures, without training")
@@ -258,6 +261,10 @@ def main(argv: list[str]) -> dict:
         raise ValueError("--cohort-sm-share is the rollout servers' SM share: it needs --cohorts")
     if a.cohort_sm_share is not None:
         check_sm_share(a.cohort_sm_share, "--cohort-sm-share")
+    if a.cohort_max_runs is not None and not a.cohorts:
+        raise ValueError("--cohort-max-runs is the size of a rollout server's cohort: it needs --cohorts")
+    if a.cohort_max_runs is not None and a.cohort_max_runs < 2:
+        raise ValueError(f"--cohort-max-runs {a.cohort_max_runs}: a cohort is two or more runs (give 2 or more)")
     if a.cohorts and concurrency < max(2, len(specs)):
         raise ValueError(f"--cohorts: a cohort's runs meet at every engine call, so every run runs at once: "
                          f"--concurrency {concurrency} is fewer than the study's {len(specs)} runs")
@@ -298,7 +305,7 @@ def main(argv: list[str]) -> dict:
         model_dirs = {s.name: by_seed[s.seed if s.seed in by_seed else None] for s in specs}
         import tempfile
         # the servers' sockets in a short folder of their own (a Unix socket's path is at most 107 bytes)
-        cohorts = plan(specs, model_dirs, Path(tempfile.mkdtemp(prefix="parity-cohorts-")))
+        cohorts = plan(specs, model_dirs, Path(tempfile.mkdtemp(prefix="parity-cohorts-")), a.cohort_max_runs)
         specs = with_members(specs, cohorts)
         study["cohorts"] = [{"members": c.members, "model_dir": c.model_dir} for c in cohorts]
     on_gpu = any(o == "trainer.device=cuda" for o in base)

@@ -51,15 +51,31 @@ def rollout_key(overrides: list[str], model_dir: str) -> str | None:
                       sort_keys=True, default=str)
 
 
-def plan(specs: list[RunSpec], model_dirs: dict[str, str], folder: Path) -> list[Cohort]:
-    """The groups of two or more runs that share a rollout engine; `model_dirs`: run name -> starting weights."""
+def plan(specs: list[RunSpec], model_dirs: dict[str, str], folder: Path, max_runs: int | None = None
+         ) -> list[Cohort]:
+    """The groups of two or more runs that share a rollout engine; `model_dirs`: run name -> starting weights.
+    `max_runs`: a group of more runs is served by as few servers as keep each at most that many, its runs dealt
+    out evenly in order (seven at most four: four and three). A cohort's call lasts as long as its slowest row and
+    its products grow with its rows, so one large cohort can be the study's slowest member while the GPU has room
+    for a second server beside it."""
+    if max_runs is not None and max_runs < 2:
+        raise ValueError(f"--cohort-max-runs {max_runs}: a cohort is two or more runs (give 2 or more)")
     groups: dict[str, list[RunSpec]] = {}
     for s in specs:
         key = rollout_key(list(s.overrides), model_dirs[s.name])
         if key is not None:
             groups.setdefault(key, []).append(s)
+    parts: list[list[RunSpec]] = []
+    for g in groups.values():
+        n = 1 if max_runs is None else -(-len(g) // max_runs)
+        size, extra = divmod(len(g), n)
+        start = 0
+        for j in range(n):
+            stop = start + size + (1 if j < extra else 0)
+            parts.append(g[start:stop])
+            start = stop
     out = []
-    for i, ss in enumerate(g for g in groups.values() if len(g) > 1):
+    for i, ss in enumerate(g for g in parts if len(g) > 1):
         out.append(Cohort(members=[s.name for s in ss], overrides=list(ss[0].overrides),
                           model_dir=model_dirs[ss[0].name], address=str(folder / f"cohort{i}.sock")))
     return out
