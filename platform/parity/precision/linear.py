@@ -45,6 +45,9 @@ from torch import nn
 from parity.precision.formats import (
     ACTIVATION_FORMATS,
     FP8_DTYPE,
+    INT3_QMAX,
+    INT4_QMAX,
+    INT8_QMAX,
     WEIGHT_FORMATS,
     dequantize,
     fake_quantize,
@@ -58,6 +61,7 @@ _STORAGE_DTYPE = {"int8": torch.int8, "fp8": FP8_DTYPE, "int4": torch.int8, "int
 # formats whose codes are integers in int8 storage: any two multiply exactly in an int32 accumulator
 INT_CODE_FORMATS = ("int8", "int4", "int3")
 INT_CODE_PATHS = ("int_codes_triton", "int_codes_mm_cuda", "int_codes")
+_QMAX = {"int8": INT8_QMAX, "int4": INT4_QMAX, "int3": INT3_QMAX}  # the largest code of each integer format
 
 
 def check_formats(weights: str, activations: str) -> None:
@@ -180,6 +184,10 @@ def quant_linear_forward(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tenso
         xq, xs = quantize_rowwise(x2.float(), activations)
         if path == "int_codes_triton":
             y = torch.ops.parity.w8a8_mm(xq, wq, xs, w_scale, x.dtype)
+        elif path == "int_codes" and k * _QMAX[activations] * _QMAX[weights] < 2 ** 24:
+            # every partial sum of code products is an integer below 2^24: one float32 GEMM is exact, and its
+            # result is the int32 accumulator's value (no round trip through int32)
+            y = (xq.float() @ wq.float().t()).mul_(xs).mul_(w_scale.t()).to(x.dtype)
         else:
             acc = int8_gemm(xq, wq, "int8_mm_cuda" if path == "int_codes_mm_cuda" else "int8_simulated")
             y = (acc.float() * xs * w_scale.t()).to(x.dtype)
