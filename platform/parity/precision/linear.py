@@ -27,8 +27,8 @@ Which kernel runs is reported by `QuantLinear.path`:
     fp8_simulated    codes in float32 (same up to summation order)
     int_codes_triton, int_codes_mm_cuda, int_codes
                      integer codes of other widths on both sides, through int8_triton's kernel, cuBLASLt's int8
-                     GEMM or the exact float32 GEMMs (CPU): the same int32 accumulator and epilogue, so the same bits
-                     on every path. PARITY_INT_CODES=0 selects the float32 product of the dequantized codes instead
+                     GEMM or the exact float32 GEMMs (CPU): the same integer sum and epilogue, so the same bits on
+                     every path of a device for the same codes. PARITY_INT_CODES=0 selects the float32 product of the dequantized codes instead
                      (w<W>a<A>_simulated, the form before: each product and sum rounded to float32, then the cast)
     int8_weight_only, fp8_weight_only, w<W>a<A>_simulated, bf16
 """
