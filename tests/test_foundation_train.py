@@ -71,6 +71,9 @@ def test_cli_train_prints_summary_json(outputs_dir, prepared_model):
     marks = summary["startup_s"]
     assert list(marks) == ["imports", "model", "sides", "eval0", "first_step"], marks
     assert 0 < marks["imports"] <= marks["model"] <= marks["sides"] <= marks["eval0"] <= marks["first_step"] < wall
+    # the step-0 evaluation's seconds, metric by metric: inside the stretch between the sides and eval0
+    assert list(summary["step0_eval_s"]) == ["eval/accuracy"]
+    assert 0 <= summary["step0_eval_s"]["eval/accuracy"] <= marks["eval0"] - marks["sides"] + 0.01
 
 
 def test_quantized_rollout_also_evaluates_the_unquantized_weights(quick_cfg, prepared_model):

@@ -23,6 +23,12 @@ OVER = ("+precision=w8a8_int8", "trainer.share_step0_eval=true", "trainer.eval_e
         "trainer.checkpoint_every=0", "trainer.eval_temperature=1.0", "trainer.eval_samples=2")
 
 
+def _rec(shared: dict) -> dict:
+    """A step0_eval_shared entry without its timing (wait_s: how long the lock was held by another run)."""
+    assert shared["wait_s"] >= 0
+    return {k: v for k, v in shared.items() if k != "wait_s"}
+
+
 def _step0(summary: dict) -> dict:
     return MetricsLog(Path(summary["run_dir"]) / "metrics.jsonl").read()[0]
 
@@ -40,9 +46,12 @@ def test_runs_of_one_warm_start_share_its_evaluation(quick_cfg, prepared_model, 
     b = train(quick_cfg("trainer.run_name=share_b", *OVER, "algorithm.correction.name=tis"))
     both = ("eval/accuracy", "eval/accuracy_unquantized")
     assert sorted(a["step0_eval_shared"]) == sorted(b["step0_eval_shared"]) == sorted(both)
+    # each step-0 metric's seconds in the run (the summary's account of its start)
+    assert sorted(a["step0_eval_s"]) == sorted(b["step0_eval_s"]) == sorted(both)
+    assert all(x["step0_eval_s"][m] >= 0 for x in (a, b) for m in both)
     for m in both:
         assert a["step0_eval_shared"][m]["reused"] is False and a["step0_eval_shared"][m]["computed_by"] == "share_a"
-        assert b["step0_eval_shared"][m] == {**a["step0_eval_shared"][m], "reused": True}
+        assert _rec(b["step0_eval_shared"][m]) == {**_rec(a["step0_eval_shared"][m]), "reused": True}
         record = json.loads(Path(a["step0_eval_shared"][m]["file"]).read_text())
         assert Path(a["step0_eval_shared"][m]["file"]).parent == outputs_dir / "eval0"
         assert _step0(a)[m] == _step0(b)[m] == record["accuracy"] and record["run"] == "share_a"
@@ -64,7 +73,8 @@ def test_runs_of_one_warm_start_share_its_evaluation(quick_cfg, prepared_model, 
     assert _step0(a)["eval/accuracy_unquantized"] == own
     # another rollout format from the same warm start: the plain number read, the rollout's computed
     e = train(quick_cfg("trainer.run_name=share_e", *OVER[1:], "+precision=w8a8_int8_kv_int4"))
-    assert e["step0_eval_shared"]["eval/accuracy_unquantized"] == {**a["step0_eval_shared"][both[1]], "reused": True}
+    assert _rec(e["step0_eval_shared"]["eval/accuracy_unquantized"]) == {**_rec(a["step0_eval_shared"][both[1]]),
+                                                                          "reused": True}
     assert e["step0_eval_shared"]["eval/accuracy"]["reused"] is False
     # fewer held-out problems: other numbers, computed by the run itself
     c = train(quick_cfg("trainer.run_name=share_c", *OVER, "trainer.eval_problems=8"))

@@ -83,6 +83,7 @@ class HeldOut:
         # by metric; step0_shared, what this run's step-0 evaluation computed or read (the run's summary)
         self.shared: dict[str, Path] = {}
         self.step0_shared: dict[str, dict] = {}
+        self.step0_seconds: dict[str, float] = {}  # each step-0 metric's seconds in this run (a shared one's wait too)
         self.run_name = str(cfg.trainer.run_name)
         share = bool(cfg.trainer.share_step0_eval)
         device = resolve_device(cfg.trainer.device)
@@ -125,12 +126,18 @@ class HeldOut:
             self.plain.update_weights(learner.weights())
             return self.accuracy(self.plain)
 
+        t0 = time.perf_counter()
         if self.plain is None or self.through_rollout or self.deployed_due(step, final):
             out["eval/accuracy"] = self._shared_step0("eval/accuracy", lambda: self.accuracy(rollout)) \
                 if share and "eval/accuracy" in self.shared else self.accuracy(rollout)
+            if step == 0:
+                self.step0_seconds["eval/accuracy"] = round(time.perf_counter() - t0, 2)
+        t0 = time.perf_counter()
         if self.plain is not None:
             out["eval/accuracy_unquantized"] = self._shared_step0("eval/accuracy_unquantized", plain) \
                 if share and "eval/accuracy_unquantized" in self.shared else plain()
+            if step == 0:
+                self.step0_seconds["eval/accuracy_unquantized"] = round(time.perf_counter() - t0, 2)
         if final and self.final_problems:
             out["eval/final_accuracy"] = self.accuracy(rollout, self.final_problems)
             if self.plain is not None:
@@ -143,7 +150,9 @@ class HeldOut:
         path = self.shared[metric]
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path.with_suffix(".lock"), "a") as lock:
+            t_wait = time.perf_counter()
             fcntl.flock(lock, fcntl.LOCK_EX)
+            waited = round(time.perf_counter() - t_wait, 2)  # while another run computed it
             try:
                 rec = None
                 if path.is_file():
@@ -155,7 +164,8 @@ class HeldOut:
                               "again", flush=True)
                         rec = None
                 if rec is not None:
-                    self.step0_shared[metric] = {"file": str(path), "computed_by": rec.get("run"), "reused": True}
+                    self.step0_shared[metric] = {"file": str(path), "computed_by": rec.get("run"), "reused": True,
+                                                 "wait_s": waited}
                     print(f"held-out: step-0 {metric} of the warm start from {path.name} (computed by run "
                           f"{rec.get('run')})", flush=True)
                     return float(rec["accuracy"])
@@ -166,7 +176,8 @@ class HeldOut:
                 tmp = path.with_name(f".{path.name}.{os.getpid()}")
                 tmp.write_text(json.dumps(rec, indent=1))
                 os.replace(tmp, path)
-                self.step0_shared[metric] = {"file": str(path), "computed_by": self.run_name, "reused": False}
+                self.step0_shared[metric] = {"file": str(path), "computed_by": self.run_name, "reused": False,
+                                             "wait_s": waited}
                 return acc
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)

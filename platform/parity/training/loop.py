@@ -76,6 +76,8 @@ def train(cfg: ParityConfig, callbacks: list[Callback] | None = None, *, runner:
                    "start_weights_sha256": start.get("weights_sha256"), "startup_s": clock.marks}
         if heldout.step0_shared:
             outcome["step0_eval_shared"] = heldout.step0_shared
+        if heldout.step0_seconds:  # where the start's step-0 evaluation went, metric by metric
+            outcome["step0_eval_s"] = heldout.step0_seconds
     return run.finish(int(cfg.trainer.total_steps), sides.summary, outcome)
 
 
