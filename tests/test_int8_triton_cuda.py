@@ -49,14 +49,23 @@ def test_int8_fast_decode_equals_the_plain_loop(tmp_path, monkeypatch, pin: bool
     _usable()
     import parity.rollout.cuda_decode as cd
     from parity.precision import int8_triton as it
-    from parity.rollout.torch_engine import TorchEngine
     monkeypatch.setattr(cd, "_PIN_INT8", pin)
     monkeypatch.setattr(it, "_PINNED", {})
     torch._dynamo.reset()  # compiled layer functions of the other route must not be reused
-    build_tiny_model("qwen3", TinyModelConfig(), seed=4).save_pretrained(str(tmp_path))
-    prec = PrecisionConfig(weights="int8", activations="int8", kv_cache="bf16")
-    eng = TorchEngine(tmp_path, precision=prec, device="cuda", dtype=torch.float32)
-    assert eng.linear_path == "int8_triton"
+    eng, n_rows = _fast_equals_plain(tmp_path, "int8", "int8", "int8_triton")
+    pinned = eng.cuda_decoder.state.extras.get("int8_pinned", {})
+    assert bool(pinned) == pin and all(k[0] == n_rows for k in pinned)
+
+
+def _fast_equals_plain(model_dir, weights: str, activations: str, path: str):
+    """A float32 tiny model with `weights` x `activations` products on `path`: the captured, compiled fast path's
+    greedy tokens are the plain loop's (log-probs to float32 rounding, where one activation code may round the
+    other way). Returns the engine and the call's rows."""
+    from parity.rollout.torch_engine import TorchEngine
+    build_tiny_model("qwen3", TinyModelConfig(), seed=4).save_pretrained(str(model_dir))
+    prec = PrecisionConfig(weights=weights, activations=activations, kv_cache="bf16")
+    eng = TorchEngine(model_dir, precision=prec, device="cuda", dtype=torch.float32)
+    assert eng.linear_path == path
     prompts = [[5, 9, 12, 3, 7], [4, 4], [11, 2, 8, 30, 1, 6, 6, 2]] * 3
     spec = SamplingSpec(temperature=0.0, max_new_tokens=20, n=1, seed=0)
     eng.fast_decode = False
@@ -64,10 +73,9 @@ def test_int8_fast_decode_equals_the_plain_loop(tmp_path, monkeypatch, pin: bool
     eng.fast_decode = True
     fast = eng.generate(prompts, spec)
     assert fast.meta["decode_path"] == "cuda_graph+inductor_layers", eng.cuda_decoder.compile_error
-    pinned = eng.cuda_decoder.state.extras.get("int8_pinned", {})
-    assert bool(pinned) == pin and all(k[0] == len(prompts) for k in pinned)
     assert torch.equal(fast.responses, plain.responses)
     torch.testing.assert_close(fast.rollout_logprobs, plain.rollout_logprobs, atol=1e-3, rtol=0)
+    return eng, len(prompts)
 
 
 @pytest.mark.parametrize("pin", [True, False])
@@ -104,7 +112,6 @@ def test_w4a4_integer_codes_fast_decode_equals_the_plain_loop(tmp_path) -> None:
     from parity.precision import int8_triton as it
     from parity.precision.formats import quantize_rowwise
     from parity.precision.linear import QuantLinear
-    from parity.rollout.torch_engine import TorchEngine
     torch._dynamo.reset()
     lin = torch.nn.Linear(512, 256).cuda()
     q = QuantLinear.from_linear(lin, "int4", "int4")
@@ -113,16 +120,4 @@ def test_w4a4_integer_codes_fast_decode_equals_the_plain_loop(tmp_path) -> None:
     xq, xs = quantize_rowwise(x.float(), "int4")
     want = it._reference(xq, q.weight, xs, q.weight_scale, torch.bfloat16) + lin.bias.detach().to(torch.bfloat16)
     assert torch.equal(q(x), want)
-    build_tiny_model("qwen3", TinyModelConfig(), seed=4).save_pretrained(str(tmp_path))
-    prec = PrecisionConfig(weights="int4", activations="int4", kv_cache="bf16")
-    eng = TorchEngine(tmp_path, precision=prec, device="cuda", dtype=torch.float32)
-    assert eng.linear_path == "int_codes_triton"
-    prompts = [[5, 9, 12, 3, 7], [4, 4], [11, 2, 8, 30, 1, 6, 6, 2]] * 3
-    spec = SamplingSpec(temperature=0.0, max_new_tokens=20, n=1, seed=0)
-    eng.fast_decode = False
-    plain = eng.generate(prompts, spec)
-    eng.fast_decode = True
-    fast = eng.generate(prompts, spec)
-    assert fast.meta["decode_path"] == "cuda_graph+inductor_layers", eng.cuda_decoder.compile_error
-    assert torch.equal(fast.responses, plain.responses)
-    torch.testing.assert_close(fast.rollout_logprobs, plain.rollout_logprobs, atol=1e-3, rtol=0)
+    _fast_equals_plain(tmp_path, "int4", "int4", "int_codes_triton")

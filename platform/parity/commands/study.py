@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from parity.paths import plain_name
-from parity.study.cohorts import plan, serving, with_members
+from parity.study.cohorts import check_max_runs, plan, serving, with_members
 from parity.study.members import expand
 from parity.study.mps import MpsDaemon, check_sm_share, child_env
 from parity.study.presets import OBJECTIVES, PRESETS, QUICK
@@ -263,8 +263,7 @@ def main(argv: list[str]) -> dict:
         check_sm_share(a.cohort_sm_share, "--cohort-sm-share")
     if a.cohort_max_runs is not None and not a.cohorts:
         raise ValueError("--cohort-max-runs is the size of a rollout server's cohort: it needs --cohorts")
-    if a.cohort_max_runs is not None and a.cohort_max_runs < 2:
-        raise ValueError(f"--cohort-max-runs {a.cohort_max_runs}: a cohort is two or more runs (give 2 or more)")
+    check_max_runs(a.cohort_max_runs)
     if a.cohorts and concurrency < max(2, len(specs)):
         raise ValueError(f"--cohorts: a cohort's runs meet at every engine call, so every run runs at once: "
                          f"--concurrency {concurrency} is fewer than the study's {len(specs)} runs")

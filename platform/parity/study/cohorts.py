@@ -51,6 +51,12 @@ def rollout_key(overrides: list[str], model_dir: str) -> str | None:
                       sort_keys=True, default=str)
 
 
+def check_max_runs(max_runs: int | None) -> None:
+    """`--cohort-max-runs`: None (one server a group) or 2 or more."""
+    if max_runs is not None and max_runs < 2:
+        raise ValueError(f"--cohort-max-runs {max_runs}: a cohort is two or more runs (give 2 or more)")
+
+
 def plan(specs: list[RunSpec], model_dirs: dict[str, str], folder: Path, max_runs: int | None = None
          ) -> list[Cohort]:
     """The groups of two or more runs that share a rollout engine; `model_dirs`: run name -> starting weights.
@@ -58,8 +64,7 @@ def plan(specs: list[RunSpec], model_dirs: dict[str, str], folder: Path, max_run
     out evenly in order (seven at most four: four and three). A cohort's call lasts as long as its slowest row and
     its products grow with its rows, so one large cohort can be the study's slowest member while the GPU has room
     for a second server beside it."""
-    if max_runs is not None and max_runs < 2:
-        raise ValueError(f"--cohort-max-runs {max_runs}: a cohort is two or more runs (give 2 or more)")
+    check_max_runs(max_runs)
     groups: dict[str, list[RunSpec]] = {}
     for s in specs:
         key = rollout_key(list(s.overrides), model_dirs[s.name])
