@@ -104,6 +104,60 @@ def test_members_get_their_own_engines_batches_through_the_server(prepared_model
             proc.kill()
 
 
+def test_a_begun_rollout_samples_on_the_server_while_its_run_works(prepared_model, tmp_path) -> None:
+    """The loop begins its first rollout before the warm start's evaluation: a member's LocalRollout sends the call
+    and returns, the run goes on in its own process (here: its plain engine's evaluation-sized work), and `collect`
+    reads the batch the server sampled meanwhile, the member's own engine's. The server holds one call of a member
+    at a time, so a second call or a weight sync before the answer is read is refused, and the rollout side's own
+    `generate` (a held-out evaluation through the rollout) first reads the begun call's answer."""
+    from parity.training.local import LocalRollout
+    proc, sock = _start(tmp_path, prepared_model, 2)
+    try:
+        sides = [LocalRollout(CohortClient(sock, i, connect_timeout_s=60), 0) for i in range(2)]
+        calls = _calls(prepared_model)
+        own = [TorchEngine(prepared_model, precision=PrecisionConfig(weights="int4", activations="int4",
+                                                                     kv_cache="int4_per_token_head"),
+                           dtype=torch.float32, share_prefill=False) for _ in range(2)]
+        handles = [side.submit(c[0], c[1]) for side, c in zip(sides, calls, strict=True)]
+        t0 = time.perf_counter()
+        for side, h in zip(sides, handles, strict=True):
+            side.begin(h)  # sent: returns without the batch (the server samples once both calls are in)
+        assert time.perf_counter() - t0 < 5 and all(h.result is None and h.receive is not None for h in handles)
+        with pytest.raises(RuntimeError, match="before reading the answer"):
+            sides[0].engine.send_generate(*calls[0])
+        with pytest.raises(RuntimeError, match="before reading the answer"):
+            sides[0].engine.update_weights(list(own[0].model.state_dict().items())[:1])
+        expected = [eng.generate(c[0], c[1], prompt_ids=list(range(len(c[0])))) for eng, c in zip(own, calls,
+                                                                                                  strict=True)]
+        for side, h, ref in zip(sides, handles, expected, strict=True):
+            _same(side.collect(h).batch, ref)
+        # begun again, then each member's rollout side asked for another call: the begun answer is read first
+        handles = [side.submit(c[0], c[1]) for side, c in zip(sides, calls, strict=True)]
+        for side, h in zip(sides, handles, strict=True):
+            side.begin(h)
+        out: list = [None, None]
+
+        def evaluate(i: int) -> None:
+            out[i] = sides[i].generate(*calls[i])
+
+        threads = [threading.Thread(target=evaluate, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        for i in range(2):
+            assert handles[i].result is not None  # read before the second call went out
+            _same(out[i], own[i].generate(*calls[i]))
+            _same(sides[i].collect(handles[i]).batch, expected[i])
+        for side in sides:
+            side.engine.close()
+        out_text, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and "every member left" in out_text
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_a_member_that_never_joins_holds_the_others_only_until_the_join_timeout(prepared_model, tmp_path) -> None:
     """Three members, of which one never connects (its run failed before it did): the two that joined wait for it
     until --join-timeout, then are served without it; a second member 1 is refused naming the index."""

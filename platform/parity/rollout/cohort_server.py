@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Client, Connection, Listener, wait
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
@@ -86,6 +87,7 @@ class CohortClient:
         _send(self.conn, {"member": self.member})
         self._describe = self._answer()
         self.ipc, self.ipc_error = True, None  # CUDA weights as IPC handles until the driver refuses one
+        self._in_flight = False  # a generate call sent and its answer not yet read
 
     def _answer(self) -> Any:
         try:
@@ -100,10 +102,34 @@ class CohortClient:
 
     def generate(self, prompt_token_ids: list[list[int]], spec: SamplingSpec,
                  prompt_ids: list[int] | None = None) -> RolloutBatch:
+        return self.send_generate(prompt_token_ids, spec, prompt_ids)()
+
+    def send_generate(self, prompt_token_ids: list[list[int]], spec: SamplingSpec,
+                      prompt_ids: list[int] | None = None) -> Callable[[], RolloutBatch]:
+        """Send a generate call and return at once; the returned function reads its batch (waiting for the server
+        if it has not answered yet). The server holds one call of a member at a time: another call before the
+        answer is read is refused here."""
+        if self._in_flight:
+            raise RuntimeError(f"rollout.cohort: member {self.member} sent a call before reading the answer to its "
+                               "last one (the server holds one call of a member at a time)")
         _send(self.conn, ("generate", prompt_token_ids, spec, prompt_ids))
-        return self._answer()
+        self._in_flight = True
+        answer: list = []
+
+        def receive() -> RolloutBatch:
+            if not answer:
+                try:
+                    answer.append(self._answer())
+                finally:
+                    self._in_flight = False
+            return answer[0]
+
+        return receive
 
     def update_weights(self, named_tensors: Any) -> float:
+        if self._in_flight:
+            raise RuntimeError(f"rollout.cohort: member {self.member} sent weights before reading the answer to its "
+                               "generate call (that call samples the weights it was sent under)")
         tensors = [(k, v.detach()) for k, v in named_tensors]  # kept alive until the server has read them
         on_device = [(k, v) for k, v in tensors if v.is_cuda]
         blob = b""

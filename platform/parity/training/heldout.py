@@ -126,18 +126,20 @@ class HeldOut:
             self.plain.update_weights(learner.weights())
             return self.accuracy(self.plain)
 
-        t0 = time.perf_counter()
-        if self.plain is None or self.through_rollout or self.deployed_due(step, final):
-            out["eval/accuracy"] = self._shared_step0("eval/accuracy", lambda: self.accuracy(rollout)) \
-                if share and "eval/accuracy" in self.shared else self.accuracy(rollout)
-            if step == 0:
-                self.step0_seconds["eval/accuracy"] = round(time.perf_counter() - t0, 2)
+        # the plain engine's number first: it is this process's own work, while a rollout the loop has begun may
+        # still be sampling on a server, whose answer the rollout side's call below waits for
         t0 = time.perf_counter()
         if self.plain is not None:
             out["eval/accuracy_unquantized"] = self._shared_step0("eval/accuracy_unquantized", plain) \
                 if share and "eval/accuracy_unquantized" in self.shared else plain()
             if step == 0:
                 self.step0_seconds["eval/accuracy_unquantized"] = round(time.perf_counter() - t0, 2)
+        t0 = time.perf_counter()
+        if self.plain is None or self.through_rollout or self.deployed_due(step, final):
+            out["eval/accuracy"] = self._shared_step0("eval/accuracy", lambda: self.accuracy(rollout)) \
+                if share and "eval/accuracy" in self.shared else self.accuracy(rollout)
+            if step == 0:
+                self.step0_seconds["eval/accuracy"] = round(time.perf_counter() - t0, 2)
         if final and self.final_problems:
             out["eval/final_accuracy"] = self.accuracy(rollout, self.final_problems)
             if self.plain is not None:

@@ -37,11 +37,14 @@ class _Submission:
     prompt_token_ids: list[list[int]]
     spec: SamplingSpec
     result: RolloutResult | None = None
+    receive: Any = None  # begun on a server (a cohort member's call sent): its answer, when read
 
 
 class LocalRollout:
     """The engine in this process. A submission is sampled when it is collected, or before the engine takes new
-    weights if that comes first: always with the weights loaded at submission."""
+    weights or answers another call if that comes first, or when `begin` starts it: always with the weights loaded
+    at submission. An engine whose calls go to a server (`send_generate`: a cohort member) sends a begun submission
+    at once and reads the answer later, so this process works while the server samples."""
 
     def __init__(self, engine: Any, version: int) -> None:
         self.engine, self.version = engine, version
@@ -52,11 +55,28 @@ class LocalRollout:
         self.waiting.append(s)
         return s
 
+    def begin(self, handle: _Submission) -> None:
+        if handle.result is not None or handle.receive is not None:
+            return
+        send = getattr(self.engine, "send_generate", None)
+        if send is None:
+            self._sample(handle)
+        else:
+            ids = handle.prompt_token_ids
+            handle.receive = send(ids, handle.spec, prompt_ids=list(range(len(ids))))
+
     def _sample(self, s: _Submission) -> None:
         if s.result is None:
             ids = s.prompt_token_ids
-            s.result = RolloutResult(self.engine.generate(ids, s.spec, prompt_ids=list(range(len(ids)))),
-                                     self.version)
+            batch = s.receive() if s.receive is not None else \
+                self.engine.generate(ids, s.spec, prompt_ids=list(range(len(ids))))
+            s.result, s.receive = RolloutResult(batch, self.version), None
+
+    def _finish_begun(self) -> None:
+        """Read every begun submission's answer (a server answers one call of a member at a time)."""
+        for s in self.waiting:
+            if s.receive is not None:
+                self._sample(s)
 
     def collect(self, handle: _Submission) -> RolloutResult:
         self._sample(handle)
@@ -73,6 +93,7 @@ class LocalRollout:
 
     def generate(self, prompt_token_ids: list[list[int]], spec: SamplingSpec,
                  prompt_ids: list[int] | None = None) -> RolloutBatch:
+        self._finish_begun()
         return self.engine.generate(prompt_token_ids, spec, prompt_ids=prompt_ids)
 
     def step_metrics(self) -> dict[str, float]:

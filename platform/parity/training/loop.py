@@ -102,10 +102,22 @@ def rl_loop(cfg: ParityConfig, data: Data, rollout: RolloutSide, learner: Learne
         return Launched(rollout.submit(ids, spec), problems, n_cut, dict(data.stream.state_dict()),
                         time.perf_counter())
 
+    pending = launch(run.start_step) if run.start_step < tc.total_steps else None
     if run.start_step == 0:
+        # the first rollout is begun before the warm start's evaluation (both read the starting weights, neither
+        # draws from a shared random state): an engine's first call compiles and captures its shapes, and that
+        # then runs beside the evaluation (a cohort's server, a Ray worker) or while another run computes the
+        # shared step-0 number this run waits for (trainer.share_step0_eval), not after it
+        if pending is not None:
+            begin = getattr(rollout, "begin", None)
+            if begin is not None:
+                begin(pending.handle)
+            clock.mark("rollout0")  # the first rollout sampled (in this process) or sent (to a server or workers)
+        t_eval = time.perf_counter()
         run.emit(0, heldout.evaluate(rollout, learner, 0, final=tc.total_steps == 0))
         clock.mark("eval0")  # the held-out evaluation of the warm start
-    pending = launch(run.start_step) if run.start_step < tc.total_steps else None
+        if pending is not None:  # step 1's perf/rollout_s: the rollout's time, not the evaluation's between
+            pending.t_submit += time.perf_counter() - t_eval
     bar = Progress("train", int(tc.total_steps), initial=run.start_step)
     prof = StepProfiler()  # PARITY_PROFILE_STEPS: where listed steps' time goes (parity.core.profile)
     for step in range(run.start_step, tc.total_steps):

@@ -36,6 +36,11 @@ class RolloutSide(Protocol):
         weights loaded now; returns the handle `collect` takes."""
         ...
 
+    def begin(self, handle: Any) -> None:
+        """Start the submission's sampling now if `submit` left it for later (the in-process engine samples at
+        `collect`): the loop begins its first rollout before the step-0 evaluation. Optional."""
+        ...
+
     def collect(self, handle: Any) -> RolloutResult:
         """The submission's batch (rewards zero: the loop grades)."""
         ...
