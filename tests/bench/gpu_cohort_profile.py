@@ -10,6 +10,9 @@ cost near N members' means the batched products are.
 
     python3 tests/bench/gpu_cohort_profile.py --model-dir MODEL --format w4a4+int4kv --members 9 --calls 3 \\
         --out cohort_profile.json
+
+`--extra rollout.compact_tail=true`: a call's unfinished rows move to smaller states once most have ended (each
+row's `tail_rows` record says which sizes the cohort's call went through).
 """
 
 from __future__ import annotations
@@ -99,7 +102,8 @@ def main() -> None:
                                                                                        zip(own_s, own_steps)],
                "cohort_s": co_s, "cohort_steps": co_steps, "cohort_ms_per_step": 1e3 * co_s / max(co_steps, 1),
                "cohort_over_own_sum": co_s / sum(own_s), "rows_a_member": bs[0].responses.shape[0],
-               "tokens": sum(int(b.response_mask.sum()) for b in bs), "decode_path": bs[0].meta.get("decode_path")}
+               "tokens": sum(int(b.response_mask.sum()) for b in bs), "decode_path": bs[0].meta.get("decode_path"),
+               "tail_rows": bs[0].meta.get("decode_tail_rows")}
         rows.append(row)
         print(f"call {i}: members alone {sum(own_s):.2f} s in all ({min(own_steps)}-{max(own_steps)} steps, "
               f"{min(row['own_ms_per_step']):.1f}-{max(row['own_ms_per_step']):.1f} ms a step); cohort {co_s:.2f} s, "

@@ -175,6 +175,11 @@ class RolloutConfig:
     # SOCKET#i: sample through a cohort's rollout server (parity.rollout.cohort_server) as its member i, the runs of
     # one rollout format decoded in one engine call; empty: the run's own engine
     cohort: str = ""
+    # torch engine's decode path (CUDA): once at most half of a call's rows (of every run, in a cohort) are still
+    # sampling, they go on in a state of half as many rows (then a quarter, ...) instead of the whole batch decoding
+    # until its longest response ends; each row's arithmetic is the same except where a float product depends on
+    # its row count (parity.rollout.cuda_decode, `_COMPACT_TAIL`)
+    compact_tail: bool = False
     # vLLM engine (rollout.name=vllm): in-process engine core (no extra process; starts in seconds on CPU),
     # eager mode (no torch.compile / CUDA graphs), and how a W8A8 INT8/FP8 engine takes new weights:
     # requantize (in place, re-prepacking each quantized linear layer) | rebuild (restart on a new checkpoint)

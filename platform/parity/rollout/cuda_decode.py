@@ -124,6 +124,15 @@ _KEEP_STATES = 2
 # instead of inside every product of every decode step; the same numbers. False: dequantized in every product
 # (benchmark A/B)
 _PREPARE_SIMULATED = True
+# The long tail of a call: a sampled call decodes until its longest response ends (often the length limit), while
+# most rows ended long before and only write pad tokens. With an engine's `compact_tail` (rollout.compact_tail),
+# every _DONE_CHECK steps, once at most half of every run's rows are unfinished, the rest of the call decodes on a
+# state of half as many rows a run (a quarter, ...; at least _TAIL_MIN_ROWS) holding them: its own graphs, the same
+# compiled functions and weights, each row's arithmetic the same except where a product's result depends on how many
+# rows it multiplies (a float GEMM may pick another kernel; integer products do not). Off by default: a route not
+# yet measured against the full batch on the GPU
+_COMPACT_TAIL = False
+_TAIL_MIN_ROWS = 16
 
 
 def supports(engine: Any) -> bool:
@@ -175,6 +184,43 @@ class DecodeState:
     graphs: dict = field(default_factory=dict)  # attended cache length L -> captured decode step
     pool: Any = None  # one memory pool shared by the graphs (they never replay concurrently)
     extras: dict = field(default_factory=dict)
+
+
+_ROW_FIELDS = ("plen", "key_ok", "uniforms", "logits", "tok", "done", "responses", "rmask", "logps", "topk_ids",
+               "topk_lp")
+_RESULT_FIELDS = ("done", "responses", "rmask", "logps", "topk_ids", "topk_lp")
+
+
+def _cache_tensors(st: DecodeState) -> list[torch.Tensor]:
+    """Every row-first tensor of the state's KV cache (plain K/V pairs, or a packed cache's codes and scales)."""
+    out = []
+    for c in st.caches:
+        parts = (c.k, c.v, c.k_scale, c.v_scale) if hasattr(c, "k_scale") else c
+        out.extend(t for t in parts if t is not None)
+    return out
+
+
+def _gather_rows(dst: DecodeState, src: DecodeState, rows: torch.Tensor) -> None:
+    """dst's cache, per-row buffers and step counters := src's rows `rows`, in place (dst's graphs read them)."""
+    for a, b in zip(_cache_tensors(dst), _cache_tensors(src), strict=True):
+        torch.index_select(b, 0, rows, out=a)
+    for f in _ROW_FIELDS:
+        a, b = getattr(dst, f), getattr(src, f)
+        if a is not None:
+            torch.index_select(b, 0, rows, out=a)
+    if "forced" in dst.extras:
+        torch.index_select(src.extras["forced"], 0, rows, out=dst.extras["forced"])
+    dst.t.copy_(src.t)
+    dst.start.copy_(src.start)
+
+
+def _scatter_rows(dst: DecodeState, src: DecodeState, rows: torch.Tensor, live: torch.Tensor) -> None:
+    """dst's results (tokens, masks, log-probs, done flags) of the rows src decoded on (`rows[live]`) := src's."""
+    sel = live.nonzero().squeeze(1)
+    for f in _RESULT_FIELDS:
+        a, b = getattr(dst, f), getattr(src, f)
+        if a is not None:
+            a.index_copy_(0, rows.index_select(0, sel), b.index_select(0, sel))
 
 
 def kv_kernel_meta(packed: Any) -> dict:
@@ -276,7 +322,8 @@ class CudaDecoder:
                 + ("+inductor_layers" if compile_layers else ""),
                 "kv_cache_layout": ("packed" if "packed" in st.extras else
                                     "plain" if eng.kv_codec is None else "simulated"),
-                **kv_kernel_meta(st.extras.get("packed"))}
+                **kv_kernel_meta(st.extras.get("packed")),
+                **({"decode_tail_rows": st.extras["tail_rows"]} if st.extras.get("tail_rows") else {})}
 
     def run(self, prompts: torch.Tensor, pmask: torch.Tensor, uniforms: torch.Tensor, spec: SamplingSpec,
             use_graphs: bool, forced: torch.Tensor | None = None) -> DecodeState | None:
@@ -311,16 +358,20 @@ class CudaDecoder:
                 x.zero_()
         st.logits.copy_(self.prefill(st, prompts, positions(pmask), prefill_mask(pmask)[:, None], compile_layers))
 
+        compact = bool(getattr(eng, "compact_tail", _COMPACT_TAIL))
+        runs = int(getattr(eng, "runs", 1))
+        tails: list[tuple[DecodeState, DecodeState, torch.Tensor, torch.Tensor]] = []
+        cur = st  # the state decoding now: the call's, or a smaller one holding its unfinished rows
         steps = 0
         while steps < R:
             L = attended_length(P, steps, S)
             if not use_graphs:
-                self.step(st, spec, L)
-            elif L in st.graphs:
-                st.graphs[L].replay()
+                self.step(cur, spec, L)
+            elif L in cur.graphs:
+                cur.graphs[L].replay()
             else:  # first step over this many slots: it runs for real while its graph is captured
                 try:
-                    st.graphs[L] = self.capture(st, spec, L)
+                    cur.graphs[L] = self.capture(cur, spec, L)
                 except Exception as e:  # noqa: BLE001 - Inductor missing or failing: the uncompiled step is the same math
                     if not compile_layers:
                         raise
@@ -328,9 +379,62 @@ class CudaDecoder:
                     self.reset()
                     return None
             steps += 1
-            if steps % _DONE_CHECK == 0 and steps < R and bool(st.done.all()):
-                break  # later steps would only write pad tokens, which the buffers already hold
+            if steps % _DONE_CHECK == 0 and steps < R:
+                if bool(cur.done.all()):
+                    break  # later steps would only write pad tokens, which the buffers already hold
+                if compact:
+                    tail = self._tail(cur, runs, use_graphs)
+                    if tail is not None:
+                        tails.append(tail)
+                        cur = tail[1]
+        for parent, child, rows, live in reversed(tails):  # the unfinished rows' results back into the call's buffers
+            _scatter_rows(parent, child, rows, live)
+        if tails:
+            st.extras["tail_rows"] = [int(t[1].done.shape[0]) for t in tails]  # the call's record (meta)
+        else:
+            st.extras.pop("tail_rows", None)
         return st
+
+    def _tail(self, st: DecodeState, runs: int, use_graphs: bool
+              ) -> tuple[DecodeState, DecodeState, torch.Tensor, torch.Tensor] | None:
+        """When at most half of every run's rows are still decoding: a state of half as many rows a run (or a
+        quarter, ...; at least _TAIL_MIN_ROWS) holding them, its cache, buffers and step counter copied from `st`,
+        each run's unfinished rows first in their order, then finished rows of the same run filling it (they decode
+        pad tokens nobody reads). (st, tail state, the rows of st it holds, which of them were unfinished); None
+        when no smaller state fits. A kept tail state of that size (with its captured graphs) is reused."""
+        B = st.done.shape[0]
+        per = B // runs
+        live = (~st.done).view(runs, per)
+        most = int(live.sum(1).max())
+        b = per
+        while b % 2 == 0 and b // 2 >= max(most, _TAIL_MIN_ROWS):
+            b //= 2
+        if b == per:
+            return None
+        order = torch.sort(st.done.view(runs, per).to(torch.int32), dim=1, stable=True).indices[:, :b]  # unfinished first, in order
+        rows = (order + torch.arange(runs, device=order.device)[:, None] * per).reshape(-1)
+        kept = live.gather(1, order).reshape(-1)
+        tails = st.extras.setdefault("tails", {})
+        child = tails.get(b * runs)
+        if child is None:
+            child = tails[b * runs] = self._tail_state(st, b * runs, use_graphs)
+        _gather_rows(child, st, rows)
+        return st, child, rows, kept
+
+    def _tail_state(self, st: DecodeState, rows: int, use_graphs: bool) -> DecodeState:
+        """A state of `rows` rows with st's shapes otherwise, sharing its compiled functions and weights."""
+        _, S, R, K = st.key[:4]
+        child = self.new_state((rows, *st.key[1:], "tail"), rows, S, R, K, st.key[6])
+        for k in ("fns", "fused", "prepared", "layers"):
+            child.extras[k] = st.extras[k]
+        if "int8_pinned" in st.extras and use_graphs:
+            from parity.precision import int8_triton
+            child.extras["int8_pinned"] = int8_triton.tune_decode(rows // getattr(self.engine, "runs", 1),
+                                                                  _int8_triton_shapes(st.extras["layers"]),
+                                                                  self.engine.device)
+        if "forced" in st.extras:
+            child.extras["forced"] = torch.empty_like(st.extras["forced"][:rows])
+        return child
 
     def _state_for(self, key: tuple, B: int, S: int, R: int, K: int, dtype: torch.dtype, use_graphs: bool,
                    compile_layers: bool) -> DecodeState:
@@ -399,7 +503,9 @@ class CudaDecoder:
         if not want:
             return fns
         if self._decode_fns is None:
-            raise_recompile_limit(64)  # one specialisation per attended length L and per engine's weight formats
+            # one specialisation per attended length L and per engine's weight formats (and, with compact_tail, per
+            # tail state's row count)
+            raise_recompile_limit(256 if getattr(self.engine, "compact_tail", _COMPACT_TAIL) else 64)
             self._decode_fns = tuple(torch.compile(f, dynamic=False, fullgraph=True) for f in fns)
         return self._decode_fns
 

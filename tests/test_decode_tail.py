@@ -1,0 +1,97 @@
+"""The decode path's long tail (rollout.compact_tail; parity.rollout.cuda_decode, `_tail`): once at most half of a
+call's rows (of every run, in a cohort) are still sampling, they go on in a state of half as many rows. Each row's
+tokens are the whole batch's, its log-probs within float32's rounding of a product over fewer rows, on the decode
+path's logic run eagerly on CPU (graphs off; the graphs are the device's to check): plain float32, simulated W4A4
+with the packed INT4 cache (torch backend), INT8 W8A8, and a cohort of three runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parity.core.sampling import SamplingSpec
+from parity.rollout import cuda_decode
+from parity.rollout.cohort import CohortEngine
+from tests.test_cohort import W4A4, W8A8, _calls, _engines
+from tests.test_cpu_lanes import _threads
+
+FIELDS = ("responses", "response_mask", "truncated", "topk_ids")
+
+
+def _long_calls(model_dir, n: int) -> list[tuple]:
+    """`_calls`'s prompts, 8 samples each up to 64 tokens: the rows end at many different steps."""
+    return [(c[0], SamplingSpec(temperature=1.0, max_new_tokens=64, n=8, topk_logprobs=3, seed=c[1].seed,
+                                pad_prompts_to=c[1].pad_prompts_to), c[2]) for c in _calls(model_dir, n)]
+
+
+def _same(got, ref) -> None:
+    for f in FIELDS:
+        assert torch.equal(getattr(got, f), getattr(ref, f)), f
+    # float32: a product over fewer rows may sum its K terms in another order (about K * 2^-24 relative)
+    torch.testing.assert_close(got.rollout_logprobs, ref.rollout_logprobs, rtol=0, atol=1e-4)
+    torch.testing.assert_close(got.topk_logprobs, ref.topk_logprobs, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("precision", [None, W4A4, W8A8], ids=["fp32", "w4a4-packed-int4kv", "w8a8-int8"])
+def test_the_tail_on_fewer_rows_gives_the_whole_batchs_tokens(prepared_model, precision, monkeypatch) -> None:
+    monkeypatch.setattr(cuda_decode, "_TAIL_MIN_ROWS", 2)
+    monkeypatch.setattr(cuda_decode, "_DONE_CHECK", 4)
+    (eng,) = _engines(prepared_model, precision, n=1)
+    if precision is W4A4:
+        eng.kv_packed = True  # the packed cache on CPU (torch backend): its codes and scales move with the rows
+    call = _long_calls(prepared_model, 1)[0]
+    with _threads(1):
+        ref = eng.cuda_decoder.generate(*call, use_graphs=False)
+        eng.compact_tail = True
+        got = eng.cuda_decoder.generate(*call, use_graphs=False)
+        again = eng.cuda_decoder.generate(*call, use_graphs=False)  # the kept tail states, reused
+    assert "decode_tail_rows" not in ref.meta
+    rows = got.meta["decode_tail_rows"]
+    assert rows and rows == sorted(rows, reverse=True) and rows[0] <= 16  # 32 rows: 16, then fewer
+    _same(got, ref)
+    _same(again, ref)
+    assert again.meta["decode_tail_rows"] == rows
+    if precision is W4A4:
+        assert got.meta["kv_cache_layout"] == "packed"
+    # the rows really ended at different steps, some at the length limit: the tail had work to do
+    lengths = ref.response_mask.sum(1)
+    assert int(lengths.min()) < 16 and int(lengths.max()) > 32
+
+
+def test_a_cohorts_tail_keeps_each_runs_rows_with_its_weights(prepared_model, monkeypatch) -> None:
+    """Three runs of 32 rows: the tail state holds the same number of rows of every run (the batched products take
+    run i's rows with run i's weights), as many as the run with the most unfinished rows needs."""
+    monkeypatch.setattr(cuda_decode, "_TAIL_MIN_ROWS", 2)
+    monkeypatch.setattr(cuda_decode, "_DONE_CHECK", 4)
+    engines = _engines(prepared_model, W4A4)
+    calls = _long_calls(prepared_model, 3)
+    calls = [(c[0], SamplingSpec(**{**c[1].__dict__, "pad_prompts_to": max(len(p) for x in calls for p in x[0])}),
+              c[2]) for c in calls]
+    with _threads(1):
+        cohort = CohortEngine(engines)
+        ref = cohort.generate(calls, fast=True, use_graphs=False)
+        for e in engines:
+            e.compact_tail = True
+        cohort = CohortEngine(engines)
+        got = cohort.generate(calls, fast=True, use_graphs=False)
+    rows = got[0].meta["decode_tail_rows"]
+    assert rows and all(r % 3 == 0 and r <= 48 for r in rows)
+    for g, r in zip(got, ref, strict=True):
+        _same(g, r)
+    assert not torch.equal(got[0].responses, got[1].responses)
+
+
+def test_no_tail_when_every_row_runs_to_the_end(prepared_model, monkeypatch) -> None:
+    """Forced tokens without an end (a replay): no row finishes early, nothing moves."""
+    monkeypatch.setattr(cuda_decode, "_TAIL_MIN_ROWS", 2)
+    monkeypatch.setattr(cuda_decode, "_DONE_CHECK", 4)
+    (eng,) = _engines(prepared_model, None, n=1)
+    eng.compact_tail = True
+    call = _long_calls(prepared_model, 1)[0]
+    with _threads(1):
+        first = eng.cuda_decoder.generate(*call, use_graphs=False)
+        forced = torch.full_like(first.responses, 6 if eng.eos_id == 5 else 5)
+        replay = eng.cuda_decoder.replay(call[0], call[1], forced, call[2], use_graphs=False)
+    assert "decode_tail_rows" not in replay.meta
+    assert bool(replay.response_mask.all())
+
