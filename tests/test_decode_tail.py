@@ -35,6 +35,7 @@ def _same(got, ref) -> None:
 @pytest.mark.parametrize("precision", [None, W4A4, W8A8], ids=["fp32", "w4a4-packed-int4kv", "w8a8-int8"])
 def test_the_tail_on_fewer_rows_gives_the_whole_batchs_tokens(prepared_model, precision, monkeypatch) -> None:
     monkeypatch.setattr(cuda_decode, "_TAIL_MIN_ROWS", 2)
+    monkeypatch.setattr(cuda_decode, "_TAIL_LEVELS", 4)
     monkeypatch.setattr(cuda_decode, "_DONE_CHECK", 4)
     (eng,) = _engines(prepared_model, precision, n=1)
     if precision is W4A4:
@@ -62,6 +63,7 @@ def test_a_cohorts_tail_keeps_each_runs_rows_with_its_weights(prepared_model, mo
     """Three runs of 32 rows: the tail state holds the same number of rows of every run (the batched products take
     run i's rows with run i's weights), as many as the run with the most unfinished rows needs."""
     monkeypatch.setattr(cuda_decode, "_TAIL_MIN_ROWS", 2)
+    monkeypatch.setattr(cuda_decode, "_TAIL_LEVELS", 4)
     monkeypatch.setattr(cuda_decode, "_DONE_CHECK", 4)
     engines = _engines(prepared_model, W4A4)
     calls = _long_calls(prepared_model, 3)
@@ -84,6 +86,7 @@ def test_a_cohorts_tail_keeps_each_runs_rows_with_its_weights(prepared_model, mo
 def test_no_tail_when_every_row_runs_to_the_end(prepared_model, monkeypatch) -> None:
     """Forced tokens without an end (a replay): no row finishes early, nothing moves."""
     monkeypatch.setattr(cuda_decode, "_TAIL_MIN_ROWS", 2)
+    monkeypatch.setattr(cuda_decode, "_TAIL_LEVELS", 4)
     monkeypatch.setattr(cuda_decode, "_DONE_CHECK", 4)
     (eng,) = _engines(prepared_model, None, n=1)
     eng.compact_tail = True
@@ -95,3 +98,18 @@ def test_no_tail_when_every_row_runs_to_the_end(prepared_model, monkeypatch) -> 
     assert "decode_tail_rows" not in replay.meta
     assert bool(replay.response_mask.all())
 
+
+
+def test_the_tail_stops_after_its_levels(prepared_model, monkeypatch) -> None:
+    """_TAIL_LEVELS caps the smaller states a call goes through (each row count compiles the layers once more on
+    the device)."""
+    monkeypatch.setattr(cuda_decode, "_TAIL_MIN_ROWS", 2)
+    monkeypatch.setattr(cuda_decode, "_DONE_CHECK", 4)
+    (eng,) = _engines(prepared_model, None, n=1)
+    eng.compact_tail = True
+    call = _long_calls(prepared_model, 1)[0]
+    with _threads(1):
+        rows = {lv: (monkeypatch.setattr(cuda_decode, "_TAIL_LEVELS", lv),
+                     eng.cuda_decoder.generate(*call, use_graphs=False))[1] for lv in (1, 4)}
+    assert len(rows[1].meta["decode_tail_rows"]) == 1 and len(rows[4].meta["decode_tail_rows"]) > 1
+    _same(rows[1], rows[4])

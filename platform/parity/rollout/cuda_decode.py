@@ -45,6 +45,10 @@ from the plain loop, and why:
   kernel, and a compiled function from o_proj through the MLP and on to the next layer's q/k/v product (the
   residual add fused into the next input norm).
   `engine.kv_budget_bytes` caps the cache; a call with more rows runs in chunks that fit (rollout/kv_budget.py).
+- A sampled call lasts until its longest response ends. With `engine.compact_tail` (rollout.compact_tail), once at
+  most half of every run's rows are unfinished they go on in a state of half as many rows a run (then a quarter;
+  `_TAIL_LEVELS`), their cache and buffers gathered into it and their results scattered back at the end
+  (`_tail`, `_gather_rows`, `_scatter_rows`): the finished rows stop costing a product's rows.
 
 The prefill (`CudaDecoder.prefill`) is TorchEngine.forward's arithmetic writing into the static cache, with the
 stacked projections and, on CUDA with compilation on, the two halves of a layer compiled by Inductor (shapes
@@ -133,6 +137,8 @@ _PREPARE_SIMULATED = True
 # yet measured against the full batch on the GPU
 _COMPACT_TAIL = False
 _TAIL_MIN_ROWS = 16
+# at most this many smaller states a call (each row count compiles the layer functions once more for every L it meets)
+_TAIL_LEVELS = 2
 
 
 def supports(engine: Any) -> bool:
@@ -382,7 +388,7 @@ class CudaDecoder:
             if steps % _DONE_CHECK == 0 and steps < R:
                 if bool(cur.done.all()):
                     break  # later steps would only write pad tokens, which the buffers already hold
-                if compact:
+                if compact and len(tails) < _TAIL_LEVELS:
                     tail = self._tail(cur, runs, use_graphs)
                     if tail is not None:
                         tails.append(tail)
