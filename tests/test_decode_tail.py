@@ -2,13 +2,15 @@
 call's rows (of every run, in a cohort) are still sampling, they go on in a state of half as many rows. Each row's
 tokens are the whole batch's, its log-probs within float32's rounding of a product over fewer rows, on the decode
 path's logic run eagerly on CPU (graphs off; the graphs are the device's to check): plain float32, simulated W4A4
-with the packed INT4 cache (torch backend), INT8 W8A8, and a cohort of three runs."""
+with the packed INT4 cache (torch backend), the packed FP8 cache (its codes gathered as bytes), INT8 W8A8, and a
+cohort of three runs."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from parity.config.schema import PrecisionConfig
 from parity.core.sampling import SamplingSpec
 from parity.rollout import cuda_decode
 from parity.rollout.cohort import CohortEngine
@@ -32,13 +34,17 @@ def _same(got, ref) -> None:
     torch.testing.assert_close(got.topk_logprobs, ref.topk_logprobs, rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("precision", [None, W4A4, W8A8], ids=["fp32", "w4a4-packed-int4kv", "w8a8-int8"])
+FP8KV = PrecisionConfig(kv_cache="fp8_per_token_head")
+
+
+@pytest.mark.parametrize("precision", [None, W4A4, W8A8, FP8KV],
+                         ids=["fp32", "w4a4-packed-int4kv", "w8a8-int8", "packed-fp8kv"])
 def test_the_tail_on_fewer_rows_gives_the_whole_batchs_tokens(prepared_model, precision, monkeypatch) -> None:
     monkeypatch.setattr(cuda_decode, "_TAIL_MIN_ROWS", 2)
     monkeypatch.setattr(cuda_decode, "_TAIL_LEVELS", 4)
     monkeypatch.setattr(cuda_decode, "_DONE_CHECK", 4)
     (eng,) = _engines(prepared_model, precision, n=1)
-    if precision is W4A4:
+    if precision in (W4A4, FP8KV):
         eng.kv_packed = True  # the packed cache on CPU (torch backend): its codes and scales move with the rows
     call = _long_calls(prepared_model, 1)[0]
     with _threads(1):
@@ -52,7 +58,7 @@ def test_the_tail_on_fewer_rows_gives_the_whole_batchs_tokens(prepared_model, pr
     _same(got, ref)
     _same(again, ref)
     assert again.meta["decode_tail_rows"] == rows
-    if precision is W4A4:
+    if precision in (W4A4, FP8KV):
         assert got.meta["kv_cache_layout"] == "packed"
     # the rows really ended at different steps, some at the length limit: the tail had work to do
     lengths = ref.response_mask.sum(1)

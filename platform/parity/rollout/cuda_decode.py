@@ -198,11 +198,13 @@ _RESULT_FIELDS = ("done", "responses", "rmask", "logps", "topk_ids", "topk_lp")
 
 
 def _cache_tensors(st: DecodeState) -> list[torch.Tensor]:
-    """Every row-first tensor of the state's KV cache (plain K/V pairs, or a packed cache's codes and scales)."""
+    """Every row-first tensor of the state's KV cache (plain K/V pairs, or a packed cache's codes and scales); FP8
+    codes as their bytes (a row gather copies bits, and not every index kernel takes float8)."""
     out = []
     for c in st.caches:
         parts = (c.k, c.v, c.k_scale, c.v_scale) if hasattr(c, "k_scale") else c
-        out.extend(t for t in parts if t is not None)
+        out.extend(t.view(torch.uint8) if t.is_floating_point() and t.element_size() == 1 else t
+                   for t in parts if t is not None)
     return out
 
 
