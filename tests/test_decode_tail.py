@@ -52,7 +52,8 @@ def test_the_tail_on_fewer_rows_gives_the_whole_batchs_tokens(prepared_model, pr
         eng.compact_tail = True
         got = eng.cuda_decoder.generate(*call, use_graphs=False)
         again = eng.cuda_decoder.generate(*call, use_graphs=False)  # the kept tail states, reused
-    assert "decode_tail_rows" not in ref.meta
+    assert "decode_tail_rows" not in ref.meta and "+tail" not in ref.meta["decode_path"]
+    assert got.meta["decode_path"] == "static_cache_eager+tail"  # the run's rollout path records the route
     rows = got.meta["decode_tail_rows"]
     assert rows and rows == sorted(rows, reverse=True) and rows[0] <= 16  # 32 rows: 16, then fewer
     _same(got, ref)

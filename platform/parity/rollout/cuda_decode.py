@@ -327,6 +327,7 @@ class CudaDecoder:
         eng = self.engine
         return {"engine": eng.name, **eng.describe(),
                 "decode_path": ("cuda_graph" if use_graphs else "static_cache_eager")
+                + ("+tail" if getattr(eng, "compact_tail", _COMPACT_TAIL) else "")
                 + ("+inductor_layers" if compile_layers else ""),
                 "kv_cache_layout": ("packed" if "packed" in st.extras else
                                     "plain" if eng.kv_codec is None else "simulated"),
