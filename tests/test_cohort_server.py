@@ -211,3 +211,34 @@ def test_servers_get_their_own_sm_share_and_a_bad_one_is_refused(prepared_model,
         assert environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "60"
     assert c.proc.poll() is not None  # stopped with the block
     assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"  # the runs' environment is left as it was
+
+
+def test_runs_start_while_their_servers_build_and_a_server_that_cannot_start_is_reported(prepared_model,
+                                                                                           tmp_path) -> None:
+    """`serving(..., wait=False)` (what `parity study --cohorts` does): every server starts at once and the block
+    is entered before any listens, so the runs import and build their trainers while the servers build their
+    engines; a member connects when its server listens. A server that cannot start writes why beside its socket,
+    and a member waiting for it fails with that at once instead of waiting out its connect timeout."""
+    import os
+
+    from parity.study.cohorts import Cohort, serving
+
+    overrides = [f"outputs_dir={tmp_path}", *QUICK, "model.dtype=float32", "trainer.device=cpu", *W4A4]
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'platform'}:{ROOT}")
+    good = Cohort(members=["a", "b"], overrides=overrides, model_dir=str(prepared_model),
+                  address=str(tmp_path / "good.sock"))
+    bad = Cohort(members=["c", "d"], overrides=overrides, model_dir=str(tmp_path / "no_such_model"),
+                 address=str(tmp_path / "bad.sock"))
+    t0 = time.time()
+    with serving([good, bad], env, tmp_path / "logs", wait=False):
+        assert time.time() - t0 < 5 and not Path(good.address).with_suffix(".ready").exists()
+        assert good.proc.poll() is None and bad.proc.poll() is None  # both started, neither waited for
+        members = [CohortClient(good.address, i, connect_timeout_s=300) for i in range(2)]
+        assert members[1].describe()["cohort_member"] == 1
+        t1 = time.time()
+        with pytest.raises(RuntimeError, match="failed to start") as err:
+            CohortClient(bad.address, 0, connect_timeout_s=300)
+        assert "no_such_model" in str(err.value) and time.time() - t1 < 120
+        for m in members:
+            m.close()
+    assert good.proc.poll() is not None and bad.proc.poll() is not None

@@ -133,7 +133,8 @@ def phase(name: str, pythonpath: str, runs: list[dict], work: Path, timeout_s: f
         t0 = time.time()
         if groups:
             from parity.study.cohorts import serving
-            stack.enter_context(serving(groups, env, out_dir / "logs", sm_share=cohort_sm_share))
+            # as `parity study` starts them: with the runs, not before them
+            stack.enter_context(serving(groups, env, out_dir / "logs", sm_share=cohort_sm_share, wait=False))
         procs = []
         for r in runs:
             log = (out_dir / "logs" / f"{r['name']}.log").open("w")

@@ -315,8 +315,9 @@ def main(argv: list[str]) -> dict:
         env = {**preset.env, **child_env(mps)}
         with contextlib.ExitStack() as stack:
             if cohorts:
+                # the servers build their engines while the runs start (a member connects when its server listens)
                 stack.enter_context(serving(cohorts, dict(os.environ, **env), out / "logs",
-                                            sm_share=a.cohort_sm_share))
+                                            sm_share=a.cohort_sm_share, wait=False))
                 study["mps"]["cohort_sm_share"] = a.cohort_sm_share
             study["runs"] = run_all(specs, a.outputs_dir, concurrency, threads, out / "logs", done, env, train=train)
     study["wall_s"] = round(time.time() - t0, 1)

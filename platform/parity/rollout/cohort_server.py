@@ -75,11 +75,15 @@ class CohortClient:
     def __init__(self, address: str, member: int, connect_timeout_s: float = 600.0) -> None:
         self.address, self.member = address, int(member)
         deadline = time.time() + connect_timeout_s
+        failed = Path(address).with_suffix(".failed")
         while True:
             try:
                 self.conn: Connection = Client(address, family="AF_UNIX", authkey=AUTHKEY)
                 break
             except (FileNotFoundError, ConnectionRefusedError):
+                if failed.is_file():  # the server could not start (parity.study.cohorts.serving starts the runs with it)
+                    raise RuntimeError(f"rollout.cohort: the cohort server at {address} failed to start:\n"
+                                       f"{failed.read_text()[-3000:]}") from None
                 if time.time() > deadline:
                     raise TimeoutError(f"rollout.cohort: no cohort server at {address} after "
                                        f"{connect_timeout_s:.0f} s") from None
@@ -293,6 +297,21 @@ def main(argv: list[str] | None = None) -> None:
     print("cohort server: every member left" + (f" (members {missing} never joined)" if missing else ""), flush=True)
 
 
+def _main_or_record_failure() -> None:
+    """main(); a failure before or while serving is also written to SOCKET's `.failed` file, where members waiting
+    to connect read it (parity.study.cohorts.serving starts the runs while the servers build their engines)."""
+    try:
+        main()
+    except BaseException as e:
+        if not isinstance(e, SystemExit) or e.code not in (0, None):
+            argv = sys.argv[1:]
+            if "--address" in argv and argv.index("--address") + 1 < len(argv):
+                failed = Path(argv[argv.index("--address") + 1]).with_suffix(".failed")
+                failed.parent.mkdir(parents=True, exist_ok=True)
+                failed.write_text(traceback.format_exc()[-4000:] if not isinstance(e, SystemExit) else str(e.code))
+        raise
+
+
 if __name__ == "__main__":
     torch.set_grad_enabled(False)
-    main()
+    _main_or_record_failure()

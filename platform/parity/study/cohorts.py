@@ -8,7 +8,7 @@ does not see. A perturbed rollout (the dial) draws its own Delta per run and is 
 
     cohorts = plan(specs, model_dirs, folder)       # which runs share a server (groups of two or more)
     specs = with_members(specs, cohorts)            # their overrides gain rollout.cohort=SOCKET#i
-    with serving(cohorts, env, log_dir): run_all(...)   # servers up before the runs, down after them
+    with serving(cohorts, env, log_dir, wait=False): run_all(...)   # servers start with the runs, stop after them
 """
 
 from __future__ import annotations
@@ -96,31 +96,37 @@ def with_members(specs: list[RunSpec], cohorts: list[Cohort]) -> list[RunSpec]:
 
 @contextlib.contextmanager
 def serving(cohorts: list[Cohort], env: dict, log_dir: Path, timeout_s: float = 600.0,
-            sm_share: int | None = None) -> Iterator[list[Cohort]]:
-    """Start every cohort's server (its engines built before the runs start), yield, stop them. `sm_share`: under
-    CUDA MPS, the share of the SMs a server's process may use at a time, where it differs from the runs' (a server
-    decodes the rows of all its members in one call)."""
+            sm_share: int | None = None, wait: bool = True) -> Iterator[list[Cohort]]:
+    """Start every cohort's server, all at once, yield, stop them. `wait`: yield once every server listens (its
+    engines built); False: yield at once, so that the runs start while the servers build their engines (a member
+    connects when its server listens, and fails with the server's error if it could not start: the server writes
+    it to SOCKET's `.failed` file, parity.rollout.cohort_server). `sm_share`: under CUDA MPS, the share of the SMs
+    a server's process may use at a time, where it differs from the runs' (a server decodes the rows of all its
+    members in one call)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     if sm_share is not None:
         from parity.study.mps import SM_SHARE_ENV, check_sm_share
         env = {**env, SM_SHARE_ENV: str(check_sm_share(sm_share, "--cohort-sm-share"))}
     try:
         for i, c in enumerate(cohorts):
-            ready = Path(c.address).with_suffix(".ready")
-            ready.unlink(missing_ok=True)
-            Path(c.address).unlink(missing_ok=True)
+            for stale in (Path(c.address), *(Path(c.address).with_suffix(x) for x in (".ready", ".failed"))):
+                stale.unlink(missing_ok=True)
             log = (log_dir / f"cohort{i}.log").open("w")
             c.proc = subprocess.Popen([sys.executable, "-m", "parity.rollout.cohort_server", "--address", c.address,
                                        "--members", str(len(c.members)), "--model-dir", c.model_dir, "--ready",
-                                       str(ready), "--", *c.overrides], env=env, stdout=log, stderr=subprocess.STDOUT)
-            t0 = time.time()
-            while not ready.exists():
+                                       str(Path(c.address).with_suffix(".ready")), "--", *c.overrides], env=env,
+                                      stdout=log, stderr=subprocess.STDOUT)
+        t0 = time.time()
+        for i, c in enumerate(cohorts):
+            ready = Path(c.address).with_suffix(".ready")
+            while wait and not ready.exists():
                 if c.proc.poll() is not None or time.time() - t0 > timeout_s:
                     tail = (log_dir / f"cohort{i}.log").read_text()[-2000:]
                     raise RuntimeError(f"cohort server {i} ({len(c.members)} members: {', '.join(c.members)}) did not "
                                        f"start:\n{tail}")
                 time.sleep(0.2)
-            print(f"study: cohort {i} serves {len(c.members)} runs ({', '.join(c.members)}) on {c.address}", flush=True)
+            print(f"study: cohort {i} {'serves' if wait else 'starts for'} {len(c.members)} runs "
+                  f"({', '.join(c.members)}) on {c.address}", flush=True)
         yield cohorts
     finally:
         for c in cohorts:
