@@ -99,6 +99,9 @@ def test_members_get_their_own_engines_batches_through_the_server(prepared_model
         clients[1].close()
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0 and "every member left" in out
+        # its log's account: the engines' build, then each call's members, rows, steps and seconds
+        assert "2 engines built in" in out and "call 1: 2 of 2 members, 6 rows each" in out, out[-2000:]
+        assert "call 3: 1 of 2 members" in out  # after member 0 left
     finally:
         if proc.poll() is None:
             proc.kill()

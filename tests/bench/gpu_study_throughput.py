@@ -107,6 +107,12 @@ def preflight(runs: list[dict], new_extra: list[str]) -> None:
         load_config([*r["overrides"], *new_extra])
 
 
+def cohort_log(out_dir: Path, i: int) -> str | None:
+    """The end of cohort server i's log: its engines' build time and each call's rows, steps and seconds."""
+    f = out_dir / "logs" / f"cohort{i}.log"
+    return f.read_text()[-3000:] if f.is_file() else None
+
+
 def phase(name: str, pythonpath: str, runs: list[dict], work: Path, timeout_s: float, mps_mode: str,
           extra_env: dict | None = None, extra_overrides: list[str] | None = None, cohorts: bool = False,
           cohort_sm_share: int | None = None, cohort_max_runs: int | None = None) -> dict:
@@ -188,7 +194,8 @@ def phase(name: str, pythonpath: str, runs: list[dict], work: Path, timeout_s: f
     marks = [x["startup_s"] for x in results if x.get("startup_s")]
     startup = {k: statistics.median(m[k] for m in marks if k in m) for k in marks[0]} if marks else None
     return {"name": name, "pythonpath": pythonpath, "mps": mps_status, "startup_median_s": startup,
-            "cohorts": [{"members": c.members} for c in groups], "cohort_sm_share": cohort_sm_share,
+            "cohorts": [{"members": c.members, "log_tail": cohort_log(out_dir, i)} for i, c in enumerate(groups)],
+            "cohort_sm_share": cohort_sm_share,
             "wall_s": round(wall, 1), "run_steps": total,
             "run_steps_per_s": total / wall, "steady_run_steps_per_s": steady, "timeline": timeline,
             "loadavg_1min": load, "cpus": os.cpu_count(),

@@ -176,6 +176,7 @@ class CohortServer:
         self.stale = False  # a member's weights changed since the stacks were copied
         self.join_timeout_s = join_timeout_s
         self.t0 = time.time()
+        self.calls = 0  # cohort calls decoded
 
     def listen(self, listener: Listener) -> None:
         """Accept members until the listener closes (a thread's loop)."""
@@ -254,8 +255,16 @@ class CohortServer:
         for ms in groups.values():
             calls = [self.waiting.get(i) if i in ms else self.waiting[ms[0]] for i in range(self.cohort.runs)]
             try:
+                t0 = time.perf_counter()
                 batches = self.cohort.generate(calls)
                 answers: dict[int, Any] = {m: batches[m] for m in ms}
+                self.calls += 1
+                tail = batches[0].meta.get("decode_tail_rows")
+                # the server's own account of where a run's rollout time goes (the first calls compile and capture)
+                print(f"cohort server: call {self.calls}: {len(ms)} of {self.cohort.runs} members, "
+                      f"{batches[0].responses.shape[0]} rows each, "
+                      f"{max(int(b.response_mask.sum(-1).max()) for b in batches)} steps, "
+                      f"{time.perf_counter() - t0:.2f} s" + (f", tail rows {tail}" if tail else ""), flush=True)
             except Exception:  # noqa: BLE001 - every member of the call fails with the traceback
                 answers = {m: {"error": traceback.format_exc()} for m in ms}
             for m in ms:
@@ -284,8 +293,10 @@ def main(argv: list[str] | None = None) -> None:
     cfg = load_config([*overrides, "rollout.cohort="])
     if is_perturbed(rollout_precision(cfg)):
         raise SystemExit("cohort server: a perturbed rollout draws its own Delta per run; it is not a cohort")
+    t0 = time.perf_counter()
     engines = [build_engine(cfg, a.model_dir, reference_dir=a.model_dir) for _ in range(a.members)]
     server = CohortServer(engines, join_timeout_s=a.join_timeout)
+    print(f"cohort server: {a.members} engines built in {time.perf_counter() - t0:.1f} s", flush=True)
     Path(a.address).parent.mkdir(parents=True, exist_ok=True)
     with Listener(a.address, family="AF_UNIX", authkey=AUTHKEY) as listener:
         threading.Thread(target=server.listen, args=(listener,), daemon=True).start()
