@@ -120,3 +120,17 @@ def test_the_tail_stops_after_its_levels(prepared_model, monkeypatch) -> None:
                      eng.cuda_decoder.generate(*call, use_graphs=False))[1] for lv in (1, 4)}
     assert len(rows[1].meta["decode_tail_rows"]) == 1 and len(rows[4].meta["decode_tail_rows"]) > 1
     _same(rows[1], rows[4])
+
+
+def test_a_call_accounts_for_its_set_up(prepared_model) -> None:
+    """The call that makes a state records its set-up seconds (the state, the prefill: on the device, the INT8
+    tiles timed, the compile, and each graph captured), a run's summary keeps its first rollout's
+    (`startup_detail.rollout0_setup_s`); a later call of the same shape, which replays, records none."""
+    (eng,) = _engines(prepared_model, None, n=1)
+    call = _long_calls(prepared_model, 1)[0]
+    with _threads(1):
+        first = eng.cuda_decoder.generate(*call, use_graphs=False)
+        second = eng.cuda_decoder.generate(*call, use_graphs=False)
+    setup = first.meta["decode_setup_s"]
+    assert sorted(setup) == ["prefill", "state"] and all(v >= 0 for v in setup.values())  # no graphs on CPU
+    assert "decode_setup_s" not in second.meta

@@ -181,7 +181,8 @@ def phase(name: str, pythonpath: str, runs: list[dict], work: Path, timeout_s: f
                         "cpu_s": cpu[r["name"]],
                         "rows": {str(x["step"]): x for x in rows if x["step"] in (0, 1)},
                         "median": med, "rollout_path": summary.get("rollout_path"),
-                        "startup_s": summary.get("startup_s"), "step0_eval_s": summary.get("step0_eval_s"),
+                        "startup_s": summary.get("startup_s"), "startup_detail": summary.get("startup_detail"),
+                        "step0_eval_s": summary.get("step0_eval_s"),
                         "step0_eval_shared": summary.get("step0_eval_shared"), "profiles": profiles(run_dir),
                         "log_tail": (out_dir / "logs" / f"{r['name']}.log").read_text()[-1500:]})
     total = sum(x["steps"] for x in results)

@@ -124,6 +124,7 @@ class StartupClock:
         age = process_age_s()
         self._t0 = time.perf_counter() - (age if age is not None else 0.0)
         self.marks: dict[str, float] = {}
+        self.detail: dict[str, object] = {}  # summary.json's `startup_detail`: what a mark's stretch was made of
 
     def mark(self, name: str) -> None:
         self.marks.setdefault(name, round(time.perf_counter() - self._t0, 2))

@@ -259,12 +259,13 @@ class CohortServer:
                 batches = self.cohort.generate(calls)
                 answers: dict[int, Any] = {m: batches[m] for m in ms}
                 self.calls += 1
-                tail = batches[0].meta.get("decode_tail_rows")
+                tail, setup = batches[0].meta.get("decode_tail_rows"), batches[0].meta.get("decode_setup_s")
                 # the server's own account of where a run's rollout time goes (the first calls compile and capture)
                 print(f"cohort server: call {self.calls}: {len(ms)} of {self.cohort.runs} members, "
                       f"{batches[0].responses.shape[0]} rows each, "
                       f"{max(int(b.response_mask.sum(-1).max()) for b in batches)} steps, "
-                      f"{time.perf_counter() - t0:.2f} s" + (f", tail rows {tail}" if tail else ""), flush=True)
+                      f"{time.perf_counter() - t0:.2f} s" + (f", tail rows {tail}" if tail else "")
+                      + (f", set-up {setup}" if setup else ""), flush=True)
             except Exception:  # noqa: BLE001 - every member of the call fails with the traceback
                 answers = {m: {"error": traceback.format_exc()} for m in ms}
             for m in ms:

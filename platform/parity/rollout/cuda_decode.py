@@ -59,6 +59,7 @@ by later calls of the same shape; weights are updated in place by `update_weight
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -251,6 +252,11 @@ def kv_kernel_meta(packed: Any) -> dict:
     return {"kv_kernel": kernel}
 
 
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
 def attended_length(start: int, t: int, S: int) -> int:
     """Cache slots a decode step of response token t reads: slot start + t and all before it, rounded up to
     _L_BUCKET (so a few captured graphs serve a whole call), at most S."""
@@ -332,7 +338,8 @@ class CudaDecoder:
                 "kv_cache_layout": ("packed" if "packed" in st.extras else
                                     "plain" if eng.kv_codec is None else "simulated"),
                 **kv_kernel_meta(st.extras.get("packed")),
-                **({"decode_tail_rows": st.extras["tail_rows"]} if st.extras.get("tail_rows") else {})}
+                **({"decode_tail_rows": st.extras["tail_rows"]} if st.extras.get("tail_rows") else {}),
+                **({"decode_setup_s": st.extras["setup_s"]} if st.extras.get("setup_s") else {})}
 
     def run(self, prompts: torch.Tensor, pmask: torch.Tensor, uniforms: torch.Tensor, spec: SamplingSpec,
             use_graphs: bool, forced: torch.Tensor | None = None) -> DecodeState | None:
@@ -350,7 +357,12 @@ class CudaDecoder:
         compile_layers = use_graphs and self.compile
         key = (B, S, R, K, spec.temperature, spec.top_p, dtype, use_graphs, compile_layers, _PACKED_KV,
                getattr(eng, "kv_packed", None), forced is not None)
+        t0 = time.perf_counter()
+        fresh = key not in self._kept
         st = self._state_for(key, B, S, R, K, dtype, use_graphs, compile_layers)
+        # this call's set-up (a new state: buffers, the INT8 tiles timed; the prefill's compile on first use; graph
+        # captures, each compiling the layer functions for its shapes): the call's meta `decode_setup_s`
+        setup = {"state": round(time.perf_counter() - t0, 3)} if fresh else {}
         if forced is not None:  # a fixed buffer the captured steps read
             st.extras.setdefault("forced", torch.empty(B, R, dtype=torch.long, device=dev)).copy_(forced)
 
@@ -365,7 +377,12 @@ class CudaDecoder:
         for x in (st.rmask, st.logps, st.topk_ids, st.topk_lp):
             if x is not None:
                 x.zero_()
+        t0 = time.perf_counter()
         st.logits.copy_(self.prefill(st, prompts, positions(pmask), prefill_mask(pmask)[:, None], compile_layers))
+        if fresh:
+            _sync(dev)
+            setup["prefill"] = round(time.perf_counter() - t0, 3)
+        captures, capture_s = 0, 0.0
 
         compact = bool(getattr(eng, "compact_tail", _COMPACT_TAIL))
         runs = int(getattr(eng, "runs", 1))
@@ -380,7 +397,10 @@ class CudaDecoder:
                 cur.graphs[L].replay()
             else:  # first step over this many slots: it runs for real while its graph is captured
                 try:
+                    t0 = time.perf_counter()
                     cur.graphs[L] = self.capture(cur, spec, L)
+                    _sync(dev)
+                    captures, capture_s = captures + 1, capture_s + time.perf_counter() - t0
                 except Exception as e:  # noqa: BLE001 - Inductor missing or failing: the uncompiled step is the same math
                     if not compile_layers:
                         raise
@@ -402,6 +422,9 @@ class CudaDecoder:
             st.extras["tail_rows"] = [int(t[1].done.shape[0]) for t in tails]  # the call's record (meta)
         else:
             st.extras.pop("tail_rows", None)
+        if captures:
+            setup.update(captures=captures, capture=round(capture_s, 3))
+        st.extras["setup_s"] = setup
         return st
 
     def _tail(self, st: DecodeState, runs: int, use_graphs: bool

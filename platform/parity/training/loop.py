@@ -78,6 +78,8 @@ def train(cfg: ParityConfig, callbacks: list[Callback] | None = None, *, runner:
             outcome["step0_eval_shared"] = heldout.step0_shared
         if heldout.step0_seconds:  # where the start's step-0 evaluation went, metric by metric
             outcome["step0_eval_s"] = heldout.step0_seconds
+        if clock.detail:
+            outcome["startup_detail"] = clock.detail
     return run.finish(int(cfg.trainer.total_steps), sides.summary, outcome)
 
 
@@ -126,6 +128,9 @@ def rl_loop(cfg: ParityConfig, data: Data, rollout: RolloutSide, learner: Learne
             result = rollout.collect(pending.handle)  # type: ignore[union-attr]  (launched before every step)
         t_roll = time.perf_counter()
         paths.see(result.batch)
+        setup = (getattr(result.batch, "meta", None) or {}).get("decode_setup_s")
+        if setup and step == run.start_step:  # the first rollout's set-up: new state, prefill compile, captures
+            clock.detail["rollout0_setup_s"] = setup
         this, pending = pending, (launch(step + 1) if overlap and step + 1 < tc.total_steps else None)
         batch = data.grade(result.batch, this.problems)
         t_grade = time.perf_counter()
