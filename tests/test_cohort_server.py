@@ -209,11 +209,16 @@ def test_servers_get_their_own_sm_share_and_a_bad_one_is_refused(prepared_model,
         with serving([cohort], env, tmp_path / "logs", sm_share=0):
             pass
     assert cohort.proc is None
-    with serving([cohort], env, tmp_path / "logs", sm_share=60) as (c,):
+    with serving([cohort], env, tmp_path / "logs", sm_share=60, compile_threads=4) as (c,):
         environ = dict(kv.split("=", 1) for kv in Path(f"/proc/{c.proc.pid}/environ").read_text().split("\0") if kv)
         assert environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "60"
+        assert environ["TORCHINDUCTOR_COMPILE_THREADS"] == "4"  # --cohort-compile-threads
     assert c.proc.poll() is not None  # stopped with the block
     assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"  # the runs' environment is left as it was
+    assert env.get("TORCHINDUCTOR_COMPILE_THREADS") == os.environ.get("TORCHINDUCTOR_COMPILE_THREADS")
+    with pytest.raises(ValueError, match="--cohort-compile-threads: at least 1"):
+        with serving([cohort], env, tmp_path / "logs", compile_threads=0):
+            pass
 
 
 def test_runs_start_while_their_servers_build_and_a_server_that_cannot_start_is_reported(prepared_model,

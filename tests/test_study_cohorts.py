@@ -114,4 +114,8 @@ def test_server_options_without_cohorts_or_out_of_range_are_refused_before_anyth
         main([*common, "--cohort-max-runs", "4"])
     with pytest.raises(ValueError, match="--cohort-max-runs 1: a cohort is two or more runs"):
         main([*common, "--cohorts", "--cohort-max-runs", "1"])
+    with pytest.raises(ValueError, match="--cohort-compile-threads is the rollout servers' compile workers: it needs"):
+        main([*common, "--cohort-compile-threads", "4"])
+    with pytest.raises(ValueError, match="--cohort-compile-threads: at least 1, got 0"):
+        main([*common, "--cohorts", "--cohort-compile-threads", "0"])
     assert not (tmp_path / "models").exists() and not (tmp_path / "runs").exists()  # no warm start, no run

@@ -115,7 +115,8 @@ def cohort_log(out_dir: Path, i: int) -> str | None:
 
 def phase(name: str, pythonpath: str, runs: list[dict], work: Path, timeout_s: float, mps_mode: str,
           extra_env: dict | None = None, extra_overrides: list[str] | None = None, cohorts: bool = False,
-          cohort_sm_share: int | None = None, cohort_max_runs: int | None = None) -> dict:
+          cohort_sm_share: int | None = None, cohort_max_runs: int | None = None,
+          cohort_compile_threads: int | None = None) -> dict:
     """All `runs` at once, each a `python -m parity train` process with this phase's code; with `cohorts`, the runs
     of one rollout engine sampling through one rollout server (at most `cohort_max_runs` a server;
     parity.study.cohorts)."""
@@ -140,7 +141,8 @@ def phase(name: str, pythonpath: str, runs: list[dict], work: Path, timeout_s: f
         if groups:
             from parity.study.cohorts import serving
             # as `parity study` starts them: with the runs, not before them
-            stack.enter_context(serving(groups, env, out_dir / "logs", sm_share=cohort_sm_share, wait=False))
+            stack.enter_context(serving(groups, env, out_dir / "logs", sm_share=cohort_sm_share, wait=False,
+                                        compile_threads=cohort_compile_threads))
         procs = []
         for r in runs:
             log = (out_dir / "logs" / f"{r['name']}.log").open("w")
@@ -196,7 +198,7 @@ def phase(name: str, pythonpath: str, runs: list[dict], work: Path, timeout_s: f
     startup = {k: statistics.median(m[k] for m in marks if k in m) for k in marks[0]} if marks else None
     return {"name": name, "pythonpath": pythonpath, "mps": mps_status, "startup_median_s": startup,
             "cohorts": [{"members": c.members, "log_tail": cohort_log(out_dir, i)} for i, c in enumerate(groups)],
-            "cohort_sm_share": cohort_sm_share,
+            "cohort_sm_share": cohort_sm_share, "cohort_compile_threads": cohort_compile_threads,
             "wall_s": round(wall, 1), "run_steps": total,
             "run_steps_per_s": total / wall, "steady_run_steps_per_s": steady, "timeline": timeline,
             "loadavg_1min": load, "cpus": os.cpu_count(),
@@ -374,6 +376,9 @@ def main() -> None:
                     help="with --new-cohorts, the share of the SMs each rollout server may use (default: the runs')")
     ap.add_argument("--new-cohort-max-runs", type=int, default=None, metavar="N",
                     help="with --new-cohorts, at most N runs a rollout server (`parity study --cohort-max-runs`)")
+    ap.add_argument("--new-cohort-compile-threads", type=int, default=None, metavar="N",
+                    help="with --new-cohorts, Inductor's compile workers in each rollout server "
+                    "(`parity study --cohort-compile-threads`)")
     ap.add_argument("--fixed-step-arms", default="bf16 / none,w4a4+int4kv / score_centering / ,w4a4+int4kv / tis",
                     help="arms (comma-separated name prefixes) whose trainer step on one fixed batch is compared "
                     "between the trees after the phases (tests/bench/fixed_trainer_step.py); empty: none")
@@ -401,7 +406,8 @@ def main() -> None:
         return
     if a.contended_only:
         record["new"] = phase("new", f"{ROOT / 'platform'}:{site}", runs, work, a.timeout, "auto", extra_env,
-                              new_extra, a.new_cohorts, a.new_cohort_sm_share, a.new_cohort_max_runs)
+                              new_extra, a.new_cohorts, a.new_cohort_sm_share, a.new_cohort_max_runs,
+                              a.new_cohort_compile_threads)
         record["extra_env"], record["new_extra"] = extra_env, new_extra
         out.write_text(json.dumps(record, indent=1, default=str))
         n = record["new"]
@@ -418,7 +424,7 @@ def main() -> None:
     print(f"old: {old['run_steps']} run-steps in {old['wall_s']} s = {old['run_steps_per_s']:.2f}/s "
           f"(steady {old['steady_run_steps_per_s']})", flush=True)
     new = phase("new", f"{ROOT / 'platform'}:{site}", runs, work, a.timeout, "auto", extra_env, new_extra,
-                a.new_cohorts, a.new_cohort_sm_share, a.new_cohort_max_runs)
+                a.new_cohorts, a.new_cohort_sm_share, a.new_cohort_max_runs, a.new_cohort_compile_threads)
     record["new"] = new
     record["extra_env"], record["new_extra"] = extra_env, new_extra
     record["ratio"] = new["run_steps_per_s"] / old["run_steps_per_s"]

@@ -94,6 +94,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cohort-max-runs", type=int, default=None, metavar="N",
                    help="with --cohorts, at most N runs a rollout server: a larger group of one engine is dealt out "
                         "evenly over as few servers as that allows (default: one server a group)")
+    p.add_argument("--cohort-compile-threads", type=int, default=None, metavar="N",
+                   help="with --cohorts, Inductor's compile workers in each rollout server's process "
+                        "(TORCHINDUCTOR_COMPILE_THREADS; default: the runs' setting, the gpu preset's 1)")
     p.add_argument("--figures-only", action="store_true", help="rewrite study.md and the figures from study.json")
     p.add_argument("--collect", action="store_true", help="read the runs' folders as they are (unfinished ones "
                    "marked partial) into study.json, the table and the figures, without training")
@@ -264,6 +267,10 @@ def main(argv: list[str]) -> dict:
     if a.cohort_max_runs is not None and not a.cohorts:
         raise ValueError("--cohort-max-runs is the size of a rollout server's cohort: it needs --cohorts")
     check_max_runs(a.cohort_max_runs)
+    if a.cohort_compile_threads is not None and not a.cohorts:
+        raise ValueError("--cohort-compile-threads is the rollout servers' compile workers: it needs --cohorts")
+    if a.cohort_compile_threads is not None and a.cohort_compile_threads < 1:
+        raise ValueError(f"--cohort-compile-threads: at least 1, got {a.cohort_compile_threads}")
     if a.cohorts and concurrency < max(2, len(specs)):
         raise ValueError(f"--cohorts: a cohort's runs meet at every engine call, so every run runs at once: "
                          f"--concurrency {concurrency} is fewer than the study's {len(specs)} runs")
@@ -317,7 +324,8 @@ def main(argv: list[str]) -> dict:
             if cohorts:
                 # the servers build their engines while the runs start (a member connects when its server listens)
                 stack.enter_context(serving(cohorts, dict(os.environ, **env), out / "logs",
-                                            sm_share=a.cohort_sm_share, wait=False))
+                                            sm_share=a.cohort_sm_share, wait=False,
+                                            compile_threads=a.cohort_compile_threads))
                 study["mps"]["cohort_sm_share"] = a.cohort_sm_share
             study["runs"] = run_all(specs, a.outputs_dir, concurrency, threads, out / "logs", done, env, train=train)
     study["wall_s"] = round(time.time() - t0, 1)

@@ -96,14 +96,21 @@ def with_members(specs: list[RunSpec], cohorts: list[Cohort]) -> list[RunSpec]:
 
 @contextlib.contextmanager
 def serving(cohorts: list[Cohort], env: dict, log_dir: Path, timeout_s: float = 600.0,
-            sm_share: int | None = None, wait: bool = True) -> Iterator[list[Cohort]]:
+            sm_share: int | None = None, wait: bool = True, compile_threads: int | None = None
+            ) -> Iterator[list[Cohort]]:
     """Start every cohort's server, all at once, yield, stop them. `wait`: yield once every server listens (its
     engines built); False: yield at once, so that the runs start while the servers build their engines (a member
     connects when its server listens, and fails with the server's error if it could not start: the server writes
     it to SOCKET's `.failed` file, parity.rollout.cohort_server). `sm_share`: under CUDA MPS, the share of the SMs
     a server's process may use at a time, where it differs from the runs' (a server decodes the rows of all its
-    members in one call)."""
+    members in one call). `compile_threads`: Inductor's compile workers in a server's process
+    (TORCHINDUCTOR_COMPILE_THREADS), where they differ from the runs' (a study's runs compile in their own process,
+    one kernel at a time; a server's first calls compile and capture on every member's critical path)."""
     log_dir.mkdir(parents=True, exist_ok=True)
+    if compile_threads is not None:
+        if int(compile_threads) < 1:
+            raise ValueError(f"--cohort-compile-threads: at least 1, got {compile_threads}")
+        env = {**env, "TORCHINDUCTOR_COMPILE_THREADS": str(int(compile_threads))}
     if sm_share is not None:
         from parity.study.mps import SM_SHARE_ENV, check_sm_share
         env = {**env, SM_SHARE_ENV: str(check_sm_share(sm_share, "--cohort-sm-share"))}
