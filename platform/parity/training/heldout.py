@@ -132,7 +132,8 @@ class HeldOut:
         # still be sampling on a server, whose answer the rollout side's call below waits for
         t0 = time.perf_counter()
         if self.plain is not None:
-            out["eval/accuracy_unquantized"] = self._shared_step0("eval/accuracy_unquantized", plain) \
+            out["eval/accuracy_unquantized"] = self._shared_step0("eval/accuracy_unquantized", plain,
+                                                                  lambda: self._warm(learner)) \
                 if share and "eval/accuracy_unquantized" in self.shared else plain()
             if step == 0:
                 self.step0_seconds["eval/accuracy_unquantized"] = round(time.perf_counter() - t0, 2)
@@ -148,15 +149,41 @@ class HeldOut:
                 out["eval/final_accuracy_unquantized"] = self.accuracy(self.plain, self.final_problems)
         return out
 
-    def _shared_step0(self, metric: str, compute: Callable[[], float]) -> float:
+    def _warm(self, learner: Any) -> None:
+        """One call of the evaluation's shape on the plain engine, its answer dropped: the engine compiles and
+        captures its shapes now, while another run computes the shared step-0 number, instead of at the first
+        evaluation this run computes itself (step trainer.eval_every), where it would hold up the run (and, for a
+        cohort's member, every other member's next rollout)."""
+        self.plain.update_weights(learner.weights())
+        per_call = max(1, int(self.settings["batch_size"]) // max(1, int(self.settings["samples"])))
+        chunk = self.problems[:per_call]
+        ids = [self.tok(render_prompt(self.template, q.problem))["input_ids"] for q in chunk]
+        temperature = float(self.settings["temperature"])
+        samples = 1 if temperature == 0.0 else max(1, int(self.settings["samples"]))
+        self.plain.generate(ids, SamplingSpec(temperature=temperature, max_new_tokens=self.max_new_tokens,
+                                              n=samples, seed=int(self.settings["seed"])),
+                            prompt_ids=list(range(len(chunk))))
+
+    def _shared_step0(self, metric: str, compute: Callable[[], float],
+                      while_waiting: Callable[[], None] | None = None) -> float:
         """The warm start's `metric`, computed once for every run that shares its file: the first run to take the
-        lock computes and writes it (atomically), the others wait for the lock and read it."""
+        lock computes and writes it (atomically), the others wait for the lock and read it. A run that finds the
+        lock taken first runs `while_waiting` (its seconds: the record's `warm_s`)."""
         path = self.shared[metric]
         path.parent.mkdir(parents=True, exist_ok=True)
+        warm_s = None
         with open(path.with_suffix(".lock"), "a") as lock:
             t_wait = time.perf_counter()
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            waited = round(time.perf_counter() - t_wait, 2)  # while another run computed it
+            if while_waiting is not None and not path.is_file():
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:  # another run is computing it
+                    while_waiting()
+                    warm_s = round(time.perf_counter() - t_wait, 2)
+                    fcntl.flock(lock, fcntl.LOCK_EX)
+            else:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            waited = round(time.perf_counter() - t_wait, 2)  # while another run computed it (and this one warmed)
             try:
                 rec = None
                 if path.is_file():
@@ -169,7 +196,7 @@ class HeldOut:
                         rec = None
                 if rec is not None:
                     self.step0_shared[metric] = {"file": str(path), "computed_by": rec.get("run"), "reused": True,
-                                                 "wait_s": waited}
+                                                 "wait_s": waited, **({"warm_s": warm_s} if warm_s is not None else {})}
                     print(f"held-out: step-0 {metric} of the warm start from {path.name} (computed by run "
                           f"{rec.get('run')})", flush=True)
                     return float(rec["accuracy"])
@@ -181,7 +208,7 @@ class HeldOut:
                 tmp.write_text(json.dumps(rec, indent=1))
                 os.replace(tmp, path)
                 self.step0_shared[metric] = {"file": str(path), "computed_by": self.run_name, "reused": False,
-                                             "wait_s": waited}
+                                             "wait_s": waited, **({"warm_s": warm_s} if warm_s is not None else {})}
                 return acc
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
