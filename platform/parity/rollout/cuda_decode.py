@@ -443,7 +443,8 @@ class CudaDecoder:
             b //= 2
         if b == per:
             return None
-        order = torch.sort(st.done.view(runs, per).to(torch.int32), dim=1, stable=True).indices[:, :b]  # unfinished first, in order
+        # each run's unfinished rows first, in their order (a stable sort on the done flag), then finished ones
+        order = torch.sort(st.done.view(runs, per).to(torch.int32), dim=1, stable=True).indices[:, :b]
         rows = (order + torch.arange(runs, device=order.device)[:, None] * per).reshape(-1)
         kept = live.gather(1, order).reshape(-1)
         tails = st.extras.setdefault("tails", {})
