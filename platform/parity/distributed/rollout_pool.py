@@ -113,6 +113,9 @@ class RolloutPool:
         return self.workers[s.worker].generate.remote(p.prompt_token_ids[s.start:s.stop], p.spec,
                                                       p.prompt_ids[s.start:s.stop])
 
+    def begin(self, pending: PendingRollout) -> None:
+        """Nothing to start: `submit` already sent every shard to its worker."""
+
     def collect(self, pending: PendingRollout) -> RolloutResult:
         import ray
         from ray.exceptions import RayActorError

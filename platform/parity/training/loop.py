@@ -111,9 +111,7 @@ def rl_loop(cfg: ParityConfig, data: Data, rollout: RolloutSide, learner: Learne
         # then runs beside the evaluation (a cohort's server, a Ray worker) or while another run computes the
         # shared step-0 number this run waits for (trainer.share_step0_eval), not after it
         if pending is not None:
-            begin = getattr(rollout, "begin", None)
-            if begin is not None:
-                begin(pending.handle)
+            rollout.begin(pending.handle)
             clock.mark("rollout0")  # the first rollout sampled (in this process) or sent (to a server or workers)
         t_eval = time.perf_counter()
         run.emit(0, heldout.evaluate(rollout, learner, 0, final=tc.total_steps == 0))

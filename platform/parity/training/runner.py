@@ -38,7 +38,7 @@ class RolloutSide(Protocol):
 
     def begin(self, handle: Any) -> None:
         """Start the submission's sampling now if `submit` left it for later (the in-process engine samples at
-        `collect`): the loop begins its first rollout before the step-0 evaluation. Optional."""
+        `collect`): the loop begins its first rollout before the step-0 evaluation."""
         ...
 
     def collect(self, handle: Any) -> RolloutResult:
