@@ -134,3 +134,35 @@ def test_a_call_accounts_for_its_set_up(prepared_model) -> None:
     setup = first.meta["decode_setup_s"]
     assert sorted(setup) == ["prefill", "state"] and all(v >= 0 for v in setup.values())  # no graphs on CPU
     assert "decode_setup_s" not in second.meta
+
+
+@pytest.mark.parametrize("where", ["gather", "tail-step"])
+def test_a_failing_tail_turns_itself_off_and_the_call_runs_on_the_whole_batch(prepared_model, monkeypatch,
+                                                                               where) -> None:
+    """A tail state that fails (its gather, or a step on it) costs the call a second run on the whole batch, not
+    the run: the engine's tail is turned off, the reason kept in every later batch's meta."""
+    monkeypatch.setattr(cuda_decode, "_TAIL_MIN_ROWS", 2)
+    monkeypatch.setattr(cuda_decode, "_DONE_CHECK", 4)
+    (eng,) = _engines(prepared_model, None, n=1)
+    call = _long_calls(prepared_model, 1)[0]
+    with _threads(1):
+        ref = eng.cuda_decoder.generate(*call, use_graphs=False)
+        if where == "gather":
+            def gather(*_a, **_k):
+                raise RuntimeError("no gather here")
+            monkeypatch.setattr(cuda_decode, "_gather_rows", gather)
+        else:
+            step = cuda_decode.CudaDecoder.step
+
+            def failing_step(self, st, spec, L):
+                if st.done.shape[0] < 32:
+                    raise RuntimeError("no step on a tail state")
+                return step(self, st, spec, L)
+            monkeypatch.setattr(cuda_decode.CudaDecoder, "step", failing_step)
+        eng.compact_tail = True
+        got = eng.cuda_decoder.generate(*call, use_graphs=False)
+    assert eng.compact_tail is False and "no " in got.meta["decode_tail_error"]
+    assert "decode_tail_rows" not in got.meta and "+tail" not in got.meta["decode_path"]
+    for f in FIELDS:
+        assert torch.equal(getattr(got, f), getattr(ref, f)), f
+    assert torch.equal(got.rollout_logprobs, ref.rollout_logprobs)

@@ -273,6 +273,7 @@ class CudaDecoder:
         self.engine = engine
         self.compile = True  # Inductor for the layer functions on CUDA; False: uncompiled (benchmark A/B)
         self.compile_error: str | None = None  # why compilation was given up (then `compile` is False)
+        self.tail_error: str | None = None  # why the engine's compact_tail was turned off during a call
         self.state: DecodeState | None = None  # the last call's
         self._kept: dict[tuple, DecodeState] = {}  # up to _KEEP_STATES calls' states by key, the last call's last
         self._decode_fns: tuple | None = None  # compiled layer_functions(True)
@@ -339,13 +340,14 @@ class CudaDecoder:
                                     "plain" if eng.kv_codec is None else "simulated"),
                 **kv_kernel_meta(st.extras.get("packed")),
                 **({"decode_tail_rows": st.extras["tail_rows"]} if st.extras.get("tail_rows") else {}),
-                **({"decode_setup_s": st.extras["setup_s"]} if st.extras.get("setup_s") else {})}
+                **({"decode_setup_s": st.extras["setup_s"]} if st.extras.get("setup_s") else {}),
+                **({"decode_tail_error": self.tail_error} if self.tail_error else {})}
 
     def run(self, prompts: torch.Tensor, pmask: torch.Tensor, uniforms: torch.Tensor, spec: SamplingSpec,
             use_graphs: bool, forced: torch.Tensor | None = None) -> DecodeState | None:
         """Prefill and decode one batch (left-padded prompts [B, P], their mask, the rows' uniforms [B, R]) into a
-        kept or new state, whose buffers then hold the responses; None when compilation failed during the call
-        (it is then off, and the caller runs the call again). `forced` [B, R]: these tokens instead of sampled
+        kept or new state, whose buffers then hold the responses; None when compilation or a tail state failed during
+        the call (it is then off, and the caller runs the call again). `forced` [B, R]: these tokens instead of sampled
         ones (`replay`; a state and graphs of their own)."""
         eng = self.engine
         dev, R = eng.device, spec.max_new_tokens
@@ -391,28 +393,35 @@ class CudaDecoder:
         steps = 0
         while steps < R:
             L = attended_length(P, steps, S)
-            if not use_graphs:
-                self.step(cur, spec, L)
-            elif L in cur.graphs:
-                cur.graphs[L].replay()
-            else:  # first step over this many slots: it runs for real while its graph is captured
-                try:
+            try:
+                if not use_graphs:
+                    self.step(cur, spec, L)
+                elif L in cur.graphs:
+                    cur.graphs[L].replay()
+                else:  # first step over this many slots: it runs for real while its graph is captured
                     t0 = time.perf_counter()
                     cur.graphs[L] = self.capture(cur, spec, L)
                     _sync(dev)
                     captures, capture_s = captures + 1, capture_s + time.perf_counter() - t0
-                except Exception as e:  # noqa: BLE001 - Inductor missing or failing: the uncompiled step is the same math
-                    if not compile_layers:
-                        raise
-                    self.compile, self.compile_error = False, f"{type(e).__name__}: {e}"[:500]
-                    self.reset()
-                    return None
+            except Exception as e:  # noqa: BLE001 - the fallbacks below compute the same numbers another way
+                if cur is not st:  # a tail state failed: the call again on the whole batch, the tail off
+                    return self._give_up_tail(e)
+                if not (use_graphs and L not in cur.graphs and compile_layers):
+                    raise
+                # a capture with compiled layers failed (Inductor missing or failing): the uncompiled step is the
+                # same math
+                self.compile, self.compile_error = False, f"{type(e).__name__}: {e}"[:500]
+                self.reset()
+                return None
             steps += 1
             if steps % _DONE_CHECK == 0 and steps < R:
                 if bool(cur.done.all()):
                     break  # later steps would only write pad tokens, which the buffers already hold
                 if compact and len(tails) < _TAIL_LEVELS:
-                    tail = self._tail(cur, runs, use_graphs)
+                    try:
+                        tail = self._tail(cur, runs, use_graphs)
+                    except Exception as e:  # noqa: BLE001 - the whole batch goes on without it
+                        return self._give_up_tail(e)
                     if tail is not None:
                         tails.append(tail)
                         cur = tail[1]
@@ -426,6 +435,14 @@ class CudaDecoder:
             setup.update(captures=captures, capture=round(capture_s, 3))
         st.extras["setup_s"] = setup
         return st
+
+    def _give_up_tail(self, e: Exception) -> None:
+        """A tail state failed: the engine's tail off (recorded in `tail_error`, and in every later batch's meta), the
+        kept states dropped; None, so that the caller runs the call again on the whole batch."""
+        self.engine.compact_tail = False
+        self.tail_error = f"{type(e).__name__}: {e}"[:500]
+        self.reset()
+        return None
 
     def _tail(self, st: DecodeState, runs: int, use_graphs: bool
               ) -> tuple[DecodeState, DecodeState, torch.Tensor, torch.Tensor] | None:
