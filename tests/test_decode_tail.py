@@ -1,4 +1,4 @@
-"""The decode path's long tail (rollout.compact_tail; parity.rollout.cuda_decode, `_tail`): once at most half of a
+"""The decode path's long tail (rollout.compact_tail; parity.rollout.decode_state, `next_tail`): once at most half of a
 call's rows (of every run, in a cohort) are still sampling, they go on in a state of half as many rows. Each row's
 tokens are the whole batch's, its log-probs within float32's rounding of a product over fewer rows, on the decode
 path's logic run eagerly on CPU (graphs off; the graphs are the device's to check): plain float32, simulated W4A4
@@ -12,12 +12,21 @@ import torch
 
 from parity.config.schema import PrecisionConfig
 from parity.core.sampling import SamplingSpec
-from parity.rollout import cuda_decode
+from parity.rollout import cuda_decode, decode_state
 from parity.rollout.cohort import CohortEngine
 from tests.test_cohort import W4A4, W8A8, _calls, _engines
 from tests.test_cpu_lanes import _threads
 
 FIELDS = ("responses", "response_mask", "truncated", "topk_ids")
+
+
+@pytest.fixture
+def small_tail(monkeypatch):
+    """Tail states down to 2 rows a run, up to 4 a call, the done flags looked at every 4 steps: the small test
+    calls (32 rows a run, 64 tokens) go through several."""
+    monkeypatch.setattr(cuda_decode, "_TAIL_MIN_ROWS", 2)
+    monkeypatch.setattr(cuda_decode, "_TAIL_LEVELS", 4)
+    monkeypatch.setattr(cuda_decode, "_DONE_CHECK", 4)
 
 
 def _long_calls(model_dir, n: int) -> list[tuple]:
@@ -39,10 +48,7 @@ FP8KV = PrecisionConfig(kv_cache="fp8_per_token_head")
 
 @pytest.mark.parametrize("precision", [None, W4A4, W8A8, FP8KV],
                          ids=["fp32", "w4a4-packed-int4kv", "w8a8-int8", "packed-fp8kv"])
-def test_the_tail_on_fewer_rows_gives_the_whole_batchs_tokens(prepared_model, precision, monkeypatch) -> None:
-    monkeypatch.setattr(cuda_decode, "_TAIL_MIN_ROWS", 2)
-    monkeypatch.setattr(cuda_decode, "_TAIL_LEVELS", 4)
-    monkeypatch.setattr(cuda_decode, "_DONE_CHECK", 4)
+def test_the_tail_on_fewer_rows_gives_the_whole_batchs_tokens(small_tail, prepared_model, precision) -> None:
     (eng,) = _engines(prepared_model, precision, n=1)
     if precision in (W4A4, FP8KV):
         eng.kv_packed = True  # the packed cache on CPU (torch backend): its codes and scales move with the rows
@@ -66,12 +72,9 @@ def test_the_tail_on_fewer_rows_gives_the_whole_batchs_tokens(prepared_model, pr
     assert int(lengths.min()) < 16 and int(lengths.max()) > 32
 
 
-def test_a_cohorts_tail_keeps_each_runs_rows_with_its_weights(prepared_model, monkeypatch) -> None:
+def test_a_cohorts_tail_keeps_each_runs_rows_with_its_weights(small_tail, prepared_model) -> None:
     """Three runs of 32 rows: the tail state holds the same number of rows of every run (the batched products take
     run i's rows with run i's weights), as many as the run with the most unfinished rows needs."""
-    monkeypatch.setattr(cuda_decode, "_TAIL_MIN_ROWS", 2)
-    monkeypatch.setattr(cuda_decode, "_TAIL_LEVELS", 4)
-    monkeypatch.setattr(cuda_decode, "_DONE_CHECK", 4)
     engines = _engines(prepared_model, W4A4)
     calls = _long_calls(prepared_model, 3)
     calls = [(c[0], SamplingSpec(**{**c[1].__dict__, "pad_prompts_to": max(len(p) for x in calls for p in x[0])}),
@@ -90,11 +93,8 @@ def test_a_cohorts_tail_keeps_each_runs_rows_with_its_weights(prepared_model, mo
     assert not torch.equal(got[0].responses, got[1].responses)
 
 
-def test_no_tail_when_every_row_runs_to_the_end(prepared_model, monkeypatch) -> None:
+def test_no_tail_when_every_row_runs_to_the_end(small_tail, prepared_model) -> None:
     """Forced tokens without an end (a replay): no row finishes early, nothing moves."""
-    monkeypatch.setattr(cuda_decode, "_TAIL_MIN_ROWS", 2)
-    monkeypatch.setattr(cuda_decode, "_TAIL_LEVELS", 4)
-    monkeypatch.setattr(cuda_decode, "_DONE_CHECK", 4)
     (eng,) = _engines(prepared_model, None, n=1)
     eng.compact_tail = True
     call = _long_calls(prepared_model, 1)[0]
@@ -107,11 +107,9 @@ def test_no_tail_when_every_row_runs_to_the_end(prepared_model, monkeypatch) -> 
 
 
 
-def test_the_tail_stops_after_its_levels(prepared_model, monkeypatch) -> None:
+def test_the_tail_stops_after_its_levels(small_tail, prepared_model, monkeypatch) -> None:
     """_TAIL_LEVELS caps the smaller states a call goes through (each row count compiles the layers once more on
     the device)."""
-    monkeypatch.setattr(cuda_decode, "_TAIL_MIN_ROWS", 2)
-    monkeypatch.setattr(cuda_decode, "_DONE_CHECK", 4)
     (eng,) = _engines(prepared_model, None, n=1)
     eng.compact_tail = True
     call = _long_calls(prepared_model, 1)[0]
@@ -137,12 +135,10 @@ def test_a_call_accounts_for_its_set_up(prepared_model) -> None:
 
 
 @pytest.mark.parametrize("where", ["gather", "tail-step"])
-def test_a_failing_tail_turns_itself_off_and_the_call_runs_on_the_whole_batch(prepared_model, monkeypatch,
+def test_a_failing_tail_turns_itself_off_and_the_call_runs_on_the_whole_batch(small_tail, prepared_model, monkeypatch,
                                                                                where) -> None:
     """A tail state that fails (its gather, or a step on it) costs the call a second run on the whole batch, not
     the run: the engine's tail is turned off, the reason kept in every later batch's meta."""
-    monkeypatch.setattr(cuda_decode, "_TAIL_MIN_ROWS", 2)
-    monkeypatch.setattr(cuda_decode, "_DONE_CHECK", 4)
     (eng,) = _engines(prepared_model, None, n=1)
     call = _long_calls(prepared_model, 1)[0]
     with _threads(1):
@@ -150,7 +146,7 @@ def test_a_failing_tail_turns_itself_off_and_the_call_runs_on_the_whole_batch(pr
         if where == "gather":
             def gather(*_a, **_k):
                 raise RuntimeError("no gather here")
-            monkeypatch.setattr(cuda_decode, "_gather_rows", gather)
+            monkeypatch.setattr(decode_state, "gather_rows", gather)
         else:
             step = cuda_decode.CudaDecoder.step
 

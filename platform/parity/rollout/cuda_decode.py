@@ -45,10 +45,8 @@ from the plain loop, and why:
   kernel, and a compiled function from o_proj through the MLP and on to the next layer's q/k/v product (the
   residual add fused into the next input norm).
   `engine.kv_budget_bytes` caps the cache; a call with more rows runs in chunks that fit (rollout/kv_budget.py).
-- A sampled call lasts until its longest response ends. With `engine.compact_tail` (rollout.compact_tail), once at
-  most half of every run's rows are unfinished they go on in a state of half as many rows a run (then a quarter;
-  `_TAIL_LEVELS`), their cache and buffers gathered into it and their results scattered back at the end
-  (`_tail`, `_gather_rows`, `_scatter_rows`): the finished rows stop costing a product's rows.
+- With `engine.compact_tail` (rollout.compact_tail) a call's unfinished rows move to smaller states as most rows end
+  (rollout/decode_state.py): the finished rows stop costing a product's rows.
 
 The prefill (`CudaDecoder.prefill`) is TorchEngine.forward's arithmetic writing into the static cache, with the
 stacked projections and, on CUDA with compilation on, the two halves of a layer compiled by Inductor (shapes
@@ -60,7 +58,6 @@ by later calls of the same shape; weights are updated in place by `update_weight
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -84,6 +81,7 @@ from parity.rollout.decode_layers import (  # noqa: F401  (tests and benchmarks 
     _rms,
     _rope,
 )
+from parity.rollout.decode_state import DecodeState, next_tail, scatter_rows
 from parity.rollout.decode_weights import (  # noqa: F401  (tests import _Fused and _group here)
     _Fused,
     _group,
@@ -129,16 +127,10 @@ _KEEP_STATES = 2
 # instead of inside every product of every decode step; the same numbers. False: dequantized in every product
 # (benchmark A/B)
 _PREPARE_SIMULATED = True
-# The long tail of a call: a sampled call decodes until its longest response ends (often the length limit), while
-# most rows ended long before and only write pad tokens. With an engine's `compact_tail` (rollout.compact_tail),
-# every _DONE_CHECK steps, once at most half of every run's rows are unfinished, the rest of the call decodes on a
-# state of half as many rows a run (a quarter, ...; at least _TAIL_MIN_ROWS) holding them: its own graphs, the same
-# compiled functions and weights, each row's arithmetic the same except where a product's result depends on how many
-# rows it multiplies (a float GEMM may pick another kernel; integer products do not). Off by default: a route not
-# yet measured against the full batch on the GPU
+# rollout.compact_tail (rollout/decode_state.py): tail states of at least _TAIL_MIN_ROWS rows a run, at most
+# _TAIL_LEVELS a call (each row count compiles the layer functions once more). Off by default: not yet measured on a GPU
 _COMPACT_TAIL = False
 _TAIL_MIN_ROWS = 16
-# at most this many smaller states a call (each row count compiles the layer functions once more for every L it meets)
 _TAIL_LEVELS = 2
 
 
@@ -165,71 +157,6 @@ def rope_tables(engine: Any, max_pos: int, dtype: torch.dtype) -> tuple[torch.Te
     probe = torch.zeros(1, max_pos, 1, dtype=dtype, device=engine.device)
     cos, sin = inner.rotary_emb(probe, pos)
     return cos[0].to(dtype), sin[0].to(dtype)
-
-
-@dataclass
-class DecodeState:
-    """Every tensor a decode step reads or writes; fixed addresses so a graph can replay over them."""
-
-    key: tuple
-    caches: list[tuple[torch.Tensor, torch.Tensor]]
-    cos: torch.Tensor
-    sin: torch.Tensor
-    t: torch.Tensor  # [1] long: the step being sampled
-    start: torch.Tensor  # [1] long: P, the cache slot of response token 0
-    plen: torch.Tensor  # [B] long: real prompt lengths (rope position of response token 0)
-    key_ok: torch.Tensor  # [B, S] bool: real prompt tokens and response slots
-    uniforms: torch.Tensor  # [B, R] float64
-    logits: torch.Tensor  # [B, V] float32: the logits the next sample draws from
-    tok: torch.Tensor  # [B] long
-    done: torch.Tensor  # [B] bool
-    responses: torch.Tensor
-    rmask: torch.Tensor
-    logps: torch.Tensor
-    topk_ids: torch.Tensor | None
-    topk_lp: torch.Tensor | None
-    graphs: dict = field(default_factory=dict)  # attended cache length L -> captured decode step
-    pool: Any = None  # one memory pool shared by the graphs (they never replay concurrently)
-    extras: dict = field(default_factory=dict)
-
-
-_ROW_FIELDS = ("plen", "key_ok", "uniforms", "logits", "tok", "done", "responses", "rmask", "logps", "topk_ids",
-               "topk_lp")
-_RESULT_FIELDS = ("done", "responses", "rmask", "logps", "topk_ids", "topk_lp")
-
-
-def _cache_tensors(st: DecodeState) -> list[torch.Tensor]:
-    """Every row-first tensor of the state's KV cache (plain K/V pairs, or a packed cache's codes and scales); FP8
-    codes as their bytes (a row gather copies bits, and not every index kernel takes float8)."""
-    out = []
-    for c in st.caches:
-        parts = (c.k, c.v, c.k_scale, c.v_scale) if hasattr(c, "k_scale") else c
-        out.extend(t.view(torch.uint8) if t.is_floating_point() and t.element_size() == 1 else t
-                   for t in parts if t is not None)
-    return out
-
-
-def _gather_rows(dst: DecodeState, src: DecodeState, rows: torch.Tensor) -> None:
-    """dst's cache, per-row buffers and step counters := src's rows `rows`, in place (dst's graphs read them)."""
-    for a, b in zip(_cache_tensors(dst), _cache_tensors(src), strict=True):
-        torch.index_select(b, 0, rows, out=a)
-    for f in _ROW_FIELDS:
-        a, b = getattr(dst, f), getattr(src, f)
-        if a is not None:
-            torch.index_select(b, 0, rows, out=a)
-    if "forced" in dst.extras:
-        torch.index_select(src.extras["forced"], 0, rows, out=dst.extras["forced"])
-    dst.t.copy_(src.t)
-    dst.start.copy_(src.start)
-
-
-def _scatter_rows(dst: DecodeState, src: DecodeState, rows: torch.Tensor, live: torch.Tensor) -> None:
-    """dst's results (tokens, masks, log-probs, done flags) of the rows src decoded on (`rows[live]`) := src's."""
-    sel = live.nonzero().squeeze(1)
-    for f in _RESULT_FIELDS:
-        a, b = getattr(dst, f), getattr(src, f)
-        if a is not None:
-            a.index_copy_(0, rows.index_select(0, sel), b.index_select(0, sel))
 
 
 def kv_kernel_meta(packed: Any) -> dict:
@@ -362,8 +289,7 @@ class CudaDecoder:
         t0 = time.perf_counter()
         fresh = key not in self._kept
         st = self._state_for(key, B, S, R, K, dtype, use_graphs, compile_layers)
-        # this call's set-up (a new state: buffers, the INT8 tiles timed; the prefill's compile on first use; graph
-        # captures, each compiling the layer functions for its shapes): the call's meta `decode_setup_s`
+        # this call's set-up (new state with INT8 tiles timed, prefill compile, captures): meta `decode_setup_s`
         setup = {"state": round(time.perf_counter() - t0, 3)} if fresh else {}
         if forced is not None:  # a fixed buffer the captured steps read
             st.extras.setdefault("forced", torch.empty(B, R, dtype=torch.long, device=dev)).copy_(forced)
@@ -419,14 +345,14 @@ class CudaDecoder:
                     break  # later steps would only write pad tokens, which the buffers already hold
                 if compact and len(tails) < _TAIL_LEVELS:
                     try:
-                        tail = self._tail(cur, runs, use_graphs)
+                        tail = next_tail(self, cur, runs, use_graphs, _TAIL_MIN_ROWS)
                     except Exception as e:  # noqa: BLE001 - the whole batch goes on without it
                         return self._give_up_tail(e)
                     if tail is not None:
                         tails.append(tail)
                         cur = tail[1]
         for parent, child, rows, live in reversed(tails):  # the unfinished rows' results back into the call's buffers
-            _scatter_rows(parent, child, rows, live)
+            scatter_rows(parent, child, rows, live)
         if tails:
             st.extras["tail_rows"] = [int(t[1].done.shape[0]) for t in tails]  # the call's record (meta)
         else:
@@ -437,54 +363,12 @@ class CudaDecoder:
         return st
 
     def _give_up_tail(self, e: Exception) -> None:
-        """A tail state failed: the engine's tail off (recorded in `tail_error`, and in every later batch's meta), the
-        kept states dropped; None, so that the caller runs the call again on the whole batch."""
+        """A tail state failed: the engine's tail off (`tail_error`, in later batches' meta), the kept states dropped;
+        None, so that the caller runs the call again on the whole batch."""
         self.engine.compact_tail = False
         self.tail_error = f"{type(e).__name__}: {e}"[:500]
         self.reset()
         return None
-
-    def _tail(self, st: DecodeState, runs: int, use_graphs: bool
-              ) -> tuple[DecodeState, DecodeState, torch.Tensor, torch.Tensor] | None:
-        """When at most half of every run's rows are still decoding: a state of half as many rows a run (or a
-        quarter, ...; at least _TAIL_MIN_ROWS) holding them, its cache, buffers and step counter copied from `st`,
-        each run's unfinished rows first in their order, then finished rows of the same run filling it (they decode
-        pad tokens nobody reads). (st, tail state, the rows of st it holds, which of them were unfinished); None
-        when no smaller state fits. A kept tail state of that size (with its captured graphs) is reused."""
-        B = st.done.shape[0]
-        per = B // runs
-        live = (~st.done).view(runs, per)
-        most = int(live.sum(1).max())
-        b = per
-        while b % 2 == 0 and b // 2 >= max(most, _TAIL_MIN_ROWS):
-            b //= 2
-        if b == per:
-            return None
-        # each run's unfinished rows first, in their order (a stable sort on the done flag), then finished ones
-        order = torch.sort(st.done.view(runs, per).to(torch.int32), dim=1, stable=True).indices[:, :b]
-        rows = (order + torch.arange(runs, device=order.device)[:, None] * per).reshape(-1)
-        kept = live.gather(1, order).reshape(-1)
-        tails = st.extras.setdefault("tails", {})
-        child = tails.get(b * runs)
-        if child is None:
-            child = tails[b * runs] = self._tail_state(st, b * runs, use_graphs)
-        _gather_rows(child, st, rows)
-        return st, child, rows, kept
-
-    def _tail_state(self, st: DecodeState, rows: int, use_graphs: bool) -> DecodeState:
-        """A state of `rows` rows with st's shapes otherwise, sharing its compiled functions and weights."""
-        _, S, R, K = st.key[:4]
-        child = self.new_state((rows, *st.key[1:], "tail"), rows, S, R, K, st.key[6])
-        for k in ("fns", "fused", "prepared", "layers"):
-            child.extras[k] = st.extras[k]
-        if "int8_pinned" in st.extras and use_graphs:
-            from parity.precision import int8_triton
-            child.extras["int8_pinned"] = int8_triton.tune_decode(rows // getattr(self.engine, "runs", 1),
-                                                                  _int8_triton_shapes(st.extras["layers"]),
-                                                                  self.engine.device)
-        if "forced" in st.extras:
-            child.extras["forced"] = torch.empty_like(st.extras["forced"][:rows])
-        return child
 
     def _state_for(self, key: tuple, B: int, S: int, R: int, K: int, dtype: torch.dtype, use_graphs: bool,
                    compile_layers: bool) -> DecodeState:
@@ -553,8 +437,7 @@ class CudaDecoder:
         if not want:
             return fns
         if self._decode_fns is None:
-            # one specialisation per attended length L and per engine's weight formats (and, with compact_tail, per
-            # tail state's row count)
+            # one specialisation per attended length L, engine's weight formats (and compact_tail's row counts)
             raise_recompile_limit(256 if getattr(self.engine, "compact_tail", _COMPACT_TAIL) else 64)
             self._decode_fns = tuple(torch.compile(f, dynamic=False, fullgraph=True) for f in fns)
         return self._decode_fns

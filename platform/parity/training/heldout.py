@@ -33,8 +33,7 @@ def heldout_accuracy(engine: Engine, tok: Any, problems: list[Problem], template
                      max_new_tokens: int, batch_size: int = 128, temperature: float = 0.0, samples: int = 1,
                      seed: int = 0) -> float:
     """Mean score over `problems` x `samples` responses (greedy when temperature is 0; then one sample)."""
-    samples = 1 if temperature == 0.0 else max(1, int(samples))
-    per_call = max(1, batch_size // samples)
+    samples, per_call = call_size(temperature, samples, batch_size)
     correct = 0.0
     for s in range(0, len(problems), per_call):
         chunk = problems[s:s + per_call]
@@ -45,6 +44,12 @@ def heldout_accuracy(engine: Engine, tok: Any, problems: list[Problem], template
         scores = grader.grade(texts, [chunk[int(g)].answer for g in batch.group_ids], batch.truncated.tolist())
         correct += float(scores.sum())
     return correct / max(1, len(problems) * samples)
+
+
+def call_size(temperature: float, samples: int, batch_size: int) -> tuple[int, int]:
+    """(samples a problem, problems an engine call) of a held-out evaluation: one sample when greedy."""
+    samples = 1 if temperature == 0.0 else max(1, int(samples))
+    return samples, max(1, batch_size // samples)
 
 
 def eval_settings(cfg: ParityConfig) -> dict:
@@ -150,19 +155,13 @@ class HeldOut:
         return out
 
     def _warm(self, learner: Any) -> None:
-        """One call of the evaluation's shape on the plain engine, its answer dropped: the engine compiles and
+        """The evaluation's first call on the plain engine, its score dropped: the engine compiles and
         captures its shapes now, while another run computes the shared step-0 number, instead of at the first
         evaluation this run computes itself (step trainer.eval_every), where it would hold up the run (and, for a
         cohort's member, every other member's next rollout)."""
         self.plain.update_weights(learner.weights())
-        per_call = max(1, int(self.settings["batch_size"]) // max(1, int(self.settings["samples"])))
-        chunk = self.problems[:per_call]
-        ids = [self.tok(render_prompt(self.template, q.problem))["input_ids"] for q in chunk]
-        temperature = float(self.settings["temperature"])
-        samples = 1 if temperature == 0.0 else max(1, int(self.settings["samples"]))
-        self.plain.generate(ids, SamplingSpec(temperature=temperature, max_new_tokens=self.max_new_tokens,
-                                              n=samples, seed=int(self.settings["seed"])),
-                            prompt_ids=list(range(len(chunk))))
+        _, per_call = call_size(self.settings["temperature"], self.settings["samples"], self.settings["batch_size"])
+        self.accuracy(self.plain, self.problems[:per_call])
 
     def _shared_step0(self, metric: str, compute: Callable[[], float],
                       while_waiting: Callable[[], None] | None = None) -> float:
