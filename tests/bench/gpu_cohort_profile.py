@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -80,7 +81,8 @@ def main() -> None:
     engines[0].generate(*warm[0])  # compilation and capture of one engine; the cohort's own below
     cohort.generate(warm)
     sync()
-    print(f"warm-up (compile, capture): {time.time() - t0:.0f} s", flush=True)
+    warmup_s = time.time() - t0
+    print(f"warm-up (compile, capture): {warmup_s:.0f} s", flush=True)
     rows = []
     for i in range(1, a.calls + 1):
         cs = calls_of(i)
@@ -112,6 +114,8 @@ def main() -> None:
     if a.out:
         Path(a.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
                                            "format": a.format, "members": a.members, "device": a.device,
+                                           "env": {k: v for k, v in os.environ.items() if k.startswith("PARITY_")},
+                                           "warmup_s": round(warmup_s, 1),
                                            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                                            "rows": rows}, indent=1))
 
