@@ -45,6 +45,7 @@ from parity.core.sampling import SamplingSpec
 from parity.types import RolloutBatch
 
 AUTHKEY = b"parity-cohort"
+_T_START = time.perf_counter()  # this module imported (torch with it): the server's log counts its set-up from here
 
 
 def parse_member(value: str) -> tuple[str, int]:
@@ -295,9 +296,16 @@ def main(argv: list[str] | None = None) -> None:
     if is_perturbed(rollout_precision(cfg)):
         raise SystemExit("cohort server: a perturbed rollout draws its own Delta per run; it is not a cohort")
     t0 = time.perf_counter()
-    engines = [build_engine(cfg, a.model_dir, reference_dir=a.model_dir) for _ in range(a.members)]
+    engines, each = [], []
+    for _ in range(a.members):
+        t = time.perf_counter()
+        engines.append(build_engine(cfg, a.model_dir, reference_dir=a.model_dir))
+        each.append(round(time.perf_counter() - t, 1))
+    t = time.perf_counter()
     server = CohortServer(engines, join_timeout_s=a.join_timeout)
-    print(f"cohort server: {a.members} engines built in {time.perf_counter() - t0:.1f} s", flush=True)
+    print(f"cohort server: {a.members} engines built in {time.perf_counter() - t0:.1f} s (each {each} s, the cohort's "
+          f"stacks {time.perf_counter() - t:.1f} s; {time.perf_counter() - _T_START:.1f} s after this module's import)",
+          flush=True)
     Path(a.address).parent.mkdir(parents=True, exist_ok=True)
     with Listener(a.address, family="AF_UNIX", authkey=AUTHKEY) as listener:
         threading.Thread(target=server.listen, args=(listener,), daemon=True).start()

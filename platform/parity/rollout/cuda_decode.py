@@ -13,10 +13,11 @@ from the plain loop, and why:
 - All per-step state lives on the device (step counter, write slot, positions, done flags); a replay reads
   the token the previous replay sampled, so the host only replays and, every `_DONE_CHECK` steps, looks at
   whether every row has finished.
-- A layer's decode is two pure-tensor functions (_pre_attention, _post_attention, in rollout/decode_layers.py: HF
-  Qwen3's arithmetic, QuantLinear's forward for quantized projections), compiled once by Inductor on CUDA and
-  shared by all layers: the graph alone still replays ~45 tiny kernels a layer; fused element-wise work nearly halves the
-  step (docs/PERFORMANCE.md). A compile failure falls back to the same functions uncompiled
+- A layer's decode is pure-tensor functions (rollout/decode_layers.py: HF Qwen3's arithmetic, QuantLinear's forward
+  for quantized projections): the pre-attention and the o_proj + MLP halves compiled once by Inductor on CUDA and
+  shared by all layers and all attended lengths (the graph alone still replays ~45 tiny kernels a layer; fused
+  element-wise work nearly halves the step, docs/PERFORMANCE.md), the attention between them uncompiled (with a
+  per-L compile each new L cost seconds; `_ATTENTION_PER_L`). A compile failure falls back to the same functions uncompiled
   (`engine.cuda_decoder.compile_error`); `engine.cuda_decoder.compile = False` turns compilation off. With a
   bf16 cache the pre-attention function also writes k and v into the cache (`_pre_attention_write`: one kernel
   with the rotary instead of two index_copy_ after it); a low-precision cache's codec roundtrip stays eager
@@ -127,6 +128,9 @@ _KEEP_STATES = 2
 # instead of inside every product of every decode step; the same numbers. False: dequantized in every product
 # (benchmark A/B)
 _PREPARE_SIMULATED = True
+# True: a plain or simulated cache's attention, o_proj and MLP as one function compiled per attended length L
+# (_post_attention); False: the attention uncompiled, o_proj + MLP compiled once for every L (benchmark A/B)
+_ATTENTION_PER_L = False
 # rollout.compact_tail (rollout/decode_state.py): tail states of at least _TAIL_MIN_ROWS rows a run, at most
 # _TAIL_LEVELS a call (each row count compiles the layer functions once more). Off by default: not yet measured on a GPU
 _COMPACT_TAIL = False
@@ -157,26 +161,6 @@ def rope_tables(engine: Any, max_pos: int, dtype: torch.dtype) -> tuple[torch.Te
     probe = torch.zeros(1, max_pos, 1, dtype=dtype, device=engine.device)
     cos, sin = inner.rotary_emb(probe, pos)
     return cos[0].to(dtype), sin[0].to(dtype)
-
-
-def kv_kernel_meta(packed: Any) -> dict:
-    """The decode attention's kernel for a packed cache (rotated int4 with its pinned launch configuration, or the
-    dequantizing kernel with the configurations its autotuner chose) and whether the fused pre-attention kernel
-    feeds it; nothing for a plain or simulated cache (the batched-matmul attention)."""
-    if packed is None:
-        return {}
-    from parity.rollout import pre_attention
-    from parity.rollout.decode_attention import int4_rotated, tuned_configs
-
-    rotated = int4_rotated(packed)
-    kernel = {"name": "int4_rotated" if rotated else "packed_dequant",
-              "fused_pre_attention": bool(_FUSED_PRE and pre_attention.usable(packed))}
-    if rotated:
-        from parity.rollout.int4_attention import CONFIG
-        kernel["config"] = dict(CONFIG)
-    else:
-        kernel["tuned"] = tuned_configs()
-    return {"kv_kernel": kernel}
 
 
 def _sync(dev: torch.device) -> None:
@@ -258,6 +242,7 @@ class CudaDecoder:
 
     def meta(self, st: DecodeState, use_graphs: bool, compile_layers: bool) -> dict:
         """A batch's record of the engine and the route its call took."""
+        from parity.rollout.decode_attention import kv_kernel_meta
         eng = self.engine
         return {"engine": eng.name, **eng.describe(),
                 "decode_path": ("cuda_graph" if use_graphs else "static_cache_eager")
@@ -265,7 +250,7 @@ class CudaDecoder:
                 + ("+inductor_layers" if compile_layers else ""),
                 "kv_cache_layout": ("packed" if "packed" in st.extras else
                                     "plain" if eng.kv_codec is None else "simulated"),
-                **kv_kernel_meta(st.extras.get("packed")),
+                **kv_kernel_meta(st.extras.get("packed"), _FUSED_PRE),
                 **({"decode_tail_rows": st.extras["tail_rows"]} if st.extras.get("tail_rows") else {}),
                 **({"decode_setup_s": st.extras["setup_s"]} if st.extras.get("setup_s") else {}),
                 **({"decode_tail_error": self.tail_error} if self.tail_error else {})}
@@ -547,7 +532,11 @@ class CudaDecoder:
                     k, v = eng.kv_codec.roundtrip(k), eng.kv_codec.roundtrip(v)
                 ck.index_copy_(2, slot, k[:, :, None].to(ck.dtype))
                 cv.index_copy_(2, slot, v[:, :, None].to(cv.dtype))
-            h = post_fn(h, q, ck[:, :, :L], cv[:, :, :L], kmask, *post)
+            if _ATTENTION_PER_L:
+                h = post_fn(h, q, ck[:, :, :L], cv[:, :, :L], kmask, *post)
+                continue
+            out = _decode_attention(q.to(ck.dtype), ck[:, :, :L], cv[:, :, :L], kmask, post[0]).to(h.dtype)
+            h = o_mlp_fn(h, out[:, None], *post[1:])  # compiled once for every L: the attention stays outside it
         return eng.model.lm_head(inner.norm(h[:, -1])).float()
 
     def sample_and_record(self, st: DecodeState, spec: SamplingSpec) -> None:

@@ -130,6 +130,26 @@ def int4_rotated(cache: PackedKVCache) -> bool:
     return (INT4_ROTATED and cache.backend == "triton" and cache.kind_id == KIND_INT4 and cache.head_dim >= 64)
 
 
+def kv_kernel_meta(packed: PackedKVCache | None, fused_pre: bool) -> dict:
+    """A decode call's record of its attention kernel for a packed cache (rotated int4 with its pinned launch
+    configuration, or the dequantizing kernel with the configurations its autotuner chose) and whether the fused
+    pre-attention kernel (`fused_pre`, cuda_decode._FUSED_PRE, where usable) feeds it; nothing for a plain or
+    simulated cache (the batched-matmul attention)."""
+    if packed is None:
+        return {}
+    from parity.rollout import pre_attention
+
+    rotated = int4_rotated(packed)
+    kernel = {"name": "int4_rotated" if rotated else "packed_dequant",
+              "fused_pre_attention": bool(fused_pre and pre_attention.usable(packed))}
+    if rotated:
+        from parity.rollout.int4_attention import CONFIG
+        kernel["config"] = dict(CONFIG)
+    else:
+        kernel["tuned"] = tuned_configs()
+    return {"kv_kernel": kernel}
+
+
 def packed_decode_attention(q: torch.Tensor, cache: PackedKVCache, layer: PackedLayer, key_ok: torch.Tensor,
                             slot: torch.Tensor, L: int, scale: float, queries=None) -> torch.Tensor:
     """Attention of q [B, H, D] over slots [0, L) of one layer of the packed cache: [B, H * D] in q's dtype.

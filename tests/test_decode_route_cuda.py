@@ -1,0 +1,81 @@
+"""The decode step over a plain cache on the device: its attention between the compiled pre-attention and o_proj + MLP
+functions (cuda_decode._ATTENTION_PER_L = False, the default) against attention, o_proj and MLP compiled as one
+function per attended length L (the route before). The same forced tokens (CudaDecoder.replay) through both routes,
+across several L, give log-probs within the format's own decode noise (its distance from a full forward of its format
+on the same tokens); and the default compiles its functions once for every L, where the per-L route compiles once
+more for each new L (Dynamo's count of compiled graphs over a call of one L and a call of four). BF16 and W8A8 FP8,
+the study's plain-cache arms; a packed cache's attention is a Triton kernel outside the compiled functions already."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+from parity.config.schema import PrecisionConfig  # noqa: E402
+from parity.core.sampling import SamplingSpec  # noqa: E402
+from parity.rollout import cuda_decode  # noqa: E402
+from parity.rollout.cuda_decode import _L_BUCKET  # noqa: E402
+from parity.rollout.torch_engine import TorchEngine  # noqa: E402
+from tests.kv_packed_checks import teacher_forced_logprobs, write_small_qwen3  # noqa: E402
+
+BF16 = PrecisionConfig(weights="bf16", activations="bf16", kv_cache="bf16")
+FP8 = PrecisionConfig(weights="fp8", activations="fp8", kv_cache="bf16")
+PROMPTS = [[3, 17, 29, 5, 8], [44, 2, 9], [7, 7, 1, 30, 12, 6, 2], [11, 4]]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("decode_route_model")
+    write_small_qwen3(d)
+    return d
+
+
+def _forced(eng: TorchEngine, rows: int, R: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(5)
+    toks = torch.randint(2, 512, (rows, R), generator=g)
+    toks[toks == eng.eos_id] = 3 if eng.eos_id != 3 else 4
+    return toks
+
+
+def _replay(model_dir, precision: PrecisionConfig, per_l: bool, R: int, monkeypatch) -> tuple:
+    """A fresh engine's replay of fixed tokens with R new tokens a row on the chosen route: (batch, engine, graphs
+    Dynamo compiled during the call)."""
+    monkeypatch.setattr(cuda_decode, "_ATTENTION_PER_L", per_l)
+    torch._dynamo.reset()
+    eng = TorchEngine(model_dir, precision=precision, dtype=torch.bfloat16, device="cuda", share_prefill=False)
+    spec = SamplingSpec(temperature=1.0, max_new_tokens=R, n=2, topk_logprobs=3, seed=3)
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    b = eng.cuda_decoder.replay(PROMPTS, spec, _forced(eng, 2 * len(PROMPTS), R))
+    assert eng.cuda_decoder.compile_error is None, eng.cuda_decoder.compile_error
+    assert b.meta["decode_path"] == "cuda_graph+inductor_layers", b.meta
+    return b, eng, torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
+
+
+@pytest.mark.parametrize("precision", [BF16, FP8], ids=["bf16", "w8a8-fp8"])
+def test_attention_outside_the_compiled_functions(model_dir, precision, monkeypatch) -> None:
+    long_r = 4 * _L_BUCKET - 16  # prompt (<= 7 tokens) + response: four attended lengths
+    graphs = {}
+    for per_l in (False, True):
+        _, _, graphs[per_l, 1] = _replay(model_dir, precision, per_l, _L_BUCKET // 2, monkeypatch)
+        b, eng, graphs[per_l, 4] = _replay(model_dir, precision, per_l, long_r, monkeypatch)
+        if not per_l:
+            new, noise_eng = b, eng
+        else:
+            old = b
+    print(f"{precision.weights}: graphs compiled over one L / four L: attention outside {graphs[False, 1]} / "
+          f"{graphs[False, 4]}, per L {graphs[True, 1]} / {graphs[True, 4]}; set-up of the four-L call (s): attention "
+          f"outside {new.meta.get('decode_setup_s')}, per L {old.meta.get('decode_setup_s')}")
+    assert graphs[False, 4] == graphs[False, 1] > 0, graphs
+    assert graphs[True, 4] > graphs[True, 1], graphs
+    assert torch.equal(new.response_mask, old.response_mask)
+    m = old.response_mask.to(new.rollout_logprobs.device)
+    d = (new.rollout_logprobs - old.rollout_logprobs).abs()[m]
+    ref = teacher_forced_logprobs(noise_eng, new, 1.0)
+    noise = float((new.rollout_logprobs.to(ref.device) - ref).abs()[new.response_mask.to(ref.device)].mean())
+    print(f"{precision.weights}: the two routes' log-probs differ by {float(d.mean()):.3g} on average "
+          f"(max {float(d.max()):.3g}); the format's decode noise {noise:.3g}")
+    assert float(d.mean()) <= noise, (float(d.mean()), noise)
