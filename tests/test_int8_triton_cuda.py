@@ -21,6 +21,22 @@ def _usable() -> None:
         pytest.skip(f"Triton int8 kernels not usable: {int8_triton.unusable_reason}")
 
 
+def test_the_kernels_pass_their_check_on_an_sm80_gpu_and_leave_no_tile_pinned() -> None:
+    """usable() checks the kernels' bits with one tile a shape (not the autotuner over every candidate, which cost
+    tens of seconds at a process's start) and unpins those tiles after."""
+    import time
+
+    from parity.precision import int8_triton as it
+    if it.triton is None or torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("needs Triton and an sm_80+ GPU")
+    it.usable.cache_clear()
+    pinned = dict(it._PINNED)
+    t0 = time.perf_counter()
+    assert it.usable(), it.unusable_reason
+    print(f"int8_triton.usable(): {time.perf_counter() - t0:.2f} s")
+    assert it.unusable_reason is None and it._PINNED == pinned
+
+
 def test_pinned_decode_configuration_equals_the_reference() -> None:
     """tune_decode pins one tile configuration per (M, N, K); w8a8_mm then launches it alone, eagerly and
     inside a compiled function, with torch._int_mm + rescale's result."""

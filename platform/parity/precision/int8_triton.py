@@ -318,8 +318,15 @@ def usable(device_index: int = 0) -> bool:
         unusable_reason = "needs sm_80 or newer"
         return False
     g = torch.Generator(device=dev).manual_seed(0)
+    shapes = ((64, 96, 320), (5, 64, 64), (33, 80, 1040))
+    # one tile a shape, the first the autotuner would try, pinned for the check: every tile sums the same exact int32
+    # products and rescales them alike, so one shows the bits; the autotuner here compiled and timed every candidate
+    # of both kernels for every shape (tens of seconds at a process's start, before its engine could be built), and
+    # each candidate tune_decode keeps is checked against the torch path again
+    probe = {s: _prune(_CONFIGS, {"M_KEY": s[0], "K": s[2]})[0] for s in shapes if s not in _PINNED}
+    _PINNED.update(probe)
     try:
-        for m, n, k in ((64, 96, 320), (5, 64, 64), (33, 80, 1040)):
+        for m, n, k in shapes:
             xq = torch.randint(-127, 128, (m, k), generator=g, device=dev, dtype=torch.int8)
             wq = torch.randint(-127, 128, (n, k), generator=g, device=dev, dtype=torch.int8)
             xs = torch.rand(m, 1, generator=g, device=dev) * 1e-2
@@ -344,5 +351,8 @@ def usable(device_index: int = 0) -> bool:
     except Exception as e:  # noqa: BLE001 - any compile or launch failure: the cuBLASLt path serves instead
         unusable_reason = f"{type(e).__name__}: {e}"[:400]
         return False
+    finally:
+        for key in probe:
+            _PINNED.pop(key, None)
     unusable_reason = None
     return True
