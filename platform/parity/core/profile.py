@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -116,9 +117,21 @@ def process_age_s() -> float | None:
         return None
 
 
+def compile_seconds() -> float:
+    """Seconds this process has spent in torch.compile so far (Dynamo tracing and Inductor's code generation and
+    kernel compiles, torch's own account of them); 0.0 before torch._dynamo is imported or where torch keeps no
+    such account."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    metrics = getattr(utils, "compilation_time_metrics", None) if utils is not None else None
+    if not isinstance(metrics, dict):
+        return 0.0
+    return float(sum(metrics.get("_compile.compile_inner", ())))
+
+
 class StartupClock:
     """Where a run's time goes before its steps: mark(name) records the seconds since the process started (since
-    the clock was made where /proc is missing) at each point; `marks` is what summary.json's `startup_s` holds."""
+    the clock was made where /proc is missing) at each point; `marks` is what summary.json's `startup_s` holds, and
+    `detail["compile_s"]` the seconds of torch.compile the process had spent by each point."""
 
     def __init__(self) -> None:
         age = process_age_s()
@@ -128,6 +141,7 @@ class StartupClock:
 
     def mark(self, name: str) -> None:
         self.marks.setdefault(name, round(time.perf_counter() - self._t0, 2))
+        self.detail.setdefault("compile_s", {}).setdefault(name, round(compile_seconds(), 2))
 
 
-__all__ = ["StepProfiler", "StartupClock", "process_age_s", "summarize_trace", "profiled_steps", "ENV"]
+__all__ = ["StepProfiler", "StartupClock", "compile_seconds", "process_age_s", "summarize_trace", "profiled_steps", "ENV"]

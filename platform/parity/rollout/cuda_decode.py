@@ -65,6 +65,7 @@ import torch
 
 from parity.core.fast_compile import raise_recompile_limit
 from parity.core.layout import key_slots, layout_batch, positions, prefill_mask
+from parity.core.profile import compile_seconds
 from parity.core.sampling import SamplingSpec
 from parity.precision.linear import QuantLinear
 from parity.rollout.decode_layers import (  # noqa: F401  (tests and benchmarks import some here)
@@ -271,7 +272,7 @@ class CudaDecoder:
         compile_layers = use_graphs and self.compile
         key = (B, S, R, K, spec.temperature, spec.top_p, dtype, use_graphs, compile_layers, _PACKED_KV,
                getattr(eng, "kv_packed", None), forced is not None)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), compile_seconds()
         fresh = key not in self._kept
         st = self._state_for(key, B, S, R, K, dtype, use_graphs, compile_layers)
         # this call's set-up (new state with INT8 tiles timed, prefill compile, captures): meta `decode_setup_s`
@@ -344,6 +345,8 @@ class CudaDecoder:
             st.extras.pop("tail_rows", None)
         if captures:
             setup.update(captures=captures, capture=round(capture_s, 3))
+        if compile_seconds() - c0 > 0.05:  # Dynamo and Inductor's part of the set-up (a late specialisation too)
+            setup["compile"] = round(compile_seconds() - c0, 3)
         st.extras["setup_s"] = setup
         return st
 
