@@ -54,3 +54,22 @@ def test_a_listed_step_is_profiled_and_written(monkeypatch, tmp_path):
     got = json.loads((tmp_path / "profile_step2.json").read_text())
     assert set(got) == {"rollout"}
     assert got["rollout"]["wall_s"] > 0 and got["rollout"]["kernels"] == 0  # CPU: no device kernels
+
+
+def test_the_startup_clock_counts_the_processs_compile_seconds():
+    """StartupClock's detail["compile_s"]: torch.compile's own account of this process's compiling, read at each mark
+    (Dynamo's tracing with the eager backend here: no Inductor needed), growing by what was compiled in between."""
+    import torch
+
+    from parity.core.profile import StartupClock, compile_seconds
+
+    clock = StartupClock()
+    clock.mark("before")
+    before = compile_seconds()
+    fn = torch.compile(lambda x: (x * 2).sin() + 1, backend="eager")
+    assert torch.equal(fn(torch.ones(3)), (torch.ones(3) * 2).sin() + 1)
+    clock.mark("after")
+    clock.mark("before")  # a mark is kept at its first point
+    assert compile_seconds() > before
+    spent = clock.detail["compile_s"]
+    assert spent["after"] == round(compile_seconds(), 2) >= spent["before"] == round(before, 2)
