@@ -304,6 +304,19 @@ def test_unknown_activation_format_names_the_known_ones() -> None:
         QuantLinear.from_linear(_linear(), "int4", "int3")
 
 
+def test_an_engine_without_integer_products_tunes_nothing_and_checks_no_kernel(monkeypatch) -> None:
+    """A bf16 or FP8 engine's decode state asks tune_decode for no shape: it returns at once, without the Triton
+    kernels' device check (which every bf16 process paid at its first decode state)."""
+    from parity.precision import int8_triton
+
+    def check(*_a):
+        raise AssertionError("usable() called for an engine without integer products")
+    monkeypatch.setattr(int8_triton, "usable", check)
+    assert int8_triton.tune_decode(128, [], torch.device("cuda")) == {}
+    with pytest.raises(AssertionError, match="without integer products"):  # a shape to tune: the check comes first
+        int8_triton.tune_decode(128, [(256, 512)], torch.device("cuda"))
+
+
 def _int8_triton_usable() -> bool:
     from parity.precision import int8_triton
     return int8_triton.usable()

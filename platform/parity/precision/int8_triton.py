@@ -223,11 +223,12 @@ def tune_decode(m: int, shapes, device: torch.device) -> dict:
     weights come from memory. (Triton's autotuner, one launch at a time after an L2 flush, picked slower tiles:
     docs/PERFORMANCE.md, the pinned-tile series.) Returns {(M, N, K): config} for reports; nothing when the kernels
     are not usable."""
-    if m > 256 or device.type != "cuda" or not usable(device.index or 0):
+    shapes = set(shapes)
+    # no integer product (a bf16 or FP8 engine): nothing to tune, and no kernel check to pay for
+    if not shapes or m > 256 or device.type != "cuda" or not usable(device.index or 0):
         return {}
     g = torch.Generator(device=device).manual_seed(0)
     l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
-    shapes = set(shapes)
     for n, k in sorted(shapes):
         if (m, n, k) in _PINNED:
             continue
