@@ -133,7 +133,8 @@ _PREPARE_SIMULATED = True
 # (_post_attention); False: the attention uncompiled, o_proj + MLP compiled once for every L (benchmark A/B)
 _ATTENTION_PER_L = False
 # rollout.compact_tail (rollout/decode_state.py): tail states of at least _TAIL_MIN_ROWS rows a run, at most
-# _TAIL_LEVELS a call (each row count compiles the layer functions once more). Off by default: not yet measured on a GPU
+# _TAIL_LEVELS a call (each row count compiles the layer functions once more). Off by default: a bf16 product over
+# fewer rows may round otherwise (docs/PERFORMANCE.md: a seven-run W4A4 cohort call 1.3x faster with it)
 _COMPACT_TAIL = False
 _TAIL_MIN_ROWS = 16
 _TAIL_LEVELS = 2
