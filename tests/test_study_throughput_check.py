@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "bench"))
-from gpu_study_throughput import phase_env, preflight, run_list, step0_exact_eval  # noqa: E402
+from gpu_study_throughput import phase_env, preflight, run_list, start_account, step0_exact_eval  # noqa: E402
 
 
 def _phase(values: list[float], key: str = "eval/accuracy_unquantized") -> dict:
@@ -72,3 +72,20 @@ def test_preflight_names_a_bad_key_of_the_new_phase_before_any_phase(tmp_path: P
                      "trainer.compile_mode=reduce-overhead"])
     with pytest.raises(ConfigError, match="trainer.compile_layer"):
         preflight(runs, ["trainer.compile_layer=true"])
+
+
+def test_the_start_account_of_a_measured_phase() -> None:
+    """start_account on the 2026-12-05 side-by-side's new phase (its JSON as committed): a line a run with its
+    startup marks and first rollout's set-up, a line a cohort server with its engines' build and first call; a run
+    that records its compile seconds shows them."""
+    record = json.loads((ROOT / "docs/perf_runs/2026-12-05_study_throughput_compact_tail.json").read_text())
+    new = record["new"]
+    lines = start_account(new)
+    assert len(lines) == len(new["runs"]) + len(new["cohorts"]) == 16 + 4
+    bf16 = lines[0]
+    assert bf16.startswith("new bf16 / none / grpo") and "first_step 100.2" in bf16 and "'capture': 23.933" in bf16
+    w4a4 = lines[16 + 1]
+    assert w4a4.startswith("new cohort 1 (4 runs): 4 engines built in 48.1 s")
+    assert "call 1: 4 of 4 members, 128 rows each, 284 steps, 46.24 s" in w4a4
+    run = dict(new["runs"][0], startup_detail={"compile_s": {"imports": 0.0, "first_step": 41.5}})
+    assert "compile by first step 41.5 s" in start_account({"name": "new", "runs": [run]})[0]

@@ -247,6 +247,26 @@ def profile_table(label: str, runs: list[dict]) -> None:
                       f"| {top}", flush=True)
 
 
+def start_account(ph: dict) -> list[str]:
+    """Where a phase's start went, a line a run (its startup marks, the torch.compile seconds its process had spent
+    by its first step, its first rollout's set-up) and a line a cohort server (its engines' build and first call,
+    from its log): what to read first when the phase's first steps come late."""
+    lines = []
+    for r in ph["runs"]:
+        marks = r.get("startup_s") or {}
+        detail = r.get("startup_detail") or {}
+        compiled = (detail.get("compile_s") or {}).get("first_step")
+        lines.append(f"{ph['name']} {r['arm'][:30]:30s} " + " ".join(f"{k} {v}" for k, v in marks.items())
+                     + (f" | compile by first step {compiled} s" if compiled is not None else "")
+                     + (f" | rollout0 set-up {detail['rollout0_setup_s']}" if detail.get("rollout0_setup_s") else ""))
+    for i, c in enumerate(ph.get("cohorts") or []):
+        log = [ln for ln in (c.get("log_tail") or "").splitlines()
+               if "engines built" in ln or ln.startswith("cohort server: call 1:")]
+        lines.append(f"{ph['name']} cohort {i} ({len(c.get('members', []))} runs): " + " / ".join(
+            ln.removeprefix("cohort server: ") for ln in log))
+    return lines
+
+
 def compare_rows(old: dict, new: dict) -> dict:
     """Step 0 and step 1 of each run, old against new, every logged number but timings."""
     out = []
@@ -438,6 +458,8 @@ def main() -> None:
     print(f"new: {new['run_steps']} run-steps in {new['wall_s']} s = {new['run_steps_per_s']:.2f}/s "
           f"(steady {new['steady_run_steps_per_s']}); MPS {new['mps']}; startup (median run, s since its process "
           f"started) {new['startup_median_s']}", flush=True)
+    for line in start_account(new):
+        print(line, flush=True)
     e0 = record["fixed_inputs"]["step0_exact_eval"]
     print(f"ratio {record['ratio']:.2f} (steady {record.get('steady_ratio')}); fixed inputs equal: "
           f"{record['fixed_inputs']['all_equal']}; step-0 evaluation old {e0.get('old_mean')} new {e0.get('new_mean')}"
