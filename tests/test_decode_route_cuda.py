@@ -20,18 +20,11 @@ from parity.core.sampling import SamplingSpec  # noqa: E402
 from parity.rollout import cuda_decode  # noqa: E402
 from parity.rollout.cuda_decode import _L_BUCKET  # noqa: E402
 from parity.rollout.torch_engine import TorchEngine  # noqa: E402
-from tests.kv_packed_checks import teacher_forced_logprobs, write_small_qwen3  # noqa: E402
+from tests.kv_packed_checks import teacher_forced_logprobs  # noqa: E402
+from tests.test_cohort_cuda import BF16, model_dir  # noqa: E402, F401, F811  (model_dir: a fixture)
 
-BF16 = PrecisionConfig(weights="bf16", activations="bf16", kv_cache="bf16")
 FP8 = PrecisionConfig(weights="fp8", activations="fp8", kv_cache="bf16")
 PROMPTS = [[3, 17, 29, 5, 8], [44, 2, 9], [7, 7, 1, 30, 12, 6, 2], [11, 4]]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("decode_route_model")
-    write_small_qwen3(d)
-    return d
 
 
 def _forced(eng: TorchEngine, rows: int, R: int) -> torch.Tensor:
@@ -41,12 +34,12 @@ def _forced(eng: TorchEngine, rows: int, R: int) -> torch.Tensor:
     return toks
 
 
-def _replay(model_dir, precision: PrecisionConfig, per_l: bool, R: int, monkeypatch) -> tuple:
+def _replay(model, precision: PrecisionConfig, per_l: bool, R: int, monkeypatch) -> tuple:
     """A fresh engine's replay of fixed tokens with R new tokens a row on the chosen route: (batch, engine, graphs
     Dynamo compiled during the call)."""
     monkeypatch.setattr(cuda_decode, "_ATTENTION_PER_L", per_l)
     torch._dynamo.reset()
-    eng = TorchEngine(model_dir, precision=precision, dtype=torch.bfloat16, device="cuda", share_prefill=False)
+    eng = TorchEngine(model, precision=precision, dtype=torch.bfloat16, device="cuda", share_prefill=False)
     spec = SamplingSpec(temperature=1.0, max_new_tokens=R, n=2, topk_logprobs=3, seed=3)
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     b = eng.cuda_decoder.replay(PROMPTS, spec, _forced(eng, 2 * len(PROMPTS), R))
@@ -56,7 +49,7 @@ def _replay(model_dir, precision: PrecisionConfig, per_l: bool, R: int, monkeypa
 
 
 @pytest.mark.parametrize("precision", [BF16, FP8], ids=["bf16", "w8a8-fp8"])
-def test_attention_outside_the_compiled_functions(model_dir, precision, monkeypatch) -> None:
+def test_attention_outside_the_compiled_functions(model_dir, precision, monkeypatch) -> None:  # noqa: F811
     long_r = 4 * _L_BUCKET - 16  # prompt (<= 7 tokens) + response: four attended lengths
     graphs = {}
     for per_l in (False, True):

@@ -346,8 +346,9 @@ class CudaDecoder:
             st.extras.pop("tail_rows", None)
         if captures:
             setup.update(captures=captures, capture=round(capture_s, 3))
-        if compile_seconds() - c0 > 0.05:  # Dynamo and Inductor's part of the set-up (a late specialisation too)
-            setup["compile"] = round(compile_seconds() - c0, 3)
+        compiled = compile_seconds() - c0
+        if compiled > 0.05:  # Dynamo and Inductor's part of the set-up (a late specialisation too)
+            setup["compile"] = round(compiled, 3)
         st.extras["setup_s"] = setup
         return st
 
