@@ -34,18 +34,32 @@ def _forced(eng: TorchEngine, rows: int, R: int) -> torch.Tensor:
     return toks
 
 
-def _replay(model, precision: PrecisionConfig, per_l: bool, R: int, monkeypatch) -> tuple:
+def _replay(model, precision: PrecisionConfig, per_l: bool, R: int, monkeypatch, compile_prefill: bool = True) -> tuple:
     """A fresh engine's replay of fixed tokens with R new tokens a row on the chosen route: (batch, engine, graphs
     Dynamo compiled during the call)."""
     monkeypatch.setattr(cuda_decode, "_ATTENTION_PER_L", per_l)
     torch._dynamo.reset()
-    eng = TorchEngine(model, precision=precision, dtype=torch.bfloat16, device="cuda", share_prefill=False)
+    eng = TorchEngine(model, precision=precision, dtype=torch.bfloat16, device="cuda", share_prefill=False,
+                      compile_prefill=compile_prefill)
     spec = SamplingSpec(temperature=1.0, max_new_tokens=R, n=2, topk_logprobs=3, seed=3)
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     b = eng.cuda_decoder.replay(PROMPTS, spec, _forced(eng, 2 * len(PROMPTS), R))
     assert eng.cuda_decoder.compile_error is None, eng.cuda_decoder.compile_error
-    assert b.meta["decode_path"] == "cuda_graph+inductor_layers", b.meta
+    assert b.meta["decode_path"] == "cuda_graph+inductor_layers" + ("" if compile_prefill else "+eager_prefill"), b.meta
     return b, eng, torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
+
+
+def _within_noise(new, old, eng, what: str) -> None:
+    """new's log-probs on the forced tokens no further from old's on average than new's decode noise (its distance
+    from a full forward of its format on the same tokens)."""
+    assert torch.equal(new.response_mask, old.response_mask)
+    m = old.response_mask.to(new.rollout_logprobs.device)
+    d = (new.rollout_logprobs - old.rollout_logprobs).abs()[m]
+    ref = teacher_forced_logprobs(eng, new, 1.0)
+    noise = float((new.rollout_logprobs.to(ref.device) - ref).abs()[new.response_mask.to(ref.device)].mean())
+    print(f"{what}: log-probs differ by {float(d.mean()):.3g} on average (max {float(d.max()):.3g}); the format's "
+          f"decode noise {noise:.3g}")
+    assert float(d.mean()) <= noise, (float(d.mean()), noise)
 
 
 @pytest.mark.parametrize("precision", [BF16, FP8], ids=["bf16", "w8a8-fp8"])
@@ -64,11 +78,19 @@ def test_attention_outside_the_compiled_functions(model_dir, precision, monkeypa
           f"outside {new.meta.get('decode_setup_s')}, per L {old.meta.get('decode_setup_s')}")
     assert graphs[False, 4] == graphs[False, 1] > 0, graphs
     assert graphs[True, 4] > graphs[True, 1], graphs
-    assert torch.equal(new.response_mask, old.response_mask)
-    m = old.response_mask.to(new.rollout_logprobs.device)
-    d = (new.rollout_logprobs - old.rollout_logprobs).abs()[m]
-    ref = teacher_forced_logprobs(noise_eng, new, 1.0)
-    noise = float((new.rollout_logprobs.to(ref.device) - ref).abs()[new.response_mask.to(ref.device)].mean())
-    print(f"{precision.weights}: the two routes' log-probs differ by {float(d.mean()):.3g} on average "
-          f"(max {float(d.max()):.3g}); the format's decode noise {noise:.3g}")
-    assert float(d.mean()) <= noise, (float(d.mean()), noise)
+    _within_noise(new, old, noise_eng, f"{precision.weights}: the two routes")
+
+
+@pytest.mark.parametrize("precision", [BF16, FP8], ids=["bf16", "w8a8-fp8"])
+def test_an_eager_prefill_compiles_two_graphs_less_within_the_decode_noise(model_dir, precision,  # noqa: F811
+                                                                          monkeypatch) -> None:
+    """rollout.compile_prefill=false: the prompt forward's two layer halves run eagerly (the decode path says
+    "+eager_prefill"), Dynamo compiles two graphs fewer, and the log-probs on the same forced tokens stay within
+    the format's decode noise of the compiled prefill's."""
+    R = _L_BUCKET // 2
+    compiled, _, g_compiled = _replay(model_dir, precision, False, R, monkeypatch)
+    eager, eng, g_eager = _replay(model_dir, precision, False, R, monkeypatch, compile_prefill=False)
+    print(f"{precision.weights}: graphs compiled with the prefill compiled {g_compiled}, eager {g_eager}; set-up "
+          f"(s) compiled {compiled.meta.get('decode_setup_s')}, eager {eager.meta.get('decode_setup_s')}")
+    assert g_eager == g_compiled - 2, (g_compiled, g_eager)
+    _within_noise(eager, compiled, eng, f"{precision.weights}: eager against compiled prefill")

@@ -58,6 +58,54 @@ def test_pinned_decode_configuration_equals_the_reference() -> None:
         assert torch.equal(fn(xq, wq, xs, ws), ref)
 
 
+def test_a_tile_from_the_table_is_pinned_after_one_check_and_gives_the_reference(tmp_path, monkeypatch) -> None:
+    """tune_decode takes this device's tile from the table (source "table", no timing), launches it alone with the
+    torch path's bits; a tile the kernel does not offer for the shape is timed like a shape without an entry."""
+    import json
+
+    _usable()
+    from parity.precision import int8_triton as it
+    name = torch.cuda.get_device_name()
+    f = tmp_path / "int8_tiles.json"
+    f.write_text(json.dumps({"devices": {name: {"tiles": {"40,512,1024": [32, 32, 256, 4, 4],
+                                                          "40,1024,1536": [64, 64, 4096, 1, 4]}}}}))
+    monkeypatch.setattr(it, "TILES_FILE", f)
+    monkeypatch.setattr(it, "_PINNED", {})
+    monkeypatch.setattr(it, "PIN_SOURCE", {})
+    it._table.cache_clear()
+    try:
+        pinned = it.tune_decode(40, [(512, 1024), (1024, 1536)], torch.device("cuda"))
+    finally:
+        it._table.cache_clear()
+    assert it._tile(pinned[(40, 512, 1024)]) == (32, 32, 256, 4, 4)
+    assert it.PIN_SOURCE == {(40, 512, 1024): "table", (40, 1024, 1536): "timed"}
+    g = torch.Generator(device="cuda").manual_seed(3)
+    xq = torch.randint(-127, 128, (40, 1024), generator=g, device="cuda", dtype=torch.int8)
+    wq = torch.randint(-127, 128, (512, 1024), generator=g, device="cuda", dtype=torch.int8)
+    xs, ws = torch.rand(40, 1, generator=g, device="cuda") * 3e-2, torch.rand(512, 1, generator=g, device="cuda") * 3e-2
+    assert torch.equal(it.w8a8_mm(xq, wq, xs, ws, torch.bfloat16), it._reference(xq, wq, xs, ws, torch.bfloat16))
+
+
+def test_the_shipped_table_serves_this_gpus_study_shapes_without_timing(monkeypatch) -> None:
+    """On a GPU the shipped table has (the H200), a decode state of the gpu preset's model takes every product's
+    tile from it: no shape is timed, and the set-up is a few compiles."""
+    import time
+
+    _usable()
+    from parity.precision import int8_triton as it
+    name = torch.cuda.get_device_name()
+    it._table.cache_clear()
+    if not it._table(name):
+        pytest.skip(f"the shipped table has no tiles for {name}")
+    monkeypatch.setattr(it, "_PINNED", {})
+    monkeypatch.setattr(it, "PIN_SOURCE", {})
+    t0 = time.perf_counter()
+    for m in (128, 64, 32):
+        it.tune_decode(m, [(1024, 512), (512, 512), (3072, 512), (512, 1536)], torch.device("cuda"))
+    print(f"the study model's 12 products from the table: {time.perf_counter() - t0:.2f} s")
+    assert set(it.PIN_SOURCE.values()) == {"table"} and len(it.PIN_SOURCE) == 12
+
+
 @pytest.mark.parametrize("pin", [True, False])
 def test_int8_fast_decode_equals_the_plain_loop(tmp_path, monkeypatch, pin: bool) -> None:
     """Float32 model, INT8 W8A8 weights: the captured, compiled fast path equals the plain loop (greedy tokens

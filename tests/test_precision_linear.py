@@ -8,6 +8,8 @@ rounding in its dtype, again after adding the bias. The fp8 path is `fp8_scaled_
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -315,6 +317,40 @@ def test_an_engine_without_integer_products_tunes_nothing_and_checks_no_kernel(m
     assert int8_triton.tune_decode(128, [], torch.device("cuda")) == {}
     with pytest.raises(AssertionError, match="without integer products"):  # a shape to tune: the check comes first
         int8_triton.tune_decode(128, [(256, 512)], torch.device("cuda"))
+
+
+def test_the_tile_table_reads_its_devices_tiles_and_names_a_bad_entry(tmp_path, monkeypatch) -> None:
+    """int8_tiles.json: a device's tiles by 'M,N,K'; another device's name gives nothing; PARITY_INT8_TILES=timed
+    ignores the table; a malformed tile is an error naming the file, the device and the key."""
+    from parity.precision import int8_triton
+    f = tmp_path / "int8_tiles.json"
+    f.write_text(json.dumps({"devices": {"GPU A": {"tiles": {"128,1024,512": [64, 16, 256, 4, 4]}},
+                                         "GPU B": {"tiles": {"64,512,512": [64, 32, "x", 4, 4]}}}}))
+    monkeypatch.setattr(int8_triton, "TILES_FILE", f)
+    int8_triton._table.cache_clear()
+    assert int8_triton._table("GPU A") == {(128, 1024, 512): (64, 16, 256, 4, 4)}
+    assert int8_triton._table("GPU C") == {}
+    with pytest.raises(ValueError, match=r"int8_tiles.json: device 'GPU B', tile '64,512,512'"):
+        int8_triton._table("GPU B")
+    int8_triton._table.cache_clear()
+    monkeypatch.setenv("PARITY_INT8_TILES", "timed")
+    assert int8_triton._table("GPU A") == {}
+    int8_triton._table.cache_clear()
+
+
+def test_the_shipped_tile_table_names_candidate_tiles() -> None:
+    """Every tile in the shipped table is one of the kernel's candidates for its shape (a decode state would
+    otherwise time the candidates as if the table had none), and the file says where it came from."""
+    from parity.precision import int8_triton
+    table = json.loads(int8_triton.TILES_FILE.read_text())
+    assert table["devices"], "no device in the table"
+    for name, entry in table["devices"].items():
+        assert entry["date"] and entry["command"] and entry["triton"], name
+        if int8_triton.triton is None:
+            continue
+        for (m, n, k), tile in int8_triton._table(name).items():
+            assert tile in [int8_triton._tile(c) for c in int8_triton._prune(int8_triton._CONFIGS,
+                                                                              {"M_KEY": m, "K": k})], (name, m, n, k)
 
 
 def _int8_triton_usable() -> bool:

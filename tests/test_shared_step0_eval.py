@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from parity.commands.train import train
@@ -157,19 +158,23 @@ def test_a_cohort_member_shares_only_the_plain_evaluation(quick_cfg, prepared_mo
         member.close(), alone.close()
 
 
-def test_the_tail_setting_is_part_of_the_plain_numbers_key(quick_cfg, prepared_model, tmp_path):
-    """rollout.compact_tail also sets the plain engine's decode (a float product over fewer rows may round
-    otherwise, so the number may differ): runs with and without it do not read each other's step-0 numbers."""
+@pytest.mark.parametrize("setting,attr,value", [("compact_tail", "compact_tail", True),
+                                                ("compile_prefill", "compile_prefill", False)])
+def test_the_decode_settings_are_part_of_the_plain_numbers_key(quick_cfg, prepared_model, tmp_path, setting, attr,
+                                                               value):
+    """rollout.compact_tail and rollout.compile_prefill also set the plain engine's decode (a float product over
+    fewer rows, or an eager prompt forward, may round otherwise, so the number may differ): runs with and without
+    them do not read each other's step-0 numbers."""
     from transformers import AutoTokenizer
 
     from parity.rewards.grader import GraderPool
     from parity.training.heldout import HeldOut
     tok = AutoTokenizer.from_pretrained(str(prepared_model))
     with GraderPool(workers=1) as grader:
-        on = HeldOut(quick_cfg(f"outputs_dir={tmp_path}", *OVER, "rollout.compact_tail=true"), tok, grader,
-                     str(prepared_model))
+        on = HeldOut(quick_cfg(f"outputs_dir={tmp_path}", *OVER, f"rollout.{setting}={str(value).lower()}"), tok,
+                     grader, str(prepared_model))
         off = HeldOut(quick_cfg(f"outputs_dir={tmp_path}", *OVER), tok, grader, str(prepared_model))
-        assert on.plain.compact_tail and not off.plain.compact_tail
+        assert getattr(on.plain, attr) == value and getattr(off.plain, attr) != value
         for m in ("eval/accuracy", "eval/accuracy_unquantized"):
             assert on.shared[m] != off.shared[m], m
         on.close(), off.close()

@@ -180,6 +180,11 @@ class RolloutConfig:
     # until its longest response ends; each row's arithmetic is the same except where a float product depends on
     # its row count (parity.rollout.cuda_decode, `_COMPACT_TAIL`)
     compact_tail: bool = False
+    # torch engine's decode path (CUDA, compiled layers): the prompt forward's two layer halves compiled by Inductor
+    # as well (faster for a large model's long prompts: docs/PERFORMANCE.md, "Compiled prefill"); false: the same
+    # functions eager, no compile at the engine's first call (a small model's prefill is a few ms either way, its
+    # compile 6-25 s of a start on a shared host; parity.rollout.cuda_decode)
+    compile_prefill: bool = True
     # vLLM engine (rollout.name=vllm): in-process engine core (no extra process; starts in seconds on CPU),
     # eager mode (no torch.compile / CUDA graphs), and how a W8A8 INT8/FP8 engine takes new weights:
     # requantize (in place, re-prepacking each quantized linear layer) | rebuild (restart on a new checkpoint)

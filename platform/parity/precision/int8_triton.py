@@ -26,7 +26,9 @@ compiled with Inductor call it inside their graph. Importable without Triton: `u
 from __future__ import annotations
 
 import functools
+import json
 import os
+from pathlib import Path
 
 import torch
 
@@ -214,15 +216,71 @@ if triton is not None:
 # candidates its own way when it is first built, and its picks varied from run to run, and with them the decode
 # step's time; pinned by tune_decode, the step is the same in every run (docs/PERFORMANCE.md, the pinned-tile series).
 _PINNED: dict = {}
+# (M, N, K) -> where its pinned tile came from: "table" (TILES_FILE, checked once) or "timed" (tune_decode's timing)
+PIN_SOURCE: dict = {}
+# The tiles tune_decode picked on a device, by the device's name (tests/bench/gpu_pin_int8_tiles.py writes it):
+# a decode state takes its tile from here, checked once against the torch path, instead of compiling and timing
+# every candidate in every process at its start (10-18 s a process while sixteen processes start at once).
+# PARITY_INT8_TILES=timed times every shape as before.
+TILES_FILE = Path(__file__).with_name("int8_tiles.json")
+
+
+@functools.cache
+def _table(device_name: str) -> dict:
+    """{(M, N, K): config} of TILES_FILE for this device name ({} without an entry, or with PARITY_INT8_TILES=timed).
+    A malformed file is an error naming it and the bad entry."""
+    if os.environ.get("PARITY_INT8_TILES", "table") == "timed" or not TILES_FILE.exists():
+        return {}
+    entry = json.loads(TILES_FILE.read_text()).get("devices", {}).get(device_name)
+    if entry is None:
+        return {}
+    out = {}
+    for key, tile in entry.get("tiles", {}).items():
+        try:
+            m, n, k = (int(v) for v in key.split(","))
+            bm, bn, bk, stages, warps = (int(v) for v in tile)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{TILES_FILE}: device {device_name!r}, tile {key!r}: {tile!r} is not "
+                             "'M,N,K': [BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps]") from e
+        out[(m, n, k)] = (bm, bn, bk, stages, warps)
+    return out
+
+
+def _tile(c) -> tuple[int, int, int, int, int]:
+    kw = c.kwargs
+    return (kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], c.num_stages, c.num_warps)
+
+
+def _from_table(m: int, n: int, k: int, device: torch.device):
+    """The table's tile for (m, n, k) on this device when it is one of the candidates and gives the torch path's
+    bits on random codes (one launch); else None (tune_decode times the candidates)."""
+    want = _table(torch.cuda.get_device_name(device)).get((m, n, k))
+    c = next((c for c in _prune(_CONFIGS, {"M_KEY": m, "K": k}) if _tile(c) == want), None) if want else None
+    if c is None:
+        return None
+    g = torch.Generator(device=device).manual_seed(1)
+    xq = torch.randint(-127, 128, (m, k), generator=g, device=device, dtype=torch.int8)
+    wq = torch.randint(-127, 128, (n, k), generator=g, device=device, dtype=torch.int8)
+    xs = torch.rand(m, 1, generator=g, device=device) * 1e-2
+    ws = torch.rand(n, 1, generator=g, device=device) * 1e-2
+    y = torch.empty(m, n, dtype=torch.bfloat16, device=device)
+    grid = (triton.cdiv(n, c.kwargs["BLOCK_N"]), triton.cdiv(m, c.kwargs["BLOCK_M"]))
+    try:
+        _w8a8_kernel[grid](xq, wq, xs, ws, y, m, n, k, k, k, n, m, **c.kwargs, num_warps=c.num_warps,
+                           num_stages=c.num_stages)
+    except Exception:  # noqa: BLE001 - a tile that does not compile or launch here: timed like any other shape
+        return None
+    return c if torch.equal(y, _reference(xq, wq, xs, ws, torch.bfloat16)) else None
 
 
 def tune_decode(m: int, shapes, device: torch.device) -> dict:
     """Pick and pin the tile configuration of each M-row product with weights [N, K] in `shapes` (decode sizes,
-    M <= 256), timed as a decode step runs it: every candidate (bit-identical to the torch path first) in a
-    CUDA graph of back-to-back launches cycling through weight copies twice the size of the L2 cache, so the
-    weights come from memory. (Triton's autotuner, one launch at a time after an L2 flush, picked slower tiles:
-    docs/PERFORMANCE.md, the pinned-tile series.) Returns {(M, N, K): config} for reports; nothing when the kernels
-    are not usable."""
+    M <= 256): the device's tile in TILES_FILE where it has one (checked once), otherwise timed as a decode step
+    runs it: every candidate (bit-identical to the torch path first) in a CUDA graph of back-to-back launches
+    cycling through weight copies twice the size of the L2 cache, so the weights come from memory. (Triton's
+    autotuner, one launch at a time after an L2 flush, picked slower tiles: docs/PERFORMANCE.md, the pinned-tile
+    series.) Returns {(M, N, K): config} for reports (PIN_SOURCE says which way each came); nothing when the
+    kernels are not usable."""
     shapes = set(shapes)
     # no integer product (a bf16 or FP8 engine): nothing to tune, and no kernel check to pay for
     if not shapes or m > 256 or device.type != "cuda" or not usable(device.index or 0):
@@ -231,6 +289,10 @@ def tune_decode(m: int, shapes, device: torch.device) -> dict:
     l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
     for n, k in sorted(shapes):
         if (m, n, k) in _PINNED:
+            continue
+        c = _from_table(m, n, k, device)
+        if c is not None:
+            _PINNED[(m, n, k)], PIN_SOURCE[(m, n, k)] = c, "table"
             continue
         xq = torch.randint(-127, 128, (m, k), generator=g, device=device, dtype=torch.int8)
         ws = torch.rand(n, 1, generator=g, device=device) * 1e-2
@@ -245,7 +307,7 @@ def tune_decode(m: int, shapes, device: torch.device) -> dict:
             if us is not None and (best is None or us < best[0]):
                 best = (us, c)
         if best is not None:
-            _PINNED[(m, n, k)] = best[1]
+            _PINNED[(m, n, k)], PIN_SOURCE[(m, n, k)] = best[1], "timed"
         del wqs
     return {key: v for key, v in _PINNED.items() if key[0] == m and key[1:] in shapes}
 
@@ -302,7 +364,7 @@ def chosen_configs() -> dict:
     if triton is None:
         return {}
     return {**{str(k[:3]): str(v) for k, v in _w8a8_tuned.cache.items()},
-            **{f"pinned {k}": str(v) for k, v in _PINNED.items()}}
+            **{f"pinned {k}": f"{v} ({PIN_SOURCE.get(k, 'pinned')})" for k, v in _PINNED.items()}}
 
 
 @functools.cache

@@ -41,7 +41,8 @@ def build_engine(cfg: ParityConfig, model_dir: str | Path, precision: PrecisionC
         engine: Engine = TorchEngine(model_dir, precision=precision, device=str(device),
                                      dtype=compute_dtype(cfg.model.dtype, device), capture_routing=bool(cfg.rollout.capture_routing),
                                      share_prefill=bool(cfg.rollout.shared_prefill),
-                                     cpu_lanes=engine_lanes(cfg), compact_tail=bool(cfg.rollout.compact_tail))
+                                     cpu_lanes=engine_lanes(cfg), compact_tail=bool(cfg.rollout.compact_tail),
+                                     compile_prefill=bool(cfg.rollout.compile_prefill))
     elif cfg.rollout.name == "vllm":
         from parity.rollout.vllm_engine import VllmEngine  # lazy: vLLM is optional for the numerical core
         engine = VllmEngine(cfg, model_dir, precision=precision)

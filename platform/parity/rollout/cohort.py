@@ -176,6 +176,7 @@ class CohortEngine:
         self.recorder = None
         self.kv_packed = getattr(e0, "kv_packed", None)
         self.compact_tail = bool(getattr(e0, "compact_tail", False))
+        self.compile_prefill = bool(getattr(e0, "compile_prefill", True))
         self.model = _stacked_model([e.model for e in engines])
         self._parts = _syncables(self.model)
         from parity.rollout.cuda_decode import CudaDecoder

@@ -52,7 +52,8 @@ from the plain loop, and why:
 The prefill (`CudaDecoder.prefill`) is TorchEngine.forward's arithmetic writing into the static cache, with the
 stacked projections and, on CUDA with compilation on, the two halves of a layer compiled by Inductor (shapes
 become dynamic after the first change of prompt length), faster than the modules' eager forward (figures:
-docs/PERFORMANCE.md, "Compiled prefill"). The last call's state and graphs are kept by the decoder and replayed
+docs/PERFORMANCE.md, "Compiled prefill"; `rollout.compile_prefill=false` keeps them eager, for a small model whose
+prefill costs less than its compile). The last call's state and graphs are kept by the decoder and replayed
 by later calls of the same shape; weights are updated in place by `update_weights`, which a replay sees.
 """
 
@@ -249,7 +250,9 @@ class CudaDecoder:
         return {"engine": eng.name, **eng.describe(),
                 "decode_path": ("cuda_graph" if use_graphs else "static_cache_eager")
                 + ("+tail" if getattr(eng, "compact_tail", _COMPACT_TAIL) else "")
-                + ("+inductor_layers" if compile_layers else ""),
+                + ("+inductor_layers" if compile_layers else "")
+                + ("+eager_prefill" if compile_layers and st.extras.get("prefill_fns") == (_prefill_pre, _prefill_post)
+                   else ""),
                 "kv_cache_layout": ("packed" if "packed" in st.extras else
                                     "plain" if eng.kv_codec is None else "simulated"),
                 **kv_kernel_meta(st.extras.get("packed"), _FUSED_PRE),
@@ -278,6 +281,9 @@ class CudaDecoder:
         st = self._state_for(key, B, S, R, K, dtype, use_graphs, compile_layers)
         # this call's set-up (new state with INT8 tiles timed, prefill compile, captures): meta `decode_setup_s`
         setup = {"state": round(time.perf_counter() - t0, 3)} if fresh else {}
+        if fresh and st.extras.get("int8_pinned"):  # where the integer products' tiles came from (table, timed)
+            from parity.precision.int8_triton import PIN_SOURCE
+            setup["int8_tiles"] = "+".join(sorted({PIN_SOURCE.get(k, "pinned") for k in st.extras["int8_pinned"]}))
         if forced is not None:  # a fixed buffer the captured steps read
             st.extras.setdefault("forced", torch.empty(B, R, dtype=torch.long, device=dev)).copy_(forced)
 
@@ -446,7 +452,7 @@ class CudaDecoder:
             fns = eager
             # every cache layout takes the compiled halves (a simulated cache's codec roundtrip runs eagerly between
             # them): the packed and the simulated cache then differ in the cache and its attention alone
-            if _PREFILL == "compiled" and compile_layers:
+            if _PREFILL == "compiled" and compile_layers and getattr(self.engine, "compile_prefill", True):
                 if self._prefill_fns is None:
                     self._prefill_fns = (torch.compile(_prefill_pre, fullgraph=True),
                                          torch.compile(_prefill_post, fullgraph=True))

@@ -45,7 +45,7 @@ class TorchEngine:
     def __init__(self, model_dir: str | Path, precision: PrecisionConfig | None = None, device: str = "cpu",
                  dtype: torch.dtype = torch.bfloat16, pad_token_id: int | None = None,
                  eos_token_id: int | None = None, capture_routing: bool = False, share_prefill: bool = True,
-                 cpu_lanes: int = 1, compact_tail: bool = False) -> None:
+                 cpu_lanes: int = 1, compact_tail: bool = False, compile_prefill: bool = True) -> None:
         self.device = torch.device(device)
         # plain loop on the CPU: the prompts sharded over this many threads (parity.cpu_lanes), as over Ray rollout
         # workers; the batch equals one call's on one thread bit for bit
@@ -56,6 +56,8 @@ class TorchEngine:
         # the decode path: a call's unfinished rows move to a smaller state once most rows have ended
         # (rollout.compact_tail; parity.rollout.cuda_decode, _COMPACT_TAIL)
         self.compact_tail = bool(compact_tail)
+        # the decode path's prompt forward compiled with its layers, or eager (rollout.compile_prefill)
+        self.compile_prefill = bool(compile_prefill)
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(self.device).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)

@@ -100,12 +100,14 @@ class HeldOut:
 
         if cfg.trainer.eval_unquantized and cfg.trainer.eval_every and changes_numerics(rollout_precision(cfg)):
             dtype, lanes = compute_dtype(cfg.model.dtype, device), engine_lanes(cfg)
-            tail = bool(cfg.rollout.compact_tail)  # the torch engines' decode setting, the plain one's too
-            self.plain = TorchEngine(start_dir, device=str(device), dtype=dtype, cpu_lanes=lanes, compact_tail=tail)
+            # the torch engines' decode settings, the plain one's too
+            tail, cprefill = bool(cfg.rollout.compact_tail), bool(cfg.rollout.compile_prefill)
+            self.plain = TorchEngine(start_dir, device=str(device), dtype=dtype, cpu_lanes=lanes, compact_tail=tail,
+                                     compile_prefill=cprefill)
             if share:
                 self.shared["eval/accuracy_unquantized"] = shared_file(
                     {"kind": "plain", "device": str(device), "dtype": str(dtype), "lanes": lanes,
-                     **({"compact_tail": True} if tail else {})})
+                     **({"compact_tail": True} if tail else {}), **({} if cprefill else {"compile_prefill": False})})
         if share and not cfg.rollout.cohort:
             # the rollout side: everything that builds and feeds its engine (the format, a perturbation's seed, the
             # runner, the model's settings), all of the config but the learner's algorithm and the trainer's
