@@ -107,6 +107,10 @@ def preflight(runs: list[dict], new_extra: list[str]) -> None:
         load_config([*r["overrides"], *new_extra])
 
 
+def _head(f: Path) -> str | None:
+    return f.read_text()[:2000] if f.is_file() else None
+
+
 def cohort_log(out_dir: Path, i: int) -> str | None:
     """The end of cohort server i's log: its engines' build time and each call's rows, steps and seconds."""
     f = out_dir / "logs" / f"cohort{i}.log"
@@ -116,10 +120,11 @@ def cohort_log(out_dir: Path, i: int) -> str | None:
 def phase(name: str, pythonpath: str, runs: list[dict], work: Path, timeout_s: float, mps_mode: str,
           extra_env: dict | None = None, extra_overrides: list[str] | None = None, cohorts: bool = False,
           cohort_sm_share: int | None = None, cohort_max_runs: int | None = None,
-          cohort_compile_threads: int | None = None) -> dict:
+          cohort_compile_threads: int | None = None, preload: bool = False) -> dict:
     """All `runs` at once, each a `python -m parity train` process with this phase's code; with `cohorts`, the runs
     of one rollout engine sampling through one rollout server (at most `cohort_max_runs` a server;
-    parity.study.cohorts)."""
+    parity.study.cohorts); with `preload`, every run and server forked from one process that imported torch and
+    transformers first (parity.study.preload), started with the phase."""
     out_dir = work / name
     shutil.rmtree(out_dir, ignore_errors=True)
     (out_dir / "logs").mkdir(parents=True)
@@ -138,16 +143,23 @@ def phase(name: str, pythonpath: str, runs: list[dict], work: Path, timeout_s: f
             contextlib.ExitStack() as stack:
         env.update(child_env(mps))
         t0 = time.time()
+        pre = None
+        if preload:
+            from parity.study.preload import Preloader
+            pre = stack.enter_context(Preloader(env, log=out_dir / "logs" / "preload.log"))
         if groups:
             from parity.study.cohorts import serving
             # as `parity study` starts them: with the runs, not before them
             stack.enter_context(serving(groups, env, out_dir / "logs", sm_share=cohort_sm_share, wait=False,
-                                        compile_threads=cohort_compile_threads))
+                                        compile_threads=cohort_compile_threads, preloader=pre))
         procs = []
         for r in runs:
+            argv = ["-m", "parity", "train", f"outputs_dir={out_dir}", *overrides[r["name"]]]
+            if pre is not None:
+                procs.append((r, pre.popen(argv, env=env, log=out_dir / "logs" / f"{r['name']}.log", cwd=ROOT)))
+                continue
             log = (out_dir / "logs" / f"{r['name']}.log").open("w")
-            procs.append((r, subprocess.Popen([sys.executable, "-m", "parity", "train", f"outputs_dir={out_dir}",
-                                               *overrides[r["name"]]], env=env, stdout=log, stderr=subprocess.STDOUT,
+            procs.append((r, subprocess.Popen([sys.executable, *argv], env=env, stdout=log, stderr=subprocess.STDOUT,
                                               cwd=str(ROOT))))
         timeline, gpu, server, load = [], [], None, []
         cpu = {r["name"]: None for r, _ in procs}
@@ -170,6 +182,7 @@ def phase(name: str, pythonpath: str, runs: list[dict], work: Path, timeout_s: f
                 p.kill()
         wall = time.time() - t0
         mps_status = dict(mps.status, server_pid=server)
+        preloaded = None if pre is None else {"preload_s": pre.preload_s, "log": _head(out_dir / "logs" / "preload.log")}
     results = []
     for r, p in procs:
         run_dir = out_dir / "runs" / r["name"]
@@ -196,7 +209,7 @@ def phase(name: str, pythonpath: str, runs: list[dict], work: Path, timeout_s: f
     # run's seconds since its process started at each point
     marks = [x["startup_s"] for x in results if x.get("startup_s")]
     startup = {k: statistics.median(m[k] for m in marks if k in m) for k in marks[0]} if marks else None
-    return {"name": name, "pythonpath": pythonpath, "mps": mps_status, "startup_median_s": startup,
+    return {"name": name, "pythonpath": pythonpath, "mps": mps_status, "startup_median_s": startup, "preload": preloaded,
             "cohorts": [{"members": c.members, "log_tail": cohort_log(out_dir, i)} for i, c in enumerate(groups)],
             "cohort_sm_share": cohort_sm_share, "cohort_compile_threads": cohort_compile_threads,
             "wall_s": round(wall, 1), "run_steps": total,
@@ -399,6 +412,8 @@ def main() -> None:
     ap.add_argument("--new-cohort-compile-threads", type=int, default=None, metavar="N",
                     help="with --new-cohorts, Inductor's compile workers in each rollout server "
                     "(`parity study --cohort-compile-threads`)")
+    ap.add_argument("--new-preload", action="store_true", help="this tree's runs and rollout servers forked from one "
+                    "process that imported torch and transformers first (parity.study.preload; `parity study --preload`)")
     ap.add_argument("--fixed-step-arms", default="bf16 / none,w4a4+int4kv / score_centering / ,w4a4+int4kv / tis",
                     help="arms (comma-separated name prefixes) whose trainer step on one fixed batch is compared "
                     "between the trees after the phases (tests/bench/fixed_trainer_step.py); empty: none")
@@ -427,7 +442,7 @@ def main() -> None:
     if a.contended_only:
         record["new"] = phase("new", f"{ROOT / 'platform'}:{site}", runs, work, a.timeout, "auto", extra_env,
                               new_extra, a.new_cohorts, a.new_cohort_sm_share, a.new_cohort_max_runs,
-                              a.new_cohort_compile_threads)
+                              a.new_cohort_compile_threads, preload=a.new_preload)
         record["extra_env"], record["new_extra"] = extra_env, new_extra
         out.write_text(json.dumps(record, indent=1, default=str))
         n = record["new"]
@@ -444,7 +459,8 @@ def main() -> None:
     print(f"old: {old['run_steps']} run-steps in {old['wall_s']} s = {old['run_steps_per_s']:.2f}/s "
           f"(steady {old['steady_run_steps_per_s']})", flush=True)
     new = phase("new", f"{ROOT / 'platform'}:{site}", runs, work, a.timeout, "auto", extra_env, new_extra,
-                a.new_cohorts, a.new_cohort_sm_share, a.new_cohort_max_runs, a.new_cohort_compile_threads)
+                a.new_cohorts, a.new_cohort_sm_share, a.new_cohort_max_runs, a.new_cohort_compile_threads,
+                preload=a.new_preload)
     record["new"] = new
     record["extra_env"], record["new_extra"] = extra_env, new_extra
     record["ratio"] = new["run_steps_per_s"] / old["run_steps_per_s"]

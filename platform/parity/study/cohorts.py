@@ -96,8 +96,8 @@ def with_members(specs: list[RunSpec], cohorts: list[Cohort]) -> list[RunSpec]:
 
 @contextlib.contextmanager
 def serving(cohorts: list[Cohort], env: dict, log_dir: Path, timeout_s: float = 600.0,
-            sm_share: int | None = None, wait: bool = True, compile_threads: int | None = None
-            ) -> Iterator[list[Cohort]]:
+            sm_share: int | None = None, wait: bool = True, compile_threads: int | None = None,
+            preloader: Any = None) -> Iterator[list[Cohort]]:
     """Start every cohort's server, all at once, yield, stop them. `wait`: yield once every server listens (its
     engines built); False: yield at once, so that the runs start while the servers build their engines (a member
     connects when its server listens, and fails with the server's error if it could not start: the server writes
@@ -105,7 +105,9 @@ def serving(cohorts: list[Cohort], env: dict, log_dir: Path, timeout_s: float = 
     a server's process may use at a time, where it differs from the runs' (a server decodes the rows of all its
     members in one call). `compile_threads`: Inductor's compile workers in a server's process
     (TORCHINDUCTOR_COMPILE_THREADS), where they differ from the runs' (a study's runs compile in their own process,
-    one kernel at a time; a server's first calls compile and capture on every member's critical path)."""
+    one kernel at a time; a server's first calls compile and capture on every member's critical path).
+    `preloader`: a parity.study.preload.Preloader the servers are forked from (their imports done), else each
+    server is a new interpreter."""
     log_dir.mkdir(parents=True, exist_ok=True)
     if compile_threads is not None:
         if int(compile_threads) < 1:
@@ -118,11 +120,14 @@ def serving(cohorts: list[Cohort], env: dict, log_dir: Path, timeout_s: float = 
         for i, c in enumerate(cohorts):
             for stale in (Path(c.address), *(Path(c.address).with_suffix(x) for x in (".ready", ".failed"))):
                 stale.unlink(missing_ok=True)
-            log = (log_dir / f"cohort{i}.log").open("w")
-            c.proc = subprocess.Popen([sys.executable, "-m", "parity.rollout.cohort_server", "--address", c.address,
-                                       "--members", str(len(c.members)), "--model-dir", c.model_dir, "--ready",
-                                       str(Path(c.address).with_suffix(".ready")), "--", *c.overrides], env=env,
-                                      stdout=log, stderr=subprocess.STDOUT)
+            argv = ["-m", "parity.rollout.cohort_server", "--address", c.address, "--members", str(len(c.members)),
+                    "--model-dir", c.model_dir, "--ready", str(Path(c.address).with_suffix(".ready")), "--",
+                    *c.overrides]
+            if preloader is not None:
+                c.proc = preloader.popen(argv, env=env, log=log_dir / f"cohort{i}.log", cwd=Path.cwd())
+            else:
+                with (log_dir / f"cohort{i}.log").open("w") as log:
+                    c.proc = subprocess.Popen([sys.executable, *argv], env=env, stdout=log, stderr=subprocess.STDOUT)
         t0 = time.time()
         for i, c in enumerate(cohorts):
             ready = Path(c.address).with_suffix(".ready")

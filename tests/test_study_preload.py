@@ -1,0 +1,81 @@
+"""The preloaded launcher (parity.study.preload): children forked from one process that imported torch start with
+it imported and behave as `python -m MODULE` processes: argv, working directory, environment, log, exit code,
+stdin empty, torch's thread count from their own OMP_NUM_THREADS; kill and wait as subprocess.Popen's; a request
+with another PYTHONPATH is refused with the reason; a real `parity train` run through it trains."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from parity.study.preload import Preloader, PreloadError
+from tests.conftest import QUICK
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _env(**extra) -> dict:
+    return {**os.environ, "PYTHONPATH": f"{ROOT / 'platform'}:{ROOT}", **extra}
+
+
+def test_children_start_with_torch_imported_and_act_as_their_own_processes(tmp_path) -> None:
+    env = _env(OMP_NUM_THREADS="1")
+    with Preloader(env, log=tmp_path / "launcher.log", modules=("torch",)) as pre:
+        kids = []
+        for i, code in enumerate((0, 3)):
+            log = tmp_path / f"child{i}.log"
+            kids.append((log, pre.popen(["-m", "tests.preload_probe", str(code), f"arg{i}"],
+                                        env=_env(PROBE=f"p{i}", OMP_NUM_THREADS="2"), log=log, cwd=ROOT)))
+        assert [p.wait(timeout=60) for _, p in kids] == [0, 3]
+        assert pre.preload_s is not None
+    for i, (log, p) in enumerate(kids):
+        got = json.loads(log.read_text().strip().splitlines()[-1])
+        assert got == {"argv": [str((0, 3)[i]), f"arg{i}"], "cwd": str(ROOT), "probe": f"p{i}",
+                       "torch_preloaded": True, "threads": 2, "pid": p.pid, "stdin": ""}
+    first = json.loads((tmp_path / "launcher.log").read_text().splitlines()[0])
+    assert isinstance(first["preload"]["torch"], float) and first["threads"] >= 1
+
+
+def test_kill_wait_and_a_refused_request(tmp_path) -> None:
+    with Preloader(_env(), modules=("json",)) as pre:
+        p = pre.popen(["-m", "time"], env=_env(), log=tmp_path / "t.log", cwd=ROOT)
+        p.wait(timeout=30)  # `python -m time` is not runnable: an error in the log, code 1
+        assert p.returncode == 1 and "time" in (tmp_path / "t.log").read_text()
+        sleeper = pre.popen(["-m", "tests.preload_probe", "sleep"], env=_env(), log=tmp_path / "s.log", cwd=ROOT)
+        with pytest.raises(subprocess.TimeoutExpired):
+            sleeper.wait(timeout=0.5)
+        assert sleeper.poll() is None
+        sleeper.kill()
+        assert sleeper.wait(timeout=30) == -signal.SIGKILL
+        with pytest.raises(PreloadError, match="PYTHONPATH '/elsewhere' is not the launcher's"):
+            pre.popen(["-m", "tests.preload_probe", "0"], env={**_env(), "PYTHONPATH": "/elsewhere"},
+                      log=tmp_path / "x.log", cwd=ROOT)
+
+
+def test_a_launcher_that_cannot_start_says_so(tmp_path) -> None:
+    with Preloader(_env(), modules=("json",), timeout_s=30) as pre:
+        pre.proc.send_signal(signal.SIGKILL)
+        pre.proc.wait()
+        Path(pre._ready).unlink(missing_ok=True)
+        with pytest.raises(PreloadError, match="exited with -9 before listening"):
+            pre.popen(["-m", "tests.preload_probe", "0"], env=_env(), log=tmp_path / "x.log", cwd=ROOT)
+
+
+def test_a_parity_run_trains_through_the_launcher(tmp_path, prepared_model) -> None:
+    """`parity train` as a preloaded child: its summary, metrics and exit code as a subprocess's, and its start
+    (summary.json's startup_s) counted from its fork."""
+    env = _env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    t0 = time.time()
+    with Preloader(env) as pre:
+        p = pre.popen(["-m", "parity", "train", f"outputs_dir={tmp_path}", "trainer.run_name=pre", *QUICK,
+                       f"model.path={prepared_model}"], env=env, log=tmp_path / "run.log", cwd=ROOT)
+        assert p.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()[-3000:]
+    summary = json.loads((tmp_path / "runs" / "pre" / "summary.json").read_text())
+    assert summary["steps"] >= 1 and (tmp_path / "runs" / "pre" / "metrics.jsonl").is_file()
+    assert summary["startup_s"]["imports"] < time.time() - t0
