@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from parity.study.preload import Preloader, PreloadError
-from tests.conftest import QUICK
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,15 +66,20 @@ def test_a_launcher_that_cannot_start_says_so(tmp_path) -> None:
             pre.popen(["-m", "tests.preload_probe", "0"], env=_env(), log=tmp_path / "x.log", cwd=ROOT)
 
 
-def test_a_parity_run_trains_through_the_launcher(tmp_path, prepared_model) -> None:
-    """`parity train` as a preloaded child: its summary, metrics and exit code as a subprocess's, and its start
-    (summary.json's startup_s) counted from its fork."""
-    env = _env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+def test_a_study_with_preload_trains_its_runs_through_the_launcher(tmp_path) -> None:
+    """`parity study --preload`: two runs at a time forked from the launcher train and read back as subprocess runs
+    do; the launcher's log says what it imported; each run's start (summary.json's startup_s) counts from its fork."""
+    from parity.commands.study import main
+    out = tmp_path / "study"
     t0 = time.time()
-    with Preloader(env) as pre:
-        p = pre.popen(["-m", "parity", "train", f"outputs_dir={tmp_path}", "trainer.run_name=pre", *QUICK,
-                       f"model.path={prepared_model}"], env=env, log=tmp_path / "run.log", cwd=ROOT)
-        assert p.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()[-3000:]
-    summary = json.loads((tmp_path / "runs" / "pre" / "summary.json").read_text())
-    assert summary["steps"] >= 1 and (tmp_path / "runs" / "pre" / "metrics.jsonl").is_file()
-    assert summary["startup_s"]["imports"] < time.time() - t0
+    res = main(["--preset", "laptop-reinforce", "--quick", "--arms", "bf16 / none,sigma=0.2 / none", "--extra",
+                "model.dtype=float32", "--concurrency", "2", "--preload", "--outputs-dir", str(tmp_path / "outputs"),
+                "--out", str(out)])
+    assert res["failed"] == 0 and res["runs"] == 2
+    head = json.loads((out / "logs" / "preload.log").read_text().splitlines()[0])
+    assert isinstance(head["preload"]["torch"], float) and isinstance(head["preload"]["transformers"], float)
+    study = json.loads((out / "study.json").read_text())
+    assert all(r["steps"] == 2 and len(r["curves"]["reward/mean"]) == 2 for r in study["runs"])
+    for r in study["runs"]:
+        summary = json.loads((tmp_path / "outputs" / "runs" / r["name"] / "summary.json").read_text())
+        assert 0 < summary["startup_s"]["imports"] < time.time() - t0

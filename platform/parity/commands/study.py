@@ -97,6 +97,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cohort-compile-threads", type=int, default=None, metavar="N",
                    help="with --cohorts, Inductor's compile workers in each rollout server's process "
                         "(TORCHINDUCTOR_COMPILE_THREADS; default: the runs' setting, the gpu preset's 1)")
+    p.add_argument("--preload", action="store_true",
+                   help="runs (and rollout servers) forked from one process that imported torch, transformers and "
+                   "Triton first, instead of each importing them at once (parity.study.preload)")
     p.add_argument("--figures-only", action="store_true", help="rewrite study.md and the figures from study.json")
     p.add_argument("--collect", action="store_true", help="read the runs' folders as they are (unfinished ones "
                    "marked partial) into study.json, the table and the figures, without training")
@@ -321,13 +324,18 @@ def main(argv: list[str]) -> dict:
         print(f"study: MPS {mps.status}", flush=True)
         env = {**preset.env, **child_env(mps)}
         with contextlib.ExitStack() as stack:
+            pre = None
+            if a.preload and concurrency > 1:
+                from parity.study.preload import Preloader
+                pre = stack.enter_context(Preloader(dict(os.environ, **env), log=out / "logs" / "preload.log"))
             if cohorts:
                 # the servers build their engines while the runs start (a member connects when its server listens)
                 stack.enter_context(serving(cohorts, dict(os.environ, **env), out / "logs",
                                             sm_share=a.cohort_sm_share, wait=False,
-                                            compile_threads=a.cohort_compile_threads))
+                                            compile_threads=a.cohort_compile_threads, preloader=pre))
                 study["mps"]["cohort_sm_share"] = a.cohort_sm_share
-            study["runs"] = run_all(specs, a.outputs_dir, concurrency, threads, out / "logs", done, env, train=train)
+            study["runs"] = run_all(specs, a.outputs_dir, concurrency, threads, out / "logs", done, env, train=train,
+                                    preloader=pre)
     study["wall_s"] = round(time.time() - t0, 1)
     figs = write_outputs(study, out)
     print((out / "study.md").read_text(), flush=True)

@@ -252,6 +252,8 @@ class Preloader:
         self.address = os.path.join(self._dir, "launch.sock")
         self._ready = os.path.join(self._dir, "ready")
         self.env, self.timeout_s = dict(env), timeout_s
+        if log:
+            Path(log).parent.mkdir(parents=True, exist_ok=True)
         out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 - closed in close()
         self._log = out
         self.proc = subprocess.Popen([sys.executable, "-m", "parity.study.preload", self.address, "--ready",

@@ -121,10 +121,11 @@ def check_finished_matches(spec: RunSpec, run_dir: Path) -> None:
 
 
 def run_one(spec: RunSpec, outputs_dir: str, env: dict, log_dir: Path,
-            train: Callable[[Any], dict] | None = None) -> dict:
+            train: Callable[[Any], dict] | None = None, preloader: Any = None) -> dict:
     """Train one run (unless its folder already holds a finished one) and read it back: in this process with
     `train(cfg)` when given (the command's training entry; one import of torch for all runs: the form for runs one
-    at a time), else as a `python -m parity train` subprocess."""
+    at a time), else as a `python -m parity train` process, forked from `preloader` when given
+    (parity.study.preload)."""
     run_dir = Path(outputs_dir) / "runs" / spec.name
     t0 = time.time()
     if not (run_dir / "summary.json").is_file():
@@ -139,18 +140,21 @@ def run_one(spec: RunSpec, outputs_dir: str, env: dict, log_dir: Path,
                 return _failed(spec, f"{type(e).__name__}: {e}", log)
         else:
             cmd = [sys.executable, "-m", "parity", "train", *_overrides(spec, outputs_dir)]
-            with log.open("w") as f:
-                p = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
-            if p.returncode:
+            if preloader is not None:
+                code = preloader.popen(cmd[1:], env=env, log=log, cwd=os.getcwd()).wait()
+            else:
+                with log.open("w") as f:
+                    code = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, text=True).returncode
+            if code:
                 return _failed(spec, log.read_text()[-1500:], log)
     return read_run(spec, run_dir, round(time.time() - t0, 1))
 
 
 def run_all(specs: list[RunSpec], outputs_dir: str, concurrency: int, threads_per_run: int, log_dir: Path,
             on_done: Callable[[dict, int, int, float], None] | None = None, extra_env: dict | None = None,
-            train: Callable[[Any], dict] | None = None) -> list[dict]:
-    """Every spec, `concurrency` at a time (subprocesses; one at a time runs in this process through `train`
-    when given); results in the order of `specs`."""
+            train: Callable[[Any], dict] | None = None, preloader: Any = None) -> list[dict]:
+    """Every spec, `concurrency` at a time (subprocesses, forked from `preloader` when given; one at a time runs in
+    this process through `train` when given); results in the order of `specs`."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads_per_run), MKL_NUM_THREADS=str(threads_per_run),
                PYTHONUNBUFFERED="1", **(extra_env or {}))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -163,7 +167,7 @@ def run_all(specs: list[RunSpec], outputs_dir: str, concurrency: int, threads_pe
                 on_done(out[i], len(out), len(specs), time.time() - t0)
         return [out[i] for i in range(len(specs))]
     with ThreadPoolExecutor(max(1, concurrency)) as ex:
-        futures = {ex.submit(run_one, s, outputs_dir, env, log_dir): i for i, s in enumerate(specs)}
+        futures = {ex.submit(run_one, s, outputs_dir, env, log_dir, None, preloader): i for i, s in enumerate(specs)}
         for fut in as_completed(futures):
             i = futures[fut]
             out[i] = fut.result()
