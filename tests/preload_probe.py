@@ -12,7 +12,8 @@ if __name__ == "__main__":
         time.sleep(120)
     preloaded = "torch" in sys.modules
     import torch
-    print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "probe": os.environ.get("PROBE"),
+    cuda = float(torch.ones(2, device="cuda").sum()) if torch.cuda.is_available() else None
+    print(json.dumps({"cuda": cuda, "argv": sys.argv[1:], "cwd": os.getcwd(), "probe": os.environ.get("PROBE"),
                       "torch_preloaded": preloaded, "threads": torch.get_num_threads(), "pid": os.getpid(),
                       "stdin": sys.stdin.read()}))
     sys.exit(int(sys.argv[1]))

@@ -1,7 +1,8 @@
 """The preloaded launcher (parity.study.preload): children forked from one process that imported torch start with
-it imported and behave as `python -m MODULE` processes: argv, working directory, environment, log, exit code,
-stdin empty, torch's thread count from their own OMP_NUM_THREADS; kill and wait as subprocess.Popen's; a request
-with another PYTHONPATH is refused with the reason; a real `parity train` run through it trains."""
+it imported and behave as `python -m MODULE` processes (on a GPU machine each uses CUDA): argv, working directory,
+environment, log, exit code, stdin empty, torch's thread count from their own OMP_NUM_THREADS; kill and wait as
+subprocess.Popen's; a request with another PYTHONPATH is refused with the reason; `parity study --preload` trains
+its runs through it."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from parity.study.preload import Preloader, PreloadError
 
@@ -35,7 +37,7 @@ def test_children_start_with_torch_imported_and_act_as_their_own_processes(tmp_p
         assert pre.preload_s is not None
     for i, (log, p) in enumerate(kids):
         got = json.loads(log.read_text().strip().splitlines()[-1])
-        assert got == {"argv": [str((0, 3)[i]), f"arg{i}"], "cwd": str(ROOT), "probe": f"p{i}",
+        assert got == {"cuda": 2.0 if torch.cuda.is_available() else None, "argv": [str((0, 3)[i]), f"arg{i}"], "cwd": str(ROOT), "probe": f"p{i}",
                        "torch_preloaded": True, "threads": 2, "pid": p.pid, "stdin": ""}
     first = json.loads((tmp_path / "launcher.log").read_text().splitlines()[0])
     assert isinstance(first["preload"]["torch"], float) and first["threads"] >= 1

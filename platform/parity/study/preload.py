@@ -48,6 +48,9 @@ def _preload(modules) -> dict:
     """Import `modules` (a missing optional one is skipped) and check that CUDA was not initialised (a child could
     not use it then). Returns {module: seconds or the ImportError}."""
     import importlib
+    # torch.cuda.is_available() (which a module may call at import) then asks NVML instead of initialising the
+    # CUDA driver, which a forked child could not use after its parent had
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     took = {}
     for m in modules:
         t0 = time.perf_counter()
