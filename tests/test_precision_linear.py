@@ -338,21 +338,6 @@ def test_the_tile_table_reads_its_devices_tiles_and_names_a_bad_entry(tmp_path, 
     int8_triton._table.cache_clear()
 
 
-def test_the_shipped_tile_table_names_candidate_tiles() -> None:
-    """Every tile in the shipped table is one of the kernel's candidates for its shape (a decode state would
-    otherwise time the candidates as if the table had none), and the file says where it came from."""
-    from parity.precision import int8_triton
-    table = json.loads(int8_triton.TILES_FILE.read_text())
-    assert table["devices"], "no device in the table"
-    for name, entry in table["devices"].items():
-        assert entry["date"] and entry["command"] and entry["triton"], name
-        if int8_triton.triton is None:
-            continue
-        for (m, n, k), tile in int8_triton._table(name).items():
-            assert tile in [int8_triton._tile(c) for c in int8_triton._prune(int8_triton._CONFIGS,
-                                                                              {"M_KEY": m, "K": k})], (name, m, n, k)
-
-
 def _int8_triton_usable() -> bool:
     from parity.precision import int8_triton
     return int8_triton.usable()

@@ -59,13 +59,18 @@ def test_kill_wait_and_a_refused_request(tmp_path) -> None:
                       log=tmp_path / "x.log", cwd=ROOT)
 
 
-def test_a_launcher_that_cannot_start_says_so(tmp_path) -> None:
+def test_a_launcher_that_cannot_serve_falls_back_to_plain_processes(tmp_path) -> None:
+    """A launcher that died before listening: the run starts as a plain `python -m` process, and `fallback` says
+    why."""
     with Preloader(_env(), modules=("json",), timeout_s=30) as pre:
         pre.proc.send_signal(signal.SIGKILL)
         pre.proc.wait()
         Path(pre._ready).unlink(missing_ok=True)
-        with pytest.raises(PreloadError, match="exited with -9 before listening"):
-            pre.popen(["-m", "tests.preload_probe", "0"], env=_env(), log=tmp_path / "x.log", cwd=ROOT)
+        p = pre.popen(["-m", "tests.preload_probe", "4"], env=_env(PROBE="plain"), log=tmp_path / "x.log", cwd=ROOT)
+        assert isinstance(p, subprocess.Popen) and p.wait(timeout=60) == 4
+        assert pre.fallback == "the preloaded launcher exited with -9 before listening"
+    got = json.loads((tmp_path / "x.log").read_text().strip().splitlines()[-1])
+    assert got["probe"] == "plain" and got["torch_preloaded"] is False
 
 
 def test_a_study_with_preload_trains_its_runs_through_the_launcher(tmp_path) -> None:

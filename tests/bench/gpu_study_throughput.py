@@ -182,7 +182,8 @@ def phase(name: str, pythonpath: str, runs: list[dict], work: Path, timeout_s: f
                 p.kill()
         wall = time.time() - t0
         mps_status = dict(mps.status, server_pid=server)
-        preloaded = None if pre is None else {"preload_s": pre.preload_s, "log": _head(out_dir / "logs" / "preload.log")}
+        preloaded = None if pre is None else {"preload_s": pre.preload_s, "fallback": pre.fallback,
+                                              "log": _head(out_dir / "logs" / "preload.log")}
     results = []
     for r, p in procs:
         run_dir = out_dir / "runs" / r["name"]

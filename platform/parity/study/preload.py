@@ -119,9 +119,37 @@ def _settings_from_env() -> None:
         cfg.compile_threads = int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"])
 
 
+def _forked_cuda_check() -> str | None:
+    """Where NVML sees a GPU: a forked child initialises CUDA and sums on it. None when it could; else why not."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():  # NVML's answer: the driver stays uninitialised here
+        return None
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
+            code = 0 if float(torch.ones(2, device="cuda").sum()) == 2.0 else 1
+        except BaseException:  # noqa: BLE001 - printed to the launcher's log; the exit code says it failed
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    return None if code == 0 else f"a forked child could not use CUDA (exit {code})"
+
+
 def serve(address: str, modules=MODULES, ready: str | None = None) -> None:
-    """Preload, listen on `address`, fork a child per request until SIGTERM."""
+    """Preload, check that a forked child can use CUDA (where there is a GPU), listen on `address`, fork a child
+    per request until SIGTERM. Where the check fails, the ready file says why and the server exits: the client then
+    starts plain processes."""
     took = _preload(modules)
+    why = _forked_cuda_check()
+    if why is not None:
+        print(json.dumps({"preload": took, "usable": False, "why": why}), flush=True)
+        if ready:
+            Path(ready).write_text(json.dumps({"usable": False, "why": why}))
+        return
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(address)
     srv.listen(64)
@@ -134,7 +162,7 @@ def serve(address: str, modules=MODULES, ready: str | None = None) -> None:
     print(json.dumps({"preload": took, "pid": os.getpid(), "threads": threads,
                       "pythonpath": os.environ.get("PYTHONPATH", "")}), flush=True)
     if ready:
-        Path(ready).write_text(json.dumps(took))
+        Path(ready).write_text(json.dumps({"usable": True, "preload": took}))
     while not stop:
         for _ in sel.select(timeout=0.1):
             conn, _ = srv.accept()
@@ -248,7 +276,9 @@ def _alive(pid: int) -> bool:
 
 class Preloader:
     """The launcher's server process for one study or phase (a context manager): started with `env` (its
-    PYTHONPATH the runs'), it imports while the caller goes on; `popen` waits for it to listen."""
+    PYTHONPATH the runs'), it imports while the caller goes on; `popen` waits for it to listen. Where the launcher
+    cannot serve (it died, did not listen in time, or its forked child could not use CUDA), `popen` starts plain
+    `python` processes instead and `fallback` says why (printed once)."""
 
     def __init__(self, env: dict, log: str | Path | None = None, modules=MODULES, timeout_s: float = 300.0) -> None:
         self._dir = tempfile.mkdtemp(prefix="parity-preload-")
@@ -264,6 +294,7 @@ class Preloader:
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.t0 = time.time()
         self.preload_s: float | None = None
+        self.fallback: str | None = None
 
     def _wait_ready(self) -> None:
         while not os.path.exists(self._ready):
@@ -274,10 +305,23 @@ class Preloader:
             time.sleep(0.05)
         if self.preload_s is None:
             self.preload_s = round(time.time() - self.t0, 2)
+            state = json.loads(Path(self._ready).read_text() or "{}")
+            if not state.get("usable", False):
+                raise PreloadError(state.get("why", "the preloaded launcher is not usable"))
 
-    def popen(self, argv: list[str], env: dict, log: str | Path, cwd: str | Path) -> PreloadedProcess:
-        """Launch `python ARGV` (ARGV = -m MODULE ...) as a child of the launcher, stdout and stderr to `log`."""
-        self._wait_ready()
+    def popen(self, argv: list[str], env: dict, log: str | Path, cwd: str | Path):
+        """Launch `python ARGV` (ARGV = -m MODULE ...) as a child of the launcher, stdout and stderr to `log`
+        (a PreloadedProcess), or as a plain subprocess.Popen where the launcher cannot serve."""
+        if self.fallback is None:
+            try:
+                self._wait_ready()
+            except PreloadError as e:
+                self.fallback = str(e)
+                print(f"preload: {self.fallback}; runs start as plain processes", file=sys.stderr, flush=True)
+        if self.fallback is not None:
+            with open(log, "w") as f:
+                return subprocess.Popen([sys.executable, *argv], env=env, stdout=f, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, cwd=str(cwd))
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(self.address)
         conn.sendall((json.dumps({"argv": list(argv), "env": dict(env), "cwd": str(cwd), "log": str(log)}) + "\n")
