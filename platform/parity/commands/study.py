@@ -29,6 +29,7 @@ from parity.paths import plain_name
 from parity.study.cohorts import check_max_runs, plan, serving, with_members
 from parity.study.members import expand
 from parity.study.mps import MpsDaemon, check_sm_share, child_env
+from parity.study.preload import Preloader
 from parity.study.presets import OBJECTIVES, PRESETS, QUICK
 from parity.study.report import (
     arm_rows,
@@ -326,7 +327,6 @@ def main(argv: list[str]) -> dict:
         with contextlib.ExitStack() as stack:
             pre = None
             if a.preload and concurrency > 1:
-                from parity.study.preload import Preloader
                 pre = stack.enter_context(Preloader(dict(os.environ, **env), log=out / "logs" / "preload.log"))
             if cohorts:
                 # the servers build their engines while the runs start (a member connects when its server listens)
