@@ -13,8 +13,9 @@ The server (`python -m parity.study.preload SOCKET`) answers each launch request
 child's pid, and when the child exits, with its exit code on the same connection. A child gets the request's
 environment (PYTHONPATH must be the server's: its imports came from there), working directory, argv and log file
 (stdout and stderr), stdin from /dev/null, and settings that the preloaded modules read at import time are read
-again from its environment (torch's thread count, Inductor's compile workers). Python's `random` is reseeded in
-every child (os.register_at_fork); a run seeds torch and numpy itself from its config."""
+again from its environment (torch's thread count, Inductor's compile workers); OpenMP's wait policy is the
+launcher's (PASSIVE unless its environment says otherwise, as `python -m parity` sets it). Python's `random` is
+reseeded in every child (os.register_at_fork); a run seeds torch and numpy itself from its config."""
 
 from __future__ import annotations
 
@@ -51,6 +52,9 @@ def _preload(modules) -> dict:
     # torch.cuda.is_available() (which a module may call at import) then asks NVML instead of initialising the
     # CUDA driver, which a forked child could not use after its parent had
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    # what `python -m parity` sets before torch loads OpenMP (parity.__main__): OpenMP loads here, for every child
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     took = {}
     for m in modules:
         t0 = time.perf_counter()
