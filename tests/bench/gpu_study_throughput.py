@@ -143,9 +143,9 @@ def phase(name: str, pythonpath: str, runs: list[dict], work: Path, timeout_s: f
             contextlib.ExitStack() as stack:
         env.update(child_env(mps))
         t0 = time.time()
+        from parity.study.preload import Preloader, start
         pre = None
         if preload:
-            from parity.study.preload import Preloader
             pre = stack.enter_context(Preloader(env, log=out_dir / "logs" / "preload.log"))
         if groups:
             from parity.study.cohorts import serving
@@ -154,13 +154,8 @@ def phase(name: str, pythonpath: str, runs: list[dict], work: Path, timeout_s: f
                                         compile_threads=cohort_compile_threads, preloader=pre))
         procs = []
         for r in runs:
-            argv = ["-m", "parity", "train", f"outputs_dir={out_dir}", *overrides[r["name"]]]
-            if pre is not None:
-                procs.append((r, pre.popen(argv, env=env, log=out_dir / "logs" / f"{r['name']}.log", cwd=ROOT)))
-                continue
-            log = (out_dir / "logs" / f"{r['name']}.log").open("w")
-            procs.append((r, subprocess.Popen([sys.executable, *argv], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                              cwd=str(ROOT))))
+            procs.append((r, start(["-m", "parity", "train", f"outputs_dir={out_dir}", *overrides[r["name"]]], env,
+                                   out_dir / "logs" / f"{r['name']}.log", ROOT, pre)))
         timeline, gpu, server, load = [], [], None, []
         cpu = {r["name"]: None for r, _ in procs}
         while any(p.poll() is None for _, p in procs) and time.time() - t0 < timeout_s:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from parity.study.members import RunSpec
+from parity.study.preload import start
 
 
 @dataclass
@@ -123,11 +123,7 @@ def serving(cohorts: list[Cohort], env: dict, log_dir: Path, timeout_s: float = 
             argv = ["-m", "parity.rollout.cohort_server", "--address", c.address, "--members", str(len(c.members)),
                     "--model-dir", c.model_dir, "--ready", str(Path(c.address).with_suffix(".ready")), "--",
                     *c.overrides]
-            if preloader is not None:
-                c.proc = preloader.popen(argv, env=env, log=log_dir / f"cohort{i}.log", cwd=Path.cwd())
-            else:
-                with (log_dir / f"cohort{i}.log").open("w") as log:
-                    c.proc = subprocess.Popen([sys.executable, *argv], env=env, stdout=log, stderr=subprocess.STDOUT)
+            c.proc = start(argv, env, log_dir / f"cohort{i}.log", Path.cwd(), preloader)
         t0 = time.time()
         for i, c in enumerate(cohorts):
             ready = Path(c.address).with_suffix(".ready")

@@ -33,8 +33,8 @@ import time
 import traceback
 from pathlib import Path
 
-# what a run imports that costs seconds; parity's own modules are left to the child (some read PARITY_ settings
-# at import time)
+# what a run imports that costs seconds; parity's own modules are left to the child (a second or two, and they load
+# with the child's environment in place)
 MODULES = ("torch", "torch._dynamo", "torch._inductor.config", "transformers", "transformers.modeling_utils",
            "transformers.models.qwen3.modeling_qwen3", "safetensors.torch", "numpy", "omegaconf", "hydra", "triton")
 
@@ -323,9 +323,7 @@ class Preloader:
                 self.fallback = str(e)
                 print(f"preload: {self.fallback}; runs start as plain processes", file=sys.stderr, flush=True)
         if self.fallback is not None:
-            with open(log, "w") as f:
-                return subprocess.Popen([sys.executable, *argv], env=env, stdout=f, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, cwd=str(cwd))
+            return start(argv, env, log, cwd)
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(self.address)
         conn.sendall((json.dumps({"argv": list(argv), "env": dict(env), "cwd": str(cwd), "log": str(log)}) + "\n")
@@ -356,6 +354,16 @@ class Preloader:
         self.close()
 
 
+def start(argv: list[str], env: dict, log: str | Path, cwd: str | Path, preloader: Preloader | None = None):
+    """`python ARGV` (ARGV = -m MODULE ...) with stdout and stderr to `log`: forked from `preloader` when given
+    (a PreloadedProcess), else a new interpreter (subprocess.Popen)."""
+    if preloader is not None:
+        return preloader.popen(argv, env=env, log=log, cwd=cwd)
+    with open(log, "w") as f:
+        return subprocess.Popen([sys.executable, *argv], env=env, stdout=f, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, cwd=str(cwd))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description="the preloaded launcher's server (parity.study.preload)")
     ap.add_argument("address", help="Unix socket to listen on")
@@ -365,7 +373,7 @@ def main() -> None:
     serve(a.address, [m for m in a.modules.split(",") if m], a.ready)
 
 
-__all__ = ["MODULES", "Preloader", "PreloadedProcess", "PreloadError", "serve"]
+__all__ = ["MODULES", "Preloader", "PreloadedProcess", "PreloadError", "serve", "start"]
 
 
 if __name__ == "__main__":

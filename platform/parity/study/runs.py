@@ -22,6 +22,7 @@ from typing import Any
 from parity.config import load_config
 from parity.errors import ParityError
 from parity.study.members import RunSpec
+from parity.study.preload import start
 from parity.training.warm_start import built_model
 from parity.training.warm_start import prepare_model as prepare_start_model
 
@@ -139,12 +140,8 @@ def run_one(spec: RunSpec, outputs_dir: str, env: dict, log_dir: Path,
                 log.write_text(traceback.format_exc())
                 return _failed(spec, f"{type(e).__name__}: {e}", log)
         else:
-            cmd = [sys.executable, "-m", "parity", "train", *_overrides(spec, outputs_dir)]
-            if preloader is not None:
-                code = preloader.popen(cmd[1:], env=env, log=log, cwd=os.getcwd()).wait()
-            else:
-                with log.open("w") as f:
-                    code = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, text=True).returncode
+            code = start(["-m", "parity", "train", *_overrides(spec, outputs_dir)], env, log, os.getcwd(),
+                         preloader).wait()
             if code:
                 return _failed(spec, log.read_text()[-1500:], log)
     return read_run(spec, run_dir, round(time.time() - t0, 1))
