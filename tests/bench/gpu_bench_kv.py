@@ -143,7 +143,9 @@ def kv_rows(d: str, reps: int, rows: list | None = None, budget_batches: bool = 
             row["kv_cache_bytes_over_bf16"] = row["kv_cache_bytes_b64"] / base["kv_cache_bytes_b64"]
             row["mean_abs_dlogp_vs_bf16_forward"], row["max_abs_dlogp_vs_bf16_forward"] = teacher_forced_gap(
                 ref.model, b)
-            if teacher_forced and (kv != "bf16" or label == "bf16"):
+            # every row: a packed row's distance from its own forward, and the two plain-cache rows' (BF16, W8A8) the
+            # decode noise of their weight formats, the yardsticks of the one-format measure below
+            if teacher_forced:
                 row["dlogp_vs_teacher_forced_same_arithmetic"] = _dlogp(eng, b)
                 # the decode path against the plain loop replaying its tokens (TorchEngine.replay: the reference
                 # decode of its format, step by step), the "one INT4 format" measure
@@ -197,6 +199,14 @@ def kv_rows(d: str, reps: int, rows: list | None = None, budget_batches: bool = 
             out["int4kv_packed_vs_simulated"].update(
                 same_route=same, packed_within_twice_bf16_forward=same["mean_abs_dlogp"] <= 2 * bf16_fwd[
                     "mean_abs_dlogp"])
+        # the same criterion against the W8A8 decode's own noise (W8A8 weights, plain bf16 cache, decode against its
+        # full forward): the packed W8A8 rows' excess over twice bf16's, if the INT8 activations' rounding causes it,
+        # is within twice this one
+        w8_fwd = out.get("int8_w8a8", {}).get("dlogp_vs_teacher_forced_same_arithmetic")
+        if same is not None and w8_fwd is not None:
+            out["int4kv_packed_vs_simulated"].update(
+                w8a8_decode_same_measure=w8_fwd,
+                packed_within_twice_w8a8_forward=same["mean_abs_dlogp"] <= 2 * w8_fwd["mean_abs_dlogp"])
         rp, rb = (out.get(k, {}).get("dlogp_vs_replay") for k in ("int8_w8a8_int4kv", "bf16"))
         if rp is not None and rb is not None:
             out["int4kv_packed_vs_simulated"].update(

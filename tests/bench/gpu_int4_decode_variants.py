@@ -12,13 +12,16 @@ note when it is spent):
    the 50 MB L2), 20 replays each between CUDA events, median; GB/s = cache bytes read (codes and scale words) /
    time. The same for the previous int4 kernel (dequantizing every key and value), the kernel over a bf16 cache and
    over fp8 per-token-head codes. The fastest variant that passed is what the rows below launch.
-2. `ceilings`: copy bandwidth and bf16 matmul rate (bench_gpu.ceilings).
-3. `kv` rows at batch 64, Qwen3-0.6B shape, 128 + 256 tokens (gpu_bench_kv.kv_rows): BF16, INT8 W8A8, W8A8 + INT4
+2. `length_sweep`: the fastest variant and the fp8 and bf16 kernels timed the same way at L = 128 to 1024, each
+   fitted as a fixed time a launch plus a streaming rate (GB/s of the slope): which of the two bounds GB/s at 256.
+3. `ceilings`: copy bandwidth and bf16 matmul rate (bench_gpu.ceilings).
+4. `kv` rows at batch 64, Qwen3-0.6B shape, 128 + 256 tokens (gpu_bench_kv.kv_rows): BF16, INT8 W8A8, W8A8 + INT4
    KV, W8A8 + FP8 KV, BF16 + INT4 KV (packed), tokens/s and ratios to BF16, KV bytes a step, the INT4 row's decode
-   step profile, and the log-prob gaps against a teacher-forced forward of the same tokens (for the INT4 row: the
+   step profile, and the log-prob gaps against a teacher-forced forward of the same tokens (every row, the plain-
+   cache BF16 and W8A8 rows the yardsticks of their weight formats' decode noise; for the INT4 row: the
    packed cache against the simulated cache, `int4kv_packed_vs_simulated`). Then an A/B row: W8A8 + INT4 KV with
    the unfused pre-attention functions (cuda_decode._FUSED_PRE = False).
-4. `--tests`: tests/test_kv_packed_cuda.py first (time-boxed), when asked.
+5. `--tests`: tests/test_kv_packed_cuda.py first (time-boxed), when asked.
 Prints a short table last. Needs torch, transformers, triton (pytest for --tests) only.
 """
 
@@ -194,6 +197,78 @@ def variants(slots: tuple[int, ...] = (256, 384)) -> None:
     torch.cuda.empty_cache()
 
 
+def line_fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares line y = a + b x through (x, y) points: (a, b)."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    b = sum((x - mx) * (y - my) for x, y in points) / sxx
+    return my - b * mx, b
+
+
+def fixed_and_streaming(us_at: dict[int, float], bytes_per_slot: float) -> dict:
+    """A kernel's time against the attended length L as a fixed part (the fit's value at L = 0: launch, the query
+    side, the merge and the output, the last wave's tail) and a streaming rate (cache bytes per microsecond of the
+    fit's slope, GB/s); what time at L = 256 a 2 TB/s read would need, for comparison."""
+    a, b = line_fit(sorted(us_at.items()))
+    return {"us": {str(k): v for k, v in sorted(us_at.items())}, "fixed_us": round(a, 2),
+            "streaming_GBps": round(bytes_per_slot / b / 1e3, 1) if b > 0 else None,
+            "max_residual_us": round(max(abs(v - a - b * k) for k, v in us_at.items()), 2),
+            "us_for_2TBps_at_L256": round(256 * bytes_per_slot / 2e6, 2)}
+
+
+def length_sweep(slots: tuple[int, ...] = (128, 192, 256, 384, 512, 768, 1024)) -> None:
+    """The best variant and the reference kernels timed over attended lengths (event_us, 28 layers' caches of
+    max(slots) slots), each fitted as a fixed time plus a streaming rate (fixed_and_streaming): whether a kernel's
+    GB/s at L = 256 is bound by what it pays once a launch or by how fast it reads."""
+    from parity.precision.kv import make_kv_codec
+    from parity.precision.kv_packed import PackedKVCache
+    from parity.rollout import decode_attention as da
+    from parity.rollout import int4_attention as ia
+    out: dict = RESULTS.setdefault("length_sweep", {})
+    B, n_kv, H, D = BATCH, SHAPE["num_key_value_heads"], SHAPE["num_attention_heads"], SHAPE["head_dim"]
+    layers, S = SHAPE["num_hidden_layers"], max(slots)
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(2)
+    q = torch.randn(B, H, D, device=dev, generator=g).to(torch.bfloat16)
+    key_ok = torch.ones(B, S, dtype=torch.bool, device=dev)
+    scale = D ** -0.5
+    kv = [(torch.randn(B, n_kv, S, D, device=dev, generator=g).to(torch.bfloat16),
+           torch.randn(B, n_kv, S, D, device=dev, generator=g).to(torch.bfloat16)) for _ in range(layers)]
+    caches = {}
+    for kind in ("int4_per_token_head", "fp8_per_token_head"):
+        caches[kind] = c = PackedKVCache(make_kv_codec(kind, D), layers, B, n_kv, S, torch.bfloat16, dev)
+        for layer, (k, v) in zip(c.layers, kv):
+            c.write(layer, k, v, torch.zeros(1, dtype=torch.long, device=dev))
+    int4, fp8 = caches["int4_per_token_head"], caches["fp8_per_token_head"]
+    qs = ia.prepare_queries(q, True)
+    kernels = {  # name: (bytes a slot over the batch's KV heads, one launch over a layer's cache at L)
+        f"int4_rotated_{RESULTS.get('variants', {}).get('best') or 'default'}": (
+            2 * B * n_kv * int4.codec.bytes_per_token_head(),
+            lambda c, L, st: ia.int4_attention(qs, c.k, c.v, c.k_scale, c.v_scale, key_ok, st, L, scale, True,
+                                               torch.bfloat16, da._workspace(int4), {})),
+        "fp8_per_token_head": (2 * B * n_kv * fp8.codec.bytes_per_token_head(),
+                               lambda c, L, st: da.packed_decode_attention(q, fp8, c, key_ok, st, L, scale)),
+        "bf16": (2 * B * n_kv * D * 2, lambda kv_, L, st: da.raw_decode_attention(q, *kv_, key_ok, st, L, scale)),
+    }
+    per_layer = {"fp8_per_token_head": fp8.layers, "bf16": kv}
+    for name, (bps, call) in kernels.items():
+        us_at = {}
+        try:
+            for L in slots:
+                st = torch.tensor([L - 1], device=dev)
+                us_at[L] = event_us([(lambda c=c, L=L, st=st, call=call: call(c, L, st))
+                                     for c in per_layer.get(name, int4.layers)])
+            out[name] = fixed_and_streaming(us_at, bps)
+        except Exception as e:  # noqa: BLE001 - one kernel failing leaves the others' sweeps
+            out[name] = {"us": {str(k): v for k, v in us_at.items()}, "error": f"{type(e).__name__}: {e}"[:400]}
+        print(f"length sweep {name}: {out[name]}", flush=True)
+        dump()
+    del kv, caches
+    torch.cuda.empty_cache()
+
+
 def cuda_tests(timeout: int, workers: int) -> None:
     from gpu_packed_kv import cuda_tests as run
     run(timeout, workers)
@@ -240,6 +315,10 @@ def table() -> None:
     for k, r in v.get("reference_kernels", {}).items():
         print(f"{k:40s} {r['us']:8.2f} us {r['GBps']:8.1f} GB/s")
     print(f"best variant: {v.get('best')}; ceilings: {RESULTS.get('ceilings')}")
+    for k, r in RESULTS.get("length_sweep", {}).items():
+        if isinstance(r, dict) and "fixed_us" in r:
+            print(f"{k:40s} fixed {r['fixed_us']:6.2f} us, streaming {r['streaming_GBps']} GB/s "
+                  f"(2 TB/s at L = 256 needs {r['us_for_2TBps_at_L256']} us)")
     kv = RESULTS.get("kv", {})
     print(f"\n{'row':30s} {'tok/s b64':>10s} {'x bf16':>7s} {'KV x bf16':>9s} {'dlogp mean/max vs own forward':>30s}")
     for label, r in kv.items():
@@ -283,6 +362,14 @@ def main() -> None:
         variants()
     except Exception as e:  # noqa: BLE001
         RESULTS.setdefault("errors", {})["variants"] = f"{type(e).__name__}: {e}"[:800]
+    dump()
+    if left(args.budget) > 90:
+        try:
+            length_sweep()
+        except Exception as e:  # noqa: BLE001
+            RESULTS.setdefault("errors", {})["length_sweep"] = f"{type(e).__name__}: {e}"[:800]
+    else:
+        RESULTS["length_sweep"] = {"skipped": f"budget: {left(args.budget):.0f} s left"}
     dump()
     if not args.skip_rows:
         if left(args.budget) > 120:

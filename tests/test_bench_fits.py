@@ -1,0 +1,35 @@
+"""The INT4 decode bench's length sweep on CPU: the fit that splits a kernel's time into a fixed part and a streaming
+rate, against hand computations (tests/bench/gpu_int4_decode_variants.py; the timings themselves need a GPU)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))
+
+from gpu_int4_decode_variants import fixed_and_streaming, line_fit  # noqa: E402
+
+
+def test_line_fit_by_hand() -> None:
+    # exact line 4 + 3/64 x
+    a, b = line_fit([(128, 10.0), (256, 16.0), (384, 22.0)])
+    assert a == pytest.approx(4.0, abs=1e-12) and b == pytest.approx(6 / 128, abs=1e-15)
+    # not on a line: mean x 2, mean y 3, sxy = (-1)(-3) + 0 + (1)(2) = 5, sxx = 2: b = 2.5, a = 3 - 2 x 2.5 = -2
+    assert line_fit([(1, 0.0), (2, 4.0), (3, 5.0)]) == pytest.approx((-2.0, 2.5))
+
+
+def test_fixed_and_streaming_by_hand() -> None:
+    # batch 64 x 8 KV heads, K and V of 68 bytes a token-head: 69,632 bytes a slot; 6 us every 128 slots is
+    # 69,632 / (6 / 128) bytes a microsecond = 1,485.5 GB/s; 4 us at L = 0; 2 TB/s at L = 256 is 8.91 us
+    bps = 2 * 64 * 8 * 68
+    r = fixed_and_streaming({256: 16.0, 128: 10.0, 384: 22.0}, bps)
+    assert r["fixed_us"] == 4.0
+    assert r["streaming_GBps"] == pytest.approx(1485.5, abs=0.05)
+    assert r["max_residual_us"] == 0.0
+    assert r["us_for_2TBps_at_L256"] == pytest.approx(8.91, abs=0.005)
+    assert list(r["us"]) == ["128", "256", "384"]
+    # a kernel whose time does not grow has no streaming rate
+    assert fixed_and_streaming({128: 5.0, 256: 5.0}, bps)["streaming_GBps"] is None
