@@ -264,13 +264,19 @@ def _from_table(m: int, n: int, k: int, device: torch.device):
     xs = torch.rand(m, 1, generator=g, device=device) * 1e-2
     ws = torch.rand(n, 1, generator=g, device=device) * 1e-2
     y = torch.empty(m, n, dtype=torch.bfloat16, device=device)
-    grid = (triton.cdiv(n, c.kwargs["BLOCK_N"]), triton.cdiv(m, c.kwargs["BLOCK_M"]))
     try:
-        _w8a8_kernel[grid](xq, wq, xs, ws, y, m, n, k, k, k, n, m, **c.kwargs, num_warps=c.num_warps,
-                           num_stages=c.num_stages)
+        _launch_tile(c, xq, wq, xs, ws, y)
     except Exception:  # noqa: BLE001 - a tile that does not compile or launch here: timed like any other shape
         return None
     return c if torch.equal(y, _reference(xq, wq, xs, ws, torch.bfloat16)) else None
+
+
+def _launch_tile(c, xq: torch.Tensor, wq: torch.Tensor, xs: torch.Tensor, ws: torch.Tensor, y: torch.Tensor) -> None:
+    """One launch of the W8A8 kernel with configuration `c`: y [M, N] = (xq [M, K] . wq [N, K]^T) xs ws."""
+    (m, k), n = xq.shape, wq.shape[0]
+    grid = (triton.cdiv(n, c.kwargs["BLOCK_N"]), triton.cdiv(m, c.kwargs["BLOCK_M"]))
+    _w8a8_kernel[grid](xq, wq, xs, ws, y, m, n, k, k, k, n, m, **c.kwargs, num_warps=c.num_warps,
+                       num_stages=c.num_stages)
 
 
 def tune_decode(m: int, shapes, device: torch.device) -> dict:
@@ -316,21 +322,15 @@ def _cold_graph_us(c, xq: torch.Tensor, wqs: list, xs: torch.Tensor, ws: torch.T
                    ref: torch.Tensor, reps: int = 3) -> float | None:
     """Microseconds per product of configuration `c`, launched back to back over the weight copies `wqs` in one
     CUDA graph (median of `reps` replays); None when it does not compile, launch, or equal `ref`."""
-    (m, k), n = xq.shape, wqs[0].shape[0]
-    grid = (triton.cdiv(n, c.kwargs["BLOCK_N"]), triton.cdiv(m, c.kwargs["BLOCK_M"]))
-
-    def launch(wq):
-        _w8a8_kernel[grid](xq, wq, xs, ws, y, m, n, k, k, k, n, m, **c.kwargs, num_warps=c.num_warps,
-                           num_stages=c.num_stages)
     try:
-        launch(wqs[0])
+        _launch_tile(c, xq, wqs[0], xs, ws, y)
         if not torch.equal(y, ref):
             return None
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             for wq in wqs:
-                launch(wq)
+                _launch_tile(c, xq, wq, xs, ws, y)
     except Exception:  # noqa: BLE001 - a candidate that fails to compile or launch is not chosen
         return None
     times = []
