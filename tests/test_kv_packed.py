@@ -70,8 +70,8 @@ def test_decode_path_packed_equals_simulated(model_dir, kind, spec):
     packed = eng.cuda_decoder.generate(PROMPTS, spec, use_graphs=False)
     assert sim.meta["kv_cache_layout"] == "simulated" and packed.meta["kv_cache_layout"] == "packed"
     assert eng.cuda_decoder.state.extras["packed"].backend == "torch"
-    # the run's record names the attention kernel and its variant (no autotuned launch without CUDA)
-    assert packed.meta["kv_kernel"] == {"name": "packed_dequant", "fused_pre_attention": False, "tuned": {}}
+    # the run's record names the attention kernel (the torch backend here: no Triton launch to configure)
+    assert packed.meta["kv_kernel"] == {"name": "packed_dequant", "fused_pre_attention": False}
     assert torch.equal(packed.responses, sim.responses)
     assert torch.equal(packed.rollout_logprobs, sim.rollout_logprobs)
     if spec.topk_logprobs:
@@ -113,6 +113,29 @@ def test_the_record_carries_the_autotuned_attention_variant(monkeypatch):
     assert da.tuned_configs() == {"(2, True, 64, 16, False, None)": "BLOCK_N: 64, num_warps: 4, num_stages: 2"}
     monkeypatch.setattr(da, "_attn_tuned", SimpleNamespace(cache={}), raising=False)
     assert da.tuned_configs() == {}
+
+
+def test_the_dequantizing_kernel_launches_one_configuration_unless_timed(monkeypatch):
+    """The Triton backend's record carries the pinned launch configuration; PARITY_KV_ATTENTION_TILE=timed hands
+    the choice to the autotuner and the record carries its picks; any other value is an error naming the
+    variable."""
+    from types import SimpleNamespace
+
+    from parity.rollout import decode_attention as da
+    cache = SimpleNamespace(backend="triton", kind_id=da.KIND_INT4, head_dim=64)
+    monkeypatch.delenv("PARITY_KV_ATTENTION_TILE", raising=False)
+    assert not da.timed_tiles()
+    assert da.kv_kernel_meta(cache, False) == {"kv_kernel": {
+        "name": "packed_dequant", "fused_pre_attention": False,
+        "config": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}}}
+    monkeypatch.setenv("PARITY_KV_ATTENTION_TILE", "timed")
+    chosen = {(2, True, 64, 16, False, None): "BLOCK_N: 32, num_warps: 8, num_stages: 2"}
+    monkeypatch.setattr(da, "_attn_tuned", SimpleNamespace(cache=chosen), raising=False)
+    assert da.kv_kernel_meta(cache, False)["kv_kernel"]["tuned"] == {
+        "(2, True, 64, 16, False, None)": "BLOCK_N: 32, num_warps: 8, num_stages: 2"}
+    monkeypatch.setenv("PARITY_KV_ATTENTION_TILE", "fastest")
+    with pytest.raises(ValueError, match="PARITY_KV_ATTENTION_TILE='fastest'"):
+        da.kv_kernel_meta(cache, False)
 
 
 def test_a_runs_record_keeps_one_path_while_the_autotuner_adds_launches():

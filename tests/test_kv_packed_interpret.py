@@ -44,10 +44,10 @@ def test_attention_against_float64(kind, hadamard, dtype, monkeypatch):
     import parity.rollout.decode_attention as da
     for i, shape in enumerate(SHAPES[:2]):  # the interpreter is slow: two shapes (the CUDA test takes all)
         D = 128 if i % 2 == 0 else 64
-        # 0 programs per SM: one split (the kernel writes the output itself); tiles of 64 and 32 slots (tuned on CUDA)
+        # 0 programs per SM: one split (the kernel writes the output itself); tiles of 64 and 32 slots (the candidates)
         for programs_per_sm, tile in ((2, 64), (0, 32)):
             monkeypatch.setattr(da, "_PROGRAMS_PER_SM", programs_per_sm)
-            monkeypatch.setattr(da, "_UNTUNED_TILE", tile)
+            monkeypatch.setitem(da.ATTN_CONFIG, "BLOCK_N", tile)
             err = check_attention(kind, hadamard, D, dtype, CPU, shape, seed=i)
             assert err < attention_bound(dtype), (shape, programs_per_sm, err)
 

@@ -11,7 +11,8 @@ note when it is spent):
    L = 256 and 384: a CUDA graph of 56 launches cycling 28 layers' caches (0.5 / 0.75 GB of int4 cache: far past
    the 50 MB L2), 20 replays each between CUDA events, median; GB/s = cache bytes read (codes and scale words) /
    time. The same for the previous int4 kernel (dequantizing every key and value), the kernel over a bf16 cache and
-   over fp8 per-token-head codes. The fastest variant that passed is what the rows below launch.
+   over fp8 per-token-head codes (that one also under each of the autotuner's four candidates, against the pinned
+   decode_attention.ATTN_CONFIG). The fastest variant that passed is what the rows below launch.
 2. `length_sweep`: the fastest variant and the fp8 and bf16 kernels timed the same way at L = 128 to 1024, each
    fitted as a fixed time a launch plus a streaming rate (GB/s of the slope): which of the two bounds GB/s at 256.
 3. `ceilings`: copy bandwidth and bf16 matmul rate (bench_gpu.ceilings).
@@ -191,6 +192,19 @@ def variants(slots: tuple[int, ...] = (256, 384)) -> None:
         finally:
             da.INT4_ROTATED = keep
         ref[f"int4_previous_kernel_L{L}"] = {"us": us, "GBps": round(i4b / us / 1e3, 1)}
+        # the dequantizing kernel (FP8 here) under each of the autotuner's candidates, against the pinned one
+        # (decode_attention.ATTN_CONFIG, the launches above): whether the pin costs this shape anything
+        keep_cfg = dict(da.ATTN_CONFIG)
+        try:
+            for c in da._attn_tuned.configs:
+                da.ATTN_CONFIG.update(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
+                us = event_us([(lambda c_=c_, L=L, st=st: da.packed_decode_attention(q, fp8, c_, key_ok, st, L, scale))
+                               for c_ in fp8.layers])
+                ref[f"fp8_per_token_head_kernel_L{L}_tile{c.kwargs['BLOCK_N']}_warps{c.num_warps}"] = {
+                    "us": us, "GBps": round(2 * B * n_kv * L * fp8.codec.bytes_per_token_head() / us / 1e3, 1)}
+        finally:
+            da.ATTN_CONFIG.clear()
+            da.ATTN_CONFIG.update(keep_cfg)
         print(f"reference kernels L={L}: { {k: v for k, v in ref.items() if k.endswith(f'L{L}')} }", flush=True)
         dump()
     del kv, caches

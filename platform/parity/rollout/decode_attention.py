@@ -44,10 +44,16 @@ try:
 except ImportError:  # CPU installs
     triton = None
 
-BLOCK_N = 64  # slots per split unit (splits cover multiples of it); the kernel's tile is 64 or 32 (tuned)
+BLOCK_N = 64  # slots per split unit (splits cover multiples of it); the kernel's tile is 64 or 32
 # programs to aim for: splits are added while (rows x KV heads x splits) is below this many per SM
 _PROGRAMS_PER_SM = 2
-_UNTUNED_TILE = 64  # the kernel's tile off CUDA (the interpreter), where nothing is tuned
+# The kernel's launch configuration: slots a tile (64 or 32), warps, pipeline depth. Triton's autotuner, which
+# times the four (64 | 32 slots) x (4 | 8 warps) candidates at a format's first call, drew all four for the same
+# format and shapes in the study's runs sharing one GPU, and with them the bits of a run's rollouts: a lottery
+# under contention. So one configuration everywhere, the one drawn most often there (and the interpreter's);
+# PARITY_KV_ATTENTION_TILE=timed lets the autotuner choose, as before. docs/PERFORMANCE.md, "One launch
+# configuration for the dequantizing attention".
+ATTN_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 _DEFAULT_SMS = 132
 unusable_reason: str | None = None  # why usable() said no, for reports
 # True: int4 per-token-head caches attend in the rotated basis (parity.rollout.int4_attention). Off until it has run
@@ -117,6 +123,15 @@ def _workspace(cache: PackedKVCache):
     return ws
 
 
+def timed_tiles() -> bool:
+    """Whether the autotuner picks the launch configuration (PARITY_KV_ATTENTION_TILE=timed) instead of ATTN_CONFIG
+    (pinned, the default)."""
+    v = os.environ.get("PARITY_KV_ATTENTION_TILE", "pinned")
+    if v not in ("pinned", "timed"):
+        raise ValueError(f"PARITY_KV_ATTENTION_TILE={v!r}: expected 'pinned' (the default) or 'timed'")
+    return v == "timed"
+
+
 def tuned_configs() -> dict[str, str]:
     """The launch configurations (BLOCK_N, warps, stages) the autotuner chose for this module's attention kernel so
     far in this process, by its key (format, rotation, head_dim, group rows, one split, dot precision): the
@@ -131,8 +146,8 @@ def int4_rotated(cache: PackedKVCache) -> bool:
 
 
 def kv_kernel_meta(packed: PackedKVCache | None, fused_pre: bool) -> dict:
-    """A decode call's record of its attention kernel for a packed cache (rotated int4 with its pinned launch
-    configuration, or the dequantizing kernel with the configurations its autotuner chose) and whether the fused
+    """A decode call's record of its attention kernel for a packed cache (rotated int4 or the dequantizing kernel
+    with its pinned launch configuration, or the configurations the autotuner chose when timed) and whether the fused
     pre-attention kernel (`fused_pre`, cuda_decode._FUSED_PRE, where usable) feeds it; nothing for a plain or
     simulated cache (the batched-matmul attention)."""
     if packed is None:
@@ -145,8 +160,10 @@ def kv_kernel_meta(packed: PackedKVCache | None, fused_pre: bool) -> dict:
     if rotated:
         from parity.rollout.int4_attention import CONFIG
         kernel["config"] = dict(CONFIG)
-    else:
+    elif packed.backend == "triton" and timed_tiles():
         kernel["tuned"] = tuned_configs()
+    elif packed.backend == "triton":
+        kernel["config"] = dict(ATTN_CONFIG)
     return {"kv_kernel": kernel}
 
 
@@ -196,10 +213,9 @@ def _launch(q, kc, vc, ks, vs, key_ok, slot, L: int, scale: float, kind: int, ha
     else:
         m = lsum = acc = out
     ok = key_ok.view(torch.uint8) if key_ok.dtype == torch.bool else key_ok
-    # on CUDA the warps and pipeline depth are tuned per format the first time (outside any graph capture: the
-    # decode path's first step of each length runs for real before its capture); the interpreter runs one
-    kernel, cfg = ((_attn_tuned, {}) if q.is_cuda else
-                   (_attn_kernel, {"BLOCK_N": _UNTUNED_TILE, "num_warps": 4, "num_stages": 2}))
+    # ATTN_CONFIG; timed (on CUDA), the autotuner times the candidates per format the first time (outside any graph
+    # capture: the decode path's first step of each length runs for real before its capture)
+    kernel, cfg = (_attn_tuned, {}) if q.is_cuda and timed_tiles() else (_attn_kernel, dict(ATTN_CONFIG))
     kernel[(B * n_kv, splits)](
         q, kc, vc, ks, vs, ok, slot, out, m, lsum, acc, he, ho, sg, fp8_scale, scale * math.log2(math.e),
         L, S, n_kv, H, per * BLOCK_N, splits, ok.stride(0),
