@@ -2,7 +2,8 @@
 
 - the packed cache holds the codec's codes and scales and dequantizes to the simulated cache's values, bit for
   bit (every format, bf16 and fp32, head_dim 128 / 64 / 32: the three ways the int4 loader transforms);
-- the kernel on random lengths, head counts, left padding and split counts against a float64 attention;
+- the kernel on random lengths, head counts, left padding and split counts against a float64 attention, under its
+  pinned launch configuration and, on two shapes, every candidate of the autotuner's;
 - the rotated int4 attention (parity.rollout.int4_attention) against a float64 attention over the codec's values
   computed from the codes, on random lengths, rows, KV heads and group sizes, every launch configuration the
   variant bench times, poisoned outputs; the fused pre-attention kernel against the step's torch functions;
@@ -60,12 +61,18 @@ def test_kernel_against_float64_on_random_lengths_and_heads(kind, hadamard, dtyp
         L = int(torch.randint(1, S + 1, (1,), generator=g))
         shapes.append((int(torch.randint(1, 9, (1,), generator=g)), int(torch.randint(1, 5, (1,), generator=g)),
                        int(torch.randint(1, 9, (1,), generator=g)), S, L, int(torch.randint(0, L, (1,), generator=g))))
+    # the pinned launch configuration (decode_attention.ATTN_CONFIG) on every shape; on the first two, each of the
+    # autotuner's candidates too (PARITY_KV_ATTENTION_TILE=timed may launch any of them)
+    pinned = dict(da.ATTN_CONFIG)
+    candidates = [dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages) for c in da._attn_tuned.configs]
     for i, shape in enumerate(shapes):
-        for D in (128, 64) if kind == "int4_per_token_head" and hadamard and dtype == torch.bfloat16 else (128,):
-            for programs_per_sm in (2, 0):  # 0: one split, the kernel writes the output itself
-                monkeypatch.setattr(da, "_PROGRAMS_PER_SM", programs_per_sm)
-                err = check_attention(kind, hadamard, D, dtype, CUDA, shape, seed=i)
-                assert err < attention_bound(dtype), (shape, D, programs_per_sm, err)
+        for cfg in [pinned, *(c for c in candidates if c != pinned)] if i < 2 else [pinned]:
+            monkeypatch.setattr(da, "ATTN_CONFIG", cfg)
+            for D in (128, 64) if kind == "int4_per_token_head" and hadamard and dtype == torch.bfloat16 else (128,):
+                for programs_per_sm in (2, 0):  # 0: one split, the kernel writes the output itself
+                    monkeypatch.setattr(da, "_PROGRAMS_PER_SM", programs_per_sm)
+                    err = check_attention(kind, hadamard, D, dtype, CUDA, shape, seed=i)
+                    assert err < attention_bound(dtype), (shape, cfg, D, programs_per_sm, err)
 
 
 # launch configurations of the rotated int4 kernel (tests/bench/gpu_int4_decode_variants.py times these)
