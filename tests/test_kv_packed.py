@@ -122,12 +122,15 @@ def test_the_dequantizing_kernel_launches_one_configuration_unless_timed(monkeyp
     from types import SimpleNamespace
 
     from parity.rollout import decode_attention as da
-    cache = SimpleNamespace(backend="triton", kind_id=da.KIND_INT4, head_dim=64)
+    cache = SimpleNamespace(backend="triton", kind_id=da.KIND_INT4, head_dim=64, dtype=torch.bfloat16)
     monkeypatch.delenv("PARITY_KV_ATTENTION_TILE", raising=False)
     assert not da.timed_tiles()
     assert da.kv_kernel_meta(cache, False) == {"kv_kernel": {
         "name": "packed_dequant", "fused_pre_attention": False,
         "config": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}}}
+    # a float32 cache: the same tile with 8 warps (4 spill there)
+    fp32 = SimpleNamespace(**{**vars(cache), "dtype": torch.float32})
+    assert da.kv_kernel_meta(fp32, False)["kv_kernel"]["config"] == {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
     monkeypatch.setenv("PARITY_KV_ATTENTION_TILE", "timed")
     chosen = {(2, True, 64, 16, False, None): "BLOCK_N: 32, num_warps: 8, num_stages: 2"}
     monkeypatch.setattr(da, "_attn_tuned", SimpleNamespace(cache=chosen), raising=False)

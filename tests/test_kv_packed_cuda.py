@@ -63,11 +63,13 @@ def test_kernel_against_float64_on_random_lengths_and_heads(kind, hadamard, dtyp
                        int(torch.randint(1, 9, (1,), generator=g)), S, L, int(torch.randint(0, L, (1,), generator=g))))
     # the pinned launch configuration (decode_attention.ATTN_CONFIG) on every shape; on the first two, each of the
     # autotuner's candidates too (PARITY_KV_ATTENTION_TILE=timed may launch any of them)
-    pinned = dict(da.ATTN_CONFIG)
-    candidates = [dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages) for c in da._attn_tuned.configs]
+    pinned = (dict(da.ATTN_CONFIG), da.ATTN_WARPS_FP32)
+    candidates = [(dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages), c.num_warps)
+                  for c in da._attn_tuned.configs]
     for i, shape in enumerate(shapes):
-        for cfg in [pinned, *(c for c in candidates if c != pinned)] if i < 2 else [pinned]:
+        for cfg, fp32_warps in [pinned, *(c for c in candidates if c != pinned)] if i < 2 else [pinned]:
             monkeypatch.setattr(da, "ATTN_CONFIG", cfg)
+            monkeypatch.setattr(da, "ATTN_WARPS_FP32", fp32_warps)
             for D in (128, 64) if kind == "int4_per_token_head" and hadamard and dtype == torch.bfloat16 else (128,):
                 for programs_per_sm in (2, 0):  # 0: one split, the kernel writes the output itself
                     monkeypatch.setattr(da, "_PROGRAMS_PER_SM", programs_per_sm)

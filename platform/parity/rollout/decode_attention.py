@@ -54,6 +54,9 @@ _PROGRAMS_PER_SM = 2
 # PARITY_KV_ATTENTION_TILE=timed lets the autotuner choose, as before. docs/PERFORMANCE.md, "One launch
 # configuration for the dequantizing attention".
 ATTN_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+# Float32 caches (float32 models, the tests) launch it with 8 warps: at 4 the float32 int4 tile spills 396-420 bytes
+# a thread at head_dim 128, at 8 none (Triton's compile for sm_90a, tests/bench/kv_kernels_sm90.py)
+ATTN_WARPS_FP32 = 8
 _DEFAULT_SMS = 132
 unusable_reason: str | None = None  # why usable() said no, for reports
 # True: int4 per-token-head caches attend in the rotated basis (parity.rollout.int4_attention). Off until it has run
@@ -132,6 +135,11 @@ def timed_tiles() -> bool:
     return v == "timed"
 
 
+def pinned_config(dtype: torch.dtype) -> dict:
+    """The launch configuration of the dequantizing kernel for queries and cache of `dtype`."""
+    return {**ATTN_CONFIG, "num_warps": ATTN_WARPS_FP32} if dtype == torch.float32 else dict(ATTN_CONFIG)
+
+
 def tuned_configs() -> dict[str, str]:
     """The launch configurations (BLOCK_N, warps, stages) the autotuner chose for this module's attention kernel so
     far in this process, by its key (format, rotation, head_dim, group rows, one split, dot precision): the
@@ -163,7 +171,7 @@ def kv_kernel_meta(packed: PackedKVCache | None, fused_pre: bool) -> dict:
     elif packed.backend == "triton" and timed_tiles():
         kernel["tuned"] = tuned_configs()
     elif packed.backend == "triton":
-        kernel["config"] = dict(ATTN_CONFIG)
+        kernel["config"] = pinned_config(packed.dtype)
     return {"kv_kernel": kernel}
 
 
@@ -215,7 +223,7 @@ def _launch(q, kc, vc, ks, vs, key_ok, slot, L: int, scale: float, kind: int, ha
     ok = key_ok.view(torch.uint8) if key_ok.dtype == torch.bool else key_ok
     # ATTN_CONFIG; timed (on CUDA), the autotuner times the candidates per format the first time (outside any graph
     # capture: the decode path's first step of each length runs for real before its capture)
-    kernel, cfg = (_attn_tuned, {}) if q.is_cuda and timed_tiles() else (_attn_kernel, dict(ATTN_CONFIG))
+    kernel, cfg = (_attn_tuned, {}) if q.is_cuda and timed_tiles() else (_attn_kernel, pinned_config(q.dtype))
     kernel[(B * n_kv, splits)](
         q, kc, vc, ks, vs, ok, slot, out, m, lsum, acc, he, ho, sg, fp8_scale, scale * math.log2(math.e),
         L, S, n_kv, H, per * BLOCK_N, splits, ok.stride(0),
