@@ -109,19 +109,17 @@ def warm_up(cache, qs, key_ok, scale: float, slots: tuple[int, ...]) -> None:
     print(f"compiled the variants in {time.perf_counter() - t:.0f} s (B = {B})", flush=True)
 
 
-def variants(slots: tuple[int, ...] = (256, 384)) -> None:
+def timing_inputs(S: int, seed: int) -> tuple:
+    """What the timings read, at the Qwen3-0.6B decode shape (batch 64): random bf16 queries q and their rotated
+    int4 side qs, every slot allowed, the softmax scale, 28 layers' random bf16 K and V of S slots, and the same
+    values in packed int4 and fp8 per-token-head caches. (device, q, qs, key_ok, scale, kv, int4, fp8)."""
     from parity.precision.kv import make_kv_codec
     from parity.precision.kv_packed import PackedKVCache
-    from parity.rollout import decode_attention as da
     from parity.rollout import int4_attention as ia
-    from tests.kv_packed_checks import check_int4_attention
-    out: dict = RESULTS.setdefault("variants", {})
-    out["method"] = ("CUDA graph of 56 launches over 28 layers' caches, 20 replays between CUDA events, median; "
-                     "GBps = cache bytes read (codes + scale words) / time")
     B, n_kv, H, D = BATCH, SHAPE["num_key_value_heads"], SHAPE["num_attention_heads"], SHAPE["head_dim"]
-    layers, S = SHAPE["num_hidden_layers"], max(slots)
+    layers = SHAPE["num_hidden_layers"]
     dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(0)
+    g = torch.Generator(device=dev).manual_seed(seed)
     q = torch.randn(B, H, D, device=dev, generator=g).to(torch.bfloat16)
     key_ok = torch.ones(B, S, dtype=torch.bool, device=dev)
     scale = D ** -0.5
@@ -134,6 +132,18 @@ def variants(slots: tuple[int, ...] = (256, 384)) -> None:
             c.write(layer, k, v, torch.zeros(1, dtype=torch.long, device=dev))
     int4, fp8 = caches["int4_per_token_head"], caches["fp8_per_token_head"]
     qs = ia.prepare_queries(q, True)
+    return dev, q, qs, key_ok, scale, kv, int4, fp8
+
+
+def variants(slots: tuple[int, ...] = (256, 384)) -> None:
+    from parity.rollout import decode_attention as da
+    from parity.rollout import int4_attention as ia
+    from tests.kv_packed_checks import check_int4_attention
+    out: dict = RESULTS.setdefault("variants", {})
+    out["method"] = ("CUDA graph of 56 launches over 28 layers' caches, 20 replays between CUDA events, median; "
+                     "GBps = cache bytes read (codes + scale words) / time")
+    B, n_kv, D, S = BATCH, SHAPE["num_key_value_heads"], SHAPE["head_dim"], max(slots)
+    dev, q, qs, key_ok, scale, kv, int4, fp8 = timing_inputs(S, seed=0)
     warm_up(int4, qs, key_ok, scale, slots)
     gen = torch.Generator().manual_seed(1)
     shapes = [(B, n_kv, 2, S, 384, 383), (B, n_kv, 2, S, 256, 200)]
@@ -207,7 +217,7 @@ def variants(slots: tuple[int, ...] = (256, 384)) -> None:
             da.ATTN_CONFIG.update(keep_cfg)
         print(f"reference kernels L={L}: { {k: v for k, v in ref.items() if k.endswith(f'L{L}')} }", flush=True)
         dump()
-    del kv, caches
+    del kv
     torch.cuda.empty_cache()
 
 
@@ -236,27 +246,11 @@ def length_sweep(slots: tuple[int, ...] = (128, 192, 256, 384, 512, 768, 1024)) 
     """The best variant and the reference kernels timed over attended lengths (event_us, 28 layers' caches of
     max(slots) slots), each fitted as a fixed time plus a streaming rate (fixed_and_streaming): whether a kernel's
     GB/s at L = 256 is bound by what it pays once a launch or by how fast it reads."""
-    from parity.precision.kv import make_kv_codec
-    from parity.precision.kv_packed import PackedKVCache
     from parity.rollout import decode_attention as da
     from parity.rollout import int4_attention as ia
     out: dict = RESULTS.setdefault("length_sweep", {})
-    B, n_kv, H, D = BATCH, SHAPE["num_key_value_heads"], SHAPE["num_attention_heads"], SHAPE["head_dim"]
-    layers, S = SHAPE["num_hidden_layers"], max(slots)
-    dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(2)
-    q = torch.randn(B, H, D, device=dev, generator=g).to(torch.bfloat16)
-    key_ok = torch.ones(B, S, dtype=torch.bool, device=dev)
-    scale = D ** -0.5
-    kv = [(torch.randn(B, n_kv, S, D, device=dev, generator=g).to(torch.bfloat16),
-           torch.randn(B, n_kv, S, D, device=dev, generator=g).to(torch.bfloat16)) for _ in range(layers)]
-    caches = {}
-    for kind in ("int4_per_token_head", "fp8_per_token_head"):
-        caches[kind] = c = PackedKVCache(make_kv_codec(kind, D), layers, B, n_kv, S, torch.bfloat16, dev)
-        for layer, (k, v) in zip(c.layers, kv):
-            c.write(layer, k, v, torch.zeros(1, dtype=torch.long, device=dev))
-    int4, fp8 = caches["int4_per_token_head"], caches["fp8_per_token_head"]
-    qs = ia.prepare_queries(q, True)
+    B, n_kv, D, S = BATCH, SHAPE["num_key_value_heads"], SHAPE["head_dim"], max(slots)
+    dev, q, qs, key_ok, scale, kv, int4, fp8 = timing_inputs(S, seed=2)
     kernels = {  # name: (bytes a slot over the batch's KV heads, one launch over a layer's cache at L)
         f"int4_rotated_{RESULTS.get('variants', {}).get('best') or 'default'}": (
             2 * B * n_kv * int4.codec.bytes_per_token_head(),
@@ -279,7 +273,7 @@ def length_sweep(slots: tuple[int, ...] = (128, 192, 256, 384, 512, 768, 1024)) 
             out[name] = {"us": {str(k): v for k, v in us_at.items()}, "error": f"{type(e).__name__}: {e}"[:400]}
         print(f"length sweep {name}: {out[name]}", flush=True)
         dump()
-    del kv, caches
+    del kv
     torch.cuda.empty_cache()
 
 

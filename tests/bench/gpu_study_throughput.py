@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "platform"))
 
 from parity.study.mps import MpsDaemon, child_env  # noqa: E402
+from parity.study.preload import Preloader, start  # noqa: E402
 from parity.study.presets import PRESETS  # noqa: E402
 
 # the preset's base keys that the earlier tree also knows (the new evaluation keys are left out of both phases)
@@ -144,7 +145,6 @@ def phase(name: str, pythonpath: str, runs: list[dict], work: Path, timeout_s: f
             contextlib.ExitStack() as stack:
         env.update(child_env(mps))
         t0 = time.time()
-        from parity.study.preload import Preloader, start
         pre = None
         if preload:
             pre = stack.enter_context(Preloader(env, log=out_dir / "logs" / "preload.log"))
