@@ -40,7 +40,22 @@ def test_children_start_with_torch_imported_and_act_as_their_own_processes(tmp_p
         assert got == {"cuda": 2.0 if torch.cuda.is_available() else None, "argv": [str((0, 3)[i]), f"arg{i}"], "cwd": str(ROOT), "probe": f"p{i}",
                        "torch_preloaded": True, "threads": 2, "pid": p.pid, "stdin": ""}
     first = json.loads((tmp_path / "launcher.log").read_text().splitlines()[0])
-    assert isinstance(first["preload"]["torch"], float) and first["threads"] >= 1
+    assert isinstance(first["preload"]["torch"], float) and first["threads"] == len(first["thread_names"]) >= 1
+
+
+def test_the_launcher_quiets_pythons_fork_warning_and_no_other() -> None:
+    """Python 3.12 warns at each fork of a process with threads (the launcher's log would get two lines a run, and
+    its first line would not be its record); other deprecation warnings stay."""
+    import warnings
+
+    from parity.study.preload import quiet_fork_warning
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        quiet_fork_warning()
+        warnings.warn("This process (pid=9652) is multi-threaded, use of fork() may lead to deadlocks in the child.",
+                      DeprecationWarning, stacklevel=1)
+        warnings.warn("something else is deprecated", DeprecationWarning, stacklevel=1)
+    assert [str(w.message) for w in got] == ["something else is deprecated"]
 
 
 def test_kill_wait_and_a_refused_request(tmp_path) -> None:

@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 # what a run imports that costs seconds; parity's own modules are left to the child (a second or two, and they load
@@ -143,11 +144,34 @@ def _forked_cuda_check() -> str | None:
     return None if code == 0 else f"a forked child could not use CUDA (exit {code})"
 
 
+def _threads() -> list[str]:
+    """The names of this process's threads (Linux), the main one first."""
+    task = "/proc/self/task"
+    if not os.path.isdir(task):
+        return []
+    names = []
+    for tid in sorted(os.listdir(task), key=int):
+        try:
+            names.append(Path(task, tid, "comm").read_text().strip())
+        except OSError:
+            continue
+    return names
+
+
+def quiet_fork_warning() -> None:
+    """Python 3.12 warns at every fork of a process that has threads. The launcher has a few once the libraries are
+    imported (OpenMP's and the allocator's helpers, idle: nothing runs in them while it forks; their names are in its
+    log's first line), and forking is its whole purpose: one line in its log, not one per run."""
+    warnings.filterwarnings("ignore", message=r".*multi-threaded, use of fork\(\) may lead to deadlocks",
+                            category=DeprecationWarning)
+
+
 def serve(address: str, modules=MODULES, ready: str | None = None) -> None:
     """Preload, check that a forked child can use CUDA (where there is a GPU), listen on `address`, fork a child
     per request until SIGTERM. Where the check fails, the ready file says why and the server exits: the client then
     starts plain processes."""
     took = _preload(modules)
+    quiet_fork_warning()
     why = _forked_cuda_check()
     if why is not None:
         print(json.dumps({"preload": took, "usable": False, "why": why}), flush=True)
@@ -162,8 +186,8 @@ def serve(address: str, modules=MODULES, ready: str | None = None) -> None:
     children: dict[int, socket.socket] = {}  # pid -> the connection that asked for it
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
-    threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else None
-    print(json.dumps({"preload": took, "pid": os.getpid(), "threads": threads,
+    names = _threads()
+    print(json.dumps({"preload": took, "pid": os.getpid(), "threads": len(names) or None, "thread_names": names,
                       "pythonpath": os.environ.get("PYTHONPATH", "")}), flush=True)
     if ready:
         Path(ready).write_text(json.dumps({"usable": True, "preload": took}))
