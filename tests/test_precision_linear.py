@@ -338,6 +338,39 @@ def test_the_tile_table_reads_its_devices_tiles_and_names_a_bad_entry(tmp_path, 
     int8_triton._table.cache_clear()
 
 
+def test_the_kernels_candidates_by_hand() -> None:
+    """candidates(M_KEY, K): decode sizes (<= 256 rows) the narrow tiles, prefill the wide ones, none deeper than K
+    rounded up to a power of two (at least 64); no tile left gives all of them."""
+    from parity.precision.int8_triton import TILES, candidates
+    narrow_256 = [(64, 16, 256, 4, 4), (64, 32, 256, 4, 4), (64, 64, 256, 4, 4), (32, 32, 256, 4, 4),
+                  (16, 32, 256, 4, 4), (64, 16, 256, 4, 8), (64, 32, 256, 4, 8), (64, 64, 128, 4, 4)]
+    assert candidates(16, 256) == candidates(256, 200) == narrow_256
+    assert candidates(64, 100) == [(64, 64, 128, 4, 4)]
+    assert candidates(512, 64) == candidates(4096, 33) == [(128, 128, 64, 5, 4)]
+    assert len(candidates(16, 1024)) == 13 and len(candidates(1024, 4096)) == 4
+    assert candidates(16, 32) == TILES  # no narrow tile is 64 deep or less
+
+
+def test_the_shipped_tile_table_holds_only_candidates_with_its_provenance() -> None:
+    """platform/parity/precision/int8_tiles.json: each device's entry says when, with which Triton and torch and by
+    which command it was written, and every tile is one the autotuner could pick for its shape (a decode state takes
+    it only then; anything else would be timed)."""
+    from parity.precision import int8_triton
+    table = json.loads(int8_triton.TILES_FILE.read_text())
+    assert table["devices"], "the table lists no device"
+    for name, entry in table["devices"].items():
+        assert entry["date"] and entry["triton"] and entry["torch"], name
+        assert "tests/bench/gpu_pin_int8_tiles.py" in entry["command"], name
+        assert entry["tiles"], name
+        for key, tile in entry["tiles"].items():
+            m, n, k = (int(v) for v in key.split(","))
+            assert m <= 256 and n > 0, (name, key)
+            assert tuple(tile) in int8_triton.candidates(m, k), (name, key, tile)
+        int8_triton._table.cache_clear()
+        assert len(int8_triton._table(name)) == len(entry["tiles"])
+    int8_triton._table.cache_clear()
+
+
 def _int8_triton_usable() -> bool:
     from parity.precision import int8_triton
     return int8_triton.usable()

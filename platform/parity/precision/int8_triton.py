@@ -49,6 +49,27 @@ _INV_QMAX = float(torch.tensor(1.0, dtype=torch.float32) / INT8_QMAX)
 unusable_reason: str | None = None
 
 
+# The W8A8 kernel's tiles, (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps).
+# Decode (few rows, many columns): tiles narrow in N so that a 1024-column product still spreads over 32-64
+# SMs, and deep in K so that a K-loop of 1-12 steps keeps the slice's loads in flight at once (the best such
+# tile beats cuBLAS's bf16 product with the weights coming from memory: docs/PERFORMANCE.md's tile table).
+# Split-K tiles, which add int32 partial sums with atomics, were slower there (same page) and are not kept.
+# Prefill (M in the thousands): the usual square tensor-core tiles.
+TILES = [(64, 16, 256, 4, 4), (64, 32, 256, 4, 4), (64, 64, 256, 4, 4), (32, 32, 256, 4, 4), (16, 32, 256, 4, 4),
+         (64, 16, 512, 3, 4), (64, 32, 512, 3, 4), (64, 64, 512, 2, 4), (64, 16, 1024, 2, 4), (64, 32, 1024, 1, 4),
+         (64, 16, 256, 4, 8), (64, 32, 256, 4, 8), (64, 64, 128, 4, 4),
+         (128, 128, 128, 4, 8), (128, 256, 128, 3, 8), (256, 128, 128, 3, 8), (128, 128, 64, 5, 4)]
+
+
+def candidates(m_key: int, k: int) -> list[tuple[int, int, int, int, int]]:
+    """The tiles tried for a product of `m_key` rows (its autotune key) and depth `k`: decode-sized products the
+    narrow tiles only, prefill-sized ones the wide tiles only; no tile deeper than K rounded up to a power of two."""
+    small = m_key <= 256
+    depth = 1 << max(int(k) - 1, 0).bit_length()
+    keep = [t for t in TILES if (t[0] <= 64 and t[1] <= 128) == small and t[2] <= max(depth, 64)]
+    return keep or list(TILES)
+
+
 if triton is not None:
     @triton.jit
     def _w8a8_tile(x_ptr, w_ptr, xs_ptr, ws_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, pid_m, pid_n,
@@ -111,30 +132,13 @@ if triton is not None:
         tl.store(q_ptr + row * stride_qm + offs, q, mask=ok)
         tl.store(s_ptr + row, scale)
 
-    def _config(bm: int, bn: int, bk: int, stages: int, warps: int = 4):
-        return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_stages=stages, num_warps=warps)
-
-    # Decode (few rows, many columns): tiles narrow in N so that a 1024-column product still spreads over 32-64
-    # SMs, and deep in K so that a K-loop of 1-12 steps keeps the slice's loads in flight at once (the best such
-    # tile beats cuBLAS's bf16 product with the weights coming from memory: docs/PERFORMANCE.md's tile table).
-    # Split-K tiles, which add int32 partial sums with atomics, were slower there (same page) and are not kept.
-    # Prefill (M in the thousands): the usual square tensor-core tiles.
-    _CONFIGS = [_config(64, 16, 256, 4), _config(64, 32, 256, 4), _config(64, 64, 256, 4),
-                _config(32, 32, 256, 4), _config(16, 32, 256, 4),
-                _config(64, 16, 512, 3), _config(64, 32, 512, 3), _config(64, 64, 512, 2),
-                _config(64, 16, 1024, 2), _config(64, 32, 1024, 1), _config(64, 16, 256, 4, 8),
-                _config(64, 32, 256, 4, 8), _config(64, 64, 128, 4),
-                _config(128, 128, 128, 4, 8), _config(128, 256, 128, 3, 8), _config(256, 128, 128, 3, 8),
-                _config(128, 128, 64, 5, 4)]
+    _CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_stages=stages, num_warps=warps)
+                for bm, bn, bk, stages, warps in TILES]
 
     def _prune(configs, named_args, **kwargs):
-        """Decode-sized products try the narrow tiles only, prefill-sized ones the wide tiles only; no tile
-        deeper than the product's K rounded up to a power of two."""
-        small = named_args["M_KEY"] <= 256
-        depth = triton.next_power_of_2(named_args["K"])
-        keep = [c for c in configs if (c.kwargs["BLOCK_M"] <= 64 and c.kwargs["BLOCK_N"] <= 128) == small
-                and c.kwargs["BLOCK_K"] <= max(depth, 64)]
-        return keep or configs
+        """The autotuner's candidates for a product: those of `candidates` (M_KEY, K)."""
+        keep = set(candidates(named_args["M_KEY"], named_args["K"]))
+        return [c for c in configs if _tile(c) in keep] or configs
 
     _w8a8_tuned = triton.autotune(configs=_CONFIGS, key=["M_KEY", "N", "K"],
                                   prune_configs_by={"early_config_prune": _prune})(_w8a8_kernel)
