@@ -23,6 +23,9 @@ note when it is spent):
    packed cache against the simulated cache, `int4kv_packed_vs_simulated`). Then an A/B row: W8A8 + INT4 KV with
    the unfused pre-attention functions (cuda_decode._FUSED_PRE = False).
 5. `--tests`: tests/test_kv_packed_cuda.py first (time-boxed), when asked.
+6. `--route-ab` alone (nothing else runs): the plain-cache BF16 and INT8 W8A8 rows under both of cuda_decode's
+   routes (the attention outside the compiled layer functions, the default; or compiled with o_proj and the MLP per
+   attended length, _ATTENTION_PER_L), A B A B: the BF16 row is the denominator of every ratio above.
 Prints a short table last. Needs torch, transformers, triton (pytest for --tests) only.
 """
 
@@ -312,6 +315,32 @@ def rows(reps: int, budget: float) -> None:
     dump()
 
 
+def route_ab(reps: int) -> None:
+    """The plain-cache rows (bf16, INT8 W8A8) under both routes of cuda_decode: the attention outside the compiled
+    layer functions (the default) and compiled with o_proj and the MLP for each attended length (_ATTENTION_PER_L),
+    each route's rows in one pass, twice in alternation (A B A B): the bf16 row is the denominator of every ratio."""
+    from gpu_bench_kv import kv_rows
+
+    import parity.rollout.cuda_decode as cd
+    d = build_model_dir()
+    keep, out = cd._ATTENTION_PER_L, {}
+    try:
+        for rep in range(2):
+            for per_l in (False, True):
+                cd._ATTENTION_PER_L = per_l
+                kv_rows(d, reps, rows=[("bf16", "bf16", "bf16", True), ("int8_w8a8", "int8", "bf16", True)],
+                        budget_batches=False, teacher_forced=False)
+                for label in ("bf16", "int8_w8a8"):
+                    out.setdefault(f"{label}_{'per_L' if per_l else 'outside'}", []).append(
+                        RESULTS["kv"].get(label, {}).get("tok_s_b64"))
+                RESULTS["route_ab"] = dict(out, what="tok/s at batch 64, each route's rows in turn, twice")
+                dump()
+                print(f"route per_L={per_l} pass {rep}: {out}", flush=True)
+    finally:
+        cd._ATTENTION_PER_L = keep
+    RESULTS.pop("kv", None)
+
+
 def table() -> None:
     print("\n== rotated int4 decode attention, batch 64 x 8 KV heads x 2 query heads (GB/s of cache read)")
     v = RESULTS.get("variants", {})
@@ -355,6 +384,7 @@ def main() -> None:
     p.add_argument("--test-timeout", type=int, default=200)
     p.add_argument("--workers", type=int, default=12)
     p.add_argument("--skip-rows", action="store_true")
+    p.add_argument("--route-ab", action="store_true", help="only the plain-cache rows under both decode routes")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print(f"{__file__}: needs a CUDA device; nothing measured on this machine")
@@ -366,6 +396,11 @@ def main() -> None:
     RESULTS.update(device=torch.cuda.get_device_name(), torch=torch.__version__, budget_s=args.budget)
     if args.tests:
         cuda_tests(args.test_timeout, args.workers)
+    if args.route_ab:
+        route_ab(args.reps)
+        RESULTS["total_s"] = time.perf_counter() - T0
+        dump()
+        return
     try:
         variants()
     except Exception as e:  # noqa: BLE001
