@@ -40,6 +40,20 @@ def test_step0_check_by_hand() -> None:
     assert r["within_noise"] is None and "fewer than two" in r["why"]
 
 
+def test_step0_check_against_a_seeds_sampling_spread_by_hand() -> None:
+    """Where the new code computes otherwise (its repeats all one shared value), the yardstick is the sampler's: two
+    evaluations of accuracy p over n draws differ by sqrt(2 p (1 - p) / n) in standard error."""
+    u = 1 / 512
+    old = _phase([176 * u] * 13 + [174 * u, 175 * u, 175 * u])
+    new = _phase([173 * u] * 16)
+    r = step0_exact_eval(old, new)
+    p = (176 * 13 + 174 + 175 * 2 + 173 * 16) / 32 * u
+    assert r["seed_se_diff"] == pytest.approx((2 * p * (1 - p) / 512) ** 0.5)  # 0.0297 at p = 0.34
+    assert r["within_noise"] is False and r["within_seed_spread"] is True  # 2.75 samples apart: 0.0054 < 0.059
+    far = _phase([143 * u] * 16)  # 32.75 samples (0.064) below: beyond two standard errors (0.059)
+    assert step0_exact_eval(old, far)["within_seed_spread"] is False
+
+
 def test_step0_check_on_a_measured_side_by_side() -> None:
     """The phases of 2026-12-03 on one H200 (old tree 5aee8cb, new 483ca94 under MPS): not one step-0 value equal in
     the exact sense for several runs, yet the means within the phases' own noise."""
