@@ -137,6 +137,49 @@ def test_two_evaluations_at_once_compute_it_once(quick_cfg, prepared_model, tmp_
     # both found the lock taken (held above), so each first ran one call of the evaluation's shape on its plain
     # engine (its compile and captures at step 0, not at its first own evaluation); the number is the same
     assert all(0 <= r[1]["warm_s"] <= r[1]["wait_s"] for r in results.values())
+    # the two warmed the same plain engine in turns: one first and alone, the other after it (Inductor's cache)
+    assert sorted(r[1]["warm_turn"]["first"] for r in results.values()) == [False, True]
+
+
+def test_first_alone_lets_one_compile_then_the_others_together(tmp_path):
+    """heldout.first_alone: the first process to come holds the turn alone; two that come meanwhile wait for it and
+    then hold it at the same time (a barrier of two inside the turn would time out if they went one by one); one
+    that comes after everyone left goes first again."""
+    from parity.training.heldout import first_alone
+    lock = tmp_path / "sub" / "x.warm.lock"
+    inside, turns, order = threading.Barrier(2, timeout=20), {}, []
+    first_in, release = threading.Event(), threading.Event()
+
+    def first() -> None:
+        with first_alone(lock) as turn:
+            turns["a"] = turn
+            order.append("a in")
+            first_in.set()
+            release.wait(20)
+            order.append("a out")
+
+    def later(name: str) -> None:
+        with first_alone(lock) as turn:
+            turns[name] = turn
+            order.append(f"{name} in")
+            inside.wait()  # both inside at once
+
+    a = threading.Thread(target=first)
+    a.start()
+    assert first_in.wait(20)
+    others = [threading.Thread(target=later, args=(n,)) for n in ("b", "c")]
+    for t in others:
+        t.start()
+    time.sleep(0.5)
+    assert order == ["a in"]  # b and c wait while a compiles
+    release.set()
+    for t in (a, *others):
+        t.join(30)
+    assert order[:2] == ["a in", "a out"] and sorted(order[2:]) == ["b in", "c in"]
+    assert turns["a"]["first"] and not turns["b"]["first"] and not turns["c"]["first"]
+    assert turns["b"]["waited_s"] >= 0.4 and turns["c"]["waited_s"] >= 0.4
+    with first_alone(lock) as turn:  # nobody holds it: first again (its graphs come from the cache anyway)
+        assert turn["first"] and turn["waited_s"] < 1.0
 
 
 def test_a_cohort_member_shares_only_the_plain_evaluation(quick_cfg, prepared_model, tmp_path):

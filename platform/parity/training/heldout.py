@@ -8,12 +8,13 @@ measured sampled: greedy decoding of a search trace repeats its likeliest attemp
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -63,6 +64,29 @@ def changes_numerics(precision: PrecisionConfig) -> bool:
     or a perturbation of the weights)."""
     return (any(str(getattr(precision, k, "bf16")) != "bf16" for k in ("weights", "activations", "kv_cache"))
             or is_perturbed(precision))
+
+
+@contextlib.contextmanager
+def first_alone(lock_path: Path) -> Iterator[dict]:
+    """Processes about to compile the same graphs: the first to come goes alone (an exclusive lock), those that come
+    while it works wait for it (a shared lock) and then go at once, each finding the first one's compiled graphs in
+    Inductor's cache (a hit costs a fraction of a compile), instead of all compiling the same graphs side by side on
+    the same cores. Yields {"first": bool, "waited_s": seconds before its turn}. A process that dies releases its
+    lock (the kernel drops it with the file)."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with open(lock_path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            turn = {"first": True}
+        except BlockingIOError:  # one compiles now, or others already go after it
+            fcntl.flock(f, fcntl.LOCK_SH)
+            turn = {"first": False}
+        turn["waited_s"] = round(time.perf_counter() - t0, 2)
+        try:
+            yield turn
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 class HeldOut:
@@ -156,31 +180,36 @@ class HeldOut:
                 out["eval/final_accuracy_unquantized"] = self.accuracy(self.plain, self.final_problems)
         return out
 
-    def _warm(self, learner: Any) -> None:
+    def _warm(self, learner: Any) -> dict:
         """The evaluation's first call on the plain engine, its score dropped: the engine compiles and
         captures its shapes now, while another run computes the shared step-0 number, instead of at the first
         evaluation this run computes itself (step trainer.eval_every), where it would hold up the run (and, for a
-        cohort's member, every other member's next rollout)."""
-        self.plain.update_weights(learner.weights())
-        _, per_call = call_size(self.settings["temperature"], self.settings["samples"], self.settings["batch_size"])
-        self.accuracy(self.plain, self.problems[:per_call])
+        cohort's member, every other member's next rollout). The runs that warm the same engine take turns
+        (`first_alone`): one compiles, the others then find its graphs in Inductor's cache."""
+        path = self.shared["eval/accuracy_unquantized"]
+        with first_alone(path.with_suffix(".warm.lock")) as turn:
+            self.plain.update_weights(learner.weights())
+            _, per_call = call_size(self.settings["temperature"], self.settings["samples"],
+                                    self.settings["batch_size"])
+            self.accuracy(self.plain, self.problems[:per_call])
+        return turn
 
     def _shared_step0(self, metric: str, compute: Callable[[], float],
-                      while_waiting: Callable[[], None] | None = None) -> float:
+                      while_waiting: Callable[[], dict | None] | None = None) -> float:
         """The warm start's `metric`, computed once for every run that shares its file: the first run to take the
         lock computes and writes it (atomically), the others wait for the lock and read it. A run that finds the
-        lock taken first runs `while_waiting` (its seconds: the record's `warm_s`)."""
+        lock taken first runs `while_waiting` (its seconds: the record's `warm_s`; what it returns: `warm_turn`)."""
         path = self.shared[metric]
         path.parent.mkdir(parents=True, exist_ok=True)
-        warm_s = None
+        warm: dict = {}  # while it waited: its seconds, and its turn at the compile (first_alone)
         with open(path.with_suffix(".lock"), "a") as lock:
             t_wait = time.perf_counter()
             if while_waiting is not None and not path.is_file():
                 try:
                     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:  # another run is computing it
-                    while_waiting()
-                    warm_s = round(time.perf_counter() - t_wait, 2)
+                    turn = while_waiting()
+                    warm = {"warm_s": round(time.perf_counter() - t_wait, 2), **({"warm_turn": turn} if turn else {})}
                     fcntl.flock(lock, fcntl.LOCK_EX)
             else:
                 fcntl.flock(lock, fcntl.LOCK_EX)
@@ -197,7 +226,7 @@ class HeldOut:
                         rec = None
                 if rec is not None:
                     self.step0_shared[metric] = {"file": str(path), "computed_by": rec.get("run"), "reused": True,
-                                                 "wait_s": waited, **({"warm_s": warm_s} if warm_s is not None else {})}
+                                                 "wait_s": waited, **warm}
                     print(f"held-out: step-0 {metric} of the warm start from {path.name} (computed by run "
                           f"{rec.get('run')})", flush=True)
                     return float(rec["accuracy"])
@@ -209,7 +238,7 @@ class HeldOut:
                 tmp.write_text(json.dumps(rec, indent=1))
                 os.replace(tmp, path)
                 self.step0_shared[metric] = {"file": str(path), "computed_by": self.run_name, "reused": False,
-                                             "wait_s": waited, **({"warm_s": warm_s} if warm_s is not None else {})}
+                                             "wait_s": waited, **warm}
                 return acc
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
