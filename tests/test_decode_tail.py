@@ -22,9 +22,10 @@ FIELDS = ("responses", "response_mask", "truncated", "topk_ids")
 
 @pytest.fixture
 def small_tail(monkeypatch):
-    """Tail states down to 2 rows a run, up to 4 a call, the done flags looked at every 4 steps: the small test
+    """Tail states down to 2 rows a run (a sixteenth of 32), up to 4 a call, the done flags looked at every 4 steps: the small test
     calls (32 rows a run, 64 tokens) go through several."""
     monkeypatch.setattr(cuda_decode, "_TAIL_MIN_ROWS", 2)
+    monkeypatch.setattr(cuda_decode, "_TAIL_SHARE", 16)
     monkeypatch.setattr(cuda_decode, "_TAIL_LEVELS", 4)
     monkeypatch.setattr(cuda_decode, "_DONE_CHECK", 4)
 
@@ -118,6 +119,24 @@ def test_the_tail_stops_after_its_levels(small_tail, prepared_model, monkeypatch
                      eng.cuda_decoder.generate(*call, use_graphs=False))[1] for lv in (1, 4)}
     assert len(rows[1].meta["decode_tail_rows"]) == 1 and len(rows[4].meta["decode_tail_rows"]) > 1
     _same(rows[1], rows[4])
+
+
+def test_the_tail_keeps_a_quarter_of_a_runs_rows(small_tail, prepared_model, monkeypatch) -> None:
+    """By default a tail state holds at least a quarter of a run's rows (_TAIL_SHARE 4): the row counts a call can
+    go through are half and a quarter, which a run's first calls meet, not an eighth first met many steps later
+    (each new row count compiles the layer functions again on the device, while the run, or a whole cohort, waits)."""
+    monkeypatch.setattr(cuda_decode, "_TAIL_SHARE", 4)
+    (eng,) = _engines(prepared_model, None, n=1)
+    eng.compact_tail = True
+    call = _long_calls(prepared_model, 1)[0]
+    with _threads(1):
+        ref = eng.cuda_decoder.generate(*call, use_graphs=False)
+        monkeypatch.setattr(cuda_decode, "_TAIL_SHARE", 16)
+        deeper = eng.cuda_decoder.generate(*call, use_graphs=False)
+    rows = ref.response_mask.shape[0]
+    assert ref.meta["decode_tail_rows"] and min(ref.meta["decode_tail_rows"]) == rows // 4
+    assert min(deeper.meta["decode_tail_rows"]) < rows // 4  # the same call would have gone further down
+    _same(ref, deeper)
 
 
 def test_a_call_accounts_for_its_set_up(prepared_model) -> None:

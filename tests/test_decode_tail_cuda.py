@@ -51,6 +51,7 @@ def _noise(eng, prompts, spec, ids) -> float:
 def test_tail_states_on_the_device_replay_the_whole_batchs_logprobs(model_dir, precision, compile_layers,
                                                                     monkeypatch) -> None:
     monkeypatch.setattr(cuda_decode, "_TAIL_MIN_ROWS", 2)
+    monkeypatch.setattr(cuda_decode, "_TAIL_SHARE", 16)
     monkeypatch.setattr(cuda_decode, "_TAIL_LEVELS", 4)
     (eng,) = _engines(model_dir, precision, n=1, device="cuda", dtype=torch.bfloat16)
     eng.cuda_decoder.compile = compile_layers
@@ -77,6 +78,7 @@ def test_tail_states_on_the_device_replay_the_whole_batchs_logprobs(model_dir, p
 
 def test_a_cohorts_tail_states_on_the_device(model_dir, monkeypatch) -> None:
     monkeypatch.setattr(cuda_decode, "_TAIL_MIN_ROWS", 2)
+    monkeypatch.setattr(cuda_decode, "_TAIL_SHARE", 16)
     monkeypatch.setattr(cuda_decode, "_TAIL_LEVELS", 4)
     engines = _engines(model_dir, W4A4, device="cuda", dtype=torch.bfloat16)
     calls = [(p, SamplingSpec(temperature=1.0, max_new_tokens=R, n=N, topk_logprobs=3, seed=s.seed,

@@ -133,11 +133,11 @@ _PREPARE_SIMULATED = True
 # True: a plain or simulated cache's attention, o_proj and MLP as one function compiled per attended length L
 # (_post_attention); False: the attention uncompiled, o_proj + MLP compiled once for every L (benchmark A/B)
 _ATTENTION_PER_L = False
-# rollout.compact_tail (rollout/decode_state.py): tail states of at least _TAIL_MIN_ROWS rows a run, at most
-# _TAIL_LEVELS a call (each row count compiles the layer functions once more). Off by default: a bf16 product over
-# fewer rows may round otherwise (docs/PERFORMANCE.md: a seven-run W4A4 cohort call 1.3x faster with it)
+# rollout.compact_tail (rollout/decode_state.py): tail states of at least _TAIL_MIN_ROWS rows and 1/_TAIL_SHARE of
+# the call's rows a run (half, then a quarter: a row count first met late compiles the layers again mid-run), at most
+# _TAIL_LEVELS a call. Off by default: a bf16 product over fewer rows may round otherwise (docs/PERFORMANCE.md)
 _COMPACT_TAIL = False
-_TAIL_MIN_ROWS = 16
+_TAIL_MIN_ROWS, _TAIL_SHARE = 16, 4
 _TAIL_LEVELS = 2
 
 
@@ -338,7 +338,7 @@ class CudaDecoder:
                     break  # later steps would only write pad tokens, which the buffers already hold
                 if compact and len(tails) < _TAIL_LEVELS:
                     try:
-                        tail = next_tail(self, cur, runs, use_graphs, _TAIL_MIN_ROWS)
+                        tail = next_tail(self, cur, runs, use_graphs, max(_TAIL_MIN_ROWS, B // runs // _TAIL_SHARE))
                     except Exception as e:  # noqa: BLE001 - the whole batch goes on without it
                         return self._give_up_tail(e)
                     if tail is not None:
