@@ -4,7 +4,8 @@ function per attended length L (the route before). The same forced tokens (CudaD
 across several L, give log-probs within the format's own decode noise (its distance from a full forward of its format
 on the same tokens); and the default compiles its functions once for every L, where the per-L route compiles once
 more for each new L (Dynamo's count of compiled graphs over a call of one L and a call of four). BF16 and W8A8 FP8,
-the study's plain-cache arms; a packed cache's attention is a Triton kernel outside the compiled functions already."""
+the study's plain-cache arms; a packed cache's attention is a Triton kernel outside the compiled functions already.
+With PARITY_PLAIN_ATTENTION=kernel a plain cache's attention is that kernel over the raw values."""
 
 from __future__ import annotations
 
@@ -94,3 +95,22 @@ def test_an_eager_prefill_compiles_two_graphs_less_within_the_decode_noise(model
           f"(s) compiled {compiled.meta.get('decode_setup_s')}, eager {eager.meta.get('decode_setup_s')}")
     assert g_eager == g_compiled - 2, (g_compiled, g_eager)
     _within_noise(eager, compiled, eng, f"{precision.weights}: eager against compiled prefill")
+
+
+@pytest.mark.parametrize("precision", [BF16, FP8], ids=["bf16", "w8a8-fp8"])
+def test_the_plain_cache_kernel_route_within_the_decode_noise(model_dir, precision, monkeypatch) -> None:  # noqa: F811
+    """PARITY_PLAIN_ATTENTION=kernel: a plain cache's attention is decode_attention's kernel over the raw values (one
+    launch a layer; the call records it as kv_kernel plain_raw); over four attended lengths it compiles no more
+    graphs than the batched matmuls' route, and its log-probs on the same forced tokens stay within the format's
+    decode noise of that route's."""
+    long_r = 4 * _L_BUCKET - 16
+    old, _, g_old = _replay(model_dir, precision, False, long_r, monkeypatch)
+    assert "kv_kernel" not in old.meta
+    monkeypatch.setenv("PARITY_PLAIN_ATTENTION", "kernel")
+    new, eng, g_new = _replay(model_dir, precision, False, long_r, monkeypatch)
+    assert new.meta["kv_kernel"] == {"name": "plain_raw", "config": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}}
+    print(f"{precision.weights}: graphs compiled over four L, batched matmuls {g_old}, kernel {g_new}; set-up (s) "
+          f"{old.meta.get('decode_setup_s')} / {new.meta.get('decode_setup_s')}")
+    assert g_new <= g_old, (g_old, g_new)
+    _within_noise(new, old, eng, f"{precision.weights}: kernel against batched-matmul attention")
+

@@ -141,6 +141,38 @@ def test_the_dequantizing_kernel_launches_one_configuration_unless_timed(monkeyp
         da.kv_kernel_meta(cache, False)
 
 
+def test_the_plain_cache_route_by_its_switch(monkeypatch):
+    """PARITY_PLAIN_ATTENTION: a plain cache's attention is the batched matmuls by default and off CUDA; 'kernel' on
+    CUDA is the raw-value kernel, which a call records with its launch (a float32 cache's with 8 warps); any other
+    value is an error naming the variable."""
+    from types import SimpleNamespace
+
+    from parity.rollout import decode_attention as da
+    from parity.rollout.decode_layers import _decode_attention, plain_decode_attention, plain_kernel
+    g = torch.Generator().manual_seed(0)
+    B, H, n_kv, S, D, L = 3, 4, 2, 16, 8, 11
+    q, ck, cv = torch.randn(B, H, D, generator=g), torch.randn(B, n_kv, S, D, generator=g), torch.randn(
+        B, n_kv, S, D, generator=g)
+    key_ok = torch.ones(B, S, dtype=torch.bool)
+    key_ok[1, :3] = False
+    slot = torch.tensor([L - 1])
+    kmask = (torch.arange(L)[None, :] <= slot) & key_ok[:, :L]
+    want = _decode_attention(q, ck[:, :, :L], cv[:, :, :L], kmask, 0.35)
+    monkeypatch.delenv("PARITY_PLAIN_ATTENTION", raising=False)
+    assert not plain_kernel() and da.kv_kernel_meta(None, False, SimpleNamespace(is_cuda=True)) == {}
+    assert torch.equal(plain_decode_attention(q, ck, cv, key_ok, kmask, slot, L, 0.35), want)
+    monkeypatch.setenv("PARITY_PLAIN_ATTENTION", "kernel")
+    assert plain_kernel()
+    assert torch.equal(plain_decode_attention(q, ck, cv, key_ok, kmask, slot, L, 0.35), want)  # CPU: the matmuls
+    assert da.kv_kernel_meta(None, False, ck) == {}  # a CPU cache: no kernel ran
+    for dtype, warps in ((torch.bfloat16, 4), (torch.float32, 8)):
+        assert da.kv_kernel_meta(None, False, SimpleNamespace(is_cuda=True, dtype=dtype)) == {"kv_kernel": {
+            "name": "plain_raw", "config": {"BLOCK_N": 64, "num_warps": warps, "num_stages": 2}}}
+    monkeypatch.setenv("PARITY_PLAIN_ATTENTION", "flash")
+    with pytest.raises(ValueError, match="PARITY_PLAIN_ATTENTION='flash'"):
+        plain_kernel()
+
+
 def test_a_runs_record_keeps_one_path_while_the_autotuner_adds_launches():
     """A run records the distinct rollout paths its batches took; the attention kernel's autotuned launches grow
     as new shapes are tuned (one more entry, not another path), while another kernel is another path."""

@@ -23,9 +23,10 @@ note when it is spent):
    packed cache against the simulated cache, `int4kv_packed_vs_simulated`). Then an A/B row: W8A8 + INT4 KV with
    the unfused pre-attention functions (cuda_decode._FUSED_PRE = False).
 5. `--tests`: tests/test_kv_packed_cuda.py first (time-boxed), when asked.
-6. `--route-ab` alone (nothing else runs): the plain-cache BF16 and INT8 W8A8 rows under both of cuda_decode's
-   routes (the attention outside the compiled layer functions, the default; or compiled with o_proj and the MLP per
-   attended length, _ATTENTION_PER_L), A B A B: the BF16 row is the denominator of every ratio above.
+6. `--route-ab` alone (nothing else runs): the plain-cache BF16 and INT8 W8A8 rows under the three routes of
+   cuda_decode's plain-cache attention (batched matmuls outside the compiled layer functions, the default; compiled
+   with o_proj and the MLP per attended length, _ATTENTION_PER_L; the raw-value kernel, PARITY_PLAIN_ATTENTION=
+   kernel, with its decode noise), twice in turn: the BF16 row is the denominator of every ratio above.
 Prints a short table last. Needs torch, transformers, triton (pytest for --tests) only.
 """
 
@@ -316,28 +317,38 @@ def rows(reps: int, budget: float) -> None:
 
 
 def route_ab(reps: int) -> None:
-    """The plain-cache rows (bf16, INT8 W8A8) under both routes of cuda_decode: the attention outside the compiled
-    layer functions (the default) and compiled with o_proj and the MLP for each attended length (_ATTENTION_PER_L),
-    each route's rows in one pass, twice in alternation (A B A B): the bf16 row is the denominator of every ratio."""
+    """The plain-cache rows (bf16, INT8 W8A8) under the three routes of cuda_decode's plain-cache attention: the
+    batched matmuls outside the compiled layer functions (the default), compiled with o_proj and the MLP for each
+    attended length (_ATTENTION_PER_L), and decode_attention's kernel over the raw values (PARITY_PLAIN_ATTENTION=
+    kernel); each route's rows in one pass, the three passes twice in turn: the bf16 row is every ratio's denominator."""
     from gpu_bench_kv import kv_rows
 
     import parity.rollout.cuda_decode as cd
     d = build_model_dir()
-    keep, out = cd._ATTENTION_PER_L, {}
+    keep, env, out = cd._ATTENTION_PER_L, os.environ.get("PARITY_PLAIN_ATTENTION"), {}
     try:
         for rep in range(2):
-            for per_l in (False, True):
+            for route, per_l, plain in (("outside", False, "torch"), ("per_L", True, "torch"),
+                                        ("kernel", False, "kernel")):
                 cd._ATTENTION_PER_L = per_l
+                os.environ["PARITY_PLAIN_ATTENTION"] = plain
                 kv_rows(d, reps, rows=[("bf16", "bf16", "bf16", True), ("int8_w8a8", "int8", "bf16", True)],
-                        budget_batches=False, teacher_forced=False)
+                        budget_batches=False, teacher_forced=route == "kernel" and rep == 0)
                 for label in ("bf16", "int8_w8a8"):
-                    out.setdefault(f"{label}_{'per_L' if per_l else 'outside'}", []).append(
-                        RESULTS["kv"].get(label, {}).get("tok_s_b64"))
+                    row = RESULTS["kv"].get(label, {})
+                    out.setdefault(f"{label}_{route}", []).append(row.get("tok_s_b64"))
+                    if route == "kernel" and rep == 0:  # its decode noise beside the default route's (INT4 bench)
+                        out[f"{label}_kernel_dlogp_vs_teacher_forced"] = row.get(
+                            "dlogp_vs_teacher_forced_same_arithmetic")
                 RESULTS["route_ab"] = dict(out, what="tok/s at batch 64, each route's rows in turn, twice")
                 dump()
-                print(f"route per_L={per_l} pass {rep}: {out}", flush=True)
+                print(f"route {route} pass {rep}: {out}", flush=True)
     finally:
         cd._ATTENTION_PER_L = keep
+        if env is None:
+            os.environ.pop("PARITY_PLAIN_ATTENTION", None)
+        else:
+            os.environ["PARITY_PLAIN_ATTENTION"] = env
     RESULTS.pop("kv", None)
 
 
@@ -384,7 +395,7 @@ def main() -> None:
     p.add_argument("--test-timeout", type=int, default=200)
     p.add_argument("--workers", type=int, default=12)
     p.add_argument("--skip-rows", action="store_true")
-    p.add_argument("--route-ab", action="store_true", help="only the plain-cache rows under both decode routes")
+    p.add_argument("--route-ab", action="store_true", help="only the plain-cache rows under the three decode routes")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print(f"{__file__}: needs a CUDA device; nothing measured on this machine")

@@ -83,6 +83,7 @@ from parity.rollout.decode_layers import (  # noqa: F401  (tests and benchmarks 
     _project_qkv,
     _rms,
     _rope,
+    plain_decode_attention,
 )
 from parity.rollout.decode_state import DecodeState, next_tail, scatter_rows
 from parity.rollout.decode_weights import (  # noqa: F401  (tests import _Fused and _group here)
@@ -255,7 +256,7 @@ class CudaDecoder:
                    else ""),
                 "kv_cache_layout": ("packed" if "packed" in st.extras else
                                     "plain" if eng.kv_codec is None else "simulated"),
-                **kv_kernel_meta(st.extras.get("packed"), _FUSED_PRE),
+                **kv_kernel_meta(st.extras.get("packed"), _FUSED_PRE, None if "packed" in st.extras else st.caches[0][0]),
                 **({"decode_tail_rows": st.extras["tail_rows"]} if st.extras.get("tail_rows") else {}),
                 **({"decode_setup_s": st.extras["setup_s"]} if st.extras.get("setup_s") else {}),
                 **({"decode_tail_error": self.tail_error} if self.tail_error else {})}
@@ -546,7 +547,7 @@ class CudaDecoder:
             if _ATTENTION_PER_L:
                 h = post_fn(h, q, ck[:, :, :L], cv[:, :, :L], kmask, *post)
                 continue
-            out = _decode_attention(q.to(ck.dtype), ck[:, :, :L], cv[:, :, :L], kmask, post[0]).to(h.dtype)
+            out = plain_decode_attention(q, ck, cv, st.key_ok, kmask, slot, L, post[0]).to(h.dtype)
             h = o_mlp_fn(h, out[:, None], *post[1:])  # compiled once for every L: the attention stays outside it
         return eng.model.lm_head(inner.norm(h[:, -1])).float()
 

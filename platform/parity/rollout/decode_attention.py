@@ -153,13 +153,18 @@ def int4_rotated(cache: PackedKVCache) -> bool:
     return (INT4_ROTATED and cache.backend == "triton" and cache.kind_id == KIND_INT4 and cache.head_dim >= 64)
 
 
-def kv_kernel_meta(packed: PackedKVCache | None, fused_pre: bool) -> dict:
+def kv_kernel_meta(packed: PackedKVCache | None, fused_pre: bool, plain_cache: torch.Tensor | None = None) -> dict:
     """A decode call's record of its attention kernel for a packed cache (rotated int4 or the dequantizing kernel
     with its pinned launch configuration, or the configurations the autotuner chose when timed) and whether the fused
-    pre-attention kernel (`fused_pre`, cuda_decode._FUSED_PRE, where usable) feeds it; nothing for a plain or
-    simulated cache (the batched-matmul attention)."""
+    pre-attention kernel (`fused_pre`, cuda_decode._FUSED_PRE, where usable) feeds it. For a plain or simulated
+    cache (`plain_cache`, one of its tensors): nothing where the batched matmuls attend, the kernel's launch where
+    decode_layers.plain_kernel() has this module's kernel read the raw values on CUDA."""
     if packed is None:
-        return {}
+        from parity.rollout.decode_layers import plain_kernel
+        if plain_cache is None or not plain_cache.is_cuda or not plain_kernel():
+            return {}
+        return {"kv_kernel": {"name": "plain_raw", **({"tuned": tuned_configs()} if timed_tiles() else
+                                                        {"config": pinned_config(plain_cache.dtype)})}}
     from parity.rollout import pre_attention
 
     rotated = int4_rotated(packed)
