@@ -55,8 +55,10 @@ except ImportError:  # CPU installs
 # rounded up to a power of two: an iteration covers ROWS * R slots), warps, pipeline depth, programs to aim for per
 # SM (splits are added while rows x KV heads x splits is below it), the byte unpacking through inline PTX (CUDA
 # only), optionally a register cap ("maxnreg", more programs per SM). tests/bench/gpu_int4_decode_variants.py checks
-# and times the candidates; `CONFIG` is what the decode path launches.
-CONFIG = {"ROWS": 16, "num_warps": 4, "num_stages": 2, "programs_per_sm": 8, "asm": True}
+# and times the candidates; `CONFIG` is what the decode path launches: the variant it found fastest on one H200 at
+# L = 256 and 384 in both runs (2026-12-04, 2026-12-05; rows16-warps4-stages2-pps1, 928-931 GB/s at L = 256 against
+# 612-615 for 8 programs an SM, docs/perf_runs/*_int4_decode_variants.json): one program per SM, no split at batch 64.
+CONFIG = {"ROWS": 16, "num_warps": 4, "num_stages": 2, "programs_per_sm": 1, "asm": True}
 # The exact route (float32 output) multiplies the codes by a block-diagonal float32 query, whose tiles grow with
 # the column groups R = 16 / G: at G = 1, D = 128 they need 247,808 B of shared memory at ROWS 16 (2 stages) on
 # sm_90, over the H200's 232,448 B, and 189,504 B at ROWS 8 (Triton's compile for sm_90a; checked for every G and
