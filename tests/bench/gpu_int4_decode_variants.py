@@ -21,7 +21,8 @@ note when it is spent):
    step profile, and the log-prob gaps against a teacher-forced forward of the same tokens (every row, the plain-
    cache BF16 and W8A8 rows the yardsticks of their weight formats' decode noise; for the INT4 row: the
    packed cache against the simulated cache, `int4kv_packed_vs_simulated`). Then an A/B row: W8A8 + INT4 KV with
-   the unfused pre-attention functions (cuda_decode._FUSED_PRE = False).
+   the unfused pre-attention functions (cuda_decode._FUSED_PRE = False). With --max-batch each packed row also
+   decodes at the largest batch whose KV cache fits in BF16's bytes at batch 64 (240 rows for INT4, 124 for FP8).
 5. `--tests`: tests/test_kv_packed_cuda.py first (time-boxed), when asked.
 6. `--route-ab` alone (nothing else runs): the plain-cache BF16 and INT8 W8A8 rows under the three routes of
    cuda_decode's plain-cache attention (batched matmuls outside the compiled layer functions, the default; compiled
@@ -286,7 +287,7 @@ def cuda_tests(timeout: int, workers: int) -> None:
     run(timeout, workers)
 
 
-def rows(reps: int, budget: float) -> None:
+def rows(reps: int, budget: float, max_batch: bool = False) -> None:
     from bench_gpu import ceilings
     from gpu_bench_kv import kv_rows
 
@@ -296,7 +297,7 @@ def rows(reps: int, budget: float) -> None:
     kv_rows(d, reps, rows=[("bf16", "bf16", "bf16", True), ("int8_w8a8", "int8", "bf16", True),
                            ("int8_w8a8_int4kv", "int8", "int4_per_token_head", True),
                            ("int8_w8a8_fp8kv", "int8", "fp8_per_token_head", True),
-                           ("bf16_int4kv", "bf16", "int4_per_token_head", True)], budget_batches=False)
+                           ("bf16_int4kv", "bf16", "int4_per_token_head", True)], budget_batches=max_batch)
     main = RESULTS["kv"]
     if left(budget) > 60:  # A/B: the same INT4 row with the unfused pre-attention functions
         keep, cd._FUSED_PRE = cd._FUSED_PRE, False
@@ -395,6 +396,7 @@ def main() -> None:
     p.add_argument("--test-timeout", type=int, default=200)
     p.add_argument("--workers", type=int, default=12)
     p.add_argument("--skip-rows", action="store_true")
+    p.add_argument("--max-batch", action="store_true", help="the kv rows also at the largest batch in BF16's KV bytes")
     p.add_argument("--route-ab", action="store_true", help="only the plain-cache rows under the three decode routes")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -427,7 +429,7 @@ def main() -> None:
     dump()
     if not args.skip_rows:
         if left(args.budget) > 120:
-            rows(args.reps, args.budget)
+            rows(args.reps, args.budget, args.max_batch)
         else:
             RESULTS["kv"] = {"skipped": f"budget: {left(args.budget):.0f} s left"}
     RESULTS["total_s"] = time.perf_counter() - T0
