@@ -148,7 +148,8 @@ def test_the_plain_cache_route_by_its_switch(monkeypatch):
     from types import SimpleNamespace
 
     from parity.rollout import decode_attention as da
-    from parity.rollout.decode_layers import _decode_attention, plain_decode_attention, plain_kernel
+    from parity.rollout.decode_attention import plain_kernel
+    from parity.rollout.decode_layers import _decode_attention, plain_decode_attention
     g = torch.Generator().manual_seed(0)
     B, H, n_kv, S, D, L = 3, 4, 2, 16, 8, 11
     q, ck, cv = torch.randn(B, H, D, generator=g), torch.randn(B, n_kv, S, D, generator=g), torch.randn(

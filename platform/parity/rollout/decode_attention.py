@@ -135,6 +135,16 @@ def timed_tiles() -> bool:
     return v == "timed"
 
 
+def plain_kernel() -> bool:
+    """Whether a plain (or simulated) cache's decode attention on CUDA is the flash-decoding kernel over the raw
+    values (PARITY_PLAIN_ATTENTION=kernel: one or two launches a layer, scores kept in float32, nothing compiled per
+    attended length) instead of the batched matmuls of _decode_attention (torch, the default)."""
+    v = os.environ.get("PARITY_PLAIN_ATTENTION", "torch")
+    if v not in ("torch", "kernel"):
+        raise ValueError(f"PARITY_PLAIN_ATTENTION={v!r}: expected 'torch' (the default) or 'kernel'")
+    return v == "kernel"
+
+
 def pinned_config(dtype: torch.dtype) -> dict:
     """The launch configuration of the dequantizing kernel for queries and cache of `dtype`."""
     return {**ATTN_CONFIG, "num_warps": ATTN_WARPS_FP32} if dtype == torch.float32 else dict(ATTN_CONFIG)
@@ -158,9 +168,8 @@ def kv_kernel_meta(packed: PackedKVCache | None, fused_pre: bool, plain_cache: t
     with its pinned launch configuration, or the configurations the autotuner chose when timed) and whether the fused
     pre-attention kernel (`fused_pre`, cuda_decode._FUSED_PRE, where usable) feeds it. For a plain or simulated
     cache (`plain_cache`, one of its tensors): nothing where the batched matmuls attend, the kernel's launch where
-    decode_layers.plain_kernel() has this module's kernel read the raw values on CUDA."""
+    plain_kernel() has this module's kernel read the raw values on CUDA."""
     if packed is None:
-        from parity.rollout.decode_layers import plain_kernel
         if plain_cache is None or not plain_cache.is_cuda or not plain_kernel():
             return {}
         return {"kv_kernel": {"name": "plain_raw", **({"tuned": tuned_configs()} if timed_tiles() else

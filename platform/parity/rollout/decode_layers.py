@@ -4,8 +4,6 @@ forward for quantized projections, q/k/v and gate/up as one product each when st
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
@@ -25,24 +23,15 @@ def _decode_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, kmask
     return torch.matmul(p, cv).reshape(B, H * D)
 
 
-def plain_kernel() -> bool:
-    """Whether a plain (or simulated) cache's decode attention on CUDA is the flash-decoding kernel over the raw
-    values (PARITY_PLAIN_ATTENTION=kernel: one or two launches a layer, scores kept in float32, nothing compiled per
-    attended length) instead of the batched matmuls of _decode_attention (torch, the default)."""
-    v = os.environ.get("PARITY_PLAIN_ATTENTION", "torch")
-    if v not in ("torch", "kernel"):
-        raise ValueError(f"PARITY_PLAIN_ATTENTION={v!r}: expected 'torch' (the default) or 'kernel'")
-    return v == "kernel"
-
-
 def plain_decode_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, key_ok: torch.Tensor,
                            kmask: torch.Tensor, slot: torch.Tensor, L: int, scale: float) -> torch.Tensor:
     """q [B, H, D] against a plain cache [B, n_kv, S, D]'s first L slots (kmask [B, L]: slot <= `slot` and key_ok),
-    [B, H * D]: _decode_attention, or with plain_kernel() on CUDA decode_attention.raw_decode_attention (the same
+    [B, H * D]: _decode_attention, or with decode_attention.plain_kernel() on CUDA its raw_decode_attention (the same
     masks from key_ok and slot)."""
-    if q.is_cuda and plain_kernel():
-        from parity.rollout.decode_attention import raw_decode_attention
-        return raw_decode_attention(q.to(ck.dtype), ck, cv, key_ok, slot, L, scale)
+    if q.is_cuda:
+        from parity.rollout.decode_attention import plain_kernel, raw_decode_attention
+        if plain_kernel():
+            return raw_decode_attention(q.to(ck.dtype), ck, cv, key_ok, slot, L, scale)
     return _decode_attention(q.to(ck.dtype), ck[:, :, :L], cv[:, :, :L], kmask, scale)
 
 
