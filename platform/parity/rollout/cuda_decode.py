@@ -138,8 +138,7 @@ _ATTENTION_PER_L = False
 # the call's rows a run (half, then a quarter: a row count first met late compiles the layers again mid-run), at most
 # _TAIL_LEVELS a call. Off by default: a bf16 product over fewer rows may round otherwise (docs/PERFORMANCE.md)
 _COMPACT_TAIL = False
-_TAIL_MIN_ROWS, _TAIL_SHARE = 16, 4
-_TAIL_LEVELS = 2
+_TAIL_MIN_ROWS, _TAIL_SHARE, _TAIL_LEVELS = 16, 4, 2
 
 
 def supports(engine: Any) -> bool:
@@ -256,7 +255,8 @@ class CudaDecoder:
                    else ""),
                 "kv_cache_layout": ("packed" if "packed" in st.extras else
                                     "plain" if eng.kv_codec is None else "simulated"),
-                **kv_kernel_meta(st.extras.get("packed"), _FUSED_PRE, None if "packed" in st.extras else st.caches[0][0]),
+                **kv_kernel_meta(st.extras.get("packed"), _FUSED_PRE,
+                                 None if "packed" in st.extras or _ATTENTION_PER_L else st.caches[0][0]),
                 **({"decode_tail_rows": st.extras["tail_rows"]} if st.extras.get("tail_rows") else {}),
                 **({"decode_setup_s": st.extras["setup_s"]} if st.extras.get("setup_s") else {}),
                 **({"decode_tail_error": self.tail_error} if self.tail_error else {})}
