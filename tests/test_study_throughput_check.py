@@ -103,3 +103,22 @@ def test_the_start_account_of_a_measured_phase() -> None:
     assert "call 1: 4 of 4 members, 128 rows each, 284 steps, 46.24 s" in w4a4
     run = dict(new["runs"][0], startup_detail={"compile_s": {"imports": 0.0, "first_step": 41.5}})
     assert "compile by first step 41.5 s" in start_account({"name": "new", "runs": [run]})[0]
+
+
+def test_the_start_account_shows_warm_ups_and_late_compiles() -> None:
+    """On the preloaded side-by-side of 2026-12-05: a run that warmed its evaluation engine while another computed
+    the step-0 number shows the seconds; each cohort shows the later call that compiled (its 17th, at a tail of an
+    eighth of its rows); a warm-up's turn shows where the run records it."""
+    record = json.loads((ROOT / "docs/perf_runs/2026-12-05_study_throughput_preload.json").read_text())
+    new = record["new"]
+    lines = start_account(new)
+    w4a4 = next(ln for ln in lines if ln.startswith("new w4a4+int4kv / none / grpo"))
+    assert w4a4.endswith("| warm-up 23.05 s")
+    fp8_cohort = next(ln for ln in lines if ln.startswith("new cohort 0 (3 runs)"))
+    assert fp8_cohort.endswith("compiled later: call 17 7.24 s"), fp8_cohort
+    assert sum("compiled later: call 17" in ln for ln in lines) == 4
+    shared = new["runs"][6]["step0_eval_shared"]["eval/accuracy_unquantized"]
+    run = dict(new["runs"][6], step0_eval_shared={"eval/accuracy_unquantized": {
+        **shared, "warm_turn": {"first": False, "waited_s": 6.5}}})
+    assert start_account({"name": "new", "runs": [run]})[0].endswith(
+        "| warm-up 23.05 s (after the first, waited 6.5 s)")

@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -257,10 +258,22 @@ def profile_table(label: str, runs: list[dict]) -> None:
                       f"| {top}", flush=True)
 
 
+def _warm_up(r: dict) -> str:
+    """A run's warm-up of its plain evaluation engine while another run computed the step-0 number: its seconds and
+    its turn (first and alone, or after the first, with the seconds it waited)."""
+    w = (r.get("step0_eval_shared") or {}).get("eval/accuracy_unquantized") or {}
+    if w.get("warm_s") is None:
+        return ""
+    t = w.get("warm_turn")
+    turn = f" ({'first' if t['first'] else 'after the first'}, waited {t['waited_s']} s)" if t else ""
+    return f" | warm-up {w['warm_s']} s{turn}"
+
+
 def start_account(ph: dict) -> list[str]:
     """Where a phase's start went, a line a run (its startup marks, the torch.compile seconds its process had spent
-    by its first step, its first rollout's set-up) and a line a cohort server (its engines' build and first call,
-    from its log): what to read first when the phase's first steps come late."""
+    by its first step, its first rollout's set-up, its evaluation engine's warm-up) and a line a cohort server (its
+    engines' build and first call, and any later call that compiled, from its log): what to read first when the
+    phase's first steps come late or a run stalls mid-way."""
     lines = []
     for r in ph["runs"]:
         marks = r.get("startup_s") or {}
@@ -268,12 +281,15 @@ def start_account(ph: dict) -> list[str]:
         compiled = (detail.get("compile_s") or {}).get("first_step")
         lines.append(f"{ph['name']} {r['arm'][:30]:30s} " + " ".join(f"{k} {v}" for k, v in marks.items())
                      + (f" | compile by first step {compiled} s" if compiled is not None else "")
-                     + (f" | rollout0 set-up {detail['rollout0_setup_s']}" if detail.get("rollout0_setup_s") else ""))
+                     + (f" | rollout0 set-up {detail['rollout0_setup_s']}" if detail.get("rollout0_setup_s") else "")
+                     + _warm_up(r))
     for i, c in enumerate(ph.get("cohorts") or []):
-        log = [ln for ln in (c.get("log_tail") or "").splitlines()
-               if "engines built" in ln or ln.startswith("cohort server: call 1:")]
+        tail = (c.get("log_tail") or "").splitlines()
+        log = [ln for ln in tail if "engines built" in ln or ln.startswith("cohort server: call 1:")]
+        late = [f"call {m[1]} {m[2]} s" for ln in tail
+                if (m := re.match(r"cohort server: call (\d+): .*?, ([\d.]+) s, .*'compile'", ln)) and m[1] != "1"]
         lines.append(f"{ph['name']} cohort {i} ({len(c.get('members', []))} runs): " + " / ".join(
-            ln.removeprefix("cohort server: ") for ln in log))
+            ln.removeprefix("cohort server: ") for ln in log) + (f" / compiled later: {', '.join(late)}" if late else ""))
     return lines
 
 
