@@ -172,8 +172,7 @@ def kv_kernel_meta(packed: PackedKVCache | None, fused_pre: bool, plain_cache: t
     if packed is None:
         if plain_cache is None or not plain_cache.is_cuda or not plain_kernel():
             return {}
-        return {"kv_kernel": {"name": "plain_raw", **({"tuned": tuned_configs()} if timed_tiles() else
-                                                        {"config": pinned_config(plain_cache.dtype)})}}
+        return {"kv_kernel": {"name": "plain_raw", **_launch_record(plain_cache.dtype)}}
     from parity.rollout import pre_attention
 
     rotated = int4_rotated(packed)
@@ -182,11 +181,14 @@ def kv_kernel_meta(packed: PackedKVCache | None, fused_pre: bool, plain_cache: t
     if rotated:
         from parity.rollout.int4_attention import CONFIG
         kernel["config"] = dict(CONFIG)
-    elif packed.backend == "triton" and timed_tiles():
-        kernel["tuned"] = tuned_configs()
     elif packed.backend == "triton":
-        kernel["config"] = pinned_config(packed.dtype)
+        kernel.update(_launch_record(packed.dtype))
     return {"kv_kernel": kernel}
+
+
+def _launch_record(dtype: torch.dtype) -> dict:
+    """What _launch runs on CUDA, for a call's record: the autotuner's picks when timed, else the pinned launch."""
+    return {"tuned": tuned_configs()} if timed_tiles() else {"config": pinned_config(dtype)}
 
 
 def packed_decode_attention(q: torch.Tensor, cache: PackedKVCache, layer: PackedLayer, key_ok: torch.Tensor,
