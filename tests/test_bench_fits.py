@@ -33,3 +33,17 @@ def test_fixed_and_streaming_by_hand() -> None:
     assert list(r["us"]) == ["128", "256", "384"]
     # a kernel whose time does not grow has no streaming rate
     assert fixed_and_streaming({128: 5.0, 256: 5.0}, bps)["streaming_GBps"] is None
+
+
+def test_every_variant_is_named_by_its_own_configuration() -> None:
+    """A variant's name says what it launched whatever CONFIG is pinned to (a name once kept an old default's
+    programs per SM after CONFIG changed), and the first variant is the pinned CONFIG."""
+    from gpu_int4_decode_variants import VARIANTS, variant_name
+
+    from parity.rollout.int4_attention import CONFIG
+    assert list(VARIANTS.values())[0] == CONFIG
+    for name, cfg in VARIANTS.items():
+        assert set(CONFIG) <= set(cfg) and name == variant_name(cfg)
+    assert variant_name({**CONFIG, "programs_per_sm": 8, "maxnreg": 168, "asm": False}) == \
+        "rows16-warps4-stages2-pps8-reg168-noasm"
+    assert len({tuple(sorted(c.items())) for c in VARIANTS.values()}) == len(VARIANTS)  # no two alike

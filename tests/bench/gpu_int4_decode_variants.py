@@ -47,19 +47,20 @@ from gpu_bench_common import BATCH, OUT_PATH, RESULTS, SHAPE, build_model_dir, d
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # tests.kv_packed_checks
 
-# launch configurations of the rotated int4 kernel (int4_attention.CONFIG keys); the first is the default
-VARIANTS = {
-    "rows16-warps4-stages2-pps8": {},
-    "rows16-warps4-stages2-pps1": {"programs_per_sm": 1},
-    "rows16-warps4-stages2-pps4": {"programs_per_sm": 4},
-    "rows16-warps4-stages2-pps16": {"programs_per_sm": 16},
-    "rows8-warps4-stages2-pps8": {"ROWS": 8},
-    "rows8-warps4-stages2-pps2": {"ROWS": 8, "programs_per_sm": 2},
-    "rows16-warps8-stages2-pps8": {"num_warps": 8},
-    "rows16-warps4-stages3-pps8": {"num_stages": 3},
-    "rows16-warps4-stages2-pps8-reg168": {"maxnreg": 168},
-    "rows16-warps4-stages2-pps8-noasm": {"asm": False},
-}
+# launch configurations of the rotated int4 kernel: each a whole configuration (every int4_attention.CONFIG key),
+# named from its own values, so that a name says what ran whatever CONFIG is pinned to; the first is the pinned one
+_BASE = {"ROWS": 16, "num_warps": 4, "num_stages": 2, "programs_per_sm": 1, "asm": True}
+
+
+def variant_name(cfg: dict) -> str:
+    """rows{ROWS}-warps{num_warps}-stages{num_stages}-pps{programs_per_sm}, then -reg{maxnreg} and -noasm."""
+    return (f"rows{cfg['ROWS']}-warps{cfg['num_warps']}-stages{cfg['num_stages']}-pps{cfg['programs_per_sm']}"
+            + (f"-reg{cfg['maxnreg']}" if cfg.get("maxnreg") else "") + ("" if cfg["asm"] else "-noasm"))
+
+
+VARIANTS = {variant_name(c): c for c in ({**_BASE, **d} for d in (
+    {}, {"programs_per_sm": 8}, {"programs_per_sm": 4}, {"programs_per_sm": 16}, {"ROWS": 8},
+    {"ROWS": 8, "programs_per_sm": 2}, {"num_warps": 8}, {"num_stages": 3}, {"maxnreg": 168}, {"asm": False}))}
 T0 = time.perf_counter()
 
 
