@@ -47,3 +47,30 @@ def test_every_variant_is_named_by_its_own_configuration() -> None:
     assert variant_name({**CONFIG, "programs_per_sm": 8, "maxnreg": 168, "asm": False}) == \
         "rows16-warps4-stages2-pps8-reg168-noasm"
     assert len({tuple(sorted(c.items())) for c in VARIANTS.values()}) == len(VARIANTS)  # no two alike
+
+
+def test_the_kernel_route_peer_is_timed_on_its_route_and_divides_every_row(monkeypatch) -> None:
+    """The INT4 bench's BF16 peer on the raw-value kernel: its pass runs with PARITY_PLAIN_ATTENTION=kernel, the
+    switch is restored after, the main rows are kept and each summary row gets its ratio to the peer."""
+    import os
+
+    import gpu_bench_kv
+    import gpu_int4_decode_variants as g
+
+    seen = []
+
+    def fake_rows(d, reps, rows=None, budget_batches=True, teacher_forced=True):
+        seen.append((os.environ.get("PARITY_PLAIN_ATTENTION"), rows, teacher_forced))
+        g.RESULTS["kv"] = {"bf16": {"tok_s_b64": 25000.0}}
+
+    monkeypatch.setattr(gpu_bench_kv, "kv_rows", fake_rows)
+    monkeypatch.setattr(g, "dump", lambda: None)
+    monkeypatch.setenv("PARITY_PLAIN_ATTENTION", "torch")
+    main = {"summary": {"bf16": {"tok_s_b64": 20000.0}, "int8_w8a8_int4kv": {"tok_s_b64": 30000.0}}}
+    monkeypatch.setitem(g.RESULTS, "kv", main)
+    g.kernel_route_peer("model", 3, main)
+    assert seen == [("kernel", [("bf16", "bf16", "bf16", True)], False)]
+    assert os.environ["PARITY_PLAIN_ATTENTION"] == "torch" and g.RESULTS["kv"] is main
+    assert main["bf16_kernel_route_tok_s_b64"] == 25000.0
+    assert main["summary"]["bf16"]["over_bf16_kernel_route_b64"] == 0.8
+    assert main["summary"]["int8_w8a8_int4kv"]["over_bf16_kernel_route_b64"] == 1.2

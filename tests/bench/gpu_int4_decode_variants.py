@@ -21,8 +21,10 @@ note when it is spent):
    step profile, and the log-prob gaps against a teacher-forced forward of the same tokens (every row, the plain-
    cache BF16 and W8A8 rows the yardsticks of their weight formats' decode noise; for the INT4 row: the
    packed cache against the simulated cache, `int4kv_packed_vs_simulated`). Then an A/B row: W8A8 + INT4 KV with
-   the unfused pre-attention functions (cuda_decode._FUSED_PRE = False). With --max-batch each packed row also
-   decodes at the largest batch whose KV cache fits in BF16's bytes at batch 64 (240 rows for INT4, 124 for FP8).
+   the unfused pre-attention functions (cuda_decode._FUSED_PRE = False). The BF16 row is timed once more with its
+   plain cache on the raw-value kernel (its fastest route), each row's ratio to it beside the default route's. With
+   --max-batch each packed row also decodes at the largest batch whose KV cache fits in BF16's bytes at batch 64
+   (240 rows for INT4, 124 for FP8).
 5. `--tests`: tests/test_kv_packed_cuda.py first (time-boxed), when asked.
 6. `--route-ab` alone (nothing else runs): the plain-cache BF16 and INT8 W8A8 rows under the three routes of
    cuda_decode's plain-cache attention (batched matmuls outside the compiled layer functions, the default; compiled
@@ -34,6 +36,7 @@ Prints a short table last. Needs torch, transformers, triton (pytest for --tests
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -44,12 +47,14 @@ from pathlib import Path
 import torch
 from gpu_bench_common import BATCH, OUT_PATH, RESULTS, SHAPE, build_model_dir, dump
 
+from parity.rollout.int4_attention import CONFIG as PINNED
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # tests.kv_packed_checks
 
 # launch configurations of the rotated int4 kernel: each a whole configuration (every int4_attention.CONFIG key),
 # named from its own values, so that a name says what ran whatever CONFIG is pinned to; the first is the pinned one
-_BASE = {"ROWS": 16, "num_warps": 4, "num_stages": 2, "programs_per_sm": 1, "asm": True}
+_BASE = dict(PINNED)
 
 
 def variant_name(cfg: dict) -> str:
@@ -300,6 +305,7 @@ def rows(reps: int, budget: float, max_batch: bool = False) -> None:
                            ("int8_w8a8_fp8kv", "int8", "fp8_per_token_head", True),
                            ("bf16_int4kv", "bf16", "int4_per_token_head", True)], budget_batches=max_batch)
     main = RESULTS["kv"]
+    kernel_route_peer(d, reps, main)
     if left(budget) > 60:  # A/B: the same INT4 row with the unfused pre-attention functions
         keep, cd._FUSED_PRE = cd._FUSED_PRE, False
         saved = RESULTS.pop("kv")
@@ -318,6 +324,39 @@ def rows(reps: int, budget: float, max_batch: bool = False) -> None:
     dump()
 
 
+@contextlib.contextmanager
+def plain_route(value: str):
+    """PARITY_PLAIN_ATTENTION set to `value` (decode_attention.plain_kernel reads it at each call), then restored."""
+    env = os.environ.get("PARITY_PLAIN_ATTENTION")
+    os.environ["PARITY_PLAIN_ATTENTION"] = value
+    try:
+        yield
+    finally:
+        if env is None:
+            os.environ.pop("PARITY_PLAIN_ATTENTION", None)
+        else:
+            os.environ["PARITY_PLAIN_ATTENTION"] = env
+
+
+def kernel_route_peer(d: str, reps: int, main: dict) -> None:
+    """The BF16 row again with its plain cache's attention on the raw-value kernel (PARITY_PLAIN_ATTENTION=kernel,
+    its fastest route), in the same run: each row's tok/s over it as `over_bf16_kernel_route_b64` beside the
+    default route's `over_bf16_b64`."""
+    from gpu_bench_kv import kv_rows
+    saved = RESULTS.pop("kv")
+    try:
+        with plain_route("kernel"):
+            kv_rows(d, reps, rows=[("bf16", "bf16", "bf16", True)], budget_batches=False, teacher_forced=False)
+        peer = RESULTS["kv"].get("bf16", {}).get("tok_s_b64")
+    finally:
+        RESULTS["kv"] = saved
+    main["bf16_kernel_route_tok_s_b64"] = peer
+    for row in main.get("summary", {}).values():
+        if peer and row.get("tok_s_b64"):
+            row["over_bf16_kernel_route_b64"] = row["tok_s_b64"] / peer
+    dump()
+
+
 def route_ab(reps: int) -> None:
     """The plain-cache rows (bf16, INT8 W8A8) under the three routes of cuda_decode's plain-cache attention: the
     batched matmuls outside the compiled layer functions (the default), compiled with o_proj and the MLP for each
@@ -327,15 +366,15 @@ def route_ab(reps: int) -> None:
 
     import parity.rollout.cuda_decode as cd
     d = build_model_dir()
-    keep, env, out = cd._ATTENTION_PER_L, os.environ.get("PARITY_PLAIN_ATTENTION"), {}
+    keep, out = cd._ATTENTION_PER_L, {}
     try:
         for rep in range(2):
             for route, per_l, plain in (("outside", False, "torch"), ("per_L", True, "torch"),
                                         ("kernel", False, "kernel")):
                 cd._ATTENTION_PER_L = per_l
-                os.environ["PARITY_PLAIN_ATTENTION"] = plain
-                kv_rows(d, reps, rows=[("bf16", "bf16", "bf16", True), ("int8_w8a8", "int8", "bf16", True)],
-                        budget_batches=False, teacher_forced=route == "kernel" and rep == 0)
+                with plain_route(plain):
+                    kv_rows(d, reps, rows=[("bf16", "bf16", "bf16", True), ("int8_w8a8", "int8", "bf16", True)],
+                            budget_batches=False, teacher_forced=route == "kernel" and rep == 0)
                 for label in ("bf16", "int8_w8a8"):
                     row = RESULTS["kv"].get(label, {})
                     out.setdefault(f"{label}_{route}", []).append(row.get("tok_s_b64"))
@@ -347,10 +386,6 @@ def route_ab(reps: int) -> None:
                 print(f"route {route} pass {rep}: {out}", flush=True)
     finally:
         cd._ATTENTION_PER_L = keep
-        if env is None:
-            os.environ.pop("PARITY_PLAIN_ATTENTION", None)
-        else:
-            os.environ["PARITY_PLAIN_ATTENTION"] = env
     RESULTS.pop("kv", None)
 
 
@@ -379,6 +414,11 @@ def table() -> None:
                   f"{gap.get('mean_abs_dlogp', float('nan')):14.4f} / {gap.get('max_abs_dlogp', float('nan')):.3f}")
         elif isinstance(r, dict) and "error" in r:
             print(f"{label:30s} error: {r['error'][:100]}")
+    peer = kv.get("bf16_kernel_route_tok_s_b64")
+    if peer:
+        print(f"BF16 on the kernel route {peer:.0f} tok/s; over it: " + ", ".join(
+            f"{k} {r['over_bf16_kernel_route_b64']:.3f}" for k, r in kv.get("summary", {}).items()
+            if r.get("over_bf16_kernel_route_b64")))
     prof = kv.get("int8_w8a8_int4kv", {}).get("decode_step_profile", {})
     if prof:
         print(f"W8A8 + INT4 step: {prof.get('kernel_ms_per_step', 0):.3f} ms kernels, "
