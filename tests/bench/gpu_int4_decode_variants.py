@@ -58,14 +58,17 @@ _BASE = dict(PINNED)
 
 
 def variant_name(cfg: dict) -> str:
-    """rows{ROWS}-warps{num_warps}-stages{num_stages}-pps{programs_per_sm}, then -reg{maxnreg} and -noasm."""
+    """rows{ROWS}-warps{num_warps}-stages{num_stages}-pps{programs_per_sm}, then -reg{maxnreg}, -noasm, -blocks
+    (each column group's slots one block) and -merge (the query's two parts in one product)."""
     return (f"rows{cfg['ROWS']}-warps{cfg['num_warps']}-stages{cfg['num_stages']}-pps{cfg['programs_per_sm']}"
-            + (f"-reg{cfg['maxnreg']}" if cfg.get("maxnreg") else "") + ("" if cfg["asm"] else "-noasm"))
+            + (f"-reg{cfg['maxnreg']}" if cfg.get("maxnreg") else "") + ("" if cfg["asm"] else "-noasm")
+            + ("-blocks" if cfg.get("blocks") else "") + ("-merge" if cfg.get("merge") else ""))
 
 
 VARIANTS = {variant_name(c): c for c in ({**_BASE, **d} for d in (
-    {}, {"programs_per_sm": 8}, {"programs_per_sm": 4}, {"programs_per_sm": 16}, {"ROWS": 8},
-    {"ROWS": 8, "programs_per_sm": 2}, {"num_warps": 8}, {"num_stages": 3}, {"maxnreg": 168}, {"asm": False}))}
+    {}, {"blocks": True}, {"merge": True}, {"blocks": True, "merge": True},
+    {"blocks": True, "merge": True, "ROWS": 8}, {"blocks": True, "merge": True, "num_stages": 3},
+    {"programs_per_sm": 4}, {"ROWS": 8}, {"num_stages": 3}, {"maxnreg": 168}, {"asm": False}))}
 T0 = time.perf_counter()
 
 

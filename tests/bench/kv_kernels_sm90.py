@@ -85,15 +85,17 @@ def int4_attention_signature(out: str = "bf16") -> dict:
 
 def int4_kernels() -> None:
     sig = int4_attention_signature()
-    for rows, warps, stages, one, reg in [(16, 4, 2, False, 0), (16, 4, 2, True, 0), (8, 4, 2, False, 0),
-                                          (16, 8, 2, False, 0), (32, 8, 2, False, 0), (16, 4, 3, False, 0),
-                                          (16, 4, 2, False, 128)]:
+    for rows, warps, stages, one, reg, form in [
+            (16, 4, 2, False, 0, ""), (16, 4, 2, True, 0, ""), (8, 4, 2, False, 0, ""), (16, 8, 2, False, 0, ""),
+            (32, 8, 2, False, 0, ""), (16, 4, 3, False, 0, ""), (16, 4, 2, False, 128, ""),
+            (16, 4, 2, False, 0, "blocks"), (16, 4, 2, False, 0, "merge"), (16, 4, 2, False, 0, "blocks+merge"),
+            (8, 4, 2, False, 0, "blocks+merge")]:
         opts = {"num_warps": warps, "num_stages": stages, **({"maxnreg": reg} if reg else {})}
-        report(f"int4 rotated rows={rows} warps={warps} stages={stages} one_split={one} maxnreg={reg or '-'}",
+        report(f"int4 rotated rows={rows} warps={warps} stages={stages} one_split={one} maxnreg={reg or '-'} {form}",
                ia._int4_attn_kernel, sig,
                {"G": 2, "GP": 2, "BLOCK_G": 16, "ROWS": rows, "D": 128, "HADAMARD": True, "EXACT": False,
-                "ASM": True, "ONE_SPLIT": one}, opts, div16=("L", "S", "H", "split_slots", "ok_stride"),
-               loop_slots=rows * 8)
+                "ASM": True, "ONE_SPLIT": one, "BLOCKS": "blocks" in form, "MERGE": "merge" in form}, opts,
+               div16=("L", "S", "H", "split_slots", "ok_stride"), loop_slots=rows * 8)
     report("int4 query preparation", ia._query_kernel,
            {"q_ptr": "*bf16", "qf_ptr": "*fp32", "qi_ptr": "*i8", "qc_ptr": "*fp32", "sg_ptr": "*fp32",
             "hm_ptr": "*bf16", "rows": "i32"}, {"D": 128, "HADAMARD": True}, {"num_warps": 4})

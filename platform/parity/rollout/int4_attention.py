@@ -54,11 +54,16 @@ except ImportError:  # CPU installs
 # Launch configuration: rows of the K product per iteration (each row R = 16 / G slots, G query heads a KV head
 # rounded up to a power of two: an iteration covers ROWS * R slots), warps, pipeline depth, programs to aim for per
 # SM (splits are added while rows x KV heads x splits is below it), the byte unpacking through inline PTX (CUDA
-# only), optionally a register cap ("maxnreg", more programs per SM). tests/bench/gpu_int4_decode_variants.py checks
+# only), optionally a register cap ("maxnreg", more programs per SM), and two forms of the loop: "blocks" (column
+# group r of an iteration takes the slots start + r * ROWS + [0, ROWS) instead of start + n * R + r, so that the
+# softmax's sums over a row's slots stay inside one warp: 9 barriers an iteration instead of 20 in the sm_90a SASS)
+# and "merge" (the query's two int8 parts side by side in one product's columns, which are padding otherwise: two
+# int8 products an iteration instead of four). tests/bench/gpu_int4_decode_variants.py checks
 # and times the candidates; `CONFIG` is what the decode path launches: the variant it found fastest on one H200 at
 # L = 256 and 384 in both runs (2026-12-04, 2026-12-05; rows16-warps4-stages2-pps1, 928-931 GB/s at L = 256 against
 # 612-615 for 8 programs an SM, docs/perf_runs/*_int4_decode_variants.json): one program per SM, no split at batch 64.
-CONFIG = {"ROWS": 16, "num_warps": 4, "num_stages": 2, "programs_per_sm": 1, "asm": True}
+CONFIG = {"ROWS": 16, "num_warps": 4, "num_stages": 2, "programs_per_sm": 1, "asm": True, "blocks": False,
+          "merge": False}
 # The exact route (float32 output) multiplies the codes by a block-diagonal float32 query, whose tiles grow with
 # the column groups R = 16 / G: at G = 1, D = 128 they need 247,808 B of shared memory at ROWS 16 (2 stages) on
 # sm_90, over the H200's 232,448 B, and 189,504 B at ROWS 8 (Triton's compile for sm_90a; checked for every G and
@@ -197,7 +202,9 @@ def int4_attention(qs: Queries, kc: torch.Tensor, vc: torch.Tensor, kw: torch.Te
         qs.rotated, qs.codes, qs.factors, kc, vc, kw, vw, ok, slot, out, pm, pl, pu, cnt, hhalf, signs_d,
         qk, L, S, n_kv, H, per, splits, ok.stride(0), pm.shape[1],
         G=G, GP=triton.next_power_of_2(G), BLOCK_G=max(16, triton.next_power_of_2(G)), ROWS=cfg["ROWS"], D=D,
-        HADAMARD=hadamard, EXACT=exact, ASM=asm, ONE_SPLIT=splits == 1, num_warps=cfg["num_warps"],
+        HADAMARD=hadamard, EXACT=exact, ASM=asm, ONE_SPLIT=splits == 1, BLOCKS=bool(cfg.get("blocks")),
+        MERGE=bool(cfg.get("merge")) and not exact and 2 * triton.next_power_of_2(G) <= max(16, triton.next_power_of_2(G)),
+        num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **extra)
     return out.view(B, H * D)
 
@@ -326,7 +333,8 @@ if triton is not None:
                           cnt_ptr, hp_ptr, sg_ptr, qk_scale, L, S, n_kv, H, split_slots, n_split, ok_stride, cap,
                           G: tl.constexpr, GP: tl.constexpr, BLOCK_G: tl.constexpr, ROWS: tl.constexpr,
                           D: tl.constexpr, HADAMARD: tl.constexpr, EXACT: tl.constexpr, ASM: tl.constexpr,
-                          ONE_SPLIT: tl.constexpr):
+                          ONE_SPLIT: tl.constexpr, BLOCKS: tl.constexpr = False,
+                          MERGE: tl.constexpr = False):
         """Columns of the products: c = r * GP + g, query head g (GP = G rounded up to a power of two) of slot
         sub-range r (R = BLOCK_G / GP of them); an iteration covers T = ROWS * R consecutive slots, slot
         start + n * R + r in row n and column group r. So every row of the score tile is a real (slots, head) pair
@@ -366,10 +374,22 @@ if triton is not None:
             gq = tl.arange(0, BLOCK_G)
             qb = qi_ptr + (b * H + kvh * G + gq).to(tl.int64)[None, :] * (4 * DH) + j[:, None]
             qok = (gq < G)[None, :]
-            bea = tl.load(qb, mask=qok, other=0)
-            boa = tl.load(qb + DH, mask=qok, other=0)
-            beb = tl.load(qb + 2 * DH, mask=qok, other=0)
-            bob = tl.load(qb + 3 * DH, mask=qok, other=0)
+            if MERGE:  # two parts side by side: column grp * GP + g holds part grp of head g (grp 0: a, 1: b)
+                gg = gq % GP
+                grp = gq // GP
+                qb = qi_ptr + (b * H + kvh * G + gg).to(tl.int64)[None, :] * (4 * DH) + j[:, None] + (grp * 2 * DH)[None, :]
+                qok = ((gg < G) & (grp < 2))[None, :]
+                bea = tl.load(qb, mask=qok, other=0)  # even elements' parts a and b
+                boa = tl.load(qb + DH, mask=qok, other=0)  # odd elements' parts a and b
+                beb = bea
+                bob = boa
+                w_e = tl.where(grp == 0, 2048, tl.where(grp == 1, 16, 0))  # the parts' weights in the exact sum
+                w_o = tl.where(grp == 0, 128, tl.where(grp == 1, 1, 0))
+            else:
+                bea = tl.load(qb, mask=qok, other=0)
+                boa = tl.load(qb + DH, mask=qok, other=0)
+                beb = tl.load(qb + 2 * DH, mask=qok, other=0)
+                bob = tl.load(qb + 3 * DH, mask=qok, other=0)
             c_a = tl.load(qc_ptr + qrow * 4, mask=c_ok, other=0.0)
             c_b = tl.load(qc_ptr + qrow * 4 + 1, mask=c_ok, other=0.0)
             c_c = tl.load(qc_ptr + qrow * 4 + 2, mask=c_ok, other=0.0)
@@ -398,8 +418,10 @@ if triton is not None:
         lo = sp * split_slots
         hi = tl.minimum(lo + split_slots, L)
         for start in range(lo, hi, T):
-            krow = start + n * R  # slot of row n, column group 0
-            sl = krow[None, :] + cr[:, None]  # slot of (product row c, column n) [BLOCK_G, ROWS]
+            if BLOCKS:  # sub-range r: slots start + r * ROWS + [0, ROWS)
+                sl = start + cr[:, None] * ROWS + n[None, :]  # slot of (product row c, column n) [BLOCK_G, ROWS]
+            else:  # sub-range r: slots start + n * R + r
+                sl = start + n[None, :] * R + cr[:, None]
             s_in = sl < hi
             wk = tl.load(ks + sl, mask=s_in, other=0)
             wv = tl.load(vs + sl, mask=s_in, other=0)
@@ -415,7 +437,11 @@ if triton is not None:
             sv = (wv & -16).to(tl.float32, bitcast=True)
             zv = (wv & 15).to(tl.float32)
             if EXACT:  # [T, D/2] codes as [ROWS, R * D/2] rows against the block-diagonal query
-                ckr = tl.reshape(ck, (ROWS, R * DH))
+                if BLOCKS:  # row n: the slots start + r * ROWS + n of every sub-range r, one after another
+                    kx = start + rr[None, :, None] * ROWS + n[:, None, None]
+                    ckr = tl.reshape(tl.load(kc + kx * DH + j[None, None, :], mask=kx < hi, other=0), (ROWS, R * DH))
+                else:
+                    ckr = tl.reshape(ck, (ROWS, R * DH))
                 s = tl.dot(bea, tl.trans((ckr & 15).to(tl.float32)), input_precision="ieee")
                 s = tl.dot(boa, tl.trans((ckr >> 4).to(tl.float32)), s, input_precision="ieee")
                 s = (s - zk * c_c[:, None]) * f
@@ -423,13 +449,27 @@ if triton is not None:
                 # slots x heads (16 columns, G of them real), then column g of slot n * R + r to row r * GP + g
                 lo8 = (ck & 15).to(tl.int8, bitcast=True)  # n' of the even elements
                 hi8 = _hi8(ck, ASM)  # 16 (n' - 8) of the odd ones
-                ta = tl.dot(lo8, bea, out_dtype=tl.int32) * 16
-                ta = tl.dot(hi8, boa, ta, out_dtype=tl.int32)
-                tb = tl.dot(lo8, beb, out_dtype=tl.int32) * 16
-                tb = tl.dot(hi8, bob, tb, out_dtype=tl.int32)
-                t4 = tl.reshape(ta * 128 + tb, (ROWS, R, BLOCK_G // GP, GP))  # 16 (Q . n' - 8 sum(Q odd)): exact
-                t4 = tl.sum(tl.where((tl.arange(0, BLOCK_G // GP) == 0)[None, None, :, None], t4, 0), 2)
-                t = tl.trans(tl.reshape(t4, (ROWS, BLOCK_G))).to(tl.float32)
+                if MERGE:
+                    tt_ = (tl.dot(lo8, bea, out_dtype=tl.int32) * w_e[None, :]
+                           + tl.dot(hi8, boa, out_dtype=tl.int32) * w_o[None, :])
+                else:
+                    ta = tl.dot(lo8, bea, out_dtype=tl.int32) * 16
+                    ta = tl.dot(hi8, boa, ta, out_dtype=tl.int32)
+                    tb = tl.dot(lo8, beb, out_dtype=tl.int32) * 16
+                    tb = tl.dot(hi8, bob, tb, out_dtype=tl.int32)
+                    tt_ = ta * 128 + tb
+                # 16 (Q . n' - 8 sum(Q odd)), exact, in column group 0 (MERGE: the groups' weighted parts summed)
+                if BLOCKS:  # product row r * ROWS + n
+                    t4 = tl.reshape(tt_, (R, ROWS, BLOCK_G // GP, GP))
+                else:  # product row n * R + r
+                    t4 = tl.reshape(tt_, (ROWS, R, BLOCK_G // GP, GP))
+                if not MERGE:
+                    t4 = tl.where((tl.arange(0, BLOCK_G // GP) == 0)[None, None, :, None], t4, 0)
+                t4 = tl.sum(t4, 2)
+                if BLOCKS:
+                    t = tl.reshape(tl.permute(t4, (0, 2, 1)), (BLOCK_G, ROWS)).to(tl.float32)
+                else:
+                    t = tl.trans(tl.reshape(t4, (ROWS, BLOCK_G))).to(tl.float32)
                 s = (t * c_a[:, None] + c_b[:, None]) * f - (zk * f) * c_c[:, None]
             s = tl.where(seen, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -448,7 +488,10 @@ if triton is not None:
             z_i = z_i * beta + tl.sum(pw * zv, 1)
             w_i = w_i * beta + tl.sum(pw, 1)
             # the weights back at their slots: column n * R + r of [BLOCK_G, T] holds column n of row c if r == cr
-            pt = tl.reshape(tl.where(cr[:, None, None] == rr[None, None, :], pw[:, :, None], 0.0), (BLOCK_G, T))
+            if BLOCKS:  # column r * ROWS + n
+                pt = tl.reshape(tl.where(cr[:, None, None] == rr[None, :, None], pw[:, None, :], 0.0), (BLOCK_G, T))
+            else:
+                pt = tl.reshape(tl.where(cr[:, None, None] == rr[None, None, :], pw[:, :, None], 0.0), (BLOCK_G, T))
             if EXACT:
                 acc_y = tl.dot(pt, (cv & 15).to(tl.float32), acc_y * beta[:, None], input_precision="ieee")
                 acc_x = tl.dot(pt, (cv >> 4).to(tl.float32), acc_x * beta[:, None], input_precision="ieee")
