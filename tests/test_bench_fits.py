@@ -45,7 +45,7 @@ def test_every_variant_is_named_by_its_own_configuration() -> None:
     for name, cfg in VARIANTS.items():
         assert set(CONFIG) <= set(cfg) and name == variant_name(cfg)
     assert variant_name({**CONFIG, "programs_per_sm": 8, "maxnreg": 168, "asm": False}) == \
-        "rows16-warps4-stages2-pps8-reg168-noasm"
+        "rows16-warps4-stages2-pps8-reg168-noasm-blocks"
     assert len({tuple(sorted(c.items())) for c in VARIANTS.values()}) == len(VARIANTS)  # no two alike
 
 

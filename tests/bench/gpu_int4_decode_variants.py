@@ -66,9 +66,8 @@ def variant_name(cfg: dict) -> str:
 
 
 VARIANTS = {variant_name(c): c for c in ({**_BASE, **d} for d in (
-    {}, {"blocks": True}, {"merge": True}, {"blocks": True, "merge": True},
-    {"blocks": True, "merge": True, "ROWS": 8}, {"blocks": True, "merge": True, "num_stages": 3},
-    {"programs_per_sm": 4}, {"ROWS": 8}, {"num_stages": 3}, {"maxnreg": 168}, {"asm": False}))}
+    {}, {"blocks": False}, {"merge": True}, {"blocks": False, "merge": True}, {"num_stages": 3},
+    {"programs_per_sm": 4}, {"ROWS": 8}, {"maxnreg": 168}, {"asm": False}))}
 T0 = time.perf_counter()
 
 

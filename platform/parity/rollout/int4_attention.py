@@ -59,10 +59,12 @@ except ImportError:  # CPU installs
 # softmax's sums over a row's slots stay inside one warp: 9 barriers an iteration instead of 20 in the sm_90a SASS)
 # and "merge" (the query's two int8 parts side by side in one product's columns, which are padding otherwise: two
 # int8 products an iteration instead of four). tests/bench/gpu_int4_decode_variants.py checks
-# and times the candidates; `CONFIG` is what the decode path launches: the variant it found fastest on one H200 at
-# L = 256 and 384 in both runs (2026-12-04, 2026-12-05; rows16-warps4-stages2-pps1, 928-931 GB/s at L = 256 against
-# 612-615 for 8 programs an SM, docs/perf_runs/*_int4_decode_variants.json): one program per SM, no split at batch 64.
-CONFIG = {"ROWS": 16, "num_warps": 4, "num_stages": 2, "programs_per_sm": 1, "asm": True, "blocks": False,
+# and times the candidates; `CONFIG` is what the decode path launches: one program per SM, no split at batch 64
+# (the fastest on one H200 at L = 256 and 384 in both runs of 2026-12-04 and 2026-12-05, rows16-warps4-stages2-pps1,
+# 928-931 GB/s at L = 256 against 612-615 for 8 programs an SM), in the "blocks" form (on one H100, 2026-12-05:
+# 18.1 us at L = 256 against 20.1, 23.9 against 26.0 at 384; "merge" added nothing there; docs/perf_runs/
+# *_int4_decode_variants*.json).
+CONFIG = {"ROWS": 16, "num_warps": 4, "num_stages": 2, "programs_per_sm": 1, "asm": True, "blocks": True,
           "merge": False}
 # The exact route (float32 output) multiplies the codes by a block-diagonal float32 query, whose tiles grow with
 # the column groups R = 16 / G: at G = 1, D = 128 they need 247,808 B of shared memory at ROWS 16 (2 stages) on
