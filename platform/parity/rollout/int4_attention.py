@@ -123,7 +123,7 @@ class Queries:
     [B, H, D]; q itself without the rotation) for the exact route, and for the tensor-core route its 15-bit
     integer codes as four int8 rows per head (high and low parts of the even and odd elements, [B, H, 4, D/2])
     with three float32 factors per head ([B, H, 4]: scale / 16, 8 x scale x sum of the odd codes, scale x sum of
-    all codes; the fourth unused)."""
+    all codes; the fourth written as zero, unused)."""
 
     def __init__(self, rotated: torch.Tensor, codes: torch.Tensor, factors: torch.Tensor) -> None:
         self.rotated, self.codes, self.factors = rotated, codes, factors
@@ -291,6 +291,7 @@ if triton is not None:
         tl.store(fb, qsig * 0.0625, mask=ok)
         tl.store(fb + 1, qsig * 8.0 * tl.sum(Qo, 1), mask=ok)  # sums of integers below 2**24: exact
         tl.store(fb + 2, qsig * (tl.sum(Qe, 1) + tl.sum(Qo, 1)), mask=ok)
+        tl.store(fb + 3, qsig * 0.0, mask=ok)  # unused: written, so that no buffer holds uninitialized memory
 
     @triton.jit
     def _query_kernel(q_ptr, qf_ptr, qi_ptr, qc_ptr, sg_ptr, hm_ptr, rows, D: tl.constexpr,
