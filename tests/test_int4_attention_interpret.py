@@ -52,10 +52,11 @@ def test_against_float64_on_random_lengths_and_heads(dtype, hadamard):
     for i, shape in enumerate(shapes):
         D = 128 if i % 2 == 0 else 64
         # one split, and splits merged by the last program (programs_per_sm large: as many splits as tiles)
-        # and the loop's two other forms (int4_attention.CONFIG's "blocks" and "merge"), each way
+        # and the loop's other forms (int4_attention.CONFIG's "blocks", "merge" and "row_scale"), each way
         for cfg in ({"programs_per_sm": 0}, {"programs_per_sm": 10**6, "ROWS": 16},
-                    {"programs_per_sm": 0, "blocks": True, "merge": True}, {"programs_per_sm": 10**6, "blocks": True},
-                    {"programs_per_sm": 0, "merge": True}):
+                    {"programs_per_sm": 0, "blocks": False}, {"programs_per_sm": 10**6, "blocks": False},
+                    {"programs_per_sm": 0, "merge": True}, {"programs_per_sm": 10**6, "blocks": False, "merge": True},
+                    {"programs_per_sm": 10**6, "row_scale": True}, {"programs_per_sm": 0, "blocks": False, "row_scale": True}):
             err, sim = check_int4_attention(D, dtype, CPU, shape, hadamard, seed=i, config=cfg)
             assert err < BOUND[dtype], (shape, D, cfg, err, sim)
 

@@ -21,9 +21,7 @@ H200_SMEM = 232448  # cudaDevAttrMaxSharedMemoryPerBlockOptin on sm_90 (227 KiB)
 def shared_bytes(out: str, G: int, D: int, hadamard: bool) -> int:
     exact = out == "fp32"
     cfg = ia.launch_config(exact)  # as int4_attention launches it
-    gp = triton.next_power_of_2(G)
-    const = {"G": G, "GP": gp, "BLOCK_G": max(16, gp), "ROWS": cfg["ROWS"], "D": D, "HADAMARD": hadamard,
-             "EXACT": exact, "ASM": not exact, "ONE_SPLIT": False}
+    const = ia.kernel_constants(cfg, G, D, hadamard, exact, not exact, False)
     sig = {**int4_attention_signature(out), **dict.fromkeys(const, "constexpr")}
     attrs = {(ia._int4_attn_kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items()
              if t.startswith("*")}

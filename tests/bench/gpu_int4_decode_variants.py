@@ -59,14 +59,16 @@ _BASE = dict(PINNED)
 
 def variant_name(cfg: dict) -> str:
     """rows{ROWS}-warps{num_warps}-stages{num_stages}-pps{programs_per_sm}, then -reg{maxnreg}, -noasm, -blocks
-    (each column group's slots one block) and -merge (the query's two parts in one product)."""
+    (each column group's slots one block), -merge (the query's two parts in one product) and -rowscale (the V
+    weights relative to each row's largest scale)."""
     return (f"rows{cfg['ROWS']}-warps{cfg['num_warps']}-stages{cfg['num_stages']}-pps{cfg['programs_per_sm']}"
             + (f"-reg{cfg['maxnreg']}" if cfg.get("maxnreg") else "") + ("" if cfg["asm"] else "-noasm")
-            + ("-blocks" if cfg.get("blocks") else "") + ("-merge" if cfg.get("merge") else ""))
+            + ("-blocks" if cfg.get("blocks") else "") + ("-merge" if cfg.get("merge") else "")
+            + ("-rowscale" if cfg.get("row_scale") else ""))
 
 
 VARIANTS = {variant_name(c): c for c in ({**_BASE, **d} for d in (
-    {}, {"blocks": False}, {"merge": True}, {"blocks": False, "merge": True}, {"num_stages": 3},
+    {}, {"blocks": False}, {"row_scale": True}, {"merge": True}, {"row_scale": True, "merge": True}, {"num_stages": 3},
     {"programs_per_sm": 4}, {"ROWS": 8}, {"maxnreg": 168}, {"asm": False}))}
 T0 = time.perf_counter()
 

@@ -89,12 +89,12 @@ def int4_kernels() -> None:
             (16, 4, 2, False, 0, ""), (16, 4, 2, True, 0, ""), (8, 4, 2, False, 0, ""), (16, 8, 2, False, 0, ""),
             (32, 8, 2, False, 0, ""), (16, 4, 3, False, 0, ""), (16, 4, 2, False, 128, ""),
             (16, 4, 2, False, 0, "blocks"), (16, 4, 2, False, 0, "merge"), (16, 4, 2, False, 0, "blocks+merge"),
-            (8, 4, 2, False, 0, "blocks+merge")]:
+            (8, 4, 2, False, 0, "blocks+merge"), (16, 4, 2, False, 0, "blocks+rowscale")]:
         opts = {"num_warps": warps, "num_stages": stages, **({"maxnreg": reg} if reg else {})}
         report(f"int4 rotated rows={rows} warps={warps} stages={stages} one_split={one} maxnreg={reg or '-'} {form}",
                ia._int4_attn_kernel, sig,
                {"G": 2, "GP": 2, "BLOCK_G": 16, "ROWS": rows, "D": 128, "HADAMARD": True, "EXACT": False,
-                "ASM": True, "ONE_SPLIT": one, "BLOCKS": "blocks" in form, "MERGE": "merge" in form}, opts,
+                "ASM": True, "ONE_SPLIT": one, "BLOCKS": "blocks" in form, "MERGE": "merge" in form, "ROW_SCALE": "rowscale" in form}, opts,
                div16=("L", "S", "H", "split_slots", "ok_stride"), loop_slots=rows * 8)
     report("int4 query preparation", ia._query_kernel,
            {"q_ptr": "*bf16", "qf_ptr": "*fp32", "qi_ptr": "*i8", "qc_ptr": "*fp32", "sg_ptr": "*fp32",

@@ -58,14 +58,16 @@ except ImportError:  # CPU installs
 # group r of an iteration takes the slots start + r * ROWS + [0, ROWS) instead of start + n * R + r, so that the
 # softmax's sums over a row's slots stay inside one warp: 9 barriers an iteration instead of 20 in the sm_90a SASS)
 # and "merge" (the query's two int8 parts side by side in one product's columns, which are padding otherwise: two
-# int8 products an iteration instead of four). tests/bench/gpu_int4_decode_variants.py checks
+# int8 products an iteration instead of four), and "row_scale" (the V weights' fp16 rounding relative to each row's
+# largest scale instead of the tile's: no maximum across warps, 6 barriers an iteration with "blocks" instead of 9,
+# 4.5% more instructions). tests/bench/gpu_int4_decode_variants.py checks
 # and times the candidates; `CONFIG` is what the decode path launches: one program per SM, no split at batch 64
 # (the fastest on one H200 at L = 256 and 384 in both runs of 2026-12-04 and 2026-12-05, rows16-warps4-stages2-pps1,
 # 928-931 GB/s at L = 256 against 612-615 for 8 programs an SM), in the "blocks" form (on one H100, 2026-12-05:
 # 18.1 us at L = 256 against 20.1, 23.9 against 26.0 at 384; "merge" added nothing there; docs/perf_runs/
 # *_int4_decode_variants*.json).
 CONFIG = {"ROWS": 16, "num_warps": 4, "num_stages": 2, "programs_per_sm": 1, "asm": True, "blocks": True,
-          "merge": False}
+          "merge": False, "row_scale": False}
 # The exact route (float32 output) multiplies the codes by a block-diagonal float32 query, whose tiles grow with
 # the column groups R = 16 / G: at G = 1, D = 128 they need 247,808 B of shared memory at ROWS 16 (2 stages) on
 # sm_90, over the H200's 232,448 B, and 189,504 B at ROWS 8 (Triton's compile for sm_90a; checked for every G and
@@ -203,12 +205,20 @@ def int4_attention(qs: Queries, kc: torch.Tensor, vc: torch.Tensor, kw: torch.Te
     _int4_attn_kernel[(B * n_kv, splits)](
         qs.rotated, qs.codes, qs.factors, kc, vc, kw, vw, ok, slot, out, pm, pl, pu, cnt, hhalf, signs_d,
         qk, L, S, n_kv, H, per, splits, ok.stride(0), pm.shape[1],
-        G=G, GP=triton.next_power_of_2(G), BLOCK_G=max(16, triton.next_power_of_2(G)), ROWS=cfg["ROWS"], D=D,
-        HADAMARD=hadamard, EXACT=exact, ASM=asm, ONE_SPLIT=splits == 1, BLOCKS=bool(cfg.get("blocks")),
-        MERGE=bool(cfg.get("merge")) and not exact and 2 * triton.next_power_of_2(G) <= max(16, triton.next_power_of_2(G)),
-        num_warps=cfg["num_warps"],
+        **kernel_constants(cfg, G, D, hadamard, exact, asm, splits == 1), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **extra)
     return out.view(B, H * D)
+
+
+def kernel_constants(cfg: dict, G: int, D: int, hadamard: bool, exact: bool, asm: bool, one_split: bool) -> dict:
+    """The kernel's compile-time arguments for launch configuration `cfg` (launch_config): G query heads a KV head,
+    head dim D. "merge" needs two column groups' room (2 G rounded up <= 16) and the tensor-core route; "row_scale"
+    the tensor-core route (the exact route does not round the weights)."""
+    gp = triton.next_power_of_2(G)
+    return {"G": G, "GP": gp, "BLOCK_G": max(16, gp), "ROWS": cfg["ROWS"], "D": D, "HADAMARD": hadamard,
+            "EXACT": exact, "ASM": asm, "ONE_SPLIT": one_split, "BLOCKS": bool(cfg.get("blocks")),
+            "MERGE": bool(cfg.get("merge")) and not exact and 2 * gp <= max(16, gp),
+            "ROW_SCALE": bool(cfg.get("row_scale")) and not exact}
 
 
 if triton is not None:
@@ -337,7 +347,7 @@ if triton is not None:
                           G: tl.constexpr, GP: tl.constexpr, BLOCK_G: tl.constexpr, ROWS: tl.constexpr,
                           D: tl.constexpr, HADAMARD: tl.constexpr, EXACT: tl.constexpr, ASM: tl.constexpr,
                           ONE_SPLIT: tl.constexpr, BLOCKS: tl.constexpr = False,
-                          MERGE: tl.constexpr = False):
+                          MERGE: tl.constexpr = False, ROW_SCALE: tl.constexpr = False):
         """Columns of the products: c = r * GP + g, query head g (GP = G rounded up to a power of two) of slot
         sub-range r (R = BLOCK_G / GP of them); an iteration covers T = ROWS * R consecutive slots, slot
         start + n * R + r in row n and column group r. So every row of the score tile is a real (slots, head) pair
@@ -417,7 +427,10 @@ if triton is not None:
             acc_y0 = tl.zeros([BLOCK_G, DQ], tl.float32)
             acc_x1 = tl.zeros([BLOCK_G, DQ], tl.float32)
             acc_y1 = tl.zeros([BLOCK_G, DQ], tl.float32)
-        s_prev = 1.0
+        if ROW_SCALE:
+            s_prev = tl.full([BLOCK_G], 1.0, tl.float32)
+        else:
+            s_prev = 1.0
         lo = sp * split_slots
         hi = tl.minimum(lo + split_slots, L)
         for start in range(lo, hi, T):
@@ -484,8 +497,12 @@ if triton is not None:
                 pw = p * sv
                 beta = alpha
             else:  # relative to the tile's largest scale (in [0, 1]: fp16 keeps 11 bits)
-                s_max = tl.maximum(tl.max(tl.max(sv, 1), 0), 1e-30)
-                pw = (p * (sv * (1.0 / s_max))).to(tl.float16).to(tl.float32)
+                if ROW_SCALE:  # relative to the row's largest scale (its slots only: no sum across warps)
+                    s_max = tl.maximum(tl.max(sv, 1), 1e-30)
+                    pw = (p * (sv * (1.0 / s_max)[:, None])).to(tl.float16).to(tl.float32)
+                else:
+                    s_max = tl.maximum(tl.max(tl.max(sv, 1), 0), 1e-30)
+                    pw = (p * (sv * (1.0 / s_max))).to(tl.float16).to(tl.float32)
                 beta = alpha * (s_prev / s_max)
                 s_prev = s_max
             z_i = z_i * beta + tl.sum(pw * zv, 1)
@@ -515,8 +532,12 @@ if triton is not None:
             y1 = acc_y1 - zo  # element 4i + 2
             x0 = (acc_x0 - acc_y0) * 0.0625 - z_i[:, None]  # element 4i + 1
             x1 = (acc_x1 - acc_y1) * 0.0625 - z_i[:, None]  # element 4i + 3
-            u_lo = tl.reshape(tl.join(y0, y1), (BLOCK_G, DH)) * s_prev
-            u_hi = tl.reshape(tl.join(x0, x1), (BLOCK_G, DH)) * s_prev
+            if ROW_SCALE:
+                u_lo = tl.reshape(tl.join(y0, y1), (BLOCK_G, DH)) * s_prev[:, None]
+                u_hi = tl.reshape(tl.join(x0, x1), (BLOCK_G, DH)) * s_prev[:, None]
+            else:
+                u_lo = tl.reshape(tl.join(y0, y1), (BLOCK_G, DH)) * s_prev
+                u_hi = tl.reshape(tl.join(x0, x1), (BLOCK_G, DH)) * s_prev
         # merge the R sub-ranges of each head: rows c < GP of [BLOCK_G, ...] hold head c afterwards
         mr = tl.reshape(m_i, (R, GP))
         top = tl.max(mr, 0)
