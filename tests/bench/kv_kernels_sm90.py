@@ -79,7 +79,8 @@ def int4_attention_signature(out: str = "bf16") -> dict:
     ints = dict.fromkeys(("L", "S", "n_kv", "H", "split_slots", "n_split", "ok_stride", "cap"), "i32")
     return {"qr_ptr": "*fp32", "qi_ptr": "*i8", "qc_ptr": "*fp32", "kc_ptr": "*u8", "vc_ptr": "*u8", "ks_ptr": "*i32",
             "vs_ptr": "*i32", "ok_ptr": "*u8", "slot_ptr": "*i64", "o_ptr": f"*{out}", "pm_ptr": "*fp32",
-            "pl_ptr": "*fp32", "pu_ptr": "*fp32", "cnt_ptr": "*i32", "hp_ptr": "*fp32", "sg_ptr": "*fp32",
+            "pl_ptr": "*fp32", "pu_ptr": "*fp32", "cnt_ptr": "*i32", "hp_ptr": "*fp32" if out == "fp32" else "*bf16",
+            "sg_ptr": "*fp32",
             "qk_scale": "fp32", **ints}
 
 

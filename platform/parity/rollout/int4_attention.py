@@ -198,6 +198,8 @@ def int4_attention(qs: Queries, kc: torch.Tensor, vc: torch.Tensor, kw: torch.Te
     out = torch.empty(B, H, D, dtype=out_dtype, device=dev) if out is None else out
     pm, pl, pu, cnt = workspace.get(B, n_kv, G, D, splits, -(-S // tile), dev)
     _, signs_d, hhalf = constants(D, dev)
+    if not exact:  # the tensor-core route multiplies by H_{D/2} in bf16 (+-1, exact): read it so, half the bytes
+        hhalf = hadamard_matrix(D // 2, torch.bfloat16, dev)
     ok = key_ok.view(torch.uint8) if key_ok.dtype == torch.bool else key_ok
     qk = scale * math.log2(math.e) / (D if hadamard else 1)
     asm = bool(cfg["asm"]) and dev.type == "cuda" and not exact
@@ -320,7 +322,7 @@ if triton is not None:
         j = tl.arange(0, D // 2)
         if HADAMARD:
             r = tl.arange(0, D // 2)
-            hp = tl.load(hp_ptr + r[:, None] * (D // 2) + j[None, :])  # float32 +-1
+            hp = tl.load(hp_ptr + r[:, None] * (D // 2) + j[None, :])  # +-1: float32 (EXACT), else bf16
             if EXACT:
                 a = tl.dot(u_lo, hp, input_precision="ieee")
                 bv = tl.dot(u_hi, hp, input_precision="ieee")
