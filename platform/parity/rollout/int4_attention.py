@@ -352,7 +352,8 @@ if triton is not None:
                           MERGE: tl.constexpr = False, ROW_SCALE: tl.constexpr = False):
         """Columns of the products: c = r * GP + g, query head g (GP = G rounded up to a power of two) of slot
         sub-range r (R = BLOCK_G / GP of them); an iteration covers T = ROWS * R consecutive slots, slot
-        start + n * R + r in row n and column group r. So every row of the score tile is a real (slots, head) pair
+        start + n * R + r in row n and column group r (BLOCKS: start + r * ROWS + n, so that column group r's slots
+        are consecutive rows of the K product, one warp's). So every row of the score tile is a real (slots, head) pair
         even when G is 2: the K product [T, D/2] x [D/2, BLOCK_G] (slots x heads, int8 tensor cores) is folded
         into it once (its padded head columns dropped), the softmax works on ROWS x 16 real scores, and the V
         product takes the weights scattered back to their slots. (The exact route multiplies the codes as
@@ -464,7 +465,7 @@ if triton is not None:
                 s = tl.dot(boa, tl.trans((ckr >> 4).to(tl.float32)), s, input_precision="ieee")
                 s = (s - zk * c_c[:, None]) * f
             else:
-                # slots x heads (16 columns, G of them real), then column g of slot n * R + r to row r * GP + g
+                # slots x heads (16 columns, G of them real), then column g of the slot of (n, r) to row r * GP + g
                 lo8 = (ck & 15).to(tl.int8, bitcast=True)  # n' of the even elements
                 hi8 = _hi8(ck, ASM)  # 16 (n' - 8) of the odd ones
                 if MERGE:
@@ -509,8 +510,9 @@ if triton is not None:
                 s_prev = s_max
             z_i = z_i * beta + tl.sum(pw * zv, 1)
             w_i = w_i * beta + tl.sum(pw, 1)
-            # the weights back at their slots: column n * R + r of [BLOCK_G, T] holds column n of row c if r == cr
-            if BLOCKS:  # column r * ROWS + n
+            # the weights back at their slots: the column of [BLOCK_G, T] of slot (n, r) holds column n of row c if
+            # r == cr
+            if BLOCKS:  # column r * ROWS + n (else n * R + r)
                 pt = tl.reshape(tl.where(cr[:, None, None] == rr[None, :, None], pw[:, None, :], 0.0), (BLOCK_G, T))
             else:
                 pt = tl.reshape(tl.where(cr[:, None, None] == rr[None, None, :], pw[:, :, None], 0.0), (BLOCK_G, T))
