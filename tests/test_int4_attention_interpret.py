@@ -56,7 +56,8 @@ def test_against_float64_on_random_lengths_and_heads(dtype, hadamard):
         for cfg in ({"programs_per_sm": 0}, {"programs_per_sm": 10**6, "ROWS": 16},
                     {"programs_per_sm": 0, "blocks": False}, {"programs_per_sm": 10**6, "blocks": False},
                     {"programs_per_sm": 0, "merge": True}, {"programs_per_sm": 10**6, "blocks": False, "merge": True},
-                    {"programs_per_sm": 10**6, "row_scale": True}, {"programs_per_sm": 0, "blocks": False, "row_scale": True}):
+                    {"programs_per_sm": 10**6, "row_scale": True},
+                    {"programs_per_sm": 0, "blocks": False, "row_scale": True}):
             err, sim = check_int4_attention(D, dtype, CPU, shape, hadamard, seed=i, config=cfg)
             assert err < BOUND[dtype], (shape, D, cfg, err, sim)
 

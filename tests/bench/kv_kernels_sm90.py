@@ -94,8 +94,9 @@ def int4_kernels() -> None:
         opts = {"num_warps": warps, "num_stages": stages, **({"maxnreg": reg} if reg else {})}
         report(f"int4 rotated rows={rows} warps={warps} stages={stages} one_split={one} maxnreg={reg or '-'} {form}",
                ia._int4_attn_kernel, sig,
-               {"G": 2, "GP": 2, "BLOCK_G": 16, "ROWS": rows, "D": 128, "HADAMARD": True, "EXACT": False,
-                "ASM": True, "ONE_SPLIT": one, "BLOCKS": "blocks" in form, "MERGE": "merge" in form, "ROW_SCALE": "rowscale" in form}, opts,
+               ia.kernel_constants({"ROWS": rows, "blocks": "blocks" in form, "merge": "merge" in form,
+                                    "row_scale": "rowscale" in form}, G=2, D=128, hadamard=True, exact=False, asm=True,
+                                   one_split=one), opts,
                div16=("L", "S", "H", "split_slots", "ok_stride"), loop_slots=rows * 8)
     report("int4 query preparation", ia._query_kernel,
            {"q_ptr": "*bf16", "qf_ptr": "*fp32", "qi_ptr": "*i8", "qc_ptr": "*fp32", "sg_ptr": "*fp32",

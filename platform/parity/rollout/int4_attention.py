@@ -397,8 +397,6 @@ if triton is not None:
                 qok = ((gg < G) & (grp < 2))[None, :]
                 bea = tl.load(qb, mask=qok, other=0)  # even elements' parts a and b
                 boa = tl.load(qb + DH, mask=qok, other=0)  # odd elements' parts a and b
-                beb = bea
-                bob = boa
                 w_e = tl.where(grp == 0, 2048, tl.where(grp == 1, 16, 0))  # the parts' weights in the exact sum
                 w_o = tl.where(grp == 0, 128, tl.where(grp == 1, 1, 0))
             else:
@@ -502,10 +500,11 @@ if triton is not None:
             else:  # relative to the tile's largest scale (in [0, 1]: fp16 keeps 11 bits)
                 if ROW_SCALE:  # relative to the row's largest scale (its slots only: no sum across warps)
                     s_max = tl.maximum(tl.max(sv, 1), 1e-30)
-                    pw = (p * (sv * (1.0 / s_max)[:, None])).to(tl.float16).to(tl.float32)
+                    inv_s = (1.0 / s_max)[:, None]
                 else:
                     s_max = tl.maximum(tl.max(tl.max(sv, 1), 0), 1e-30)
-                    pw = (p * (sv * (1.0 / s_max))).to(tl.float16).to(tl.float32)
+                    inv_s = 1.0 / s_max
+                pw = (p * (sv * inv_s)).to(tl.float16).to(tl.float32)
                 beta = alpha * (s_prev / s_max)
                 s_prev = s_max
             z_i = z_i * beta + tl.sum(pw * zv, 1)
@@ -537,11 +536,11 @@ if triton is not None:
             x0 = (acc_x0 - acc_y0) * 0.0625 - z_i[:, None]  # element 4i + 1
             x1 = (acc_x1 - acc_y1) * 0.0625 - z_i[:, None]  # element 4i + 3
             if ROW_SCALE:
-                u_lo = tl.reshape(tl.join(y0, y1), (BLOCK_G, DH)) * s_prev[:, None]
-                u_hi = tl.reshape(tl.join(x0, x1), (BLOCK_G, DH)) * s_prev[:, None]
+                s_out = s_prev[:, None]
             else:
-                u_lo = tl.reshape(tl.join(y0, y1), (BLOCK_G, DH)) * s_prev
-                u_hi = tl.reshape(tl.join(x0, x1), (BLOCK_G, DH)) * s_prev
+                s_out = s_prev
+            u_lo = tl.reshape(tl.join(y0, y1), (BLOCK_G, DH)) * s_out
+            u_hi = tl.reshape(tl.join(x0, x1), (BLOCK_G, DH)) * s_out
         # merge the R sub-ranges of each head: rows c < GP of [BLOCK_G, ...] hold head c afterwards
         mr = tl.reshape(m_i, (R, GP))
         top = tl.max(mr, 0)
