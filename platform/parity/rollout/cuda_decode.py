@@ -35,9 +35,9 @@ from the plain loop, and why:
   with the weights coming from memory and pinned (int8_triton.tune_decode), so the compiled layers launch the
   measured best rather than a tile Inductor picked by its own benchmark (figures: docs/PERFORMANCE.md, "INT8 W8A8
   decode at batch 64").
-- Sampling with top_p = 1 draws by inverse CDF over the vocabulary in index order instead of sorted order:
-  the same distribution, the same per-row uniforms, without a [B, V] sort per step. Greedy and top_p < 1
-  use TorchEngine.sample unchanged (bit-identical rules).
+- Sampling with top_p = 1 draws by inverse CDF in vocabulary order (the same distribution and uniforms, no [B, V]
+  sort; PARITY_FUSED_SAMPLER=on: in two Triton launches, rollout/sampler_kernel.py). Greedy and top_p < 1 use
+  TorchEngine.sample unchanged (bit-identical rules).
 - A low-precision KV cache is stored packed (precision/kv_packed.py: 68 bytes a token-head for int4 against 256)
   and read by a Triton decode-attention kernel over the simulated cache's values (rollout/decode_attention.py;
   int4 per token-head in the rotated basis, rollout/int4_attention.py); `_PACKED_KV = False` keeps the simulated
@@ -93,22 +93,21 @@ from parity.rollout.decode_weights import (  # noqa: F401  (tests import _Fused 
     _layer_args,
     _lin_of,
 )
+from parity.rollout.sampler_kernel import fused_applies, fused_draw
 from parity.rollout.sampling import _cdf_block, sample_inverse_cdf  # noqa: F401  (tests and benchmarks import them here)
 from parity.types import RolloutBatch
 
 _S_ALIGN = 64  # cache length granularity: prompts of nearby lengths reuse one captured graph
-# A decode step attends over the filled prefix of the cache rounded up to this many slots, not all S: one
-# captured graph per prefix length (captured the first time generation reaches it). At S = 384 with 128-token
-# prompts the K/V read per step falls from 384 to 192..384 slots (a quarter less over a call).
+# A decode step attends over the cache's filled prefix rounded up to this many slots, not all S: one graph per prefix
+# length, captured when first reached (S = 384, 128-token prompts: 192..384 slots a step, a quarter less a call)
 _L_BUCKET = 64
 _DONE_CHECK = 16  # host looks at the done flags every this many steps (each look is a sync)
 _STACK = True  # q/k/v and gate/up as one product each (_Fused); False: one per module (benchmark A/B)
-# The prompt forward: "compiled" = CudaDecoder.prefill's layer functions compiled by Inductor (with the decode
-# layers' switch; shapes dynamic after the first change), "stacked" = the same functions eager, "modules" = the
-# engine's own forward over its modules (the plain loop's; benchmark A/B)
+# The prompt forward: "compiled" = CudaDecoder.prefill's layer functions compiled by Inductor (shapes dynamic after
+# the first change), "stacked" = the same functions eager, "modules" = the engine's own forward (benchmark A/B)
 _PREFILL = "compiled"
-# A decode step writes k and v into the cache inside the compiled pre-attention function (one fused kernel with
-# the rotary) instead of two index_copy_ kernels after it; False: the separate writes (benchmark A/B)
+# k and v written into the cache inside the compiled pre-attention function (one kernel with the rotary) instead
+# of two index_copy_ after it; False: the separate writes (benchmark A/B)
 _FUSED_CACHE_WRITE = True
 # INT8 W8A8 on the int8_triton path: each decode product's tile configuration timed once, eagerly, with the
 # weights coming from memory, and pinned (int8_triton.tune_decode), so the compiled layers launch the measured
@@ -117,26 +116,21 @@ _PIN_INT8 = True
 # A low-precision KV cache stored packed and read by the Triton decode-attention kernel on CUDA (see the module
 # docstring); False: the simulated cache (bf16 values of the codec's roundtrip, the reference; benchmark A/B)
 _PACKED_KV = True
-# True: with a packed cache, the step's q/k norms, rotary, cache write and query preparation run as one Triton kernel
-# after a compiled function that ends at the q/k/v product (rollout/pre_attention.py). Off until it has run on a
-# GPU (checked under Triton's interpreter only; tests/bench/gpu_int4_decode_variants.py turns it on for its
-# measurement). False: the compiled pre-attention function, the write kernel and the attention's own query launch,
-# the path measured on the H200
+# True: with a packed cache, the q/k norms, rotary, cache write and query preparation as one Triton kernel after a
+# compiled function ending at the q/k/v product (rollout/pre_attention.py; the INT4 bench turns it on). False (the
+# default): the compiled pre-attention function, the write kernel and the attention's own query launch
 _FUSED_PRE = False
-# How many calls' states (static cache, buffers, captured graphs) a decoder keeps, by shape: a run alternates its
-# rollouts' shape and its held-out evaluations' (trainer.eval_rows); with one, every switch allocates and captures
-# anew. Each kept state holds its KV cache (rows x slots x layers)
+# How many calls' states (static cache, buffers, captured graphs, each with its KV cache) a decoder keeps, by shape:
+# a run alternates its rollouts' shape and its held-out evaluations' (with one, every switch captures anew)
 _KEEP_STATES = 2
-# True: a simulated product's float32 weight (W4A4: codes x scales) is computed once a call and kept (_Prepared)
-# instead of inside every product of every decode step; the same numbers. False: dequantized in every product
-# (benchmark A/B)
+# True: a simulated product's float32 weight (W4A4: codes x scales) computed once a call and kept (_Prepared), the
+# same numbers; False: dequantized in every product of every step (benchmark A/B)
 _PREPARE_SIMULATED = True
 # True: a plain or simulated cache's attention, o_proj and MLP as one function compiled per attended length L
 # (_post_attention); False: the attention uncompiled, o_proj + MLP compiled once for every L (benchmark A/B)
 _ATTENTION_PER_L = False
-# rollout.compact_tail (rollout/decode_state.py): tail states of at least _TAIL_MIN_ROWS rows and 1/_TAIL_SHARE of
-# the call's rows a run (half, then a quarter: a row count first met late compiles the layers again mid-run), at most
-# _TAIL_LEVELS a call. Off by default: a bf16 product over fewer rows may round otherwise (docs/PERFORMANCE.md)
+# rollout.compact_tail (rollout/decode_state.py): tail states of at least _TAIL_MIN_ROWS rows and 1/_TAIL_SHARE of a
+# run's rows (half, then a quarter), at most _TAIL_LEVELS a call; off by default (docs/PERFORMANCE.md)
 _COMPACT_TAIL = False
 _TAIL_MIN_ROWS, _TAIL_SHARE, _TAIL_LEVELS = 16, 4, 2
 
@@ -250,6 +244,7 @@ class CudaDecoder:
         return {"engine": eng.name, **eng.describe(),
                 "decode_path": ("cuda_graph" if use_graphs else "static_cache_eager")
                 + ("+tail" if getattr(eng, "compact_tail", _COMPACT_TAIL) else "")
+                + ("+fused_sampler" if st.extras.get("fused_sampler") else "")
                 + ("+inductor_layers" if compile_layers else "")
                 + ("+eager_prefill" if compile_layers and st.extras.get("prefill_fns") == (_prefill_pre, _prefill_post)
                    else ""),
@@ -275,8 +270,9 @@ class CudaDecoder:
         w = eng.model.lm_head.weight
         dtype = w.dtype if w.is_floating_point() else torch.bfloat16
         compile_layers = use_graphs and self.compile
+        fused = fused_applies(spec, forced is not None, dev)  # the draw in two launches (rollout/sampler_kernel.py)
         key = (B, S, R, K, spec.temperature, spec.top_p, dtype, use_graphs, compile_layers, _PACKED_KV,
-               getattr(eng, "kv_packed", None), forced is not None)
+               getattr(eng, "kv_packed", None), forced is not None, fused)
         t0, c0 = time.perf_counter(), compile_seconds()
         fresh = key not in self._kept
         st = self._state_for(key, B, S, R, K, dtype, use_graphs, compile_layers)
@@ -287,6 +283,7 @@ class CudaDecoder:
             setup["int8_tiles"] = "+".join(sorted({PIN_SOURCE.get(k, "pinned") for k in st.extras["int8_pinned"]}))
         if forced is not None:  # a fixed buffer the captured steps read
             st.extras.setdefault("forced", torch.empty(B, R, dtype=torch.long, device=dev)).copy_(forced)
+        st.extras["fused_sampler"] = fused
 
         prompts, pmask = prompts.to(dev), pmask.to(dev)
         st.uniforms.copy_(uniforms)
@@ -328,8 +325,7 @@ class CudaDecoder:
                     return self._give_up_tail(e)
                 if not (use_graphs and L not in cur.graphs and compile_layers):
                     raise
-                # a capture with compiled layers failed (Inductor missing or failing): the uncompiled step is the
-                # same math
+                # a capture with compiled layers failed (Inductor missing or failing): the uncompiled step, same math
                 self.compile, self.compile_error = False, f"{type(e).__name__}: {e}"[:500]
                 self.reset()
                 return None
@@ -556,19 +552,23 @@ class CudaDecoder:
         eng = self.engine
         greedy = spec.temperature == 0.0
         temp = 1.0 if greedy else spec.temperature
-        logp = torch.log_softmax(st.logits / temp, dim=-1)
-        if "forced" in st.extras:
-            tok = st.extras["forced"].index_select(1, st.t).squeeze(1)
-        elif greedy or spec.top_p < 1.0:
-            tok = eng.sample(logp, spec.top_p, st.uniforms.index_select(1, st.t).squeeze(1), greedy)
+        u = st.uniforms.index_select(1, st.t).squeeze(1)
+        if st.extras.get("fused_sampler"):  # the same draw in two launches (rollout/sampler_kernel.py)
+            tok, lp = fused_draw(st.logits, temp, u)
         else:
-            tok = sample_inverse_cdf(logp, st.uniforms.index_select(1, st.t).squeeze(1))
+            logp = torch.log_softmax(st.logits / temp, dim=-1)
+            if "forced" in st.extras:
+                tok = st.extras["forced"].index_select(1, st.t).squeeze(1)
+            elif greedy or spec.top_p < 1.0:
+                tok = eng.sample(logp, spec.top_p, u, greedy)
+            else:
+                tok = sample_inverse_cdf(logp, u)
+            lp = logp.gather(-1, tok[:, None]).squeeze(-1)
         live = ~st.done
         tok_out = torch.where(live, tok, eng.pad_id)
         st.responses.index_copy_(1, st.t, tok_out[:, None])
         st.rmask.index_copy_(1, st.t, live[:, None])
-        lp = torch.where(live, logp.gather(-1, tok[:, None]).squeeze(-1), 0.0)
-        st.logps.index_copy_(1, st.t, lp[:, None])
+        st.logps.index_copy_(1, st.t, torch.where(live, lp, 0.0)[:, None])
         if st.topk_ids is not None:
             v, ix = logp.topk(spec.topk_logprobs, dim=-1)
             st.topk_lp.index_copy_(1, st.t, (v * live[:, None])[:, None])

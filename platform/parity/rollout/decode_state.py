@@ -116,6 +116,7 @@ def _tail_state(dec: Any, st: DecodeState, rows: int, use_graphs: bool) -> Decod
     child = dec.new_state((rows, *st.key[1:], "tail"), rows, S, R, K, st.key[6])
     for k in ("fns", "fused", "prepared", "layers"):
         child.extras[k] = st.extras[k]
+    child.extras["fused_sampler"] = st.extras.get("fused_sampler", False)  # its graphs draw as the parent's do
     if "int8_pinned" in st.extras and use_graphs:
         from parity.precision import int8_triton
         from parity.rollout.decode_weights import _int8_triton_shapes
