@@ -19,6 +19,7 @@ tests/test_sampler_kernel_interpret.py (Triton's interpreter against the unfused
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -52,6 +53,7 @@ def fused_applies(spec, forced: bool, device: torch.device) -> bool:
             and device.type == "cuda" and fused_sampler())
 
 
+@functools.cache
 def inverse_temperature(temperature: float) -> float:
     """float32(1) / float32(T): the factor torch multiplies by for `logits / T` on CUDA."""
     return float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(temperature, dtype=torch.float32))
