@@ -552,17 +552,16 @@ class CudaDecoder:
         eng = self.engine
         greedy = spec.temperature == 0.0
         temp = 1.0 if greedy else spec.temperature
-        u = st.uniforms.index_select(1, st.t).squeeze(1)
         if st.extras.get("fused_sampler"):  # the same draw in two launches (rollout/sampler_kernel.py)
-            tok, lp = fused_draw(st.logits, temp, u)
+            tok, lp = fused_draw(st.logits, temp, st.uniforms.index_select(1, st.t).squeeze(1))
         else:
             logp = torch.log_softmax(st.logits / temp, dim=-1)
             if "forced" in st.extras:
                 tok = st.extras["forced"].index_select(1, st.t).squeeze(1)
             elif greedy or spec.top_p < 1.0:
-                tok = eng.sample(logp, spec.top_p, u, greedy)
+                tok = eng.sample(logp, spec.top_p, st.uniforms.index_select(1, st.t).squeeze(1), greedy)
             else:
-                tok = sample_inverse_cdf(logp, u)
+                tok = sample_inverse_cdf(logp, st.uniforms.index_select(1, st.t).squeeze(1))
             lp = logp.gather(-1, tok[:, None]).squeeze(-1)
         live = ~st.done
         tok_out = torch.where(live, tok, eng.pad_id)

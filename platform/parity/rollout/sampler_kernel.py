@@ -101,19 +101,22 @@ if triton is not None:
         mj = tl.load(m_ptr + row * nblk + jb, mask=okb, other=float("-inf"))
         sj = tl.load(s_ptr + row * nblk + jb, mask=okb, other=0.0)
         M = tl.max(mj, 0)
-        w = tl.where(okb & (sj > 0.0), sj * tl.exp(mj - M), 0.0)
+        w = tl.where(sj > 0.0, sj * tl.exp(mj - M), 0.0)  # masked blocks: sj = 0
         cdf = tl.cumsum(w, 0)
         Z = tl.max(cdf, 0)  # the last element: w >= 0
         target = tl.load(u_ptr + row).to(tl.float32) * Z
-        bi = tl.minimum(tl.sum(tl.where(okb & (cdf < target), 1, 0), 0), nblk - 1)
+        # a target rounded up to the total (u within 2^-25 of 1) or past a sum rounded down stops at the last block
+        # and token with mass, not at a zero-probability one after it
+        last_b = tl.max(tl.where(w > 0.0, jb, 0), 0)
+        bi = tl.minimum(tl.sum(tl.where(cdf < target, 1, 0), 0), last_b)
         before = tl.sum(tl.where(jb == bi - 1, cdf, 0.0), 0)
         i = tl.arange(0, BLOCK)
         offs = bi * BLOCK + i
         ok = offs < V
         x = tl.load(x_ptr + row * stride + offs, mask=ok, other=float("-inf")) * inv_t
-        inner = tl.cumsum(tl.where(ok, tl.exp(x - M), 0.0), 0) + before
-        valid = tl.minimum(V - bi * BLOCK, BLOCK)
-        jj = tl.minimum(tl.sum(tl.where(ok & (inner < target), 1, 0), 0), valid - 1)
+        p = tl.where(ok, tl.exp(x - M), 0.0)
+        inner = tl.cumsum(p, 0) + before
+        jj = tl.minimum(tl.sum(tl.where(ok & (inner < target), 1, 0), 0), tl.max(tl.where(p > 0.0, i, 0), 0))
         x_tok = tl.sum(tl.where(i == jj, x, 0.0), 0)
         tl.store(tok_ptr + row, (bi * BLOCK + jj).to(tl.int64))
         tl.store(lp_ptr + row, x_tok - M - tl.log(Z))
