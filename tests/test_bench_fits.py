@@ -46,6 +46,7 @@ def test_every_variant_is_named_by_its_own_configuration() -> None:
         assert set(CONFIG) <= set(cfg) and name == variant_name(cfg)
     assert variant_name({**CONFIG, "programs_per_sm": 8, "maxnreg": 168, "asm": False}) == \
         "rows16-warps4-stages2-pps8-reg168-noasm-blocks"
+    assert variant_name({**CONFIG, "warp_slots": 32, "merge": True, "num_warps": 2}) == "ws32-warps2-stages2-pps1-merge"
     assert len({tuple(sorted(c.items())) for c in VARIANTS.values()}) == len(VARIANTS)  # no two alike
 
 

@@ -57,7 +57,12 @@ def test_against_float64_on_random_lengths_and_heads(dtype, hadamard):
                     {"programs_per_sm": 0, "blocks": False}, {"programs_per_sm": 10**6, "blocks": False},
                     {"programs_per_sm": 0, "merge": True}, {"programs_per_sm": 10**6, "blocks": False, "merge": True},
                     {"programs_per_sm": 10**6, "row_scale": True},
-                    {"programs_per_sm": 0, "blocks": False, "row_scale": True}):
+                    {"programs_per_sm": 0, "blocks": False, "row_scale": True},
+                    # the warp-split form (int4_attention_warps; the exact route ignores it), with and without
+                    # the query's parts in one product, one split and many
+                    {"programs_per_sm": 0, "warp_slots": 16}, {"programs_per_sm": 10**6, "warp_slots": 16},
+                    {"programs_per_sm": 0, "warp_slots": 16, "merge": True},
+                    {"programs_per_sm": 10**6, "warp_slots": 16, "merge": True, "num_warps": 2}):
             err, sim = check_int4_attention(D, dtype, CPU, shape, hadamard, seed=i, config=cfg)
             assert err < BOUND[dtype], (shape, D, cfg, err, sim)
 

@@ -13,7 +13,8 @@ triton = pytest.importorskip("triton")
 from triton.compiler import ASTSource  # noqa: E402
 
 import parity.rollout.int4_attention as ia  # noqa: E402
-from tests.bench.kv_kernels_sm90 import TARGET, int4_attention_signature  # noqa: E402
+import parity.rollout.int4_attention_warps as iw  # noqa: E402
+from tests.bench.kv_kernels_sm90 import TARGET, int4_attention_signature, ptxas_registers  # noqa: E402
 
 H200_SMEM = 232448  # cudaDevAttrMaxSharedMemoryPerBlockOptin on sm_90 (227 KiB)
 
@@ -35,3 +36,26 @@ def shared_bytes(out: str, G: int, D: int, hadamard: bool) -> int:
 @pytest.mark.parametrize("G", [1, 2, 4, 8])
 def test_int4_attention_fits_the_h200_shared_memory(out, D, G):
     assert shared_bytes(out, G, D, True) <= H200_SMEM
+
+
+@pytest.mark.parametrize("cfg", [{"warp_slots": 32, "merge": True}, {"warp_slots": 64, "merge": True},
+                                 {"warp_slots": 32, "merge": True, "num_warps": 2}, {"warp_slots": 32}],
+                         ids=["ws32-merge", "ws64-merge", "ws32-merge-warps2", "ws32"])
+@pytest.mark.parametrize("D", [128, 64])
+@pytest.mark.parametrize("G", [1, 2, 4, 8, 16])
+def test_warp_split_form_compiles_without_spills(cfg, D, G):
+    """The warp-split form (bf16 route only) for every group size the decode path launches: it compiles for
+    sm_90a, fits the shared memory and keeps its registers (a spill would put local-memory traffic in the loop)."""
+    cfg = ia.launch_config(False, cfg)
+    slots, merge = ia.warp_form(cfg, G)  # as int4_attention launches it
+    const = {"G": G, "BLOCK_G": max(16, triton.next_power_of_2(G)), "W": cfg["num_warps"], "SLOTS": slots,
+             "D": D, "HADAMARD": True, "ASM": True, "ONE_SPLIT": False, "MERGE": merge}
+    sig = {k: v for k, v in int4_attention_signature().items() if k != "qr_ptr"}
+    sig = {**sig, **dict.fromkeys(const, "constexpr")}
+    attrs = {(iw._int4_attn_warps_kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items()
+             if t.startswith("*")}
+    k = triton.compile(ASTSource(fn=iw._int4_attn_warps_kernel, signature=sig, constexprs=const, attrs=attrs),
+                       target=TARGET, options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+    assert k.metadata.shared <= H200_SMEM
+    regs, spills = ptxas_registers(k.asm["ptx"])
+    assert regs <= 255 and spills == 0, (regs, spills)

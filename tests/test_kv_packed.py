@@ -115,6 +115,20 @@ def test_the_record_carries_the_autotuned_attention_variant(monkeypatch):
     assert da.tuned_configs() == {}
 
 
+def test_the_int4_kernels_tile_by_their_form():
+    """A launch configuration's slots an iteration (the split plan's unit and the workspace's size): the pinned
+    form's rows x column groups; the warp-split form's warps x slots, its query parts merged only up to 8 heads a KV
+    head, and unmerged at most 32 slots a warp; the exact route never takes the warp-split form."""
+    from parity.rollout import int4_attention as ia
+    cfg = {**ia.CONFIG, "warp_slots": 64, "merge": True}
+    assert ia.warp_form(ia.CONFIG, 2) == (0, False) and ia.iteration_slots(ia.CONFIG, 2) == 16 * 8
+    assert ia.warp_form(cfg, 2) == (64, True) and ia.iteration_slots(cfg, 2) == 4 * 64
+    assert ia.warp_form(cfg, 8) == (64, True) and ia.warp_form(cfg, 16) == (32, False)
+    assert ia.warp_form({**cfg, "merge": False}, 2) == (32, False)
+    assert ia.warp_form(cfg, 2, exact=True) == (0, False) and ia.iteration_slots(cfg, 2, exact=True) == 128
+    assert ia.split_plan(64, 8, 384, CPU, ia.iteration_slots(cfg, 2), 1) == (1, 512)
+
+
 def test_the_dequantizing_kernel_launches_one_configuration_unless_timed(monkeypatch):
     """The Triton backend's record carries the pinned launch configuration; PARITY_KV_ATTENTION_TILE=timed hands
     the choice to the autotuner and the record carries its picks; any other value is an error naming the

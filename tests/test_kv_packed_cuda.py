@@ -79,7 +79,10 @@ def test_kernel_against_float64_on_random_lengths_and_heads(kind, hadamard, dtyp
 
 # launch configurations of the rotated int4 kernel (tests/bench/gpu_int4_decode_variants.py times these)
 INT4_CONFIGS = [{}, {"ROWS": 8}, {"num_warps": 8}, {"ROWS": 32, "num_warps": 8}, {"num_stages": 3},
-                {"asm": False}, {"maxnreg": 168}, {"programs_per_sm": 0}, {"programs_per_sm": 10**6}]
+                {"asm": False}, {"maxnreg": 168}, {"programs_per_sm": 0}, {"programs_per_sm": 10**6},
+                {"ROWS": 8, "merge": True, "maxnreg": 128}, {"warp_slots": 32}, {"warp_slots": 32, "merge": True},
+                {"warp_slots": 64, "merge": True}, {"warp_slots": 32, "merge": True, "num_warps": 2},
+                {"warp_slots": 32, "merge": True, "programs_per_sm": 10**6}]
 
 
 @pytest.mark.parametrize("cfg", INT4_CONFIGS, ids=[str(c) for c in INT4_CONFIGS])
@@ -104,7 +107,8 @@ def test_int4_rotated_attention_against_float64(dtype, hadamard):
                        int(torch.randint(0, L, (1,), generator=g))))
     bound = 4e-3 if dtype == torch.bfloat16 else 1e-5
     for i, shape in enumerate(shapes):
-        for cfg in ({}, {"programs_per_sm": 10**6}):
+        for cfg in ({}, {"programs_per_sm": 10**6}, {"warp_slots": 32, "merge": True},
+                    {"warp_slots": 16, "programs_per_sm": 10**6}):
             for D in (128, 64) if i < 2 else (128,):
                 err, sim = check_int4_attention(D, dtype, CUDA, shape, hadamard, seed=i, config=cfg)
                 assert err < bound, (shape, D, cfg, err, sim)

@@ -60,16 +60,26 @@ _BASE = dict(PINNED)
 def variant_name(cfg: dict) -> str:
     """rows{ROWS}-warps{num_warps}-stages{num_stages}-pps{programs_per_sm}, then -reg{maxnreg}, -noasm, -blocks
     (each column group's slots one block), -merge (the query's two parts in one product) and -rowscale (the V
-    weights relative to each row's largest scale)."""
-    return (f"rows{cfg['ROWS']}-warps{cfg['num_warps']}-stages{cfg['num_stages']}-pps{cfg['programs_per_sm']}"
-            + (f"-reg{cfg['maxnreg']}" if cfg.get("maxnreg") else "") + ("" if cfg["asm"] else "-noasm")
-            + ("-blocks" if cfg.get("blocks") else "") + ("-merge" if cfg.get("merge") else "")
-            + ("-rowscale" if cfg.get("row_scale") else ""))
+    weights relative to each row's largest scale); the warp-split form (int4_attention_warps) as
+    ws{warp_slots}-warps{num_warps}-stages{num_stages}-pps{programs_per_sm}, -reg, -noasm and -merge (ROWS, blocks and
+    row_scale do not apply to it)."""
+    tail = (f"-warps{cfg['num_warps']}-stages{cfg['num_stages']}-pps{cfg['programs_per_sm']}"
+            + (f"-reg{cfg['maxnreg']}" if cfg.get("maxnreg") else "") + ("" if cfg["asm"] else "-noasm"))
+    if cfg.get("warp_slots"):
+        return f"ws{cfg['warp_slots']}" + tail + ("-merge" if cfg.get("merge") else "")
+    return (f"rows{cfg['ROWS']}" + tail + ("-blocks" if cfg.get("blocks") else "")
+            + ("-merge" if cfg.get("merge") else "") + ("-rowscale" if cfg.get("row_scale") else ""))
 
 
 VARIANTS = {variant_name(c): c for c in ({**_BASE, **d} for d in (
     {}, {"blocks": False}, {"row_scale": True}, {"merge": True}, {"row_scale": True, "merge": True}, {"num_stages": 3},
-    {"programs_per_sm": 4}, {"ROWS": 8}, {"maxnreg": 168}, {"asm": False}))}
+    {"programs_per_sm": 4}, {"ROWS": 8}, {"maxnreg": 168}, {"asm": False},
+    # one wave at batch 64 (512 programs): 126 registers, four programs an SM (tests/bench/kv_kernels_sm90.py)
+    {"ROWS": 8, "merge": True, "maxnreg": 128},
+    # the warp-split form: 1,442 / 1,289 / 1,488 warp instructions per 64 slots in the loop against the pinned
+    # form's 1,946, 3 barriers an iteration against 9; the 2-warp one at 192 registers fits 5 programs an SM
+    {"warp_slots": 32, "merge": True}, {"warp_slots": 64, "merge": True},
+    {"warp_slots": 32, "merge": True, "num_warps": 2}))}
 T0 = time.perf_counter()
 
 
@@ -183,7 +193,7 @@ def variants(slots: tuple[int, ...] = (256, 384)) -> None:
                     da._workspace(int4), cfg)) for c in int4.layers])
                 row[f"L{L}_us"] = us
                 row[f"L{L}_GBps"] = round(2 * B * n_kv * L * int4.codec.bytes_per_token_head() / us / 1e3, 1)
-                row[f"L{L}_splits"] = ia.split_plan(B, n_kv, L, dev, ia.slots_per_iteration(2, row["config"]["ROWS"]),
+                row[f"L{L}_splits"] = ia.split_plan(B, n_kv, L, dev, ia.iteration_slots(row["config"], 2),
                                                     row["config"]["programs_per_sm"])[0]
             if row["passed"] and row["L256_us"] + row["L384_us"] < best_us:
                 best, best_us = name, row["L256_us"] + row["L384_us"]

@@ -25,6 +25,7 @@ from triton.compiler import ASTSource
 import parity.precision.kv_packed as kp
 import parity.rollout.decode_attention as da
 import parity.rollout.int4_attention as ia
+import parity.rollout.int4_attention_warps as iw
 import parity.rollout.pre_attention as pa
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -33,23 +34,32 @@ CODE = {kp.KIND_INT8: "*i8", kp.KIND_FP8: "*fp8e4nv", kp.KIND_FP8_PTH: "*fp8e4nv
 SCALE = {kp.KIND_INT8: "*fp32", kp.KIND_FP8_PTH: "*fp32", kp.KIND_INT4: "*i32"}
 
 
+def ptxas_registers(ptx: str) -> tuple[int, int]:
+    """(registers, bytes of spill stores) of a kernel's PTX, from ptxas -v for sm_90a."""
+    d = tempfile.mkdtemp()
+    with open(f"{d}/k.ptx", "w") as f:
+        f.write(ptx)
+    info = subprocess.run([f"{BIN}/ptxas", "-arch=sm_90a", "-v", f"{d}/k.ptx", "-o", f"{d}/v.cubin"],
+                          capture_output=True, text=True).stderr
+    regs = re.search(r"Used (\d+) registers", info)
+    spill = re.search(r"(\d+) bytes spill stores", info)
+    if regs is None or spill is None:
+        raise RuntimeError(f"ptxas -v reported no register count: {info[-400:]}")
+    return int(regs.group(1)), int(spill.group(1))
+
+
 def report(name: str, fn, sig: dict, const: dict, opts: dict, div16: tuple = (), loop_slots: int = 0) -> str:
     sig = {**sig, **{k: "constexpr" for k in const}}
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items()
              if t.startswith("*") or a in div16}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs), target=TARGET, options=opts)
     d = tempfile.mkdtemp()
-    with open(f"{d}/k.ptx", "w") as f:
-        f.write(k.asm["ptx"])
     with open(f"{d}/k.cubin", "wb") as f:
         f.write(k.asm["cubin"])
-    info = subprocess.run([f"{BIN}/ptxas", "-arch=sm_90a", "-v", f"{d}/k.ptx", "-o", f"{d}/v.cubin"],
-                          capture_output=True, text=True).stderr
+    regs, spill = ptxas_registers(k.asm["ptx"])
     sass = subprocess.run([f"{BIN}/cuobjdump", "-sass", f"{d}/k.cubin"], capture_output=True, text=True).stdout
-    regs = re.search(r"Used (\d+) registers", info)
-    spill = re.search(r"(\d+) bytes spill stores", info)
     ops = {op: len(re.findall(rf"\b{op}\b", sass)) for op in ("IGMMA", "HGMMA", "IMMA", "HMMA", "FFMA", "STL")}
-    line = (f"{name:58s} regs {regs.group(1) if regs else '?':>4s} spill {spill.group(1) if spill else '?':>3s} "
+    line = (f"{name:58s} regs {regs:>4d} spill {spill:>3d} "
             f"smem {k.metadata.shared:>6d}  " + " ".join(f"{a}={b}" for a, b in ops.items() if b))
     if loop_slots:
         body = main_loop(sass)
@@ -90,7 +100,8 @@ def int4_kernels() -> None:
             (16, 4, 2, False, 0, ""), (16, 4, 2, True, 0, ""), (8, 4, 2, False, 0, ""), (16, 8, 2, False, 0, ""),
             (32, 8, 2, False, 0, ""), (16, 4, 3, False, 0, ""), (16, 4, 2, False, 128, ""),
             (16, 4, 2, False, 0, "blocks"), (16, 4, 2, False, 0, "merge"), (16, 4, 2, False, 0, "blocks+merge"),
-            (8, 4, 2, False, 0, "blocks+merge"), (16, 4, 2, False, 0, "blocks+rowscale")]:
+            (8, 4, 2, False, 0, "blocks+merge"), (8, 4, 2, False, 128, "blocks+merge"),
+            (16, 4, 2, False, 0, "blocks+rowscale")]:
         opts = {"num_warps": warps, "num_stages": stages, **({"maxnreg": reg} if reg else {})}
         report(f"int4 rotated rows={rows} warps={warps} stages={stages} one_split={one} maxnreg={reg or '-'} {form}",
                ia._int4_attn_kernel, sig,
@@ -98,6 +109,12 @@ def int4_kernels() -> None:
                                     "row_scale": "rowscale" in form}, G=2, D=128, hadamard=True, exact=False, asm=True,
                                    one_split=one), opts,
                div16=("L", "S", "H", "split_slots", "ok_stride"), loop_slots=rows * 8)
+    warp_sig = {k: v for k, v in sig.items() if k != "qr_ptr"}
+    for slots, warps, merge in [(32, 4, True), (64, 4, True), (32, 2, True), (32, 4, False), (16, 4, True)]:
+        report(f"int4 rotated warp-split slots={slots} warps={warps} merge={merge}", iw._int4_attn_warps_kernel,
+               warp_sig, {"G": 2, "BLOCK_G": 16, "W": warps, "SLOTS": slots, "D": 128, "HADAMARD": True, "ASM": True,
+                          "ONE_SPLIT": False, "MERGE": merge}, {"num_warps": warps, "num_stages": 2},
+               div16=("L", "S", "H", "split_slots", "ok_stride"), loop_slots=slots * warps)
     report("int4 query preparation", ia._query_kernel,
            {"q_ptr": "*bf16", "qf_ptr": "*fp32", "qi_ptr": "*i8", "qc_ptr": "*fp32", "sg_ptr": "*fp32",
             "hm_ptr": "*bf16", "rows": "i32"}, {"D": 128, "HADAMARD": True}, {"num_warps": 4})

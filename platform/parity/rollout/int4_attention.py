@@ -31,7 +31,9 @@ pairs so that none is padding when the KV head has 2 query heads (see the kernel
 are added until the grid fills the GPU (`split_plan`); each split writes a partial (running max, sum, rotated
 weighted sum) and the last split of a (row, head) to finish, found with an atomic counter, merges them, rotates
 back and writes the output: one launch, no second kernel. The counters are reset by the merging program, so a
-captured CUDA graph replays it.
+captured CUDA graph replays it. The warp-split form (CONFIG's "warp_slots"; parity.rollout.int4_attention_warps)
+computes the same with each warp on its own slots and no exchange between warps inside the loop; the pieces both
+forms share are in parity.rollout.int4_attention_parts.
 
 Tests: tests/test_int4_attention_interpret.py (CPU, Triton's interpreter) and tests/test_kv_packed_cuda.py.
 """
@@ -60,14 +62,15 @@ except ImportError:  # CPU installs
 # and "merge" (the query's two int8 parts side by side in one product's columns, which are padding otherwise: two
 # int8 products an iteration instead of four), and "row_scale" (the V weights' fp16 rounding relative to each row's
 # largest scale instead of the tile's: no maximum across warps, 6 barriers an iteration with "blocks" instead of 9,
-# 4.5% more instructions). tests/bench/gpu_int4_decode_variants.py checks
+# 4.5% more instructions), and "warp_slots" (0: this module's kernel; n: the warp-split form, n slots a warp an
+# iteration, parity.rollout.int4_attention_warps). tests/bench/gpu_int4_decode_variants.py checks
 # and times the candidates; `CONFIG` is what the decode path launches: one program per SM, no split at batch 64
 # (the fastest on one H200 at L = 256 and 384 in both runs of 2026-12-04 and 2026-12-05, rows16-warps4-stages2-pps1,
 # 928-931 GB/s at L = 256 against 612-615 for 8 programs an SM), in the "blocks" form (on one H100, 2026-12-05:
 # 18.1 us at L = 256 against 20.1, 23.9 against 26.0 at 384; "merge" added nothing there; docs/perf_runs/
 # *_int4_decode_variants*.json).
 CONFIG = {"ROWS": 16, "num_warps": 4, "num_stages": 2, "programs_per_sm": 1, "asm": True, "blocks": True,
-          "merge": False, "row_scale": False}
+          "merge": False, "row_scale": False, "warp_slots": 0}
 # The exact route (float32 output) multiplies the codes by a block-diagonal float32 query, whose tiles grow with
 # the column groups R = 16 / G: at G = 1, D = 128 they need 247,808 B of shared memory at ROWS 16 (2 stages) on
 # sm_90, over the H200's 232,448 B, and 189,504 B at ROWS 8 (Triton's compile for sm_90a; checked for every G and
@@ -86,6 +89,23 @@ def _sm_count(device: torch.device) -> int:
 def slots_per_iteration(G: int, rows: int | None = None) -> int:
     """Slots one iteration of the kernel covers: rows x (16 / G rounded up to a power of two, at least 1)."""
     return (rows or CONFIG["ROWS"]) * max(1, 16 // triton_next_pow2(G))
+
+
+def warp_form(cfg: dict, G: int, exact: bool = False) -> tuple[int, bool]:
+    """(slots a warp an iteration, merged query parts) of the warp-split form (int4_attention_warps) under launch
+    configuration `cfg`, or (0, False) for this module's kernel (the exact route always). The parts merge when
+    `cfg` asks and G <= 8; unmerged, a warp takes at most 32 slots (64 spill at G = 16, D = 128 on sm_90a)."""
+    if not cfg.get("warp_slots") or exact:
+        return 0, False
+    merge = bool(cfg.get("merge")) and 2 * triton_next_pow2(G) <= 16
+    return (cfg["warp_slots"] if merge else min(cfg["warp_slots"], 32)), merge
+
+
+def iteration_slots(cfg: dict, G: int, exact: bool = False) -> int:
+    """Slots one iteration of launch configuration `cfg` covers: num_warps x a warp's slots in the warp-split form,
+    else `slots_per_iteration`."""
+    slots = warp_form(cfg, G, exact)[0]
+    return cfg["num_warps"] * slots if slots else slots_per_iteration(G, cfg["ROWS"])
 
 
 def triton_next_pow2(x: int) -> int:
@@ -193,7 +213,7 @@ def int4_attention(qs: Queries, kc: torch.Tensor, vc: torch.Tensor, kw: torch.Te
     n_kv, S = kc.shape[1], kc.shape[2]
     G = H // n_kv
     dev = kc.device
-    tile = slots_per_iteration(G, cfg["ROWS"])
+    tile = iteration_slots(cfg, G, exact)
     splits, per = split_plan(B, n_kv, L, dev, tile, cfg["programs_per_sm"])
     out = torch.empty(B, H, D, dtype=out_dtype, device=dev) if out is None else out
     pm, pl, pu, cnt = workspace.get(B, n_kv, G, D, splits, -(-S // tile), dev)
@@ -203,12 +223,19 @@ def int4_attention(qs: Queries, kc: torch.Tensor, vc: torch.Tensor, kw: torch.Te
     ok = key_ok.view(torch.uint8) if key_ok.dtype == torch.bool else key_ok
     qk = scale * math.log2(math.e) / (D if hadamard else 1)
     asm = bool(cfg["asm"]) and dev.type == "cuda" and not exact
-    extra = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and dev.type == "cuda" else {}
-    _int4_attn_kernel[(B * n_kv, splits)](
-        qs.rotated, qs.codes, qs.factors, kc, vc, kw, vw, ok, slot, out, pm, pl, pu, cnt, hhalf, signs_d,
-        qk, L, S, n_kv, H, per, splits, ok.stride(0), pm.shape[1],
-        **kernel_constants(cfg, G, D, hadamard, exact, asm, splits == 1), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], **extra)
+    launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
+              **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and dev.type == "cuda" else {})}
+    args = (kc, vc, kw, vw, ok, slot, out, pm, pl, pu, cnt, hhalf, signs_d, qk, L, S, n_kv, H, per, splits,
+            ok.stride(0), pm.shape[1])
+    slots, merge = warp_form(cfg, G, exact)
+    if slots:
+        from parity.rollout.int4_attention_warps import _int4_attn_warps_kernel
+        _int4_attn_warps_kernel[(B * n_kv, splits)](
+            qs.codes, qs.factors, *args, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), W=cfg["num_warps"],
+            SLOTS=slots, D=D, HADAMARD=hadamard, ASM=asm, ONE_SPLIT=splits == 1, MERGE=merge, **launch)
+    else:
+        _int4_attn_kernel[(B * n_kv, splits)](qs.rotated, qs.codes, qs.factors, *args, **launch,
+                                              **kernel_constants(cfg, G, D, hadamard, exact, asm, splits == 1))
     return out.view(B, H * D)
 
 
@@ -224,45 +251,7 @@ def kernel_constants(cfg: dict, G: int, D: int, hadamard: bool, exact: bool, asm
 
 
 if triton is not None:
-    @triton.jit
-    def _f16_byte(c, HALF: tl.constexpr, ASM: tl.constexpr):
-        """fp16 1024 + byte HALF of the uint16 c (exact): the byte's two nibbles as 1024 + lo + 16 hi. One byte
-        permute per two codes: [c.b, 0x64, c'.b, 0x64] is the fp16 pair of two neighbouring elements."""
-        if ASM:
-            if HALF == 0:
-                return tl.inline_asm_elementwise(
-                    "{ .reg .b32 f; mov.b32 f, 0x64646464; prmt.b32 $0, $1, f, 0x4240; }", "=r,r", [c],
-                    dtype=tl.float16, is_pure=True, pack=2)
-            else:
-                return tl.inline_asm_elementwise(
-                    "{ .reg .b32 f; mov.b32 f, 0x64646464; prmt.b32 $0, $1, f, 0x4341; }", "=r,r", [c],
-                    dtype=tl.float16, is_pure=True, pack=2)
-        else:
-            return (((c >> (8 * HALF)) & 0xFF) | 0x6400).to(tl.float16, bitcast=True)
-
-    @triton.jit
-    def _f16_low(c, HALF: tl.constexpr, ASM: tl.constexpr):
-        """fp16 1024 + (low nibble of byte HALF of the uint16 c), exact."""
-        if ASM:
-            if HALF == 0:
-                return tl.inline_asm_elementwise(
-                    "{ .reg .b32 f, t; mov.b32 f, 0x64646464; prmt.b32 t, $1, f, 0x4240; and.b32 $0, t, 0xff0fff0f; }",
-                    "=r,r", [c], dtype=tl.float16, is_pure=True, pack=2)
-            else:
-                return tl.inline_asm_elementwise(
-                    "{ .reg .b32 f, t; mov.b32 f, 0x64646464; prmt.b32 t, $1, f, 0x4341; and.b32 $0, t, 0xff0fff0f; }",
-                    "=r,r", [c], dtype=tl.float16, is_pure=True, pack=2)
-        else:
-            return (((c >> (8 * HALF)) & 0x0F) | 0x6400).to(tl.float16, bitcast=True)
-
-    @triton.jit
-    def _hi8(c, ASM: tl.constexpr):
-        """int8 16 (hi - 8) for the high nibble hi of the uint8 c: (c ^ 0x80) & 0xF0 read as int8, one lop3."""
-        if ASM:
-            return tl.inline_asm_elementwise("lop3.b32 $0, $1, 0xF0F0F0F0, 0x80808080, 0x6A;", "=r,r", [c],
-                                             dtype=tl.int8, is_pure=True, pack=4)
-        else:
-            return ((c ^ 0x80) & 0xF0).to(tl.int8, bitcast=True)
+    from parity.rollout.int4_attention_parts import _epilogue, _f16_byte, _f16_low, _hi8
 
     @triton.jit
     def _round(x):
@@ -313,34 +302,6 @@ if triton is not None:
         d = tl.arange(0, D)
         x = tl.load(q_ptr + r.to(tl.int64)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
         _store_query(x, r, ok, qf_ptr, qi_ptr, qc_ptr, sg_ptr, hm_ptr, D, HADAMARD)
-
-    @triton.jit
-    def _finish(u_lo, u_hi, o_ptr, head, g_ok, hp_ptr, sg_ptr, HADAMARD: tl.constexpr, EXACT: tl.constexpr,
-                D: tl.constexpr):
-        """Output rows of u [BLOCK_G, D] (normalized, rotated basis, even columns u_lo, odd u_hi): d (H u) / D with
-        H_D = [[H', H'], [H', -H']] interleaved: (H u)[2r + s] = (H' u_lo)[r] + (-1)^s (H' u_hi)[r]."""
-        j = tl.arange(0, D // 2)
-        if HADAMARD:
-            r = tl.arange(0, D // 2)
-            hp = tl.load(hp_ptr + r[:, None] * (D // 2) + j[None, :])  # +-1: float32 (EXACT), else bf16
-            if EXACT:
-                a = tl.dot(u_lo, hp, input_precision="ieee")
-                bv = tl.dot(u_hi, hp, input_precision="ieee")
-            else:  # each of u's rows as two bf16 terms (16 bits): H' is +-1, so the products are exact
-                hpb = hp.to(tl.bfloat16)
-                lo1 = u_lo.to(tl.bfloat16)
-                hi1 = u_hi.to(tl.bfloat16)
-                a = tl.dot(lo1, hpb) + tl.dot((u_lo - lo1.to(tl.float32)).to(tl.bfloat16), hpb)
-                bv = tl.dot(hi1, hpb) + tl.dot((u_hi - hi1.to(tl.float32)).to(tl.bfloat16), hpb)
-            even = (a + bv) * tl.load(sg_ptr + 2 * j)[None, :]
-            odd = (a - bv) * tl.load(sg_ptr + 2 * j + 1)[None, :]
-        else:
-            even = u_lo
-            odd = u_hi
-        OUT = o_ptr.dtype.element_ty
-        d = tl.arange(0, D)
-        vals = tl.reshape(tl.join(even, odd), (even.shape[0], D))
-        tl.store(o_ptr + head[:, None] * D + d[None, :], vals.to(OUT), mask=g_ok[:, None])
 
     @triton.jit
     def _int4_attn_kernel(qr_ptr, qi_ptr, qc_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, ok_ptr, slot_ptr, o_ptr, pm_ptr,
@@ -557,39 +518,5 @@ if triton is not None:
         hi_c = tl.reshape(tl.broadcast_to(hi_h[None, :, :], (R, GP, DH)), (BLOCK_G, DH))
         own = c_ok & (cr == 0)  # the rows that write
         head = (b * H + kvh * G + cg).to(tl.int64)
-        if ONE_SPLIT:
-            inv = 1.0 / l_c
-            _finish(lo_c * inv[:, None], hi_c * inv[:, None], o_ptr, head, own, hp_ptr, sg_ptr, HADAMARD, EXACT, D)
-        else:
-            part = (bh.to(tl.int64) * cap + sp) * G + cg
-            tl.store(pm_ptr + part, m_c, mask=own)
-            tl.store(pl_ptr + part, l_c, mask=own)
-            pu = pu_ptr + part[:, None] * D + 2 * j[None, :]
-            tl.store(pu, lo_c, mask=own[:, None])
-            tl.store(pu + 1, hi_c, mask=own[:, None])
-            tl.debug_barrier()  # every thread's partial written before the count says so
-            done = tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel", scope="gpu")
-            if done == n_split - 1:  # the last split of this (row, KV head): merge
-                first = (bh.to(tl.int64) * cap) * G + cg
-                big = tl.full([BLOCK_G], float("-inf"), tl.float32)
-                for i in range(0, n_split):
-                    mi = tl.load(pm_ptr + first + i * G, mask=c_ok, other=float("-inf"), cache_modifier=".cg")
-                    big = tl.maximum(big, mi)
-                big = tl.where(big == float("-inf"), 0.0, big)
-                tot = tl.zeros([BLOCK_G], tl.float32)
-                m_lo = tl.zeros([BLOCK_G, DH], tl.float32)
-                m_hi = tl.zeros([BLOCK_G, DH], tl.float32)
-                for i in range(0, n_split):
-                    at = first + i * G
-                    mi = tl.load(pm_ptr + at, mask=c_ok, other=float("-inf"), cache_modifier=".cg")
-                    li = tl.load(pl_ptr + at, mask=c_ok, other=0.0, cache_modifier=".cg")
-                    wgt = tl.where(mi == float("-inf"), 0.0, tl.exp2(mi - big))
-                    tot += li * wgt
-                    ui = pu_ptr + at[:, None] * D + 2 * j[None, :]
-                    m_lo += wgt[:, None] * tl.load(ui, mask=c_ok[:, None], other=0.0, cache_modifier=".cg")
-                    m_hi += wgt[:, None] * tl.load(ui + 1, mask=c_ok[:, None], other=0.0, cache_modifier=".cg")
-                inv = 1.0 / tot
-                _finish(m_lo * inv[:, None], m_hi * inv[:, None], o_ptr, head, own, hp_ptr, sg_ptr, HADAMARD,
-                        EXACT, D)
-                tl.atomic_xchg(cnt_ptr + bh, 0, sem="relaxed", scope="gpu")  # ready for the next launch
-
+        _epilogue(m_c, l_c, lo_c, hi_c, own, c_ok, cg, head, bh, sp, n_split, cap, o_ptr, pm_ptr, pl_ptr, pu_ptr,
+                  cnt_ptr, hp_ptr, sg_ptr, G, BLOCK_G, D, HADAMARD, EXACT, ONE_SPLIT)

@@ -1,0 +1,125 @@
+"""The pieces both forms of the rotated int4 decode attention share (parity.rollout.int4_attention and its
+warp-split form, parity.rollout.int4_attention_warps): the codes' unpacking into tensor-core operands, the output
+rotation and a program's end (its output, or its split's partial and the merge of a (row, KV head)'s splits)."""
+
+from __future__ import annotations
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs
+    triton = None
+
+if triton is not None:
+    @triton.jit
+    def _f16_byte(c, HALF: tl.constexpr, ASM: tl.constexpr):
+        """fp16 1024 + byte HALF of the uint16 c (exact): the byte's two nibbles as 1024 + lo + 16 hi. One byte
+        permute per two codes: [c.b, 0x64, c'.b, 0x64] is the fp16 pair of two neighbouring elements."""
+        if ASM:
+            if HALF == 0:
+                return tl.inline_asm_elementwise(
+                    "{ .reg .b32 f; mov.b32 f, 0x64646464; prmt.b32 $0, $1, f, 0x4240; }", "=r,r", [c],
+                    dtype=tl.float16, is_pure=True, pack=2)
+            else:
+                return tl.inline_asm_elementwise(
+                    "{ .reg .b32 f; mov.b32 f, 0x64646464; prmt.b32 $0, $1, f, 0x4341; }", "=r,r", [c],
+                    dtype=tl.float16, is_pure=True, pack=2)
+        else:
+            return (((c >> (8 * HALF)) & 0xFF) | 0x6400).to(tl.float16, bitcast=True)
+
+    @triton.jit
+    def _f16_low(c, HALF: tl.constexpr, ASM: tl.constexpr):
+        """fp16 1024 + (low nibble of byte HALF of the uint16 c), exact."""
+        if ASM:
+            if HALF == 0:
+                return tl.inline_asm_elementwise(
+                    "{ .reg .b32 f, t; mov.b32 f, 0x64646464; prmt.b32 t, $1, f, 0x4240; and.b32 $0, t, 0xff0fff0f; }",
+                    "=r,r", [c], dtype=tl.float16, is_pure=True, pack=2)
+            else:
+                return tl.inline_asm_elementwise(
+                    "{ .reg .b32 f, t; mov.b32 f, 0x64646464; prmt.b32 t, $1, f, 0x4341; and.b32 $0, t, 0xff0fff0f; }",
+                    "=r,r", [c], dtype=tl.float16, is_pure=True, pack=2)
+        else:
+            return (((c >> (8 * HALF)) & 0x0F) | 0x6400).to(tl.float16, bitcast=True)
+
+    @triton.jit
+    def _hi8(c, ASM: tl.constexpr):
+        """int8 16 (hi - 8) for the high nibble hi of the uint8 c: (c ^ 0x80) & 0xF0 read as int8, one lop3."""
+        if ASM:
+            return tl.inline_asm_elementwise("lop3.b32 $0, $1, 0xF0F0F0F0, 0x80808080, 0x6A;", "=r,r", [c],
+                                             dtype=tl.int8, is_pure=True, pack=4)
+        else:
+            return ((c ^ 0x80) & 0xF0).to(tl.int8, bitcast=True)
+
+    @triton.jit
+    def _finish(u_lo, u_hi, o_ptr, head, g_ok, hp_ptr, sg_ptr, HADAMARD: tl.constexpr, EXACT: tl.constexpr,
+                D: tl.constexpr):
+        """Output rows of u [BLOCK_G, D] (normalized, rotated basis, even columns u_lo, odd u_hi): d (H u) / D with
+        H_D = [[H', H'], [H', -H']] interleaved: (H u)[2r + s] = (H' u_lo)[r] + (-1)^s (H' u_hi)[r]."""
+        j = tl.arange(0, D // 2)
+        if HADAMARD:
+            r = tl.arange(0, D // 2)
+            hp = tl.load(hp_ptr + r[:, None] * (D // 2) + j[None, :])  # +-1: float32 (EXACT), else bf16
+            if EXACT:
+                a = tl.dot(u_lo, hp, input_precision="ieee")
+                bv = tl.dot(u_hi, hp, input_precision="ieee")
+            else:  # each of u's rows as two bf16 terms (16 bits): H' is +-1, so the products are exact
+                hpb = hp.to(tl.bfloat16)
+                lo1 = u_lo.to(tl.bfloat16)
+                hi1 = u_hi.to(tl.bfloat16)
+                a = tl.dot(lo1, hpb) + tl.dot((u_lo - lo1.to(tl.float32)).to(tl.bfloat16), hpb)
+                bv = tl.dot(hi1, hpb) + tl.dot((u_hi - hi1.to(tl.float32)).to(tl.bfloat16), hpb)
+            even = (a + bv) * tl.load(sg_ptr + 2 * j)[None, :]
+            odd = (a - bv) * tl.load(sg_ptr + 2 * j + 1)[None, :]
+        else:
+            even = u_lo
+            odd = u_hi
+        OUT = o_ptr.dtype.element_ty
+        d = tl.arange(0, D)
+        vals = tl.reshape(tl.join(even, odd), (even.shape[0], D))
+        tl.store(o_ptr + head[:, None] * D + d[None, :], vals.to(OUT), mask=g_ok[:, None])
+
+    @triton.jit
+    def _epilogue(m_c, l_c, lo_c, hi_c, own, c_ok, cg, head, bh, sp, n_split, cap, o_ptr, pm_ptr, pl_ptr, pu_ptr,
+                  cnt_ptr, hp_ptr, sg_ptr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+                  HADAMARD: tl.constexpr, EXACT: tl.constexpr, ONE_SPLIT: tl.constexpr):
+        """A program's end, rows [BLOCK_G] of head cg (valid where c_ok; `own`: the rows that write): with one split
+        the output (`_finish`); else its partial (running max m_c, sum l_c, weighted sums lo_c / hi_c) and, in the
+        last split of the (row, KV head) to finish, the merge of all partials and the output."""
+        DH: tl.constexpr = D // 2
+        j = tl.arange(0, DH)
+        if ONE_SPLIT:
+            inv = 1.0 / l_c
+            _finish(lo_c * inv[:, None], hi_c * inv[:, None], o_ptr, head, own, hp_ptr, sg_ptr, HADAMARD, EXACT, D)
+        else:
+            part = (bh.to(tl.int64) * cap + sp) * G + cg
+            tl.store(pm_ptr + part, m_c, mask=own)
+            tl.store(pl_ptr + part, l_c, mask=own)
+            pu = pu_ptr + part[:, None] * D + 2 * j[None, :]
+            tl.store(pu, lo_c, mask=own[:, None])
+            tl.store(pu + 1, hi_c, mask=own[:, None])
+            tl.debug_barrier()  # every thread's partial written before the count says so
+            done = tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel", scope="gpu")
+            if done == n_split - 1:  # the last split of this (row, KV head): merge
+                first = (bh.to(tl.int64) * cap) * G + cg
+                big = tl.full([BLOCK_G], float("-inf"), tl.float32)
+                for i in range(0, n_split):
+                    mi = tl.load(pm_ptr + first + i * G, mask=c_ok, other=float("-inf"), cache_modifier=".cg")
+                    big = tl.maximum(big, mi)
+                big = tl.where(big == float("-inf"), 0.0, big)
+                tot = tl.zeros([BLOCK_G], tl.float32)
+                m_lo = tl.zeros([BLOCK_G, DH], tl.float32)
+                m_hi = tl.zeros([BLOCK_G, DH], tl.float32)
+                for i in range(0, n_split):
+                    at = first + i * G
+                    mi = tl.load(pm_ptr + at, mask=c_ok, other=float("-inf"), cache_modifier=".cg")
+                    li = tl.load(pl_ptr + at, mask=c_ok, other=0.0, cache_modifier=".cg")
+                    wgt = tl.where(mi == float("-inf"), 0.0, tl.exp2(mi - big))
+                    tot += li * wgt
+                    ui = pu_ptr + at[:, None] * D + 2 * j[None, :]
+                    m_lo += wgt[:, None] * tl.load(ui, mask=c_ok[:, None], other=0.0, cache_modifier=".cg")
+                    m_hi += wgt[:, None] * tl.load(ui + 1, mask=c_ok[:, None], other=0.0, cache_modifier=".cg")
+                inv = 1.0 / tot
+                _finish(m_lo * inv[:, None], m_hi * inv[:, None], o_ptr, head, own, hp_ptr, sg_ptr, HADAMARD,
+                        EXACT, D)
+                tl.atomic_xchg(cnt_ptr + bh, 0, sem="relaxed", scope="gpu")  # ready for the next launch

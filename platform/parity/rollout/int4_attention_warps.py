@@ -1,0 +1,182 @@
+"""The rotated int4 decode attention in its warp-split form: the same arithmetic as parity.rollout.int4_attention's
+tensor-core route (the same query codes, the same exact integer K product, the same fp16 V weights and byte
+unpacking, the same output rotation and split merge), with the work laid out so that a warp never waits for
+another inside the slot loop.
+
+Each program takes one (row, KV head) and a split of the slots, as the other form does. Its W warps each take their
+own consecutive slots of every iteration (warp w: start + w * SLOTS + [0, SLOTS)) and keep their own running
+softmax (max, sum, weighted sums) for the query heads of the KV head, as batched products [W, heads, slots]: the K
+product is the query rows (heads, padded to 16) against the warp's codes, the V product the warp's weights against
+its codes, both inside the warp. The V weights are rounded to fp16 relative to the warp's largest scale instead of
+the tile's. The W partial softmaxes are merged once, after the loop, and that program's result goes on as the other
+form's: the output, or a partial for the split merge.
+
+The other form packs (slot sub-range, head) pairs into the 16 rows of its products so that no row is padding when a
+KV head has 2 query heads, at the price of moving scores and weights between warps every iteration (9 barriers an
+iteration in the sm_90a SASS); here 14 of 16 score rows are padding at G = 2, computed and dropped, and the loop has
+no barrier of its own. tests/bench/kv_kernels_sm90.py counts both loops' instructions and
+tests/bench/gpu_int4_decode_variants.py times them ("warp_slots" in int4_attention.CONFIG: 0 for the other form).
+Tests: tests/test_int4_attention_interpret.py (Triton's interpreter, against float64) and
+tests/test_kv_packed_cuda.py.
+"""
+
+from __future__ import annotations
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs
+    triton = None
+
+if triton is not None:
+    from parity.rollout.int4_attention_parts import _epilogue, _f16_byte, _f16_low, _hi8
+
+    @triton.jit
+    def _int4_attn_warps_kernel(qi_ptr, qc_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, ok_ptr, slot_ptr, o_ptr, pm_ptr,
+                                pl_ptr, pu_ptr, cnt_ptr, hp_ptr, sg_ptr, qk_scale, L, S, n_kv, H, split_slots,
+                                n_split, ok_stride, cap, G: tl.constexpr, BLOCK_G: tl.constexpr, W: tl.constexpr,
+                                SLOTS: tl.constexpr, D: tl.constexpr, HADAMARD: tl.constexpr, ASM: tl.constexpr,
+                                ONE_SPLIT: tl.constexpr, MERGE: tl.constexpr = False):
+        """Rows of the scores: query head g of the KV head (g < G real); first dimension: the warp, whose slots are
+        start + w * SLOTS + [0, SLOTS) of the iteration starting at `start`. The products have BLOCK_G >= 16 rows:
+        the heads, or with MERGE (G <= BLOCK_G / 2) the query's part a of head g in row g and its part b in row
+        BLOCK_G / 2 + g (in a tensor core's accumulator one thread holds rows r and r + 8: their sum 128 a + b is
+        the thread's own), so that two int8 products make the scores instead of four and the softmax works on half
+        the rows; the weights go back to BLOCK_G rows, the lower half zero, for the V products."""
+        DH: tl.constexpr = D // 2
+        DQ: tl.constexpr = D // 4
+        NR: tl.constexpr = BLOCK_G // 2 if MERGE else BLOCK_G  # rows of the scores
+        bh = tl.program_id(0)
+        sp = tl.program_id(1)
+        b = bh // n_kv
+        kvh = bh % n_kv
+        j = tl.arange(0, DH)
+        i4 = tl.arange(0, DQ)
+        r = tl.arange(0, NR)
+        r_ok = r < G
+        hrow = (b * H + kvh * G + r).to(tl.int64)
+        # the query's int8 parts (see int4_attention.Queries), the same for every warp
+        gq = tl.arange(0, BLOCK_G)
+        if MERGE:  # row gq: part gq // NR (a, b) of head gq % NR
+            qb = (qi_ptr + (b * H + kvh * G + gq % NR).to(tl.int64)[:, None] * (4 * DH) + j[None, :]
+                  + (gq // NR * 2 * DH)[:, None])
+            qok = (gq % NR < G)[:, None]
+        else:
+            qb = qi_ptr + (b * H + kvh * G + gq).to(tl.int64)[:, None] * (4 * DH) + j[None, :]
+            qok = (gq < G)[:, None]
+        bea = tl.broadcast_to(tl.load(qb, mask=qok, other=0)[None, :, :], (W, BLOCK_G, DH))
+        boa = tl.broadcast_to(tl.load(qb + DH, mask=qok, other=0)[None, :, :], (W, BLOCK_G, DH))
+        if not MERGE:
+            beb = tl.broadcast_to(tl.load(qb + 2 * DH, mask=qok, other=0)[None, :, :], (W, BLOCK_G, DH))
+            bob = tl.broadcast_to(tl.load(qb + 3 * DH, mask=qok, other=0)[None, :, :], (W, BLOCK_G, DH))
+        c_a = tl.load(qc_ptr + hrow * 4, mask=r_ok, other=0.0)[None, :, None]
+        c_b = tl.load(qc_ptr + hrow * 4 + 1, mask=r_ok, other=0.0)[None, :, None]
+        c_c = tl.load(qc_ptr + hrow * 4 + 2, mask=r_ok, other=0.0)[None, :, None]
+        base = bh.to(tl.int64) * S
+        kc = kc_ptr + base * DH
+        vc16 = (vc_ptr + base * DH).to(tl.pointer_type(tl.uint16))
+        ks = ks_ptr + base
+        vs = vs_ptr + base
+        okp = ok_ptr + b.to(tl.int64) * ok_stride
+        slot = tl.load(slot_ptr)
+        w = tl.arange(0, W)
+        n = tl.arange(0, SLOTS)
+        m_i = tl.full([W, NR], float("-inf"), tl.float32)
+        l_i = tl.zeros([W, NR], tl.float32)
+        z_i = tl.zeros([W, NR], tl.float32)  # sum of weights x zero points (units of the warp's scale)
+        w_i = tl.zeros([W, NR], tl.float32)  # sum of weights (same units)
+        acc_x0 = tl.zeros([W, BLOCK_G, DQ], tl.float32)  # per byte of a pair: 1024 + byte (x), 1024 + low nibble (y)
+        acc_y0 = tl.zeros([W, BLOCK_G, DQ], tl.float32)
+        acc_x1 = tl.zeros([W, BLOCK_G, DQ], tl.float32)
+        acc_y1 = tl.zeros([W, BLOCK_G, DQ], tl.float32)
+        s_prev = tl.full([W], 1.0, tl.float32)
+        lo = sp * split_slots
+        hi = tl.minimum(lo + split_slots, L)
+        for start in range(lo, hi, W * SLOTS):
+            sl = start + w[:, None] * SLOTS + n[None, :]  # [W, SLOTS]
+            s_in = sl < hi
+            wk = tl.load(ks + sl, mask=s_in, other=0)
+            wv = tl.load(vs + sl, mask=s_in, other=0)
+            seen = (tl.load(okp + sl, mask=s_in, other=0) != 0) & s_in & (sl <= slot)
+            ck = tl.load(kc + sl[:, :, None] * DH + j[None, None, :], mask=s_in[:, :, None], other=0)  # [W, SLOTS, D/2]
+            # byte pairs: element 4i + {0, 1} in byte 2i, 4i + {2, 3} in byte 2i + 1
+            cv = tl.load(vc16 + sl[:, :, None] * DQ + i4[None, None, :], mask=s_in[:, :, None], other=0)
+            f = ((wk & -16).to(tl.float32, bitcast=True) * qk_scale)[:, None, :]
+            zk = (wk & 15).to(tl.float32)[:, None, :]
+            sv = (wv & -16).to(tl.float32, bitcast=True)
+            zv = (wv & 15).to(tl.float32)[:, None, :]
+            lo8 = tl.permute((ck & 15).to(tl.int8, bitcast=True), (0, 2, 1))  # n' of the even elements
+            hi8 = tl.permute(_hi8(ck, ASM), (0, 2, 1))  # 16 (n' - 8) of the odd ones
+            ta = tl.dot(bea, lo8, out_dtype=tl.int32) * 16
+            ta = tl.dot(boa, hi8, ta, out_dtype=tl.int32)
+            if MERGE:  # 128 x row g + row NR + g
+                wab = tl.where(tl.arange(0, 2) == 0, 128, 1)
+                tt = tl.sum(tl.reshape(ta, (W, 2, NR, SLOTS)) * wab[None, :, None, None], 1)
+            else:
+                tb = tl.dot(beb, lo8, out_dtype=tl.int32) * 16
+                tb = tl.dot(bob, hi8, tb, out_dtype=tl.int32)
+                tt = ta * 128 + tb
+            t = tt.to(tl.float32)  # 16 (Q . n' - 8 sum(Q odd)), exact: [W, NR, SLOTS]
+            s = (t * c_a + c_b) * f - (zk * f) * c_c
+            s = tl.where(seen[:, None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 2))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: no NaN
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s - m_use[:, :, None])
+            l_i = l_i * alpha + tl.sum(p, 2)
+            s_max = tl.maximum(tl.max(sv, 1), 1e-30)  # the warp's largest scale: weights in [0, 1], fp16 keeps 11 bits
+            inv_s = 1.0 / s_max
+            pw = (p * (sv * inv_s[:, None])[:, None, :]).to(tl.float16).to(tl.float32)
+            beta = alpha * (s_prev / s_max)[:, None]
+            s_prev = s_max
+            z_i = z_i * beta + tl.sum(pw * zv, 2)
+            w_i = w_i * beta + tl.sum(pw, 2)
+            pt = _rows(pw.to(tl.float16), MERGE, True)
+            bt = _rows(beta, MERGE, False)[:, :, None]
+            acc_x0 = tl.dot(pt, _f16_byte(cv, 0, ASM), acc_x0 * bt)
+            acc_y0 = tl.dot(pt, _f16_low(cv, 0, ASM), acc_y0 * bt)
+            acc_x1 = tl.dot(pt, _f16_byte(cv, 1, ASM), acc_x1 * bt)
+            acc_y1 = tl.dot(pt, _f16_low(cv, 1, ASM), acc_y1 * bt)
+            m_i = m_new
+        # merge the warps' partial softmaxes: weights exp2(m_w - max) for the sums, times the warp's scale for the
+        # weighted sums (u below is linear in them)
+        m_w = _rows(m_i, MERGE, False)
+        m_h = tl.max(m_w, 0)
+        top = tl.where(m_h == float("-inf"), 0.0, m_h)
+        wr = tl.where(m_w == float("-inf"), 0.0, tl.exp2(m_w - top[None, :]))
+        ws = wr * s_prev[:, None]
+        g = tl.arange(0, BLOCK_G)
+        g_ok = g < G
+        l_h = tl.where(g_ok, tl.sum(_rows(l_i, MERGE, False) * wr, 0), 1.0)  # rows past the heads: not written
+        z_h = tl.sum(_rows(z_i, MERGE, False) * ws, 0)[:, None]
+        w_h = tl.sum(_rows(w_i, MERGE, False) * ws, 0)[:, None]
+        ax0 = tl.sum(acc_x0 * ws[:, :, None], 0)
+        ay0 = tl.sum(acc_y0 * ws[:, :, None], 0)
+        ax1 = tl.sum(acc_x1 * ws[:, :, None], 0)
+        ay1 = tl.sum(acc_y1 * ws[:, :, None], 0)
+        # u = sum_j p_j s_j (n'_j - z_j), even elements from the low nibbles, odd from the high ones
+        zo = 1024.0 * w_h + z_h
+        y0 = ay0 - zo  # element 4i
+        y1 = ay1 - zo  # element 4i + 2
+        x0 = (ax0 - ay0) * 0.0625 - z_h  # element 4i + 1
+        x1 = (ax1 - ay1) * 0.0625 - z_h  # element 4i + 3
+        lo_h = tl.reshape(tl.join(y0, y1), (BLOCK_G, DH))
+        hi_h = tl.reshape(tl.join(x0, x1), (BLOCK_G, DH))
+        head = (b * H + kvh * G + g).to(tl.int64)
+        _epilogue(m_h, l_h, lo_h, hi_h, g_ok, g_ok, g, head, bh, sp, n_split, cap, o_ptr, pm_ptr, pl_ptr, pu_ptr,
+                  cnt_ptr, hp_ptr, sg_ptr, G, BLOCK_G, D, HADAMARD, False, ONE_SPLIT)
+
+    @triton.jit
+    def _rows(x, MERGE: tl.constexpr, ZERO: tl.constexpr):
+        """[W, NR, ...] -> [W, 2 NR, ...] with MERGE (rows NR + g: zero, or row g again), else x."""
+        if MERGE:
+            if ZERO:
+                y = tl.join(x, tl.zeros_like(x))
+            else:
+                y = tl.join(x, x)
+            if len(x.shape) == 3:
+                return tl.reshape(tl.permute(y, (0, 3, 1, 2)), (x.shape[0], 2 * x.shape[1], x.shape[2]))
+            else:
+                return tl.reshape(tl.permute(y, (0, 2, 1)), (x.shape[0], 2 * x.shape[1]))
+        else:
+            return x
