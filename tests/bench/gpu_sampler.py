@@ -47,6 +47,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="sampler.json")
     a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print(f"{__file__}: needs a CUDA device; nothing measured on this machine")
+        return
     t0 = time.perf_counter()
     rows = [one(B, V, T) for V in (151_936, 1_028) for B in (64, 240) for T in (1.0, 0.7)]
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,
