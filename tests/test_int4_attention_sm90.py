@@ -39,8 +39,11 @@ def test_int4_attention_fits_the_h200_shared_memory(out, D, G):
 
 
 @pytest.mark.parametrize("cfg", [{"warp_slots": 32, "merge": True}, {"warp_slots": 64, "merge": True},
-                                 {"warp_slots": 32, "merge": True, "num_warps": 2}, {"warp_slots": 32}],
-                         ids=["ws32-merge", "ws64-merge", "ws32-merge-warps2", "ws32"])
+                                 {"warp_slots": 32, "merge": True, "num_warps": 2},
+                                 {"warp_slots": 64, "merge": True, "num_warps": 2},
+                                 {"warp_slots": 32, "merge": True, "maxnreg": 168}, {"warp_slots": 32}],
+                         ids=["ws32-merge", "ws64-merge", "ws32-merge-warps2", "ws64-merge-warps2",
+                              "ws32-merge-reg168", "ws32"])
 @pytest.mark.parametrize("D", [128, 64])
 @pytest.mark.parametrize("G", [1, 2, 4, 8, 16])
 def test_warp_split_form_compiles_without_spills(cfg, D, G):
@@ -55,7 +58,9 @@ def test_warp_split_form_compiles_without_spills(cfg, D, G):
     attrs = {(iw._int4_attn_warps_kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items()
              if t.startswith("*")}
     k = triton.compile(ASTSource(fn=iw._int4_attn_warps_kernel, signature=sig, constexprs=const, attrs=attrs),
-                       target=TARGET, options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+                       target=TARGET, options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
+                                               **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and merge
+                                                  else {})})  # as int4_attention launches it
     assert k.metadata.shared <= H200_SMEM
     regs, spills = ptxas_registers(k.asm["ptx"])
     assert regs <= 255 and spills == 0, (regs, spills)

@@ -82,7 +82,8 @@ INT4_CONFIGS = [{}, {"ROWS": 8}, {"num_warps": 8}, {"ROWS": 32, "num_warps": 8},
                 {"asm": False}, {"maxnreg": 168}, {"programs_per_sm": 0}, {"programs_per_sm": 10**6},
                 {"ROWS": 8, "merge": True, "maxnreg": 128}, {"warp_slots": 32}, {"warp_slots": 32, "merge": True},
                 {"warp_slots": 64, "merge": True}, {"warp_slots": 32, "merge": True, "num_warps": 2},
-                {"warp_slots": 32, "merge": True, "programs_per_sm": 10**6}]
+                {"warp_slots": 32, "merge": True, "programs_per_sm": 10**6},
+                {"warp_slots": 32, "merge": True, "maxnreg": 168}, {"warp_slots": 64, "merge": True, "num_warps": 2}]
 
 
 @pytest.mark.parametrize("cfg", INT4_CONFIGS, ids=[str(c) for c in INT4_CONFIGS])

@@ -94,7 +94,8 @@ def slots_per_iteration(G: int, rows: int | None = None) -> int:
 def warp_form(cfg: dict, G: int, exact: bool = False) -> tuple[int, bool]:
     """(slots a warp an iteration, merged query parts) of the warp-split form (int4_attention_warps) under launch
     configuration `cfg`, or (0, False) for this module's kernel (the exact route always). The parts merge when
-    `cfg` asks and G <= 8; unmerged, a warp takes at most 32 slots (64 spill at G = 16, D = 128 on sm_90a)."""
+    `cfg` asks and G <= 8; unmerged, a warp takes at most 32 slots and no register cap applies (64 slots, or 32
+    under 168 registers, spill at G = 16, D = 128 on sm_90a)."""
     if not cfg.get("warp_slots") or exact:
         return 0, False
     merge = bool(cfg.get("merge")) and 2 * triton_next_pow2(G) <= 16
@@ -223,11 +224,12 @@ def int4_attention(qs: Queries, kc: torch.Tensor, vc: torch.Tensor, kw: torch.Te
     ok = key_ok.view(torch.uint8) if key_ok.dtype == torch.bool else key_ok
     qk = scale * math.log2(math.e) / (D if hadamard else 1)
     asm = bool(cfg["asm"]) and dev.type == "cuda" and not exact
+    slots, merge = warp_form(cfg, G, exact)
     launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
-              **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and dev.type == "cuda" else {})}
+              **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and dev.type == "cuda" and (merge or not slots)
+                 else {})}
     args = (kc, vc, kw, vw, ok, slot, out, pm, pl, pu, cnt, hhalf, signs_d, qk, L, S, n_kv, H, per, splits,
             ok.stride(0), pm.shape[1])
-    slots, merge = warp_form(cfg, G, exact)
     if slots:
         from parity.rollout.int4_attention_warps import _int4_attn_warps_kernel
         _int4_attn_warps_kernel[(B * n_kv, splits)](
