@@ -76,9 +76,10 @@ VARIANTS = {variant_name(c): c for c in ({**_BASE, **d} for d in (
     {"programs_per_sm": 4}, {"ROWS": 8}, {"maxnreg": 168}, {"asm": False},
     # one wave at batch 64 (512 programs): 126 registers, four programs an SM (tests/bench/kv_kernels_sm90.py)
     {"ROWS": 8, "merge": True, "maxnreg": 128},
-    # the warp-split form: 1,442 / 1,289 / 1,488 warp instructions per 64 slots in the loop against the pinned
-    # form's 1,946, 3 barriers an iteration against 9; programs an SM by registers (sm_90a): 2 at 4 warps (190 and
-    # 218), 3 at 4 warps capped at 168 (167, no spill), 5 and 4 at 2 warps (188, 232): one wave at 512 programs
+    # the warp-split form: 1,446 / 1,276 / 1,488 / 1,309 warp instructions per 64 slots in the loop against the
+    # pinned form's 1,954, 3 barriers an iteration against 9; programs an SM by registers at one split (sm_90a): 2
+    # at 4 warps (192, 234), 3 at 4 warps capped at 168, 5 and 4 at 2 warps (191, 250): one wave at 512 programs
+    # (docs/PERFORMANCE.md, "The INT4 attention's warp-split form")
     {"warp_slots": 32, "merge": True}, {"warp_slots": 64, "merge": True},
     {"warp_slots": 32, "merge": True, "maxnreg": 168},
     {"warp_slots": 32, "merge": True, "num_warps": 2}, {"warp_slots": 64, "merge": True, "num_warps": 2}))}

@@ -138,33 +138,44 @@ if triton is not None:
             acc_x1 = tl.dot(pt, _f16_byte(cv, 1, ASM), acc_x1 * bt)
             acc_y1 = tl.dot(pt, _f16_low(cv, 1, ASM), acc_y1 * bt)
             m_i = m_new
-        # merge the warps' partial softmaxes: weights exp2(m_w - max) for the sums, times the warp's scale for the
-        # weighted sums (u below is linear in them)
-        m_w = _rows(m_i, MERGE, False)
-        m_h = tl.max(m_w, 0)
+        # merge the warps' partial softmaxes over the NR score rows (with MERGE the products' rows NR.. hold zero
+        # weights): weights exp2(m_w - max) for the sums, times the warp's scale for the weighted sums (u below is
+        # linear in them)
+        m_h = tl.max(m_i, 0)
         top = tl.where(m_h == float("-inf"), 0.0, m_h)
-        wr = tl.where(m_w == float("-inf"), 0.0, tl.exp2(m_w - top[None, :]))
+        wr = tl.where(m_i == float("-inf"), 0.0, tl.exp2(m_i - top[None, :]))
         ws = wr * s_prev[:, None]
-        g = tl.arange(0, BLOCK_G)
-        g_ok = g < G
-        l_h = tl.where(g_ok, tl.sum(_rows(l_i, MERGE, False) * wr, 0), 1.0)  # rows past the heads: not written
-        z_h = tl.sum(_rows(z_i, MERGE, False) * ws, 0)[:, None]
-        w_h = tl.sum(_rows(w_i, MERGE, False) * ws, 0)[:, None]
-        ax0 = tl.sum(acc_x0 * ws[:, :, None], 0)
-        ay0 = tl.sum(acc_y0 * ws[:, :, None], 0)
-        ax1 = tl.sum(acc_x1 * ws[:, :, None], 0)
-        ay1 = tl.sum(acc_y1 * ws[:, :, None], 0)
+        l_h = tl.sum(l_i * wr, 0)
+        z_h = tl.sum(z_i * ws, 0)[:, None]
+        w_h = tl.sum(w_i * ws, 0)[:, None]
+        ax0 = tl.sum(_first_rows(acc_x0, MERGE) * ws[:, :, None], 0)
+        ay0 = tl.sum(_first_rows(acc_y0, MERGE) * ws[:, :, None], 0)
+        ax1 = tl.sum(_first_rows(acc_x1, MERGE) * ws[:, :, None], 0)
+        ay1 = tl.sum(_first_rows(acc_y1, MERGE) * ws[:, :, None], 0)
         # u = sum_j p_j s_j (n'_j - z_j), even elements from the low nibbles, odd from the high ones
         zo = 1024.0 * w_h + z_h
         y0 = ay0 - zo  # element 4i
         y1 = ay1 - zo  # element 4i + 2
         x0 = (ax0 - ay0) * 0.0625 - z_h  # element 4i + 1
         x1 = (ax1 - ay1) * 0.0625 - z_h  # element 4i + 3
-        lo_h = tl.reshape(tl.join(y0, y1), (BLOCK_G, DH))
-        hi_h = tl.reshape(tl.join(x0, x1), (BLOCK_G, DH))
+        # back to BLOCK_G rows for the output rotation's products (rows NR..: zero, not written)
+        lo_h = _rows(tl.reshape(tl.join(y0, y1), (1, NR, DH)), MERGE, True).reshape(BLOCK_G, DH)
+        hi_h = _rows(tl.reshape(tl.join(x0, x1), (1, NR, DH)), MERGE, True).reshape(BLOCK_G, DH)
+        m_h = _rows(m_h[None, :], MERGE, False).reshape(BLOCK_G)
+        g = tl.arange(0, BLOCK_G)
+        g_ok = g < G
+        l_h = tl.where(g_ok, _rows(l_h[None, :], MERGE, False).reshape(BLOCK_G), 1.0)  # past the heads: not written
         head = (b * H + kvh * G + g).to(tl.int64)
         _epilogue(m_h, l_h, lo_h, hi_h, g_ok, g_ok, g, head, bh, sp, n_split, cap, o_ptr, pm_ptr, pl_ptr, pu_ptr,
                   cnt_ptr, hp_ptr, sg_ptr, G, BLOCK_G, D, HADAMARD, False, ONE_SPLIT)
+
+    @triton.jit
+    def _first_rows(x, MERGE: tl.constexpr):
+        """[W, 2 NR, ...] -> its rows [0, NR) with MERGE (rows NR.. are zero: the sum of each pair is exact), else x."""
+        if MERGE:
+            return tl.sum(tl.reshape(x, (x.shape[0], 2, x.shape[1] // 2, x.shape[2])), 1)
+        else:
+            return x
 
     @triton.jit
     def _rows(x, MERGE: tl.constexpr, ZERO: tl.constexpr):
