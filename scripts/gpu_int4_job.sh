@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The INT4 KV path's device checks and benches in one job, for a CUDA machine without the project's environment
 # (the pure-Python packages in .gpucarry/site, as for scripts/gpu_study_job.sh; docs/PERFORMANCE.md, "Next on the
-# device"). Longer than one call of a lent machine: start it in the background and poll $OUT/job.done.
+# device"). It takes about 12 minutes: start it in the background and poll $OUT/job.done.
 #  1. the CUDA test files of the packed caches, the decode routes, the tails and the two-launch draw, with the plain
 #     caches on the raw-value kernel (PARITY_PLAIN_ATTENTION=kernel; TESTS_TIMEOUT, default 300 s)
 #     -> $OUT/cuda_tests.log

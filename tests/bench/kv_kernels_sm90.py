@@ -65,8 +65,13 @@ def report(name: str, fn, sig: dict, const: dict, opts: dict, div16: tuple = (),
         body = main_loop(sass)
         mix = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", i).split()[0].split(".")[0] for i in body)
         per64 = len(body) * opts["num_warps"] * 64 / loop_slots
+        every = len(re.findall(r"/\*[0-9a-f]{4,}\*/\s+\S", sass))
+        # programs an SM by registers (65,536 an SM, allocated 256 a warp)
+        pps = min(32, 65536 // (-(-regs * 32 // 256) * 256 * opts["num_warps"]))
         line += (f"\n    main loop {len(body)} instructions a warp per {loop_slots} slots = {per64:.0f} warp "
-                 f"instructions per 64 slots: " + " ".join(f"{a}={b}" for a, b in mix.most_common(14)))
+                 f"instructions per 64 slots, {sum('BAR.SYNC' in i for i in body)} BAR.SYNC; the kernel {every} "
+                 f"a warp; {pps} programs an SM by registers\n    loop: "
+                 + " ".join(f"{a}={b}" for a, b in mix.most_common(14)))
     print(line, flush=True)
     return line
 
@@ -100,8 +105,8 @@ def int4_kernels() -> None:
             (16, 4, 2, False, 0, ""), (16, 4, 2, True, 0, ""), (8, 4, 2, False, 0, ""), (16, 8, 2, False, 0, ""),
             (32, 8, 2, False, 0, ""), (16, 4, 3, False, 0, ""), (16, 4, 2, False, 128, ""),
             (16, 4, 2, False, 0, "blocks"), (16, 4, 2, False, 0, "merge"), (16, 4, 2, False, 0, "blocks+merge"),
-            (8, 4, 2, False, 0, "blocks+merge"), (8, 4, 2, False, 128, "blocks+merge"),
-            (16, 4, 2, False, 0, "blocks+rowscale")]:
+            (8, 4, 2, False, 0, "blocks+merge"), (16, 4, 2, False, 0, "blocks+rowscale"),
+            (16, 4, 2, True, 0, "blocks"), (8, 4, 2, True, 128, "blocks+merge")]:
         opts = {"num_warps": warps, "num_stages": stages, **({"maxnreg": reg} if reg else {})}
         report(f"int4 rotated rows={rows} warps={warps} stages={stages} one_split={one} maxnreg={reg or '-'} {form}",
                ia._int4_attn_kernel, sig,
@@ -110,10 +115,13 @@ def int4_kernels() -> None:
                                    one_split=one), opts,
                div16=("L", "S", "H", "split_slots", "ok_stride"), loop_slots=rows * 8)
     warp_sig = {k: v for k, v in sig.items() if k != "qr_ptr"}
-    for slots, warps, merge in [(32, 4, True), (64, 4, True), (32, 2, True), (32, 4, False), (16, 4, True)]:
-        report(f"int4 rotated warp-split slots={slots} warps={warps} merge={merge}", iw._int4_attn_warps_kernel,
-               warp_sig, {"G": 2, "BLOCK_G": 16, "W": warps, "SLOTS": slots, "D": 128, "HADAMARD": True, "ASM": True,
-                          "ONE_SPLIT": False, "MERGE": merge}, {"num_warps": warps, "num_stages": 2},
+    # the warp-split form as batch 64 launches it (one split), the bench's variants
+    for slots, warps, merge, reg in [(32, 4, True, 0), (64, 4, True, 0), (32, 4, True, 168), (32, 2, True, 0),
+                                     (64, 2, True, 0), (32, 4, False, 0)]:
+        report(f"int4 rotated warp-split slots={slots} warps={warps} merge={merge} maxnreg={reg or '-'}",
+               iw._int4_attn_warps_kernel, warp_sig,
+               {"G": 2, "BLOCK_G": 16, "W": warps, "SLOTS": slots, "D": 128, "HADAMARD": True, "ASM": True,
+                "ONE_SPLIT": True, "MERGE": merge}, {"num_warps": warps, "num_stages": 2, **({"maxnreg": reg} if reg else {})},
                div16=("L", "S", "H", "split_slots", "ok_stride"), loop_slots=slots * warps)
     report("int4 query preparation", ia._query_kernel,
            {"q_ptr": "*bf16", "qf_ptr": "*fp32", "qi_ptr": "*i8", "qc_ptr": "*fp32", "sg_ptr": "*fp32",
