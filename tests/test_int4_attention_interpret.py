@@ -67,6 +67,19 @@ def test_against_float64_on_random_lengths_and_heads(dtype, hadamard):
             assert err < BOUND[dtype], (shape, D, cfg, err, sim)
 
 
+@pytest.mark.parametrize("shape,D", [((2, 1, 8, 100, 90, 80), 128), ((1, 1, 16, 70, 70, 60), 128),
+                                     ((2, 2, 5, 64, 40, 39), 64), ((1, 2, 6, 40, 33, 30), 128)],
+                         ids=["G8", "G16-unmerged", "G5", "G6"])
+def test_warp_split_form_at_larger_groups(shape, D):
+    """The warp-split form where the merged parts fill all 16 rows (G = 8), where they cannot merge (G = 16: 16
+    head rows, at most 32 slots a warp) and at group sizes that are not powers of two; one split and many."""
+    for cfg in ({"warp_slots": 16, "merge": True, "programs_per_sm": 0},
+                {"warp_slots": 64, "merge": True, "programs_per_sm": 10**6, "num_warps": 2},
+                {"warp_slots": 16, "programs_per_sm": 10**6}):
+        err, sim = check_int4_attention(D, torch.bfloat16, CPU, shape, True, seed=3, config=cfg)
+        assert err < BOUND[torch.bfloat16], (shape, D, cfg, err, sim)
+
+
 def test_split_plan():
     from parity.rollout.int4_attention import slots_per_iteration, split_plan
     assert slots_per_iteration(2, 16) == 128 and slots_per_iteration(1, 16) == 256 and slots_per_iteration(4, 16) == 64
