@@ -108,7 +108,7 @@ def test_the_plain_cache_kernel_route_within_the_decode_noise(model_dir, precisi
     assert "kv_kernel" not in old.meta
     monkeypatch.setenv("PARITY_PLAIN_ATTENTION", "kernel")
     new, eng, g_new = _replay(model_dir, precision, False, long_r, monkeypatch)
-    assert new.meta["kv_kernel"] == {"name": "plain_raw", "config": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}}
+    assert new.meta["kv_kernel"] == {"name": "plain_raw", "config": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "warp_slots": 0}}
     print(f"{precision.weights}: graphs compiled over four L, batched matmuls {g_old}, kernel {g_new}; set-up (s) "
           f"{old.meta.get('decode_setup_s')} / {new.meta.get('decode_setup_s')}")
     assert g_new <= g_old, (g_old, g_new)

@@ -141,10 +141,11 @@ def test_the_dequantizing_kernel_launches_one_configuration_unless_timed(monkeyp
     assert not da.timed_tiles()
     assert da.kv_kernel_meta(cache, False) == {"kv_kernel": {
         "name": "packed_dequant", "fused_pre_attention": False,
-        "config": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}}}
+        "config": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "warp_slots": 0}}}
     # a float32 cache: the same tile with 8 warps (4 spill there)
     fp32 = SimpleNamespace(**{**vars(cache), "dtype": torch.float32})
-    assert da.kv_kernel_meta(fp32, False)["kv_kernel"]["config"] == {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+    assert da.kv_kernel_meta(fp32, False)["kv_kernel"]["config"] == {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2,
+                                                                "warp_slots": 0}
     monkeypatch.setenv("PARITY_KV_ATTENTION_TILE", "timed")
     chosen = {(2, True, 64, 16, False, None): "BLOCK_N: 32, num_warps: 8, num_stages: 2"}
     monkeypatch.setattr(da, "_attn_tuned", SimpleNamespace(cache=chosen), raising=False)
@@ -182,7 +183,7 @@ def test_the_plain_cache_route_by_its_switch(monkeypatch):
     assert da.kv_kernel_meta(None, False, ck) == {}  # a CPU cache: no kernel ran
     for dtype, warps in ((torch.bfloat16, 4), (torch.float32, 8)):
         assert da.kv_kernel_meta(None, False, SimpleNamespace(is_cuda=True, dtype=dtype)) == {"kv_kernel": {
-            "name": "plain_raw", "config": {"BLOCK_N": 64, "num_warps": warps, "num_stages": 2}}}
+            "name": "plain_raw", "config": {"BLOCK_N": 64, "num_warps": warps, "num_stages": 2, "warp_slots": 0}}}
     monkeypatch.setenv("PARITY_PLAIN_ATTENTION", "flash")
     with pytest.raises(ValueError, match="PARITY_PLAIN_ATTENTION='flash'"):
         plain_kernel()

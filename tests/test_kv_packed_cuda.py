@@ -64,7 +64,7 @@ def test_kernel_against_float64_on_random_lengths_and_heads(kind, hadamard, dtyp
     # the pinned launch configuration (decode_attention.ATTN_CONFIG) on every shape; on the first two, each of the
     # autotuner's candidates too (PARITY_KV_ATTENTION_TILE=timed may launch any of them)
     pinned = (dict(da.ATTN_CONFIG), da.ATTN_WARPS_FP32)
-    candidates = [(dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages), c.num_warps)
+    candidates = [(dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages, warp_slots=0), c.num_warps)
                   for c in da._attn_tuned.configs]
     for i, shape in enumerate(shapes):
         for cfg, fp32_warps in [pinned, *(c for c in candidates if c != pinned)] if i < 2 else [pinned]:
@@ -75,6 +75,21 @@ def test_kernel_against_float64_on_random_lengths_and_heads(kind, hadamard, dtyp
                     monkeypatch.setattr(da, "_PROGRAMS_PER_SM", programs_per_sm)
                     err = check_attention(kind, hadamard, D, dtype, CUDA, shape, seed=i)
                     assert err < attention_bound(dtype), (shape, cfg, D, programs_per_sm, err)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8", "fp8_per_token_head", None], ids=["int8", "fp8", "fp8_pth", "raw"])
+def test_warp_split_kernel_against_float64(kind, monkeypatch):
+    """The dequantizing kernel's warp-split form (decode_attention_warps; the bench's configurations), bf16, on the
+    shapes above and the decode shape, one split and several."""
+    import parity.rollout.decode_attention as da
+    for i, shape in enumerate([*SHAPES, (64, 8, 2, 384, 256, 255)]):
+        for warps, slots in ((4, 16), (4, 32), (2, 32)):
+            monkeypatch.setitem(da.ATTN_CONFIG, "num_warps", warps)
+            monkeypatch.setitem(da.ATTN_CONFIG, "warp_slots", slots)
+            for programs_per_sm in (2, 0):
+                monkeypatch.setattr(da, "_PROGRAMS_PER_SM", programs_per_sm)
+                err = check_attention(kind, False, 128, torch.bfloat16, CUDA, shape, seed=i)
+                assert err < attention_bound(torch.bfloat16), (kind, shape, warps, slots, programs_per_sm, err)
 
 
 # launch configurations of the rotated int4 kernel (tests/bench/gpu_int4_decode_variants.py times these)

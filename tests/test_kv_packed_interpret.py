@@ -52,6 +52,21 @@ def test_attention_against_float64(kind, hadamard, dtype, monkeypatch):
             assert err < attention_bound(dtype), (shape, programs_per_sm, err)
 
 
+@pytest.mark.parametrize("kind", ["int8", "fp8", "fp8_per_token_head", None], ids=["int8", "fp8", "fp8_pth", "raw"])
+def test_warp_split_attention_against_float64(kind, monkeypatch):
+    """The dequantizing attention's warp-split form (parity.rollout.decode_attention_warps; ATTN_CONFIG's
+    "warp_slots") on the kinds it serves, bf16: one split and many, 4 and 2 warps, 32 and 16 slots a warp."""
+    import parity.rollout.decode_attention as da
+    for i, shape in enumerate(SHAPES[:3]):
+        D = 128 if i % 2 == 0 else 64
+        for programs_per_sm, warps, slots in ((2, 4, 32), (0, 2, 16), (10**6, 4, 16)):
+            monkeypatch.setattr(da, "_PROGRAMS_PER_SM", programs_per_sm)
+            monkeypatch.setitem(da.ATTN_CONFIG, "warp_slots", slots)
+            monkeypatch.setitem(da.ATTN_CONFIG, "num_warps", warps)
+            err = check_attention(kind, False, D, torch.bfloat16, CPU, shape, seed=i)
+            assert err < attention_bound(torch.bfloat16), (kind, shape, programs_per_sm, warps, slots, err)
+
+
 def test_split_plan():
     from parity.rollout.decode_attention import split_plan
     assert split_plan(64, 8, 384, CPU) == (1, 6)  # 512 programs already fill 132 SMs twice over

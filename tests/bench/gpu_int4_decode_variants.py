@@ -240,11 +240,32 @@ def variants(slots: tuple[int, ...] = (256, 384)) -> None:
                                for c_ in fp8.layers])
                 ref[f"fp8_per_token_head_kernel_L{L}_tile{c.kwargs['BLOCK_N']}_warps{c.num_warps}"] = {
                     "us": us, "GBps": round(2 * B * n_kv * L * fp8.codec.bytes_per_token_head() / us / 1e3, 1)}
+            # its warp-split form (decode_attention_warps), FP8 and the raw bf16 cache (the plain caches' kernel route)
+            for warps, slots in ((4, 16), (4, 32), (2, 32)):
+                da.ATTN_CONFIG.update(keep_cfg, num_warps=warps, warp_slots=slots)
+                us = event_us([(lambda c_=c_, L=L, st=st: da.packed_decode_attention(q, fp8, c_, key_ok, st, L, scale))
+                               for c_ in fp8.layers])
+                ref[f"fp8_per_token_head_kernel_L{L}_warps{warps}_ws{slots}"] = {
+                    "us": us, "GBps": round(2 * B * n_kv * L * fp8.codec.bytes_per_token_head() / us / 1e3, 1)}
+                us = event_us([(lambda k=k, v=v, L=L, st=st: da.raw_decode_attention(q, k, v, key_ok, st, L, scale))
+                               for k, v in kv])
+                ref[f"bf16_kernel_L{L}_warps{warps}_ws{slots}"] = {"us": us, "GBps": round(bf16_bytes / us / 1e3, 1)}
         finally:
             da.ATTN_CONFIG.clear()
             da.ATTN_CONFIG.update(keep_cfg)
         print(f"reference kernels L={L}: { {k: v for k, v in ref.items() if k.endswith(f'L{L}')} }", flush=True)
         dump()
+    # the dequantizing kernel's form for what follows (the sweep, the formats' rows: FP8 and BF16's kernel route):
+    # the warp-split configuration with the least FP8 + bf16 time over both lengths, if less than the pinned form's
+    def total(tag: str) -> float:
+        return sum(ref[f"{kind}_L{L}{tag}"]["us"] for L in slots for kind in ("fp8_per_token_head_kernel", "bf16_kernel"))
+    forms = {(w, s_): total(f"_warps{w}_ws{s_}") for w, s_ in ((4, 16), (4, 32), (2, 32))}
+    (w, s_), t = min(forms.items(), key=lambda x: x[1])
+    if t < total(""):
+        da.ATTN_CONFIG.update(num_warps=w, warp_slots=s_)
+    ref["dequant_config_for_rows"] = dict(da.ATTN_CONFIG)
+    print(f"dequantizing kernel for the rows: {da.ATTN_CONFIG} (pinned form {total(''):.1f} us, warp-split "
+          f"{ {f'{a}x{b}': round(v, 1) for (a, b), v in forms.items()} })", flush=True)
     del kv
     torch.cuda.empty_cache()
 

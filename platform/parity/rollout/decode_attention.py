@@ -53,7 +53,9 @@ _PROGRAMS_PER_SM = 2
 # under contention. So one configuration everywhere, the one drawn most often there (and the interpreter's);
 # PARITY_KV_ATTENTION_TILE=timed lets the autotuner choose, as before. docs/PERFORMANCE.md, "One launch
 # configuration for the dequantizing attention".
-ATTN_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+# "warp_slots": 0, this module's kernel; n > 0, its warp-split form (parity.rollout.decode_attention_warps: each warp
+# n slots of its own an iteration), for the caches other than int4 and queries other than float32.
+ATTN_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "warp_slots": 0}
 # Float32 caches (float32 models, the tests) launch it with 8 warps: at 4 the float32 int4 tile spills 396-420 bytes
 # a thread at head_dim 128, at 8 none (Triton's compile for sm_90a, tests/bench/kv_kernels_sm90.py)
 ATTN_WARPS_FP32 = 8
@@ -240,12 +242,21 @@ def _launch(q, kc, vc, ks, vs, key_ok, slot, L: int, scale: float, kind: int, ha
     # ATTN_CONFIG; timed (on CUDA), the autotuner times the candidates per format the first time (outside any graph
     # capture: the decode path's first step of each length runs for real before its capture)
     kernel, cfg = (_attn_tuned, {}) if q.is_cuda and timed_tiles() else (_attn_kernel, pinned_config(q.dtype))
-    kernel[(B * n_kv, splits)](
-        q, kc, vc, ks, vs, ok, slot, out, m, lsum, acc, he, ho, sg, fp8_scale, scale * math.log2(math.e),
-        L, S, n_kv, H, per * BLOCK_N, splits, ok.stride(0),
-        G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, KIND=kind, HADAMARD=hadamard,
-        DC=kc.shape[-1], TMODE=transform_mode(D), ONE_SPLIT=splits == 1,
-        DOT_PREC="ieee" if q.dtype == torch.float32 else None, **cfg)
+    warps = cfg.pop("warp_slots", 0)
+    if warps and kind != KIND_INT4 and q.dtype != torch.float32:  # the warp-split form
+        from parity.rollout.decode_attention_warps import _attn_warps_kernel
+        _attn_warps_kernel[(B * n_kv, splits)](
+            q, kc, vc, ks, vs, ok, slot, out, m, lsum, acc, fp8_scale, scale * math.log2(math.e), L, S, n_kv, H,
+            per * BLOCK_N, splits, ok.stride(0), G=G, BLOCK_G=max(16, triton.next_power_of_2(G)),
+            W=cfg["num_warps"], SLOTS=warps, D=D, KIND=kind, ONE_SPLIT=splits == 1, num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"])
+    else:
+        kernel[(B * n_kv, splits)](
+            q, kc, vc, ks, vs, ok, slot, out, m, lsum, acc, he, ho, sg, fp8_scale, scale * math.log2(math.e),
+            L, S, n_kv, H, per * BLOCK_N, splits, ok.stride(0),
+            G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, KIND=kind, HADAMARD=hadamard,
+            DC=kc.shape[-1], TMODE=transform_mode(D), ONE_SPLIT=splits == 1,
+            DOT_PREC="ieee" if q.dtype == torch.float32 else None, **cfg)
     if splits > 1:
         _reduce_kernel[(B * H,)](m, lsum, acc, out, splits, D=D, BLOCK_S=triton.next_power_of_2(splits),
                                  num_warps=4)
