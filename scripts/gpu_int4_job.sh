@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # The INT4 KV path's device checks and benches in one job, for a CUDA machine without the project's environment
 # (the pure-Python packages in .gpucarry/site, as for scripts/gpu_study_job.sh; docs/PERFORMANCE.md, "Next on the
-# device"). It takes about 12 minutes: start it in the background and poll $OUT/job.done.
-#  1. the CUDA test files of the packed caches, the decode routes, the tails and the two-launch draw, with the plain
-#     caches on the raw-value kernel (PARITY_PLAIN_ATTENTION=kernel; TESTS_TIMEOUT, default 300 s)
-#     -> $OUT/cuda_tests.log
+# device"). It takes about 13 minutes: start it in the background and poll $OUT/job.done.
+#  1. the two-launch draw's CUDA tests (tests/test_sampler_cuda.py -> $OUT/sampler_tests.log), then the CUDA test
+#     files of the packed caches, the decode routes and the tails with the plain caches on the raw-value kernel
+#     (PARITY_PLAIN_ATTENTION=kernel; TESTS_TIMEOUT, default 400 s) -> $OUT/cuda_tests.log
 #  2. the draw timed, unfused against two launches (tests/bench/gpu_sampler.py) -> $OUT/sampler.json
 #  3. the INT4 bench (tests/bench/gpu_int4_decode_variants.py --max-batch --budget BUDGET, default 300): the rotated
 #     kernel's variants (both forms), the length sweep, the formats' rows at batch 64 and at the largest batch in
-#     BF16's KV bytes, packed against simulated; with the two-launch draw (PARITY_FUSED_SAMPLER=on) when step 1
-#     passed -> $OUT/int4_variants.json
+#     BF16's KV bytes, packed against simulated; with the two-launch draw (PARITY_FUSED_SAMPLER=on) when its own
+#     tests (tests/test_sampler_cuda.py, run first) passed -> $OUT/int4_variants.json
 # Each step's output lands in $OUT when the step ends, its exit status in $OUT/steps.txt; $OUT/job.done at the end.
 # SKIP_TESTS=1 skips step 1 (the bench then runs with the unfused draw).
-#   usage: [BUDGET=300] [TESTS_TIMEOUT=300] [SKIP_TESTS=1] bash scripts/gpu_int4_job.sh
+#   usage: [BUDGET=300] [TESTS_TIMEOUT=400] [SKIP_TESTS=1] bash scripts/gpu_int4_job.sh
 set -u
 orig=$PWD; copy=$(mktemp -d /tmp/parity-int4.XXXXXX)/tree
 cp -r "$orig" "$copy" && cd "$copy" || { echo "could not copy the tree to $copy"; exit 1; }
@@ -23,11 +23,13 @@ step() { echo "$1 exit $2 at $(( $(date +%s) - t0 )) s" | tee -a "$out/steps.txt
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$out/steps.txt"
 fused=""
 if [ -z "${SKIP_TESTS:-}" ]; then
-  PARITY_PLAIN_ATTENTION=kernel timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -n 8 -rP -p no:cacheprovider \
-    tests/test_kv_packed_cuda.py tests/test_decode_route_cuda.py tests/test_decode_tail_cuda.py \
-    tests/test_sampler_cuda.py > "$out/cuda_tests.log" 2>&1
-  rc=$?; step tests $rc; tail -n 3 "$out/cuda_tests.log"
+  timeout 200 python3 -m pytest -q -rP -p no:cacheprovider tests/test_sampler_cuda.py > "$out/sampler_tests.log" 2>&1
+  rc=$?; step "sampler tests" $rc; tail -n 2 "$out/sampler_tests.log"
   [ $rc -eq 0 ] && fused=on
+  PARITY_PLAIN_ATTENTION=kernel timeout "${TESTS_TIMEOUT:-400}" python3 -m pytest -q -n 8 -rP -p no:cacheprovider \
+    tests/test_kv_packed_cuda.py tests/test_decode_route_cuda.py tests/test_decode_tail_cuda.py \
+    > "$out/cuda_tests.log" 2>&1
+  step tests $?; tail -n 3 "$out/cuda_tests.log"
 fi
 python3 tests/bench/gpu_sampler.py --out "$out/sampler.json" > "$out/sampler.log" 2>&1
 step sampler $?; tail -n 5 "$out/sampler.log"
