@@ -1,7 +1,7 @@
 """The rotated int4 decode attention in its warp-split form: the same arithmetic as parity.rollout.int4_attention's
 tensor-core route (the same query codes, the same exact integer K product, the same fp16 V weights and byte
-unpacking, the same output rotation and split merge), with the work laid out so that a warp never waits for
-another inside the slot loop.
+unpacking, the same output rotation and split merge), with the work laid out so that no warp needs another's
+results inside the slot loop.
 
 Each program takes one (row, KV head) and a split of the slots, as the other form does. Its W warps each take their
 own consecutive slots of every iteration (warp w: start + w * SLOTS + [0, SLOTS)) and keep their own running
@@ -13,9 +13,11 @@ form's: the output, or a partial for the split merge.
 
 The other form packs (slot sub-range, head) pairs into the 16 rows of its products so that no row is padding when a
 KV head has 2 query heads, at the price of moving scores and weights between warps every iteration (9 barriers an
-iteration in the sm_90a SASS); here 14 of 16 score rows are padding at G = 2, computed and dropped, and the loop has
-no barrier of its own. tests/bench/kv_kernels_sm90.py counts both loops' instructions and
-tests/bench/gpu_int4_decode_variants.py times them ("warp_slots" in int4_attention.CONFIG: 0 for the other form).
+iteration in the sm_90a SASS); here the score rows past the heads are padding, computed and dropped (6 of 8 at
+G = 2 with the query's parts merged, 14 of 16 without), and the loop needs no exchange between warps (3 barriers an
+iteration, the software pipeline's). tests/bench/kv_kernels_sm90.py counts both loops' instructions and
+tests/bench/gpu_int4_decode_variants.py times them ("warp_slots" in int4_attention.CONFIG: 0 for the other form;
+docs/PERFORMANCE.md, "The INT4 attention's warp-split form").
 Tests: tests/test_int4_attention_interpret.py (Triton's interpreter, against float64) and
 tests/test_kv_packed_cuda.py.
 """
