@@ -6,7 +6,7 @@ without it loads are not vectorised and the SASS is not the device's). For the r
 pre-attention kernel it also counts the instructions of the main loop (warp instructions per 64 slots), the figure
 the predictions in docs/PERFORMANCE.md start from.
 
-    python tests/bench/kv_kernels_sm90.py [--int4-only]       (needs triton; no GPU)
+    python tests/bench/kv_kernels_sm90.py [--int4-only | --dequant-forms]       (needs triton; no GPU)
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from triton.compiler import ASTSource
 
 import parity.precision.kv_packed as kp
 import parity.rollout.decode_attention as da
+import parity.rollout.decode_attention_warps as dw
 import parity.rollout.int4_attention as ia
 import parity.rollout.int4_attention_warps as iw
 import parity.rollout.pre_attention as pa
@@ -137,7 +138,33 @@ def int4_kernels() -> None:
            {"num_warps": 4, "enable_fp_fusion": False}, div16=("q_rs", "k_rs", "v_rs", "S", "H"))
 
 
+def dequant_forms() -> None:
+    """The dequantizing attention's pinned form (64 slots, 4 warps) against its warp-split configurations (the INT4
+    bench's), one split as at batch 64, G = 2, D = 128, the lengths specialised as the decode step's."""
+    ints = dict.fromkeys(("L", "S", "n_kv", "H", "split_slots", "n_split", "ok_stride"), "i32")
+    div = ("L", "S", "H", "split_slots", "ok_stride")
+    for kind in (kp.KIND_FP8_PTH, kp.KIND_FP8, kp.KIND_INT8, kp.KIND_RAW):
+        code = CODE.get(kind, "*bf16")
+        scale = SCALE.get(kind, code)
+        sig = {"q_ptr": "*bf16", "kc_ptr": code, "vc_ptr": code, "ks_ptr": scale, "vs_ptr": scale, "ok_ptr": "*u8",
+               "slot_ptr": "*i64", "o_ptr": "*bf16", "m_ptr": "*bf16", "l_ptr": "*bf16", "acc_ptr": "*bf16"}
+        report(f"dequantizing attention kind={kind} pinned 64 slots, 4 warps", da._attn_kernel,
+               {**sig, "he_ptr": "*i8", "ho_ptr": "*i8", "sg_ptr": "*fp32", "fp8_scale": "fp32", "qk_scale": "fp32",
+                **ints},
+               {"G": 2, "BLOCK_G": 16, "D": 128, "KIND": kind, "HADAMARD": False, "DC": 128,
+                "TMODE": kp.transform_mode(128), "ONE_SPLIT": True, "DOT_PREC": None, "BLOCK_N": 64},
+               {"num_warps": 4, "num_stages": 2}, div16=div, loop_slots=64)
+        for warps, slots in ((4, 16), (4, 32), (2, 32)):
+            report(f"dequantizing attention kind={kind} warp-split {warps} x {slots}", dw._attn_warps_kernel,
+                   {**sig, "fp8_scale": "fp32", "qk_scale": "fp32", **ints},
+                   {"G": 2, "BLOCK_G": 16, "W": warps, "SLOTS": slots, "D": 128, "KIND": kind, "ONE_SPLIT": True},
+                   {"num_warps": warps, "num_stages": 2}, div16=div, loop_slots=warps * slots)
+
+
 def main() -> None:
+    if "--dequant-forms" in sys.argv:
+        dequant_forms()
+        return
     int4_kernels()
     if "--int4-only" in sys.argv:
         return
