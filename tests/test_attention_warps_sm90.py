@@ -25,7 +25,7 @@ H200_SMEM = 232448
 CODE = {kp.KIND_RAW: ("*bf16", "*bf16"), kp.KIND_INT8: ("*i8", "*fp32"), kp.KIND_FP8: ("*fp8e4nv", "*fp8e4nv"),
         kp.KIND_FP8_PTH: ("*fp8e4nv", "*fp32")}
 # (warps, slots a warp) of tests/bench/gpu_int4_decode_variants.py's warp-split rows
-CONFIGS = [(4, 16), (4, 32), (2, 32)]
+CONFIGS = [(4, 16), (4, 32), (2, 32), (1, 32)]
 
 
 @pytest.mark.parametrize("warps,slots", CONFIGS, ids=[f"warps{w}-ws{s}" for w, s in CONFIGS])

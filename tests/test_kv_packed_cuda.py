@@ -83,7 +83,7 @@ def test_warp_split_kernel_against_float64(kind, monkeypatch):
     shapes above and the decode shape, one split and several."""
     import parity.rollout.decode_attention as da
     for i, shape in enumerate([*SHAPES, (64, 8, 2, 384, 256, 255)]):
-        for warps, slots in ((4, 16), (4, 32), (2, 32)):
+        for warps, slots in ((4, 16), (4, 32), (2, 32), (1, 32)):
             monkeypatch.setitem(da.ATTN_CONFIG, "num_warps", warps)
             monkeypatch.setitem(da.ATTN_CONFIG, "warp_slots", slots)
             for programs_per_sm in (2, 0):
@@ -98,7 +98,8 @@ INT4_CONFIGS = [{}, {"ROWS": 8}, {"num_warps": 8}, {"ROWS": 32, "num_warps": 8},
                 {"ROWS": 8, "merge": True, "maxnreg": 128}, {"warp_slots": 32}, {"warp_slots": 32, "merge": True},
                 {"warp_slots": 64, "merge": True}, {"warp_slots": 32, "merge": True, "num_warps": 2},
                 {"warp_slots": 32, "merge": True, "programs_per_sm": 10**6},
-                {"warp_slots": 32, "merge": True, "maxnreg": 168}, {"warp_slots": 64, "merge": True, "num_warps": 2}]
+                {"warp_slots": 32, "merge": True, "maxnreg": 168}, {"warp_slots": 64, "merge": True, "num_warps": 2},
+                {"warp_slots": 32, "merge": True, "num_warps": 1}, {"warp_slots": 64, "merge": True, "num_warps": 1}]
 
 
 @pytest.mark.parametrize("cfg", INT4_CONFIGS, ids=[str(c) for c in INT4_CONFIGS])

@@ -55,11 +55,11 @@ def test_attention_against_float64(kind, hadamard, dtype, monkeypatch):
 @pytest.mark.parametrize("kind", ["int8", "fp8", "fp8_per_token_head", None], ids=["int8", "fp8", "fp8_pth", "raw"])
 def test_warp_split_attention_against_float64(kind, monkeypatch):
     """The dequantizing attention's warp-split form (parity.rollout.decode_attention_warps; ATTN_CONFIG's
-    "warp_slots") on the kinds it serves, bf16: one split and many, 4 and 2 warps, 32 and 16 slots a warp."""
+    "warp_slots") on the kinds it serves, bf16: one split and many, 4, 2 and 1 warps, 32 and 16 slots a warp."""
     import parity.rollout.decode_attention as da
     for i, shape in enumerate(SHAPES[:3]):
         D = 128 if i % 2 == 0 else 64
-        for programs_per_sm, warps, slots in ((2, 4, 32), (0, 2, 16), (10**6, 4, 16)):
+        for programs_per_sm, warps, slots in ((2, 4, 32), (0, 2, 16), (10**6, 4, 16), (0, 1, 32)):
             monkeypatch.setattr(da, "_PROGRAMS_PER_SM", programs_per_sm)
             monkeypatch.setitem(da.ATTN_CONFIG, "warp_slots", slots)
             monkeypatch.setitem(da.ATTN_CONFIG, "num_warps", warps)

@@ -82,7 +82,13 @@ VARIANTS = {variant_name(c): c for c in ({**_BASE, **d} for d in (
     # (docs/PERFORMANCE.md, "The INT4 attention's warp-split form")
     {"warp_slots": 32, "merge": True}, {"warp_slots": 64, "merge": True},
     {"warp_slots": 32, "merge": True, "maxnreg": 168},
-    {"warp_slots": 32, "merge": True, "num_warps": 2}, {"warp_slots": 64, "merge": True, "num_warps": 2}))}
+    {"warp_slots": 32, "merge": True, "num_warps": 2}, {"warp_slots": 64, "merge": True, "num_warps": 2},
+    # one warp a program: no merge between warps at all, 7,338 / 6,677 warp instructions a program at 256 slots
+    # against the pinned form's 10,948, at about 4 warps an SM
+    {"warp_slots": 32, "merge": True, "num_warps": 1}, {"warp_slots": 64, "merge": True, "num_warps": 1}))}
+# (warps, slots a warp) of the dequantizing kernel's warp-split form (decode_attention_warps) timed for FP8 and the
+# raw bf16 cache beside its pinned form (docs/PERFORMANCE.md, "The INT4 attention's warp-split form")
+DEQUANT_FORMS = ((4, 16), (4, 32), (2, 32), (1, 32))
 T0 = time.perf_counter()
 
 
@@ -241,7 +247,7 @@ def variants(slots: tuple[int, ...] = (256, 384)) -> None:
                 ref[f"fp8_per_token_head_kernel_L{L}_tile{c.kwargs['BLOCK_N']}_warps{c.num_warps}"] = {
                     "us": us, "GBps": round(2 * B * n_kv * L * fp8.codec.bytes_per_token_head() / us / 1e3, 1)}
             # its warp-split form (decode_attention_warps), FP8 and the raw bf16 cache (the plain caches' kernel route)
-            for warps, slots in ((4, 16), (4, 32), (2, 32)):
+            for warps, slots in DEQUANT_FORMS:
                 da.ATTN_CONFIG.update(keep_cfg, num_warps=warps, warp_slots=slots)
                 us = event_us([(lambda c_=c_, L=L, st=st: da.packed_decode_attention(q, fp8, c_, key_ok, st, L, scale))
                                for c_ in fp8.layers])
@@ -259,7 +265,7 @@ def variants(slots: tuple[int, ...] = (256, 384)) -> None:
     # the warp-split configuration with the least FP8 + bf16 time over both lengths, if less than the pinned form's
     def total(tag: str) -> float:
         return sum(ref[f"{kind}_L{L}{tag}"]["us"] for L in slots for kind in ("fp8_per_token_head_kernel", "bf16_kernel"))
-    forms = {(w, s_): total(f"_warps{w}_ws{s_}") for w, s_ in ((4, 16), (4, 32), (2, 32))}
+    forms = {(w, s_): total(f"_warps{w}_ws{s_}") for w, s_ in DEQUANT_FORMS}
     (w, s_), t = min(forms.items(), key=lambda x: x[1])
     if t < total(""):
         da.ATTN_CONFIG.update(num_warps=w, warp_slots=s_)
