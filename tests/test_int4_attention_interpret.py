@@ -75,7 +75,8 @@ def test_warp_split_form_at_larger_groups(shape, D):
     head rows, at most 32 slots a warp) and at group sizes that are not powers of two; one split and many."""
     for cfg in ({"warp_slots": 16, "merge": True, "programs_per_sm": 0},
                 {"warp_slots": 64, "merge": True, "programs_per_sm": 10**6, "num_warps": 2},
-                {"warp_slots": 16, "programs_per_sm": 10**6}, {"warp_slots": 32, "merge": True, "num_warps": 1}):
+                {"warp_slots": 16, "programs_per_sm": 10**6}, {"warp_slots": 32, "merge": True, "num_warps": 1},
+                {"warp_slots": 16, "merge": True, "num_warps": 1, "programs_per_sm": 10**6}):
         err, sim = check_int4_attention(D, torch.bfloat16, CPU, shape, True, seed=3, config=cfg)
         assert err < BOUND[torch.bfloat16], (shape, D, cfg, err, sim)
 

@@ -99,7 +99,8 @@ INT4_CONFIGS = [{}, {"ROWS": 8}, {"num_warps": 8}, {"ROWS": 32, "num_warps": 8},
                 {"warp_slots": 64, "merge": True}, {"warp_slots": 32, "merge": True, "num_warps": 2},
                 {"warp_slots": 32, "merge": True, "programs_per_sm": 10**6},
                 {"warp_slots": 32, "merge": True, "maxnreg": 168}, {"warp_slots": 64, "merge": True, "num_warps": 2},
-                {"warp_slots": 32, "merge": True, "num_warps": 1}, {"warp_slots": 64, "merge": True, "num_warps": 1}]
+                {"warp_slots": 32, "merge": True, "num_warps": 1}, {"warp_slots": 64, "merge": True, "num_warps": 1},
+                {"warp_slots": 32, "merge": True, "num_warps": 1, "programs_per_sm": 4}]
 
 
 @pytest.mark.parametrize("cfg", INT4_CONFIGS, ids=[str(c) for c in INT4_CONFIGS])
