@@ -248,15 +248,15 @@ def variants(slots: tuple[int, ...] = (256, 384)) -> None:
                 ref[f"fp8_per_token_head_kernel_L{L}_tile{c.kwargs['BLOCK_N']}_warps{c.num_warps}"] = {
                     "us": us, "GBps": round(2 * B * n_kv * L * fp8.codec.bytes_per_token_head() / us / 1e3, 1)}
             # its warp-split form (decode_attention_warps), FP8 and the raw bf16 cache (the plain caches' kernel route)
-            for warps, slots in DEQUANT_FORMS:
-                da.ATTN_CONFIG.update(keep_cfg, num_warps=warps, warp_slots=slots)
+            for warps, ws in DEQUANT_FORMS:
+                da.ATTN_CONFIG.update(keep_cfg, num_warps=warps, warp_slots=ws)
                 us = event_us([(lambda c_=c_, L=L, st=st: da.packed_decode_attention(q, fp8, c_, key_ok, st, L, scale))
                                for c_ in fp8.layers])
-                ref[f"fp8_per_token_head_kernel_L{L}_warps{warps}_ws{slots}"] = {
+                ref[f"fp8_per_token_head_kernel_L{L}_warps{warps}_ws{ws}"] = {
                     "us": us, "GBps": round(2 * B * n_kv * L * fp8.codec.bytes_per_token_head() / us / 1e3, 1)}
                 us = event_us([(lambda k=k, v=v, L=L, st=st: da.raw_decode_attention(q, k, v, key_ok, st, L, scale))
                                for k, v in kv])
-                ref[f"bf16_kernel_L{L}_warps{warps}_ws{slots}"] = {"us": us, "GBps": round(bf16_bytes / us / 1e3, 1)}
+                ref[f"bf16_kernel_L{L}_warps{warps}_ws{ws}"] = {"us": us, "GBps": round(bf16_bytes / us / 1e3, 1)}
         finally:
             da.ATTN_CONFIG.clear()
             da.ATTN_CONFIG.update(keep_cfg)
