@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The INT4 KV path's device checks and benches in one job, for a CUDA machine without the project's environment
 # (the pure-Python packages in .gpucarry/site, as for scripts/gpu_study_job.sh; docs/PERFORMANCE.md, "Next on the
-# device"). It takes about 13 minutes: start it in the background and poll $OUT/job.done.
+# device"). It took 457 s on one H100 (2026-12-05): start it in the background and poll $OUT/job.done.
 #  1. the two-launch draw's CUDA tests (tests/test_sampler_cuda.py -> $OUT/sampler_tests.log), then the CUDA test
 #     files of the packed caches, the decode routes and the tails with the plain caches on the raw-value kernel
 #     (PARITY_PLAIN_ATTENTION=kernel; TESTS_TIMEOUT, default 400 s) -> $OUT/cuda_tests.log
