@@ -3,8 +3,9 @@
 # (the pure-Python packages in .gpucarry/site, as for scripts/gpu_study_job.sh; docs/PERFORMANCE.md, "Next on the
 # device"). It took 457 s on one H100 (2026-12-05): start it in the background and poll $OUT/job.done.
 #  1. the two-launch draw's CUDA tests (tests/test_sampler_cuda.py -> $OUT/sampler_tests.log), then the CUDA test
-#     files of the packed caches, the decode routes and the tails with the plain caches on the raw-value kernel
-#     (PARITY_PLAIN_ATTENTION=kernel; TESTS_TIMEOUT, default 400 s) -> $OUT/cuda_tests.log
+#     files (TEST_FILES, default all of tests/*_cuda.py) with the plain caches on the route PLAIN_ATTENTION names
+#     (default torch, the project's default; kernel: the raw-value kernel) (TESTS_TIMEOUT, default 400 s)
+#     -> $OUT/cuda_tests.log
 #  2. the draw timed, unfused against two launches (tests/bench/gpu_sampler.py) -> $OUT/sampler.json
 #  3. the INT4 bench (tests/bench/gpu_int4_decode_variants.py --max-batch --budget BUDGET, default 300): the rotated
 #     kernel's variants (both forms), the length sweep, the formats' rows at batch 64 and at the largest batch in
@@ -12,7 +13,7 @@
 #     tests (tests/test_sampler_cuda.py, run first) passed -> $OUT/int4_variants.json
 # Each step's output lands in $OUT when the step ends, its exit status in $OUT/steps.txt; $OUT/job.done at the end.
 # SKIP_TESTS=1 skips step 1 (the bench then runs with the unfused draw).
-#   usage: [BUDGET=300] [TESTS_TIMEOUT=400] [SKIP_TESTS=1] bash scripts/gpu_int4_job.sh
+#   usage: [BUDGET=300] [TESTS_TIMEOUT=400] [PLAIN_ATTENTION=kernel] [TEST_FILES=...] [SKIP_TESTS=1] bash scripts/gpu_int4_job.sh
 set -u
 orig=$PWD; copy=$(mktemp -d /tmp/parity-int4.XXXXXX)/tree
 cp -r "$orig" "$copy" && cd "$copy" || { echo "could not copy the tree to $copy"; exit 1; }
@@ -26,10 +27,10 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   timeout 200 python3 -m pytest -q -rP -p no:cacheprovider tests/test_sampler_cuda.py > "$out/sampler_tests.log" 2>&1
   rc=$?; step "sampler tests" $rc; tail -n 2 "$out/sampler_tests.log"
   [ $rc -eq 0 ] && fused=on
-  PARITY_PLAIN_ATTENTION=kernel timeout "${TESTS_TIMEOUT:-400}" python3 -m pytest -q -n 8 -rP -p no:cacheprovider \
-    tests/test_kv_packed_cuda.py tests/test_decode_route_cuda.py tests/test_decode_tail_cuda.py \
-    > "$out/cuda_tests.log" 2>&1
-  step tests $?; tail -n 3 "$out/cuda_tests.log"
+  # shellcheck disable=SC2086  # TEST_FILES is a list of paths
+  PARITY_PLAIN_ATTENTION=${PLAIN_ATTENTION:-torch} timeout "${TESTS_TIMEOUT:-400}" \
+    python3 -m pytest -q -n 8 -rP -p no:cacheprovider ${TEST_FILES:-tests/*_cuda.py} > "$out/cuda_tests.log" 2>&1
+  step "tests (plain caches: ${PLAIN_ATTENTION:-torch})" $?; tail -n 3 "$out/cuda_tests.log"
 fi
 python3 tests/bench/gpu_sampler.py --out "$out/sampler.json" > "$out/sampler.log" 2>&1
 step sampler $?; tail -n 5 "$out/sampler.log"
