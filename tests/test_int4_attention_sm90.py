@@ -43,9 +43,11 @@ def test_int4_attention_fits_the_h200_shared_memory(out, D, G):
                                  {"warp_slots": 64, "merge": True, "num_warps": 2},
                                  {"warp_slots": 32, "merge": True, "maxnreg": 168}, {"warp_slots": 32},
                                  {"warp_slots": 32, "merge": True, "num_warps": 1},
-                                 {"warp_slots": 64, "merge": True, "num_warps": 1}],
+                                 {"warp_slots": 64, "merge": True, "num_warps": 1},
+                                 {"warp_slots": 64, "merge": True, "num_warps": 1, "num_stages": 3}],
                          ids=["ws32-merge", "ws64-merge", "ws32-merge-warps2", "ws64-merge-warps2",
-                              "ws32-merge-reg168", "ws32", "ws32-merge-warps1", "ws64-merge-warps1"])
+                              "ws32-merge-reg168", "ws32", "ws32-merge-warps1", "ws64-merge-warps1",
+                              "ws64-merge-warps1-stages3"])
 @pytest.mark.parametrize("D", [128, 64])
 @pytest.mark.parametrize("G", [1, 2, 4, 8, 16])
 def test_warp_split_form_compiles_without_spills(cfg, D, G):

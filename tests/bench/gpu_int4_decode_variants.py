@@ -86,7 +86,11 @@ VARIANTS = {variant_name(c): c for c in ({**_BASE, **d} for d in (
     # one warp a program: no merge between warps at all, 7,338 / 6,677 warp instructions a program at 256 slots
     # against the pinned form's 10,948, at about 4 warps an SM; and split in two (about 8 warps an SM, one wave)
     {"warp_slots": 32, "merge": True, "num_warps": 1}, {"warp_slots": 64, "merge": True, "num_warps": 1},
-    {"warp_slots": 32, "merge": True, "num_warps": 1, "programs_per_sm": 4}))}
+    {"warp_slots": 32, "merge": True, "num_warps": 1, "programs_per_sm": 4},
+    # the one-warp 64-slot program (the fastest on one H100, 2026-12-05: 15.26 us at L = 256) split in two (about 8
+    # warps an SM instead of 4) and with a third stage of loads in flight
+    {"warp_slots": 64, "merge": True, "num_warps": 1, "programs_per_sm": 4},
+    {"warp_slots": 64, "merge": True, "num_warps": 1, "num_stages": 3}))}
 # (warps, slots a warp) of the dequantizing kernel's warp-split form (decode_attention_warps) timed for FP8 and the
 # raw bf16 cache beside its pinned form (docs/PERFORMANCE.md, "The INT4 attention's warp-split form")
 DEQUANT_FORMS = ((4, 16), (4, 32), (2, 32), (1, 32))
