@@ -14,9 +14,14 @@ from parity.rollout import sampler_kernel as sk
 CUDA = torch.device("cuda")  # a device object only: nothing runs on it here
 
 
-def test_off_by_default_and_a_bad_value_named(monkeypatch):
+def test_on_by_default_where_triton_is_and_a_bad_value_named(monkeypatch):
+    """auto (the default): on wherever Triton is installed, off elsewhere; off: never, even on CUDA."""
     monkeypatch.delenv(sk.ENV, raising=False)
-    assert not sk.fused_sampler()
+    assert sk.fused_sampler() == (sk.triton is not None)
+    assert sk.fused_applies(SamplingSpec(), False, CUDA) == (sk.triton is not None)
+    monkeypatch.setattr(sk, "triton", None)
+    assert not sk.fused_sampler()  # a CPU install: auto asks for nothing
+    monkeypatch.setenv(sk.ENV, "off")
     assert not sk.fused_applies(SamplingSpec(), False, CUDA)
     monkeypatch.setenv(sk.ENV, "yes")
     with pytest.raises(ValueError, match="PARITY_FUSED_SAMPLER='yes'"):

@@ -36,8 +36,8 @@ from the plain loop, and why:
   measured best rather than a tile Inductor picked by its own benchmark (figures: docs/PERFORMANCE.md, "INT8 W8A8
   decode at batch 64").
 - Sampling with top_p = 1 draws by inverse CDF in vocabulary order (the same distribution and uniforms, no [B, V]
-  sort; PARITY_FUSED_SAMPLER=on: in two Triton launches, rollout/sampler_kernel.py). Greedy and top_p < 1 use
-  TorchEngine.sample unchanged (bit-identical rules).
+  sort; in two Triton launches wherever Triton is installed, rollout/sampler_kernel.py; PARITY_FUSED_SAMPLER=off:
+  five passes). Greedy and top_p < 1 use TorchEngine.sample unchanged (bit-identical rules).
 - A low-precision KV cache is stored packed (precision/kv_packed.py: 68 bytes a token-head for int4 against 256)
   and read by a Triton decode-attention kernel over the simulated cache's values (rollout/decode_attention.py;
   int4 per token-head in the rotated basis, rollout/int4_attention.py); `_PACKED_KV = False` keeps the simulated

@@ -1,5 +1,5 @@
-"""The decode step's draw at top_p = 1 as two Triton launches over the float32 logits (PARITY_FUSED_SAMPLER=on; off
-by default): the token of the two-level inverse-CDF draw (parity.rollout.sampling.sample_inverse_cdf) and its
+"""The decode step's draw at top_p = 1 as two Triton launches over the float32 logits (PARITY_FUSED_SAMPLER=auto, the
+default: wherever Triton is installed; on: required; off: never): the token of the two-level inverse-CDF draw (parity.rollout.sampling.sample_inverse_cdf) and its
 log-prob, without the [B, V] log-softmax, its exp and the block sums as separate passes.
 
     launch 1, grid (B, V / BLOCK):  m_j = max x,  s_j = sum exp(x - m_j)      over block j of x = logits * (1 / T)
@@ -35,18 +35,19 @@ ENV = "PARITY_FUSED_SAMPLER"
 
 
 def fused_sampler() -> bool:
-    """Whether the CUDA decode step draws through `fused_draw` (PARITY_FUSED_SAMPLER=on) instead of the
-    log-softmax and sample_inverse_cdf (off, the default)."""
-    v = os.environ.get(ENV, "off")
-    if v not in ("off", "on"):
-        raise ValueError(f"{ENV}={v!r}: expected 'off' (the default) or 'on'")
+    """Whether the CUDA decode step draws through `fused_draw` instead of the log-softmax and sample_inverse_cdf:
+    PARITY_FUSED_SAMPLER=auto (the default) where Triton is installed, on (Triton required), off never. The default
+    since the H100 and H200 runs of tests/bench/gpu_sampler.py (docs/PERFORMANCE.md, "The draw in two launches")."""
+    v = os.environ.get(ENV, "auto")
+    if v not in ("auto", "off", "on"):
+        raise ValueError(f"{ENV}={v!r}: expected 'auto' (the default), 'on' or 'off'")
     if v == "on" and triton is None:
         raise RuntimeError(f"{ENV}=on needs Triton, which this install lacks")
-    return v == "on"
+    return v == "on" or (v == "auto" and triton is not None)
 
 
 def fused_applies(spec, forced: bool, device: torch.device) -> bool:
-    """Whether a decode call with SamplingSpec `spec` draws through `fused_draw`: PARITY_FUSED_SAMPLER=on, on CUDA,
+    """Whether a decode call with SamplingSpec `spec` draws through `fused_draw`: `fused_sampler()`, on CUDA,
     sampling (temperature > 0) at top_p = 1 without top-K log-probs or forced tokens; the other draws keep their
     rules."""
     return (not spec.topk_logprobs and not forced and spec.temperature > 0.0 and spec.top_p >= 1.0
