@@ -11,9 +11,13 @@
 #     kernel's variants (both forms), the length sweep, the formats' rows at batch 64 and at the largest batch in
 #     BF16's KV bytes, packed against simulated; with the two-launch draw (PARITY_FUSED_SAMPLER=on) when its own
 #     tests (tests/test_sampler_cuda.py, run first) passed -> $OUT/int4_variants.json
+#  4. with COUNTDOWN=1: "one INT4 format" on the trained Countdown model: the `gpu` preset's warm start (seed 3, built
+#     in the job while step 1 runs), then tests/bench/int4_decode_vs_forward.py over bf16, the INT4 cache on the
+#     default route and on the rotated kernel with the fused pre-attention -> $OUT/one_format_countdown.json
 # Each step's output lands in $OUT when the step ends, its exit status in $OUT/steps.txt; $OUT/job.done at the end.
-# SKIP_TESTS=1 skips step 1 (the bench then runs with the unfused draw).
-#   usage: [BUDGET=300] [TESTS_TIMEOUT=400] [PLAIN_ATTENTION=kernel] [TEST_FILES=...] [SKIP_TESTS=1] bash scripts/gpu_int4_job.sh
+# SKIP_TESTS=1 skips step 1 (the bench then runs with the unfused draw); SKIP_BENCH=1 skips steps 2 and 3.
+#   usage: [BUDGET=300] [TESTS_TIMEOUT=400] [PLAIN_ATTENTION=kernel] [TEST_FILES=...] [SKIP_TESTS=1] [SKIP_BENCH=1] \
+#          [COUNTDOWN=1] bash scripts/gpu_int4_job.sh
 set -u
 orig=$PWD; copy=$(mktemp -d /tmp/parity-int4.XXXXXX)/tree
 cp -r "$orig" "$copy" && cd "$copy" || { echo "could not copy the tree to $copy"; exit 1; }
@@ -23,6 +27,12 @@ t0=$(date +%s)
 step() { echo "$1 exit $2 at $(( $(date +%s) - t0 )) s" | tee -a "$out/steps.txt"; }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$out/steps.txt"
 fused=""
+if [ -n "${COUNTDOWN:-}" ]; then  # the warm start, beside the tests (it takes minutes of its own)
+  base=$(python3 -c "from parity.study.presets import PRESETS; p=PRESETS['gpu']; print(' '.join(['experiment='+p.experiment, *p.base]))")
+  # shellcheck disable=SC2086  # base is a list of overrides
+  (python3 -m parity prepare outputs_dir=/tmp/parity-warm $base model.warm_start.seed=3 > "$out/prepare.log" 2>&1;
+   echo $? > "$out/prepare.rc") &
+fi
 if [ -z "${SKIP_TESTS:-}" ]; then
   timeout 200 python3 -m pytest -q -rP -p no:cacheprovider tests/test_sampler_cuda.py > "$out/sampler_tests.log" 2>&1
   rc=$?; step "sampler tests" $rc; tail -n 2 "$out/sampler_tests.log"
@@ -32,9 +42,20 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     python3 -m pytest -q -n 8 -rP -p no:cacheprovider ${TEST_FILES:-tests/*_cuda.py} > "$out/cuda_tests.log" 2>&1
   step "tests (plain caches: ${PLAIN_ATTENTION:-torch})" $?; tail -n 3 "$out/cuda_tests.log"
 fi
-python3 tests/bench/gpu_sampler.py --out "$out/sampler.json" > "$out/sampler.log" 2>&1
-step sampler $?; tail -n 5 "$out/sampler.log"
-PARITY_FUSED_SAMPLER=${fused:-off} python3 tests/bench/gpu_int4_decode_variants.py --max-batch \
-  --budget "${BUDGET:-300}" --out "$out/int4_variants.json" > "$out/int4_variants.log" 2>&1
-step "int4 bench (PARITY_FUSED_SAMPLER=${fused:-off})" $?; tail -n 30 "$out/int4_variants.log"
+if [ -z "${SKIP_BENCH:-}" ]; then
+  python3 tests/bench/gpu_sampler.py --out "$out/sampler.json" > "$out/sampler.log" 2>&1
+  step sampler $?; tail -n 5 "$out/sampler.log"
+  PARITY_FUSED_SAMPLER=${fused:-off} python3 tests/bench/gpu_int4_decode_variants.py --max-batch \
+    --budget "${BUDGET:-300}" --out "$out/int4_variants.json" > "$out/int4_variants.log" 2>&1
+  step "int4 bench (PARITY_FUSED_SAMPLER=${fused:-off})" $?; tail -n 30 "$out/int4_variants.log"
+fi
+if [ -n "${COUNTDOWN:-}" ]; then
+  wait
+  step "warm start" "$(cat "$out/prepare.rc")"
+  model_dir=$(tail -n 1 "$out/prepare.log" | python3 -c "import json, sys; print(json.load(sys.stdin)['model_dir'])")
+  python3 tests/bench/int4_decode_vs_forward.py --model-dir "$model_dir" --device cuda --prompts 8 --samples 8 \
+    --tokens 160 --rows "int4_per_token_head;int4_per_token_head, rotated kernel" \
+    --out "$out/one_format_countdown.json" > "$out/one_format_countdown.log" 2>&1
+  step "one format, Countdown" $?; tail -n 8 "$out/one_format_countdown.log"
+fi
 touch "$out/job.done"

@@ -40,13 +40,15 @@ def test_every_variant_is_named_by_its_own_configuration() -> None:
     programs per SM after CONFIG changed), and the first variant is the pinned CONFIG."""
     from gpu_int4_decode_variants import VARIANTS, variant_name
 
-    from parity.rollout.int4_attention import CONFIG
-    assert list(VARIANTS.values())[0] == CONFIG
+    from parity.rollout.int4_attention import BLOCKS_FORM, CONFIG
+    assert list(VARIANTS.values())[0] == CONFIG and variant_name(CONFIG) == "ws64-warps1-stages2-pps1-merge"
+    assert variant_name(BLOCKS_FORM) in VARIANTS
     for name, cfg in VARIANTS.items():
         assert set(CONFIG) <= set(cfg) and name == variant_name(cfg)
-    assert variant_name({**CONFIG, "programs_per_sm": 8, "maxnreg": 168, "asm": False}) == \
+    assert variant_name({**BLOCKS_FORM, "programs_per_sm": 8, "maxnreg": 168, "asm": False}) == \
         "rows16-warps4-stages2-pps8-reg168-noasm-blocks"
-    assert variant_name({**CONFIG, "warp_slots": 32, "merge": True, "num_warps": 2}) == "ws32-warps2-stages2-pps1-merge"
+    assert variant_name({**BLOCKS_FORM, "warp_slots": 32, "merge": True, "num_warps": 2}) == \
+        "ws32-warps2-stages2-pps1-merge"
     assert len({tuple(sorted(c.items())) for c in VARIANTS.values()}) == len(VARIANTS)  # no two alike
 
 

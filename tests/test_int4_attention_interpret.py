@@ -19,6 +19,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # Triton fixes interpretation whe
     pytest.skip("set TRITON_INTERPRET=1 before Python starts to run the kernels under Triton's interpreter",
                 allow_module_level=True)
 
+from parity.rollout import int4_attention as ia  # noqa: E402
 from tests.kv_packed_checks import check_int4_attention, check_pre_attention  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -63,6 +64,7 @@ def test_against_float64_on_random_lengths_and_heads(dtype, hadamard):
                     {"programs_per_sm": 0, "warp_slots": 16}, {"programs_per_sm": 10**6, "warp_slots": 16},
                     {"programs_per_sm": 0, "warp_slots": 16, "merge": True},
                     {"programs_per_sm": 10**6, "warp_slots": 16, "merge": True, "num_warps": 2}):
+            cfg = {**ia.BLOCKS_FORM, **cfg}  # changes to the blocks form (the pinned CONFIG: the next test)
             err, sim = check_int4_attention(D, dtype, CPU, shape, hadamard, seed=i, config=cfg)
             assert err < BOUND[dtype], (shape, D, cfg, err, sim)
 
@@ -73,10 +75,12 @@ def test_against_float64_on_random_lengths_and_heads(dtype, hadamard):
 def test_warp_split_form_at_larger_groups(shape, D):
     """The warp-split form where the merged parts fill all 16 rows (G = 8), where they cannot merge (G = 16: 16
     head rows, at most 32 slots a warp) and at group sizes that are not powers of two; one split and many."""
-    for cfg in ({"warp_slots": 16, "merge": True, "programs_per_sm": 0},
+    for cfg in (dict(ia.CONFIG), {**ia.CONFIG, "programs_per_sm": 10**6},  # the pinned CONFIG, one split and many
+                {"warp_slots": 16, "merge": True, "programs_per_sm": 0},
                 {"warp_slots": 64, "merge": True, "programs_per_sm": 10**6, "num_warps": 2},
                 {"warp_slots": 16, "programs_per_sm": 10**6}, {"warp_slots": 32, "merge": True, "num_warps": 1},
                 {"warp_slots": 16, "merge": True, "num_warps": 1, "programs_per_sm": 10**6}):
+        cfg = {**ia.BLOCKS_FORM, **cfg}  # the others: changes to the blocks form
         err, sim = check_int4_attention(D, torch.bfloat16, CPU, shape, True, seed=3, config=cfg)
         assert err < BOUND[torch.bfloat16], (shape, D, cfg, err, sim)
 

@@ -21,7 +21,7 @@ H200_SMEM = 232448  # cudaDevAttrMaxSharedMemoryPerBlockOptin on sm_90 (227 KiB)
 
 def shared_bytes(out: str, G: int, D: int, hadamard: bool) -> int:
     exact = out == "fp32"
-    cfg = ia.launch_config(exact)  # as int4_attention launches it
+    cfg = ia.launch_config(exact, None if exact else ia.BLOCKS_FORM)  # this kernel as int4_attention launches it
     const = ia.kernel_constants(cfg, G, D, hadamard, exact, not exact, False)
     sig = {**int4_attention_signature(out), **dict.fromkeys(const, "constexpr")}
     attrs = {(ia._int4_attn_kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items()

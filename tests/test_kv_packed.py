@@ -120,9 +120,14 @@ def test_the_int4_kernels_tile_by_their_form():
     form's rows x column groups; the warp-split form's warps x slots, its query parts merged only up to 8 heads a KV
     head, and unmerged at most 32 slots a warp; the exact route never takes the warp-split form."""
     from parity.rollout import int4_attention as ia
-    cfg = {**ia.CONFIG, "warp_slots": 64, "merge": True}
-    assert ia.warp_form(ia.CONFIG, 2) == (0, False) and ia.iteration_slots(ia.CONFIG, 2) == 16 * 8
+    cfg = {**ia.BLOCKS_FORM, "warp_slots": 64, "merge": True}
+    assert ia.warp_form(ia.BLOCKS_FORM, 2) == (0, False) and ia.iteration_slots(ia.BLOCKS_FORM, 2) == 16 * 8
     assert ia.warp_form(cfg, 2) == (64, True) and ia.iteration_slots(cfg, 2) == 4 * 64
+    # the pinned configuration: one warp of 64 slots, merged; the exact route launches the blocks form's smaller tile
+    assert ia.warp_form(ia.CONFIG, 2) == (64, True) and ia.iteration_slots(ia.CONFIG, 2) == 64
+    exact = ia.launch_config(True)
+    assert ia.warp_form(exact, 2, exact=True) == (0, False) and exact["num_warps"] == 4
+    assert ia.iteration_slots(exact, 2, exact=True) == ia.EXACT_ROWS * 8
     assert ia.warp_form(cfg, 8) == (64, True) and ia.warp_form(cfg, 16) == (32, False)
     assert ia.warp_form({**cfg, "merge": False}, 2) == (32, False)
     assert ia.warp_form(cfg, 2, exact=True) == (0, False) and ia.iteration_slots(cfg, 2, exact=True) == 128

@@ -23,6 +23,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
 from parity.config.schema import PrecisionConfig  # noqa: E402
+from parity.rollout import int4_attention as ia  # noqa: E402
 from tests.kv_packed_checks import (  # noqa: E402
     FORMATS,
     SHAPES,
@@ -93,14 +94,18 @@ def test_warp_split_kernel_against_float64(kind, monkeypatch):
 
 
 # launch configurations of the rotated int4 kernel (tests/bench/gpu_int4_decode_variants.py times these)
-INT4_CONFIGS = [{}, {"ROWS": 8}, {"num_warps": 8}, {"ROWS": 32, "num_warps": 8}, {"num_stages": 3},
-                {"asm": False}, {"maxnreg": 168}, {"programs_per_sm": 0}, {"programs_per_sm": 10**6},
-                {"ROWS": 8, "merge": True, "maxnreg": 128}, {"warp_slots": 32}, {"warp_slots": 32, "merge": True},
-                {"warp_slots": 64, "merge": True}, {"warp_slots": 32, "merge": True, "num_warps": 2},
-                {"warp_slots": 32, "merge": True, "programs_per_sm": 10**6},
-                {"warp_slots": 32, "merge": True, "maxnreg": 168}, {"warp_slots": 64, "merge": True, "num_warps": 2},
-                {"warp_slots": 32, "merge": True, "num_warps": 1}, {"warp_slots": 64, "merge": True, "num_warps": 1},
-                {"warp_slots": 32, "merge": True, "num_warps": 1, "programs_per_sm": 4}]
+# the pinned configuration (int4_attention.CONFIG), then changes to the blocks form pinned before it (BLOCKS_FORM)
+INT4_CONFIGS = [{}, *({**ia.BLOCKS_FORM, **d} for d in (
+    {}, {"ROWS": 8}, {"num_warps": 8}, {"ROWS": 32, "num_warps": 8}, {"num_stages": 3},
+    {"asm": False}, {"maxnreg": 168}, {"programs_per_sm": 0}, {"programs_per_sm": 10**6},
+    {"ROWS": 8, "merge": True, "maxnreg": 128}, {"warp_slots": 32}, {"warp_slots": 32, "merge": True},
+    {"warp_slots": 64, "merge": True}, {"warp_slots": 32, "merge": True, "num_warps": 2},
+    {"warp_slots": 32, "merge": True, "programs_per_sm": 10**6},
+    {"warp_slots": 32, "merge": True, "maxnreg": 168}, {"warp_slots": 64, "merge": True, "num_warps": 2},
+    {"warp_slots": 32, "merge": True, "num_warps": 1}, {"warp_slots": 64, "merge": True, "num_warps": 1},
+    {"warp_slots": 32, "merge": True, "num_warps": 1, "programs_per_sm": 4},
+    {"warp_slots": 64, "merge": True, "num_warps": 1, "programs_per_sm": 4},
+    {"warp_slots": 64, "merge": True, "num_warps": 1, "num_stages": 3}))]
 
 
 @pytest.mark.parametrize("cfg", INT4_CONFIGS, ids=[str(c) for c in INT4_CONFIGS])
@@ -125,8 +130,9 @@ def test_int4_rotated_attention_against_float64(dtype, hadamard):
                        int(torch.randint(0, L, (1,), generator=g))))
     bound = 4e-3 if dtype == torch.bfloat16 else 1e-5
     for i, shape in enumerate(shapes):
-        for cfg in ({}, {"programs_per_sm": 10**6}, {"warp_slots": 32, "merge": True},
-                    {"warp_slots": 16, "programs_per_sm": 10**6}):
+        for cfg in ({}, {"programs_per_sm": 10**6}, {**ia.BLOCKS_FORM}, {**ia.BLOCKS_FORM, "programs_per_sm": 10**6},
+                    {**ia.BLOCKS_FORM, "warp_slots": 32, "merge": True},
+                    {**ia.BLOCKS_FORM, "warp_slots": 16, "programs_per_sm": 10**6}):
             for D in (128, 64) if i < 2 else (128,):
                 err, sim = check_int4_attention(D, dtype, CUDA, shape, hadamard, seed=i, config=cfg)
                 assert err < bound, (shape, D, cfg, err, sim)

@@ -47,14 +47,16 @@ from pathlib import Path
 import torch
 from gpu_bench_common import BATCH, OUT_PATH, RESULTS, SHAPE, build_model_dir, dump
 
+from parity.rollout.int4_attention import BLOCKS_FORM
 from parity.rollout.int4_attention import CONFIG as PINNED
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # tests.kv_packed_checks
 
 # launch configurations of the rotated int4 kernel: each a whole configuration (every int4_attention.CONFIG key),
-# named from its own values, so that a name says what ran whatever CONFIG is pinned to; the first is the pinned one
-_BASE = dict(PINNED)
+# named from its own values, so that a name says what ran whatever CONFIG is pinned to; the first is the pinned one,
+# the others changes to the blocks form (rows16-warps4-stages2-pps1-blocks, pinned before the warp-split form)
+_BASE = dict(BLOCKS_FORM)
 
 
 def variant_name(cfg: dict) -> str:
@@ -71,7 +73,7 @@ def variant_name(cfg: dict) -> str:
             + ("-merge" if cfg.get("merge") else "") + ("-rowscale" if cfg.get("row_scale") else ""))
 
 
-VARIANTS = {variant_name(c): c for c in ({**_BASE, **d} for d in (
+VARIANTS = {variant_name(c): c for c in (dict(PINNED), *({**_BASE, **d} for d in (
     {}, {"blocks": False}, {"row_scale": True}, {"merge": True}, {"row_scale": True, "merge": True}, {"num_stages": 3},
     {"programs_per_sm": 4}, {"ROWS": 8}, {"maxnreg": 168}, {"asm": False},
     # one wave at batch 64 (512 programs): 126 registers, four programs an SM (tests/bench/kv_kernels_sm90.py)
@@ -90,7 +92,7 @@ VARIANTS = {variant_name(c): c for c in ({**_BASE, **d} for d in (
     # the one-warp 64-slot program (the fastest on one H100, 2026-12-05: 15.26 us at L = 256) split in two (about 8
     # warps an SM instead of 4) and with a third stage of loads in flight
     {"warp_slots": 64, "merge": True, "num_warps": 1, "programs_per_sm": 4},
-    {"warp_slots": 64, "merge": True, "num_warps": 1, "num_stages": 3}))}
+    {"warp_slots": 64, "merge": True, "num_warps": 1, "num_stages": 3})))}
 # (warps, slots a warp) of the dequantizing kernel's warp-split form (decode_attention_warps) timed for FP8 and the
 # raw bf16 cache beside its pinned form (docs/PERFORMANCE.md, "The INT4 attention's warp-split form")
 DEQUANT_FORMS = ((4, 16), (4, 32), (2, 32), (1, 32))

@@ -20,6 +20,8 @@ both are the plain loop (gap 0).
 
     python3 tests/bench/int4_decode_vs_forward.py --model-dir MODEL --device cpu --dtype bfloat16
     python3 tests/bench/int4_decode_vs_forward.py --model-dir MODEL --device cuda --out packed_kv_countdown.json
+    python3 tests/bench/int4_decode_vs_forward.py --model-dir MODEL --device cuda \
+        --rows "int4_per_token_head;int4_per_token_head, rotated kernel"
 """
 
 from __future__ import annotations
@@ -39,7 +41,10 @@ FORMATS = {"bf16": [], "int4_per_token_head": ["rollout.precision.kv_cache=int4_
            "int4_per_token_head, simulated cache": ["rollout.precision.kv_cache=int4_per_token_head"],
            "int4_per_token_head, no rotation": ["rollout.precision.kv_cache=int4_per_token_head",
                                                 "rollout.precision.kv_hadamard=false"],
-           "fp8_per_token_head": ["rollout.precision.kv_cache=fp8_per_token_head"]}
+           "fp8_per_token_head": ["rollout.precision.kv_cache=fp8_per_token_head"],
+           # the same format through the rotated INT4 kernel and the fused pre-attention (decode_attention.
+           # INT4_ROTATED, cuda_decode._FUSED_PRE), whichever the defaults are: the packed cache's share on that route
+           "int4_per_token_head, rotated kernel": ["rollout.precision.kv_cache=int4_per_token_head"]}
 
 
 def main() -> None:
@@ -51,8 +56,13 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--rows", default=";".join(FORMATS),
+                    help=f"labels of the rows to run separated by ';', bf16 always (default all: {'; '.join(FORMATS)})")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    wanted = ["bf16", *(r.strip() for r in a.rows.split(";") if r.strip() and r.strip() != "bf16")]
+    if bad := [r for r in wanted if r not in FORMATS]:
+        ap.error(f"--rows: unknown row(s) {bad}; expected among {list(FORMATS)}")
 
     import torch
     from transformers import AutoTokenizer
@@ -62,6 +72,7 @@ def main() -> None:
     from parity.data.prompts import render_prompt
     from parity.data.tasks import heldout_problems
     from parity.rollout import build_engine, cuda_decode
+    from parity.rollout import decode_attention as da
     from tests.kv_packed_checks import teacher_forced_logprobs
 
     def gap(lp: torch.Tensor, other: torch.Tensor, m: torch.Tensor) -> dict:
@@ -71,7 +82,10 @@ def main() -> None:
 
     tok = AutoTokenizer.from_pretrained(a.model_dir)
     rows = {}
-    for label, over in FORMATS.items():
+    defaults = (da.INT4_ROTATED, cuda_decode._FUSED_PRE)
+    for label in wanted:
+        over = FORMATS[label]
+        da.INT4_ROTATED, cuda_decode._FUSED_PRE = (True, True) if "rotated kernel" in label else defaults
         cfg = load_config([f"experiment={a.experiment}", f"model.path={a.model_dir}", f"trainer.device={a.device}",
                            f"model.dtype={a.dtype}", *over])
         eng = build_engine(cfg, a.model_dir)

@@ -64,13 +64,18 @@ except ImportError:  # CPU installs
 # largest scale instead of the tile's: no maximum across warps, 6 barriers an iteration with "blocks" instead of 9,
 # 4.5% more instructions), and "warp_slots" (0: this module's kernel; n: the warp-split form, n slots a warp an
 # iteration, parity.rollout.int4_attention_warps). tests/bench/gpu_int4_decode_variants.py checks
-# and times the candidates; `CONFIG` is what the decode path launches: one program per SM, no split at batch 64
-# (the fastest on one H200 at L = 256 and 384 in both runs of 2026-12-04 and 2026-12-05, rows16-warps4-stages2-pps1,
-# 928-931 GB/s at L = 256 against 612-615 for 8 programs an SM), in the "blocks" form (on one H100, 2026-12-05:
-# 18.1 us at L = 256 against 20.1, 23.9 against 26.0 at 384; "merge" added nothing there; docs/perf_runs/
-# *_int4_decode_variants*.json).
-CONFIG = {"ROWS": 16, "num_warps": 4, "num_stages": 2, "programs_per_sm": 1, "asm": True, "blocks": True,
-          "merge": False, "row_scale": False, "warp_slots": 0}
+# and times the candidates; `CONFIG` is what the decode path launches: the warp-split form, one warp a program with
+# 64 slots an iteration and the query's parts merged, no split at batch 64 (the fastest of 19-21 variants at L = 256
+# in all three runs on one H100, 2026-12-05 and 2026-12-06: 15.23-15.26 us, 1,168-1,170 GB/s, against 17.4 us for
+# the blocks form rows16-warps4-stages2-pps1-blocks pinned before it; 20.0-20.2 us at 384 against 22.8; split in two
+# 19.2 us; docs/perf_runs/*_packed_kv_int4_warp_split*.json). ROWS, blocks and row_scale apply to this module's
+# kernel only (warp_slots 0), which the exact route keeps.
+CONFIG = {"ROWS": 16, "num_warps": 1, "num_stages": 2, "programs_per_sm": 1, "asm": True, "blocks": True,
+          "merge": True, "row_scale": False, "warp_slots": 64}
+# this module's kernel in the form pinned before (rows16-warps4-stages2-pps1-blocks): what the exact route launches
+# (with EXACT_ROWS), and the base the bench's and the tests' other variants of this kernel change
+BLOCKS_FORM = {"ROWS": 16, "num_warps": 4, "num_stages": 2, "programs_per_sm": 1, "asm": True, "blocks": True,
+               "merge": False, "row_scale": False, "warp_slots": 0}
 # The exact route (float32 output) multiplies the codes by a block-diagonal float32 query, whose tiles grow with
 # the column groups R = 16 / G: at G = 1, D = 128 they need 247,808 B of shared memory at ROWS 16 (2 stages) on
 # sm_90, over the H200's 232,448 B, and 189,504 B at ROWS 8 (Triton's compile for sm_90a; checked for every G and
@@ -196,8 +201,9 @@ class Workspace:
 
 
 def launch_config(exact: bool, config: dict | None = None) -> dict:
-    """The launch configuration of a call: CONFIG, the exact route's smaller tile, then the caller's `config`."""
-    return {**CONFIG, **({"ROWS": EXACT_ROWS} if exact else {}), **(config or {})}
+    """The launch configuration of a call: CONFIG (the exact route: BLOCKS_FORM with its smaller tile), then the
+    caller's `config`."""
+    return {**CONFIG, **({**BLOCKS_FORM, "ROWS": EXACT_ROWS} if exact else {}), **(config or {})}
 
 
 def int4_attention(qs: Queries, kc: torch.Tensor, vc: torch.Tensor, kw: torch.Tensor, vw: torch.Tensor,
