@@ -53,7 +53,7 @@ def test_int4_attention_fits_the_h200_shared_memory(out, D, G):
 def test_warp_split_form_compiles_without_spills(cfg, D, G):
     """The warp-split form (bf16 route only) for every group size the decode path launches: it compiles for
     sm_90a, fits the shared memory and keeps its registers (a spill would put local-memory traffic in the loop)."""
-    cfg = ia.launch_config(False, cfg)
+    cfg = ia.launch_config(False, {**ia.BLOCKS_FORM, **cfg})  # changes to the blocks form's launch (4 warps)
     slots, merge = ia.warp_form(cfg, G)  # as int4_attention launches it
     const = {"G": G, "BLOCK_G": max(16, triton.next_power_of_2(G)), "W": cfg["num_warps"], "SLOTS": slots,
              "D": D, "HADAMARD": True, "ASM": True, "ONE_SPLIT": False, "MERGE": merge}
