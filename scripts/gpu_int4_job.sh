@@ -4,7 +4,8 @@
 # device"). It took 457 s on one H100 (2026-12-05): start it in the background and poll $OUT/job.done.
 #  1. the two-launch draw's CUDA tests (tests/test_sampler_cuda.py -> $OUT/sampler_tests.log), then the CUDA test
 #     files (TEST_FILES, default all of tests/*_cuda.py) with the plain caches on the route PLAIN_ATTENTION names
-#     (default torch, the project's default; kernel: the raw-value kernel) (TESTS_TIMEOUT, default 400 s)
+#     (default torch, the project's default; kernel: the raw-value kernel) and the INT4 caches on the route
+#     INT4_ATTENTION names (default dequant; rotated: PARITY_INT4_ATTENTION=rotated) (TESTS_TIMEOUT, default 400 s)
 #     -> $OUT/cuda_tests.log
 #  2. the draw timed, unfused against two launches (tests/bench/gpu_sampler.py) -> $OUT/sampler.json
 #  3. the INT4 bench (tests/bench/gpu_int4_decode_variants.py --max-batch --budget BUDGET, default 300): the rotated
@@ -16,7 +17,8 @@
 #     default route and on the rotated kernel with the fused pre-attention -> $OUT/one_format_countdown.json
 # Each step's output lands in $OUT when the step ends, its exit status in $OUT/steps.txt; $OUT/job.done at the end.
 # SKIP_TESTS=1 skips step 1 (the bench then runs with the unfused draw); SKIP_BENCH=1 skips steps 2 and 3.
-#   usage: [BUDGET=300] [TESTS_TIMEOUT=400] [PLAIN_ATTENTION=kernel] [TEST_FILES=...] [SKIP_TESTS=1] [SKIP_BENCH=1] \
+#   usage: [BUDGET=300] [TESTS_TIMEOUT=400] [PLAIN_ATTENTION=kernel] [INT4_ATTENTION=rotated] [TEST_FILES=...] \
+#          [SKIP_TESTS=1] [SKIP_BENCH=1] \
 #          [COUNTDOWN=1] bash scripts/gpu_int4_job.sh
 set -u
 orig=$PWD; copy=$(mktemp -d /tmp/parity-int4.XXXXXX)/tree
@@ -38,9 +40,11 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   rc=$?; step "sampler tests" $rc; tail -n 2 "$out/sampler_tests.log"
   [ $rc -eq 0 ] && fused=on
   # shellcheck disable=SC2086  # TEST_FILES is a list of paths
-  PARITY_PLAIN_ATTENTION=${PLAIN_ATTENTION:-torch} timeout "${TESTS_TIMEOUT:-400}" \
-    python3 -m pytest -q -n 8 -rP -p no:cacheprovider ${TEST_FILES:-tests/*_cuda.py} > "$out/cuda_tests.log" 2>&1
-  step "tests (plain caches: ${PLAIN_ATTENTION:-torch})" $?; tail -n 3 "$out/cuda_tests.log"
+  PARITY_PLAIN_ATTENTION=${PLAIN_ATTENTION:-torch} PARITY_INT4_ATTENTION=${INT4_ATTENTION:-dequant} \
+    timeout "${TESTS_TIMEOUT:-400}" python3 -m pytest -q -n 8 -rP -p no:cacheprovider ${TEST_FILES:-tests/*_cuda.py} \
+    > "$out/cuda_tests.log" 2>&1
+  step "tests (plain caches: ${PLAIN_ATTENTION:-torch}, int4: ${INT4_ATTENTION:-dequant})" $?
+  tail -n 3 "$out/cuda_tests.log"
 fi
 if [ -z "${SKIP_BENCH:-}" ]; then
   python3 tests/bench/gpu_sampler.py --out "$out/sampler.json" > "$out/sampler.log" 2>&1

@@ -211,3 +211,15 @@ def test_a_runs_record_keeps_one_path_while_the_autotuner_adds_launches():
                            "kv_kernel": {"name": "packed_dequant", "tuned": {"a": "BLOCK_N: 64", "b": "BLOCK_N: 32"}}}]
     paths.see(batch({"name": "int4_rotated", "config": {"rows": 16}}))
     assert [p["kv_kernel"]["name"] for p in paths.seen] == ["packed_dequant", "int4_rotated"]
+
+
+def test_the_int4_route_is_read_from_the_environment(monkeypatch):
+    """PARITY_INT4_ATTENTION: the dequantizing kernel by default, the rotated route when asked, a bad value named."""
+    from parity.rollout import decode_attention as da
+    monkeypatch.delenv("PARITY_INT4_ATTENTION", raising=False)
+    assert da.int4_rotated_route() is False
+    monkeypatch.setenv("PARITY_INT4_ATTENTION", "rotated")
+    assert da.int4_rotated_route() is True
+    monkeypatch.setenv("PARITY_INT4_ATTENTION", "fast")
+    with pytest.raises(ValueError, match="PARITY_INT4_ATTENTION='fast'"):
+        da.int4_rotated_route()

@@ -61,11 +61,22 @@ ATTN_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "warp_slots": 0}
 ATTN_WARPS_FP32 = 8
 _DEFAULT_SMS = 132
 unusable_reason: str | None = None  # why usable() said no, for reports
-# True: int4 per-token-head caches attend in the rotated basis (parity.rollout.int4_attention). Off until it has run
-# on a GPU: its numerics are checked under Triton's interpreter only (docs/INT4_DECODE.md);
-# tests/bench/gpu_int4_decode_variants.py turns it on for its measurement. False: this module's kernel, which
-# dequantizes every key and value, the path measured on the H200
-INT4_ROTATED = False
+
+
+def int4_rotated_route() -> bool:
+    """PARITY_INT4_ATTENTION: 'dequant' (the default: this module's kernel, which dequantizes every key and value)
+    or 'rotated' (int4 per-token-head caches attend in the rotated basis, parity.rollout.int4_attention, after the
+    fused pre-attention kernel, cuda_decode._FUSED_PRE). Read once, when the modules are imported."""
+    v = os.environ.get("PARITY_INT4_ATTENTION", "dequant")
+    if v not in ("dequant", "rotated"):
+        raise ValueError(f"PARITY_INT4_ATTENTION={v!r}: expected 'dequant' (the default) or 'rotated'")
+    return v == "rotated"
+
+
+# True: int4 per-token-head caches attend in the rotated basis (parity.rollout.int4_attention). Off by default until
+# the packed path and the simulated one are one format on it (docs/INT4_DECODE.md); tests/bench/
+# gpu_int4_decode_variants.py turns it on for its measurement. False: this module's kernel
+INT4_ROTATED = int4_rotated_route()
 
 
 @functools.cache
