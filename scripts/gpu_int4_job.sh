@@ -4,8 +4,9 @@
 # device"). It took 457 s on one H100 (2026-12-05): start it in the background and poll $OUT/job.done.
 #  1. the two-launch draw's CUDA tests (tests/test_sampler_cuda.py -> $OUT/sampler_tests.log), then the CUDA test
 #     files (TEST_FILES, default all of tests/*_cuda.py) with the plain caches on the route PLAIN_ATTENTION names
-#     (default torch, the project's default; kernel: the raw-value kernel) and the INT4 caches on the route
-#     INT4_ATTENTION names (default dequant; rotated: PARITY_INT4_ATTENTION=rotated) (TESTS_TIMEOUT, default 400 s)
+#     (default torch, the project's default; kernel: the raw-value kernel), the INT4 caches on the route
+#     INT4_ATTENTION names (default rotated, the project's; dequant: the dequantizing kernel) and the fused
+#     pre-attention as FUSED_PRE says (default off; on) (TESTS_TIMEOUT, default 400 s)
 #     -> $OUT/cuda_tests.log
 #  2. the draw timed, unfused against two launches (tests/bench/gpu_sampler.py) -> $OUT/sampler.json
 #  3. the INT4 bench (tests/bench/gpu_int4_decode_variants.py --max-batch --budget BUDGET, default 300): the rotated
@@ -13,11 +14,13 @@
 #     BF16's KV bytes, packed against simulated; with the two-launch draw (PARITY_FUSED_SAMPLER=on) when its own
 #     tests (tests/test_sampler_cuda.py, run first) passed -> $OUT/int4_variants.json
 #  4. with COUNTDOWN=1: "one INT4 format" on the trained Countdown model: the `gpu` preset's warm start (seed 3, built
-#     in the job while step 1 runs), then tests/bench/int4_decode_vs_forward.py over bf16, the INT4 cache on the
-#     default route and on the rotated kernel with the fused pre-attention -> $OUT/one_format_countdown.json
+#     in the job while step 1 runs), then tests/bench/int4_decode_vs_forward.py over bf16 and the INT4 cache on the
+#     dequantizing kernel, the rotated kernel, and the rotated kernel after the fused pre-attention
+#     -> $OUT/one_format_countdown.json
 # Each step's output lands in $OUT when the step ends, its exit status in $OUT/steps.txt; $OUT/job.done at the end.
 # SKIP_TESTS=1 skips step 1 (the bench then runs with the unfused draw); SKIP_BENCH=1 skips steps 2 and 3.
-#   usage: [BUDGET=300] [TESTS_TIMEOUT=400] [PLAIN_ATTENTION=kernel] [INT4_ATTENTION=rotated] [TEST_FILES=...] \
+#   usage: [BUDGET=300] [TESTS_TIMEOUT=400] [PLAIN_ATTENTION=kernel] [INT4_ATTENTION=dequant] [FUSED_PRE=on] \
+#          [TEST_FILES=...] \
 #          [SKIP_TESTS=1] [SKIP_BENCH=1] \
 #          [COUNTDOWN=1] bash scripts/gpu_int4_job.sh
 set -u
@@ -40,10 +43,10 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   rc=$?; step "sampler tests" $rc; tail -n 2 "$out/sampler_tests.log"
   [ $rc -eq 0 ] && fused=on
   # shellcheck disable=SC2086  # TEST_FILES is a list of paths
-  PARITY_PLAIN_ATTENTION=${PLAIN_ATTENTION:-torch} PARITY_INT4_ATTENTION=${INT4_ATTENTION:-dequant} \
-    timeout "${TESTS_TIMEOUT:-400}" python3 -m pytest -q -n 8 -rP -p no:cacheprovider ${TEST_FILES:-tests/*_cuda.py} \
-    > "$out/cuda_tests.log" 2>&1
-  step "tests (plain caches: ${PLAIN_ATTENTION:-torch}, int4: ${INT4_ATTENTION:-dequant})" $?
+  PARITY_PLAIN_ATTENTION=${PLAIN_ATTENTION:-torch} PARITY_INT4_ATTENTION=${INT4_ATTENTION:-rotated} \
+    PARITY_FUSED_PRE_ATTENTION=${FUSED_PRE:-off} timeout "${TESTS_TIMEOUT:-400}" \
+    python3 -m pytest -q -n 8 -rP -p no:cacheprovider ${TEST_FILES:-tests/*_cuda.py} > "$out/cuda_tests.log" 2>&1
+  step "tests (plain: ${PLAIN_ATTENTION:-torch}, int4: ${INT4_ATTENTION:-rotated}, fused pre: ${FUSED_PRE:-off})" $?
   tail -n 3 "$out/cuda_tests.log"
 fi
 if [ -z "${SKIP_BENCH:-}" ]; then
@@ -58,7 +61,8 @@ if [ -n "${COUNTDOWN:-}" ]; then
   step "warm start" "$(cat "$out/prepare.rc")"
   model_dir=$(tail -n 1 "$out/prepare.log" | python3 -c "import json, sys; print(json.load(sys.stdin)['model_dir'])")
   python3 tests/bench/int4_decode_vs_forward.py --model-dir "$model_dir" --device cuda --prompts 8 --samples 8 \
-    --tokens 160 --rows "int4_per_token_head;int4_per_token_head, rotated kernel" \
+    --tokens 160 --rows "int4_per_token_head, dequantizing kernel;int4_per_token_head, rotated kernel;\
+int4_per_token_head, rotated kernel + fused pre-attention" \
     --out "$out/one_format_countdown.json" > "$out/one_format_countdown.log" 2>&1
   step "one format, Countdown" $?; tail -n 8 "$out/one_format_countdown.log"
 fi

@@ -141,9 +141,15 @@ def test_the_dequantizing_kernel_launches_one_configuration_unless_timed(monkeyp
     from types import SimpleNamespace
 
     from parity.rollout import decode_attention as da
+    from parity.rollout import int4_attention as ia
     cache = SimpleNamespace(backend="triton", kind_id=da.KIND_INT4, head_dim=64, dtype=torch.bfloat16)
     monkeypatch.delenv("PARITY_KV_ATTENTION_TILE", raising=False)
     assert not da.timed_tiles()
+    # the int4 cache on the rotated route (the default) records the rotated kernel's pinned configuration
+    monkeypatch.setattr(da, "INT4_ROTATED", True)
+    assert da.kv_kernel_meta(cache, False) == {"kv_kernel": {
+        "name": "int4_rotated", "fused_pre_attention": False, "config": dict(ia.CONFIG)}}
+    monkeypatch.setattr(da, "INT4_ROTATED", False)  # PARITY_INT4_ATTENTION=dequant
     assert da.kv_kernel_meta(cache, False) == {"kv_kernel": {
         "name": "packed_dequant", "fused_pre_attention": False,
         "config": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "warp_slots": 0}}}
@@ -213,13 +219,19 @@ def test_a_runs_record_keeps_one_path_while_the_autotuner_adds_launches():
     assert [p["kv_kernel"]["name"] for p in paths.seen] == ["packed_dequant", "int4_rotated"]
 
 
-def test_the_int4_route_is_read_from_the_environment(monkeypatch):
-    """PARITY_INT4_ATTENTION: the dequantizing kernel by default, the rotated route when asked, a bad value named."""
+def test_the_int4_routes_are_read_from_the_environment(monkeypatch):
+    """PARITY_INT4_ATTENTION: the rotated kernel by default, the dequantizing one when asked;
+    PARITY_FUSED_PRE_ATTENTION: off by default; a bad value named."""
     from parity.rollout import decode_attention as da
     monkeypatch.delenv("PARITY_INT4_ATTENTION", raising=False)
-    assert da.int4_rotated_route() is False
-    monkeypatch.setenv("PARITY_INT4_ATTENTION", "rotated")
-    assert da.int4_rotated_route() is True
+    monkeypatch.delenv("PARITY_FUSED_PRE_ATTENTION", raising=False)
+    assert da.int4_rotated_route() is True and da.fused_pre_attention_route() is False
+    monkeypatch.setenv("PARITY_INT4_ATTENTION", "dequant")
+    monkeypatch.setenv("PARITY_FUSED_PRE_ATTENTION", "on")
+    assert da.int4_rotated_route() is False and da.fused_pre_attention_route() is True
     monkeypatch.setenv("PARITY_INT4_ATTENTION", "fast")
     with pytest.raises(ValueError, match="PARITY_INT4_ATTENTION='fast'"):
         da.int4_rotated_route()
+    monkeypatch.setenv("PARITY_FUSED_PRE_ATTENTION", "yes")
+    with pytest.raises(ValueError, match="PARITY_FUSED_PRE_ATTENTION='yes'"):
+        da.fused_pre_attention_route()

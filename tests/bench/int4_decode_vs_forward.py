@@ -21,7 +21,7 @@ both are the plain loop (gap 0).
     python3 tests/bench/int4_decode_vs_forward.py --model-dir MODEL --device cpu --dtype bfloat16
     python3 tests/bench/int4_decode_vs_forward.py --model-dir MODEL --device cuda --out packed_kv_countdown.json
     python3 tests/bench/int4_decode_vs_forward.py --model-dir MODEL --device cuda \
-        --rows "int4_per_token_head;int4_per_token_head, rotated kernel"
+        --rows "int4_per_token_head, dequantizing kernel;int4_per_token_head, rotated kernel"
 """
 
 from __future__ import annotations
@@ -42,9 +42,17 @@ FORMATS = {"bf16": [], "int4_per_token_head": ["rollout.precision.kv_cache=int4_
            "int4_per_token_head, no rotation": ["rollout.precision.kv_cache=int4_per_token_head",
                                                 "rollout.precision.kv_hadamard=false"],
            "fp8_per_token_head": ["rollout.precision.kv_cache=fp8_per_token_head"],
-           # the same format through the rotated INT4 kernel and the fused pre-attention (decode_attention.
-           # INT4_ROTATED, cuda_decode._FUSED_PRE), whichever the defaults are: the packed cache's share on that route
-           "int4_per_token_head, rotated kernel": ["rollout.precision.kv_cache=int4_per_token_head"]}
+           # the same format on the other routes of the packed cache, whatever the defaults (decode_attention.
+           # INT4_ROTATED, cuda_decode._FUSED_PRE: ROUTES below): the packed cache's share on each
+           "int4_per_token_head, dequantizing kernel": ["rollout.precision.kv_cache=int4_per_token_head"],
+           "int4_per_token_head, rotated kernel": ["rollout.precision.kv_cache=int4_per_token_head"],
+           "int4_per_token_head, rotated kernel + fused pre-attention": [
+               "rollout.precision.kv_cache=int4_per_token_head"]}
+# (INT4_ROTATED, _FUSED_PRE) of the rows that set them; the others run the defaults (PARITY_INT4_ATTENTION,
+# PARITY_FUSED_PRE_ATTENTION)
+ROUTES = {"int4_per_token_head, dequantizing kernel": (False, False),
+          "int4_per_token_head, rotated kernel": (True, False),
+          "int4_per_token_head, rotated kernel + fused pre-attention": (True, True)}
 
 
 def main() -> None:
@@ -85,7 +93,7 @@ def main() -> None:
     defaults = (da.INT4_ROTATED, cuda_decode._FUSED_PRE)
     for label in wanted:
         over = FORMATS[label]
-        da.INT4_ROTATED, cuda_decode._FUSED_PRE = (True, True) if "rotated kernel" in label else defaults
+        da.INT4_ROTATED, cuda_decode._FUSED_PRE = ROUTES.get(label, defaults)
         cfg = load_config([f"experiment={a.experiment}", f"model.path={a.model_dir}", f"trainer.device={a.device}",
                            f"model.dtype={a.dtype}", *over])
         eng = build_engine(cfg, a.model_dir)

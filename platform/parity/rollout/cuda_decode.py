@@ -69,7 +69,7 @@ from parity.core.layout import key_slots, layout_batch, positions, prefill_mask
 from parity.core.profile import compile_seconds
 from parity.core.sampling import SamplingSpec
 from parity.precision.linear import QuantLinear
-from parity.rollout.decode_attention import int4_rotated_route as _int4_rotated_route
+from parity.rollout.decode_attention import fused_pre_attention_route as _fused_pre_attention_route
 from parity.rollout.decode_layers import (  # noqa: F401  (tests and benchmarks import some here)
     _decode_attention,
     _linear,
@@ -118,10 +118,10 @@ _PIN_INT8 = True
 # docstring); False: the simulated cache (bf16 values of the codec's roundtrip, the reference; benchmark A/B)
 _PACKED_KV = True
 # True: with a packed cache, the q/k norms, rotary, cache write and query preparation as one Triton kernel after a
-# compiled function ending at the q/k/v product (rollout/pre_attention.py; the INT4 bench turns it on; with the
-# rotated INT4 route, PARITY_INT4_ATTENTION=rotated). False (the default): the compiled pre-attention function, the
-# write kernel and the attention's own query launch
-_FUSED_PRE = _int4_rotated_route()
+# compiled function ending at the q/k/v product (rollout/pre_attention.py; the INT4 bench turns it on;
+# PARITY_FUSED_PRE_ATTENTION=on). False (the default): the compiled pre-attention function, the write kernel and the
+# attention's own query launch
+_FUSED_PRE = _fused_pre_attention_route()
 # How many calls' states (static cache, buffers, captured graphs, each with its KV cache) a decoder keeps, by shape:
 # a run alternates its rollouts' shape and its held-out evaluations' (with one, every switch captures anew)
 _KEEP_STATES = 2

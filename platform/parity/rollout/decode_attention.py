@@ -1,8 +1,9 @@
 """Decode attention over a packed KV cache (parity.precision.kv_packed): one Triton kernel, flash-decoding style.
 
-The int4 per-token-head cache with head_dim >= 64 takes parity.rollout.int4_attention instead (`INT4_ROTATED`):
-attention in the rotated basis, which reads the codes without dequantizing them. The kernel below serves the
-other formats, and int4 with `INT4_ROTATED = False` (the previous design, for A/B runs):
+The int4 per-token-head cache with head_dim >= 64 takes parity.rollout.int4_attention instead (`INT4_ROTATED`, the
+default; PARITY_INT4_ATTENTION=dequant turns it off): attention in the rotated basis, which reads the codes without
+dequantizing them. The kernel below serves the other formats, and int4 with `INT4_ROTATED = False` (the previous
+design, for A/B runs):
 
 One query token per batch row attends over the cache's first L slots, of which it sees slot j when j <= slot (the
 step's own, just written) and key_ok[b, j] (no left padding). A program takes one (row, KV head) and one split of
@@ -64,18 +65,30 @@ unusable_reason: str | None = None  # why usable() said no, for reports
 
 
 def int4_rotated_route() -> bool:
-    """PARITY_INT4_ATTENTION: 'dequant' (the default: this module's kernel, which dequantizes every key and value)
-    or 'rotated' (int4 per-token-head caches attend in the rotated basis, parity.rollout.int4_attention, after the
-    fused pre-attention kernel, cuda_decode._FUSED_PRE). Read once, when the modules are imported."""
-    v = os.environ.get("PARITY_INT4_ATTENTION", "dequant")
-    if v not in ("dequant", "rotated"):
-        raise ValueError(f"PARITY_INT4_ATTENTION={v!r}: expected 'dequant' (the default) or 'rotated'")
+    """PARITY_INT4_ATTENTION: 'rotated' (the default: int4 per-token-head caches attend in the rotated basis,
+    parity.rollout.int4_attention) or 'dequant' (this module's kernel, which dequantizes every key and value). Read
+    once, when the module is imported."""
+    v = os.environ.get("PARITY_INT4_ATTENTION", "rotated")
+    if v not in ("rotated", "dequant"):
+        raise ValueError(f"PARITY_INT4_ATTENTION={v!r}: expected 'rotated' (the default) or 'dequant'")
     return v == "rotated"
 
 
-# True: int4 per-token-head caches attend in the rotated basis (parity.rollout.int4_attention). Off by default until
-# the packed path and the simulated one are one format on it (docs/INT4_DECODE.md); tests/bench/
-# gpu_int4_decode_variants.py turns it on for its measurement. False: this module's kernel
+def fused_pre_attention_route() -> bool:
+    """PARITY_FUSED_PRE_ATTENTION: 'off' (the default) or 'on' (a packed cache's q/k norms, rotary, cache write and
+    query preparation as one Triton kernel, parity.rollout.pre_attention; cuda_decode._FUSED_PRE). Off by default: on
+    the CUDA tests' small model its K and V reach the codec rounded otherwise than the compiled functions' beside a
+    simulated cache, and the packed path's log-probs sat 3x the bf16 decode's gap from the simulated replay's
+    (docs/INT4_DECODE.md). Read once, when cuda_decode is imported."""
+    v = os.environ.get("PARITY_FUSED_PRE_ATTENTION", "off")
+    if v not in ("off", "on"):
+        raise ValueError(f"PARITY_FUSED_PRE_ATTENTION={v!r}: expected 'off' (the default) or 'on'")
+    return v == "on"
+
+
+# True: int4 per-token-head caches attend in the rotated basis (parity.rollout.int4_attention): the default since
+# the packed path and the simulated one measured one format on it (the CUDA tests' one-format checks, the Countdown
+# model, the 0.6B shape: docs/INT4_DECODE.md). False: this module's kernel
 INT4_ROTATED = int4_rotated_route()
 
 
