@@ -180,13 +180,14 @@ def check_int4_attention(D: int, dtype: torch.dtype, device: torch.device, shape
 
 
 def check_pre_attention(kind: str, hadamard: bool, D: int, dtype: torch.dtype, device: torch.device,
-                        rotated: bool, seed: int = 0) -> dict:
+                        rotated: bool, seed: int = 0, eager: bool = False) -> dict:
     """The fused pre-attention kernel (parity.rollout.pre_attention) against the decode step's torch functions on
-    random projections: q/k norms and rotary (the kernel rounds the rotary once, from float32, as Inductor does),
-    the codec's codes of k and v in the cache, and the query side (the rotated query of the torch q, or q itself).
-    Returns the figures; asserts what must hold everywhere (v's codes exact, every output finite)."""
+    random projections: q/k norms and rotary (the kernel rounds the rotary once, from float32, as Inductor does;
+    `eager`: the kernel's eager rounding against decode_layers' eager _rms and _rope), the codec's codes of k and v
+    in the cache, and the query side (the rotated query of the torch q, or q itself). Returns the figures; asserts
+    what must hold everywhere (v's codes exact, every output finite)."""
     from parity.precision.kv import _fwht, _rht_signs
-    from parity.rollout.cuda_decode import _rms
+    from parity.rollout.cuda_decode import _rms, _rope
     from parity.rollout.pre_attention import fused_pre_attention
     g = torch.Generator().manual_seed(seed)
     B, H, n_kv, S, P = 3, 4, 2, 24, 40
@@ -203,9 +204,11 @@ def check_pre_attention(kind: str, hadamard: bool, D: int, dtype: torch.dtype, d
     pos = torch.randint(0, P, (B,), generator=g).to(device)
     slot = torch.tensor([7], device=device)
     eps = 1e-6
-    got = fused_pre_attention(q, k, v, qn, kn, eps, cos, sin, pos, cache, layer, slot, rotated)
+    got = fused_pre_attention(q, k, v, qn, kn, eps, cos, sin, pos, cache, layer, slot, rotated, eager_rounding=eager)
 
     def norm_rope(x, w, heads):
+        if eager:  # the step's own functions, run eagerly in the model dtype
+            return _rope(_rms(x.reshape(B, heads, D), w, eps), cos[pos][:, None], sin[pos][:, None])
         y = _rms(x.reshape(B, heads, D), w, eps).float()
         c, s = cos[pos][:, None].float(), sin[pos][:, None].float()
         rot = torch.cat([-y[..., D // 2:], y[..., :D // 2]], -1)
@@ -232,6 +235,27 @@ def check_pre_attention(kind: str, hadamard: bool, D: int, dtype: torch.dtype, d
         assert got.shape == (B, H, D) and torch.isfinite(got).all()
         out["q_rel"] = float((got.double() - q_ref.double()).norm() / q_ref.double().norm())
     return out
+
+
+def pre_attention_rounding_modes(device: torch.device, seed: int = 0) -> float:
+    """Fraction of the normed, rotated bf16 queries (64 rows x 8 heads x 64) on which the fused pre-attention
+    kernel's two roundings of the rotary (once, as Inductor; three times, as the eager functions) disagree: that the
+    mode the decode step passes matters."""
+    from parity.rollout.pre_attention import fused_pre_attention
+    g = torch.Generator().manual_seed(seed)
+    B, H, n_kv, D, P = 64, 8, 2, 64, 40
+    cache = PackedKVCache(make_kv_codec("fp8_per_token_head", D), 1, B, n_kv, 8, torch.bfloat16, device)
+    qkv = (torch.randn(B, (H + 2 * n_kv) * D, generator=g) * 3).to(torch.bfloat16).to(device)
+    q, k, v = qkv.split([H * D, n_kv * D, n_kv * D], dim=1)
+    w = (1 + 0.3 * torch.randn(D, generator=g)).to(torch.bfloat16).to(device)
+    ang = torch.arange(P)[:, None] * (10000.0 ** (-torch.arange(D // 2) / (D // 2)))[None, :]
+    cos = torch.cat([ang.cos(), ang.cos()], 1).to(torch.bfloat16).to(device)
+    sin = torch.cat([ang.sin(), ang.sin()], 1).to(torch.bfloat16).to(device)
+    pos = torch.randint(0, P, (B,), generator=g).to(device)
+    slot = torch.tensor([3], device=device)
+    once, eager = (fused_pre_attention(q, k, v, w, w, 1e-6, cos, sin, pos, cache, cache.layers[0], slot, False,
+                                       eager_rounding=e) for e in (False, True))
+    return float((once != eager).float().mean())
 
 
 def teacher_forced_logprobs(eng, b, temperature: float, rows_per_forward: int = 4) -> torch.Tensor:

@@ -143,9 +143,10 @@ def test_int4_rotated_attention_against_float64(dtype, hadamard):
                                                    ("int4_per_token_head", False, True),
                                                    ("fp8_per_token_head", False, False), ("int8", False, False)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
-def test_fused_pre_attention(kind, hadamard, rotated, dtype):
+@pytest.mark.parametrize("eager", [False, True], ids=["rounded-once", "eager-rounding"])
+def test_fused_pre_attention(kind, hadamard, rotated, dtype, eager):
     for D in (128, 64):
-        r = check_pre_attention(kind, hadamard, D, dtype, CUDA, rotated, seed=D)
+        r = check_pre_attention(kind, hadamard, D, dtype, CUDA, rotated, seed=D, eager=eager)
         # the GPU's rsqrt is not the CPU's: a k value on a rounding boundary may take the neighbouring code
         assert r["k_codes_differing"] <= 0.02, r
         assert r["k_value_max_rel"] < 0.1, r

@@ -122,6 +122,11 @@ _PACKED_KV = True
 # PARITY_FUSED_PRE_ATTENTION=on). False (the default): the compiled pre-attention function, the write kernel and the
 # attention's own query launch
 _FUSED_PRE = _fused_pre_attention_route()
+# With _FUSED_PRE: True, a layer's o_proj + MLP and the next layer's input norm and q/k/v product are one compiled
+# function (_o_proj_mlp_project: the residual add fused into the norm); False: two, as beside a plain or simulated
+# cache, where the residual stream is stored in the model dtype before the norm reads it (an A/B for the fused
+# pre-attention's distance from the simulated cache: docs/INT4_DECODE.md)
+_FUSED_RESIDUAL = True
 # How many calls' states (static cache, buffers, captured graphs, each with its KV cache) a decoder keeps, by shape:
 # a run alternates its rollouts' shape and its held-out evaluations' (with one, every switch captures anew)
 _KEEP_STATES = 2
@@ -512,16 +517,19 @@ class CudaDecoder:
             rotated = int4_rotated(packed)
         layers = st.extras["layers"]
         if packed is not None and fused:  # q/k/v product, one kernel to the attention's inputs, attention, MLP
+            eager = pre_fn is _pre_attention  # layer functions not compiled: the kernel rounds the rotary as they do
             qr, kr, vr = proj_fn(h, *layers[0][0][:4])
             for i, ((pre, post), cache) in enumerate(zip(layers, st.caches)):
                 qs = pre_attention.fused_pre_attention(qr, kr, vr, pre[4], pre[5], pre[6], st.cos, st.sin, pos,
-                                                       packed, cache, slot, rotated)
+                                                       packed, cache, slot, rotated, eager_rounding=eager)
                 out = packed_decode_attention(None if rotated else qs, packed, cache, st.key_ok, slot, L, post[0],
                                               queries=qs if rotated else None)
-                if i + 1 < len(layers):  # the residual add goes into the next layer's input norm
+                if i + 1 < len(layers) and _FUSED_RESIDUAL:  # the residual add goes into the next layer's input norm
                     h, qr, kr, vr = mid_fn(h, out[:, None], *post[1:], *layers[i + 1][0][:4])
                 else:
                     h = o_mlp_fn(h, out[:, None], *post[1:])
+                    if i + 1 < len(layers):
+                        qr, kr, vr = proj_fn(h, *layers[i + 1][0][:4])
             return eng.model.lm_head(inner.norm(h[:, -1])).float()
         cos, sin = st.cos[pos][:, None, :], st.sin[pos][:, None, :]  # [B, 1, D], broadcast over heads
         kmask = (torch.arange(L, device=tok.device)[None, :] <= slot) & st.key_ok[:, :L]

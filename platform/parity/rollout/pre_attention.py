@@ -3,7 +3,9 @@
 Per row of the batch, from the raw projections q, k, v [B, heads * D]:
 - q and k: the per-head RMS norm (HF Qwen3RMSNorm's arithmetic: float32 normalisation, cast to the model dtype,
   times the weight in that dtype), then the rotary embedding at the row's position (computed in float32 from the
-  rounded normed values, rounded once, as Inductor's fused kernel does; the eager HF module rounds three times);
+  rounded normed values, rounded once, as Inductor's fused kernel does; with `eager_rounding`, as the eager
+  functions do: x cos, rotate_half(x) sin and their sum each rounded to the model dtype, for a step whose layer
+  functions are not compiled, so that K reaches the codec as it does beside a simulated cache);
 - k and v: the codec's quantization and the write into the packed cache at the step's slot (kv_packed's
   `_encode_store`: the same operations as the write kernel, so the codes are the codec's of these k, v);
 - q: for the rotated int4 attention, its Queries (the rotation H (d q), the 15-bit integer parts and the factors,
@@ -33,10 +35,12 @@ except ImportError:  # CPU installs
 
 def fused_pre_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor,
                         k_norm: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
-                        cache: PackedKVCache, layer: PackedLayer, slot: torch.Tensor, rotated_queries: bool):
+                        cache: PackedKVCache, layer: PackedLayer, slot: torch.Tensor, rotated_queries: bool,
+                        eager_rounding: bool = False):
     """q [B, H * D], k, v [B, n_kv * D] (row stride free, unit column stride) -> writes k, v into `layer` at
     `slot` and returns the attention's query side: int4_attention.Queries when `rotated_queries` (the int4 route),
-    else the normed, rotated q [B, H, D] in q's dtype. cos / sin [max_pos, D] tables, pos long [B] positions."""
+    else the normed, rotated q [B, H, D] in q's dtype. cos / sin [max_pos, D] tables, pos long [B] positions.
+    `eager_rounding`: the rotary rounded as the eager functions round it (three roundings), else once."""
     B = q.shape[0]
     D, n_kv = cache.head_dim, cache.n_kv
     H = q.shape[1] // D
@@ -63,7 +67,7 @@ def fused_pre_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_nor
         qsg if qsg is not None else cache.signs, hm if hm is not None else dummy, qo,
         cache.slots, n_kv, H, cache.fp8_inv_scale, _MIN_SCALE, _INV_127, _INV_15, _INV_FP8_MAX,
         D=D, HB=max(16, triton.next_power_of_2(H)), KB=max(2, triton.next_power_of_2(n_kv)), KIND=cache.kind_id,
-        HADAMARD=cache.hadamard, QMODE=1 if rotated_queries else 0, LOG2D=D.bit_length() - 1,
+        HADAMARD=cache.hadamard, QMODE=1 if rotated_queries else 0, LOG2D=D.bit_length() - 1, EAGER=eager_rounding,
         enable_fp_fusion=False, num_warps=4)
     return out
 
@@ -75,8 +79,9 @@ def usable(cache: PackedKVCache) -> bool:
 
 if triton is not None:
     @triton.jit
-    def _norm_rope(x, w_ptr, eps, cos_ptr, sin_ptr, pos, D: tl.constexpr):
-        """x [M, D] -> RMS-normed (HF arithmetic), then rotary at position pos, rounded once to x's dtype."""
+    def _norm_rope(x, w_ptr, eps, cos_ptr, sin_ptr, pos, D: tl.constexpr, EAGER: tl.constexpr):
+        """x [M, D] -> RMS-normed (HF arithmetic), then rotary at position pos, rounded once to x's dtype (EAGER: each
+        product and the sum rounded to x's dtype, as decode_layers._rope computes it eagerly)."""
         d = tl.arange(0, D)
         xf = x.to(tl.float32)
         var = tl.sum(xf * xf, 1) * (1.0 / D)
@@ -88,34 +93,41 @@ if triton is not None:
         # rotate_half: [-y2, y1] for halves y1, y2
         partner = tl.gather(y, tl.broadcast_to((d ^ (D // 2))[None, :], y.shape), 1)
         rot = tl.where((d < D // 2)[None, :], -partner, partner)
-        return (y * c[None, :] + rot * s[None, :]).to(x.dtype)
+        if EAGER:
+            a = (y * c[None, :]).to(x.dtype).to(tl.float32)
+            r = (rot * s[None, :]).to(x.dtype).to(tl.float32)
+            return (a + r).to(x.dtype)
+        else:
+            return (y * c[None, :] + rot * s[None, :]).to(x.dtype)
 
     @triton.jit
     def _pre_attention_kernel(q_ptr, k_ptr, v_ptr, q_rs, k_rs, v_rs, qn_ptr, kn_ptr, eps, cos_ptr, sin_ptr,
                               pos_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr, sgn_ptr, qf_ptr, qi_ptr, qc_ptr,
                               qsg_ptr, hm_ptr, qo_ptr, S, n_kv, H, fp8_inv, min_scale, inv127, inv15, inv448,
                               D: tl.constexpr, HB: tl.constexpr, KB: tl.constexpr, KIND: tl.constexpr,
-                              HADAMARD: tl.constexpr, QMODE: tl.constexpr, LOG2D: tl.constexpr):
+                              HADAMARD: tl.constexpr, QMODE: tl.constexpr, LOG2D: tl.constexpr,
+                              EAGER: tl.constexpr):
         """Grid (B, 3): program (b, 0) the query heads of row b, (b, 1) its keys, (b, 2) its values."""
         b = tl.program_id(0)
         part = tl.program_id(1)
         pos = tl.load(pos_ptr + b)
         if part == 0:
             _pre_query(q_ptr, q_rs, qn_ptr, eps, cos_ptr, sin_ptr, pos, b, qf_ptr, qi_ptr, qc_ptr, qsg_ptr, hm_ptr,
-                       qo_ptr, H, D, HB, HADAMARD, QMODE)
+                       qo_ptr, H, D, HB, HADAMARD, QMODE, EAGER)
         else:
             _pre_kv(k_ptr, v_ptr, k_rs, v_rs, kn_ptr, eps, cos_ptr, sin_ptr, pos, b, part, kc_ptr, vc_ptr, ks_ptr,
                     vs_ptr, slot_ptr, sgn_ptr, S, n_kv, fp8_inv, min_scale, inv127, inv15, inv448, D, KB, KIND,
-                    HADAMARD, LOG2D)
+                    HADAMARD, LOG2D, EAGER)
 
     @triton.jit
     def _pre_query(q_ptr, q_rs, qn_ptr, eps, cos_ptr, sin_ptr, pos, b, qf_ptr, qi_ptr, qc_ptr, qsg_ptr, hm_ptr,
-                   qo_ptr, H, D: tl.constexpr, HB: tl.constexpr, HADAMARD: tl.constexpr, QMODE: tl.constexpr):
+                   qo_ptr, H, D: tl.constexpr, HB: tl.constexpr, HADAMARD: tl.constexpr, QMODE: tl.constexpr,
+                   EAGER: tl.constexpr):
         d = tl.arange(0, D)
         h = tl.arange(0, HB)
         ok = h < H
         x = tl.load(q_ptr + b.to(tl.int64) * q_rs + h[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-        y = _norm_rope(x, qn_ptr, eps, cos_ptr, sin_ptr, pos, D)
+        y = _norm_rope(x, qn_ptr, eps, cos_ptr, sin_ptr, pos, D, EAGER)
         r = b * H + h
         if QMODE == 1:
             _store_query(y, r, ok, qf_ptr, qi_ptr, qc_ptr, qsg_ptr, hm_ptr, D, HADAMARD)
@@ -125,7 +137,8 @@ if triton is not None:
     @triton.jit
     def _pre_kv(k_ptr, v_ptr, k_rs, v_rs, kn_ptr, eps, cos_ptr, sin_ptr, pos, b, part, kc_ptr, vc_ptr, ks_ptr,
                 vs_ptr, slot_ptr, sgn_ptr, S, n_kv, fp8_inv, min_scale, inv127, inv15, inv448, D: tl.constexpr,
-                KB: tl.constexpr, KIND: tl.constexpr, HADAMARD: tl.constexpr, LOG2D: tl.constexpr):
+                KB: tl.constexpr, KIND: tl.constexpr, HADAMARD: tl.constexpr, LOG2D: tl.constexpr,
+                EAGER: tl.constexpr):
         d = tl.arange(0, D)
         h = tl.arange(0, KB)
         ok = h < n_kv
@@ -133,7 +146,7 @@ if triton is not None:
         dst = (b * n_kv + h).to(tl.int64) * S + slot
         if part == 1:
             x = tl.load(k_ptr + b.to(tl.int64) * k_rs + h[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-            y = _norm_rope(x, kn_ptr, eps, cos_ptr, sin_ptr, pos, D)
+            y = _norm_rope(x, kn_ptr, eps, cos_ptr, sin_ptr, pos, D, EAGER)
             _encode_store(y, ok, dst, kc_ptr, ks_ptr, sgn_ptr, fp8_inv, min_scale, inv127, inv15, inv448, KIND,
                           HADAMARD, D, KB, LOG2D)
         else:
