@@ -75,9 +75,12 @@ def test_split_plan():
     assert split_plan(32, 8, 1000, CPU) == (2, 8)  # 256 programs: two splits of 8 tiles
 
 
-@pytest.mark.parametrize("kind,fused", [("int4_per_token_head", True), ("int4_per_token_head", False),
-                                        ("fp8_per_token_head", True)])
-def test_decode_path_interpreted_equals_simulated(kind, fused, tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind,fused,residual", [("int4_per_token_head", True, True),
+                                                 ("int4_per_token_head", False, True),
+                                                 ("fp8_per_token_head", True, True),
+                                                 ("int4_per_token_head", True, False)],
+                         ids=["int4-fused", "int4", "fp8-fused", "int4-fused-residual-apart"])
+def test_decode_path_interpreted_equals_simulated(kind, fused, residual, tmp_path, monkeypatch):
     """The whole decode path with the packed cache and the kernels (interpreted) against the simulated cache,
     float32: the same greedy tokens, log-probs to float32 rounding of the attention sum. Fused: the step's norms,
     rotary, cache write and query preparation in one kernel (parity.rollout.pre_attention); else the torch
@@ -94,6 +97,7 @@ def test_decode_path_interpreted_equals_simulated(kind, fused, tmp_path, monkeyp
     spec = SamplingSpec(temperature=0.0, max_new_tokens=6, n=2, seed=1)
     import parity.rollout.decode_attention as da
     monkeypatch.setattr(cd, "_FUSED_PRE", fused)
+    monkeypatch.setattr(cd, "_FUSED_RESIDUAL", residual)  # False: o_proj + MLP and the next q/k/v product apart
     monkeypatch.setattr(da, "INT4_ROTATED", fused)  # the new paths together, the measured ones together
     monkeypatch.setattr(cd, "_PACKED_KV", False)
     sim = eng.cuda_decoder.generate(prompts, spec, use_graphs=False)

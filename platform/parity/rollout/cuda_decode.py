@@ -10,9 +10,8 @@ from the plain loop, and why:
   up to `_L_BUCKET`, so all steps with the same L have the same shapes and the whole step (28 layers, sampling,
   bookkeeping) is captured once per L as a CUDA graph and replayed: the plain loop spends its time launching
   ~800 small kernels a step, not computing, and attending over all S slots read up to twice the K/V needed.
-- All per-step state lives on the device (step counter, write slot, positions, done flags); a replay reads
-  the token the previous replay sampled, so the host only replays and, every `_DONE_CHECK` steps, looks at
-  whether every row has finished.
+- All per-step state lives on the device (step counter, write slot, positions, done flags); a replay reads the
+  token the previous replay sampled: the host replays and, every `_DONE_CHECK` steps, checks for finished rows.
 - A layer's decode is pure-tensor functions (rollout/decode_layers.py: HF Qwen3's arithmetic, QuantLinear's forward
   for quantized projections): the pre-attention and the o_proj + MLP halves compiled once by Inductor on CUDA and
   shared by all layers and all attended lengths (the graph alone still replays ~45 tiny kernels a layer; fused
@@ -26,25 +25,20 @@ from the plain loop, and why:
   from the modules at every call): at batch 64 every product is latency-bound, so five products a layer cost
   less than seven, and the INT8 path quantizes each input once. Projections of different formats stay apart.
 - A simulated product (W4A4 and other mixed formats: both sides fake-quantized, a float32 product) multiplies by
-  its float32 weight computed once a call (`decode_weights._Prepared`, refreshed like the stacks) instead of dequantizing the
-  codes inside every product of every step: the same numbers, 40 fewer kernels a decode step for the 8-layer
-  Countdown model.
-- Decode attention is grouped-query attention written as two batched matmuls over the cache (the query
-  heads of one KV head form the rows), softmax in float32: no K/V head repetition.
+  its float32 weight computed once a call (`decode_weights._Prepared`, refreshed like the stacks): the same numbers,
+  40 fewer kernels a decode step for the 8-layer Countdown model.
+- Decode attention is grouped-query attention as two batched matmuls over the cache, softmax in float32.
 - INT8 W8A8 on the Triton path: before the first capture, each decode product's tile configuration is timed
-  with the weights coming from memory and pinned (int8_triton.tune_decode), so the compiled layers launch the
-  measured best rather than a tile Inductor picked by its own benchmark (figures: docs/PERFORMANCE.md, "INT8 W8A8
-  decode at batch 64").
+  with the weights coming from memory and pinned (int8_triton.tune_decode): the compiled layers launch the
+  measured best (docs/PERFORMANCE.md, "INT8 W8A8 decode at batch 64").
 - Sampling with top_p = 1 draws by inverse CDF in vocabulary order (the same distribution and uniforms, no [B, V]
   sort; in two Triton launches wherever Triton is installed, rollout/sampler_kernel.py; PARITY_FUSED_SAMPLER=off:
   five passes). Greedy and top_p < 1 use TorchEngine.sample unchanged (bit-identical rules).
 - A low-precision KV cache is stored packed (precision/kv_packed.py: 68 bytes a token-head for int4 against 256)
   and read by a Triton decode-attention kernel over the simulated cache's values (rollout/decode_attention.py;
   int4 per token-head in the rotated basis, rollout/int4_attention.py); `_PACKED_KV = False` keeps the simulated
-  cache, the reference. With it a layer is: a compiled function ending at the q/k/v product, one Triton kernel for
-  the q/k norms, rotary, cache write and query preparation (rollout/pre_attention.py, `_FUSED_PRE`), the attention
-  kernel, and a compiled function from o_proj through the MLP and on to the next layer's q/k/v product (the
-  residual add fused into the next input norm).
+  cache, the reference. `_FUSED_PRE` (off by default) makes a layer four launches: the q/k/v product, one kernel
+  for norms, rotary, write and queries (rollout/pre_attention.py), the attention, o_proj to the next q/k/v product.
   `engine.kv_budget_bytes` caps the cache; a call with more rows runs in chunks that fit (rollout/kv_budget.py).
 - With `engine.compact_tail` (rollout.compact_tail) a call's unfinished rows move to smaller states as most rows end
   (rollout/decode_state.py): the finished rows stop costing a product's rows.
@@ -117,15 +111,12 @@ _PIN_INT8 = True
 # A low-precision KV cache stored packed and read by the Triton decode-attention kernel on CUDA (see the module
 # docstring); False: the simulated cache (bf16 values of the codec's roundtrip, the reference; benchmark A/B)
 _PACKED_KV = True
-# True: with a packed cache, the q/k norms, rotary, cache write and query preparation as one Triton kernel after a
-# compiled function ending at the q/k/v product (rollout/pre_attention.py; the INT4 bench turns it on;
-# PARITY_FUSED_PRE_ATTENTION=on). False (the default): the compiled pre-attention function, the write kernel and the
-# attention's own query launch
+# True (PARITY_FUSED_PRE_ATTENTION=on): with a packed cache, the q/k norms, rotary, cache write and query preparation
+# as one Triton kernel (rollout/pre_attention.py); False (the default): the compiled function, the write kernel and
+# the attention's own query launch. With it, _FUSED_RESIDUAL joins a layer's o_proj + MLP and the next one's norm and
+# q/k/v product in one compiled function (False: two, the residual stored in the model dtype in between, as beside a
+# simulated cache; an A/B, docs/INT4_DECODE.md)
 _FUSED_PRE = _fused_pre_attention_route()
-# With _FUSED_PRE: True, a layer's o_proj + MLP and the next layer's input norm and q/k/v product are one compiled
-# function (_o_proj_mlp_project: the residual add fused into the norm); False: two, as beside a plain or simulated
-# cache, where the residual stream is stored in the model dtype before the norm reads it (an A/B for the fused
-# pre-attention's distance from the simulated cache: docs/INT4_DECODE.md)
 _FUSED_RESIDUAL = True
 # How many calls' states (static cache, buffers, captured graphs, each with its KV cache) a decoder keeps, by shape:
 # a run alternates its rollouts' shape and its held-out evaluations' (with one, every switch captures anew)
@@ -524,12 +515,12 @@ class CudaDecoder:
                                                        packed, cache, slot, rotated, eager_rounding=eager)
                 out = packed_decode_attention(None if rotated else qs, packed, cache, st.key_ok, slot, L, post[0],
                                               queries=qs if rotated else None)
-                if i + 1 < len(layers) and _FUSED_RESIDUAL:  # the residual add goes into the next layer's input norm
+                last = i + 1 == len(layers)
+                if not last and _FUSED_RESIDUAL:  # the residual add goes into the next layer's input norm
                     h, qr, kr, vr = mid_fn(h, out[:, None], *post[1:], *layers[i + 1][0][:4])
-                else:
-                    h = o_mlp_fn(h, out[:, None], *post[1:])
-                    if i + 1 < len(layers):
-                        qr, kr, vr = proj_fn(h, *layers[i + 1][0][:4])
+                    continue
+                h = o_mlp_fn(h, out[:, None], *post[1:])
+                qr, kr, vr = (qr, kr, vr) if last else proj_fn(h, *layers[i + 1][0][:4])
             return eng.model.lm_head(inner.norm(h[:, -1])).float()
         cos, sin = st.cos[pos][:, None, :], st.sin[pos][:, None, :]  # [B, 1, D], broadcast over heads
         kmask = (torch.arange(L, device=tok.device)[None, :] <= slot) & st.key_ok[:, :L]
