@@ -17,12 +17,14 @@
 #     in the job while step 1 runs), then tests/bench/int4_decode_vs_forward.py over bf16 and the INT4 cache on the
 #     dequantizing kernel, the rotated kernel, and the rotated kernel after the fused pre-attention
 #     -> $OUT/one_format_countdown.json
+#  5. with FUSED_PRE_AB=1: which part of the fused pre-attention step moves the packed INT4 path from the simulated
+#     cache on the CUDA tests' small model (tests/bench/gpu_fused_pre_one_format.py) -> $OUT/fused_pre_one_format.json
 # Each step's output lands in $OUT when the step ends, its exit status in $OUT/steps.txt; $OUT/job.done at the end.
 # SKIP_TESTS=1 skips step 1 (the bench then runs with the unfused draw); SKIP_BENCH=1 skips steps 2 and 3.
 #   usage: [BUDGET=300] [TESTS_TIMEOUT=400] [PLAIN_ATTENTION=kernel] [INT4_ATTENTION=dequant] [FUSED_PRE=on] \
 #          [TEST_FILES=...] \
 #          [SKIP_TESTS=1] [SKIP_BENCH=1] \
-#          [COUNTDOWN=1] bash scripts/gpu_int4_job.sh
+#          [COUNTDOWN=1] [FUSED_PRE_AB=1] bash scripts/gpu_int4_job.sh
 set -u
 orig=$PWD; copy=$(mktemp -d /tmp/parity-int4.XXXXXX)/tree
 cp -r "$orig" "$copy" && cd "$copy" || { echo "could not copy the tree to $copy"; exit 1; }
@@ -65,5 +67,10 @@ if [ -n "${COUNTDOWN:-}" ]; then
 int4_per_token_head, rotated kernel + fused pre-attention" \
     --out "$out/one_format_countdown.json" > "$out/one_format_countdown.log" 2>&1
   step "one format, Countdown" $?; tail -n 8 "$out/one_format_countdown.log"
+fi
+if [ -n "${FUSED_PRE_AB:-}" ]; then
+  timeout 300 python3 tests/bench/gpu_fused_pre_one_format.py --out "$out/fused_pre_one_format.json" \
+    > "$out/fused_pre_one_format.log" 2>&1
+  step "fused pre-attention, one format A/B" $?; tail -n 10 "$out/fused_pre_one_format.log"
 fi
 touch "$out/job.done"
