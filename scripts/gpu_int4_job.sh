@@ -18,7 +18,8 @@
 #     dequantizing kernel, the rotated kernel, and the rotated kernel after the fused pre-attention
 #     -> $OUT/one_format_countdown.json
 #  5. with FUSED_PRE_AB=1: which part of the fused pre-attention step moves the packed INT4 path from the simulated
-#     cache on the CUDA tests' small model (tests/bench/gpu_fused_pre_one_format.py) -> $OUT/fused_pre_one_format.json
+#     cache on the CUDA tests' small model (tests/bench/gpu_fused_pre_one_format.py) -> $OUT/fused_pre_one_format.json,
+#     and how Inductor's compiled norm and rotary round on the device (tests/bench/inductor_rounding.py, in its log)
 # Each step's output lands in $OUT when the step ends, its exit status in $OUT/steps.txt; $OUT/job.done at the end.
 # SKIP_TESTS=1 skips step 1 (the bench then runs with the unfused draw); SKIP_BENCH=1 skips steps 2 and 3.
 #   usage: [BUDGET=300] [TESTS_TIMEOUT=400] [PLAIN_ATTENTION=kernel] [INT4_ATTENTION=dequant] [FUSED_PRE=on] \
@@ -72,5 +73,7 @@ if [ -n "${FUSED_PRE_AB:-}" ]; then
   timeout 300 python3 tests/bench/gpu_fused_pre_one_format.py --out "$out/fused_pre_one_format.json" \
     > "$out/fused_pre_one_format.log" 2>&1
   step "fused pre-attention, one format A/B" $?; tail -n 10 "$out/fused_pre_one_format.log"
+  python3 tests/bench/inductor_rounding.py --device cuda >> "$out/fused_pre_one_format.log" 2>&1
+  step "Inductor's rounding" $?; tail -n 9 "$out/fused_pre_one_format.log"
 fi
 touch "$out/job.done"
