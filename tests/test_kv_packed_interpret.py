@@ -106,7 +106,33 @@ def test_decode_path_interpreted_equals_simulated(kind, fused, residual, tmp_pat
     packed = eng.cuda_decoder.generate(prompts, spec, use_graphs=False)
     assert packed.meta["kv_cache_layout"] == "packed" and sim.meta["kv_cache_layout"] == "simulated"
     assert eng.cuda_decoder.state.extras["packed"].backend == "triton"
+    # the simulated cache's step takes the fused route's norms and rotary too (rollout/fused_step.py)
+    assert sim.meta.get("fused_pre_attention", False) == fused
     assert torch.equal(packed.responses, sim.responses)
     # packed vs simulated int4 KV: the same codes, the attention's float32 sums over the cache in another order
     # (Triton's blocks): ~S u of the scores' terms, S <= 64 slots
     torch.testing.assert_close(packed.rollout_logprobs, sim.rollout_logprobs, atol=1e-4, rtol=0)
+
+
+def test_the_fused_route_of_a_simulated_cache_is_the_eager_step_bit_for_bit(tmp_path, monkeypatch):
+    """bf16, the step's layer functions uncompiled: the fused route's kernel norms and rotates q and k as the eager
+    functions round them (eager_rounding), so a simulated INT4 cache's decode through it gives the same tokens and
+    the same log-probs, bit for bit, as through the torch functions."""
+    import parity.rollout.cuda_decode as cd
+    from parity.config.schema import TinyModelConfig
+    from parity.core.sampling import SamplingSpec
+    from parity.models.tiny import build_tiny_model
+    from parity.rollout.torch_engine import TorchEngine
+    build_tiny_model("qwen3", TinyModelConfig(), seed=4).save_pretrained(str(tmp_path))
+    eng = TorchEngine(tmp_path, precision=PrecisionConfig(weights="bf16", activations="bf16",
+                                                          kv_cache="int4_per_token_head"), dtype=torch.bfloat16)
+    prompts = [[5, 9, 12, 3, 7], [4, 4], [11, 2, 8, 30, 1, 6, 6, 2]]
+    spec = SamplingSpec(temperature=1.0, max_new_tokens=8, n=2, seed=2)
+    monkeypatch.setattr(cd, "_PACKED_KV", False)
+    runs = {}
+    for fused in (False, True):
+        monkeypatch.setattr(cd, "_FUSED_PRE", fused)
+        runs[fused] = eng.cuda_decoder.generate(prompts, spec, use_graphs=False)
+        assert runs[fused].meta.get("fused_pre_attention", False) == fused
+    assert torch.equal(runs[True].responses, runs[False].responses)
+    assert torch.equal(runs[True].rollout_logprobs, runs[False].rollout_logprobs)

@@ -7,8 +7,9 @@ the packed path's own tokens replayed through the same route with the simulated 
 |log-prob difference|, against the bf16 decode's own gap from its full forward on the same route (the criterion
 holds it to twice that). Routes:
   rotated            the rotated INT4 kernel, the compiled pre-attention function (the default)
-  fused              + the fused pre-attention kernel (cuda_decode._FUSED_PRE), the residual add fused into the
-                       next layer's norm (_o_proj_mlp_project)
+  fused              + the fused pre-attention kernel (cuda_decode._FUSED_PRE; the simulated replay takes the same
+                       kernel's norms and rotary, rollout/fused_step.py), the residual add fused into the next
+                       layer's norm (_o_proj_mlp_project)
   fused, apart       + the fused kernel, o_proj + MLP and the next q/k/v product as two functions
                        (cuda_decode._FUSED_RESIDUAL = False: the residual stored in bf16 before the norm reads it)
   dequant            the dequantizing kernel (PARITY_INT4_ATTENTION=dequant), for scale

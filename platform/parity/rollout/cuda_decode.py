@@ -63,6 +63,7 @@ from parity.core.layout import key_slots, layout_batch, positions, prefill_mask
 from parity.core.profile import compile_seconds
 from parity.core.sampling import SamplingSpec
 from parity.precision.linear import QuantLinear
+from parity.rollout import fused_step
 from parity.rollout.decode_attention import fused_pre_attention_route as _fused_pre_attention_route
 from parity.rollout.decode_layers import (  # noqa: F401  (tests and benchmarks import some here)
     _decode_attention,
@@ -250,6 +251,8 @@ class CudaDecoder:
                                     "plain" if eng.kv_codec is None else "simulated"),
                 **kv_kernel_meta(st.extras.get("packed"), _FUSED_PRE,
                                  None if "packed" in st.extras or _ATTENTION_PER_L else st.caches[0][0]),
+                **({"fused_pre_attention": True} if "packed" not in st.extras and _FUSED_PRE
+                   and fused_step.simulated_applies(eng.kv_codec, eng.head_dim, st.caches[0][0].device) else {}),
                 **({"decode_tail_rows": st.extras["tail_rows"]} if st.extras.get("tail_rows") else {}),
                 **({"decode_setup_s": st.extras["setup_s"]} if st.extras.get("setup_s") else {}),
                 **({"decode_tail_error": self.tail_error} if self.tail_error else {})}
@@ -495,7 +498,7 @@ class CudaDecoder:
         the slot): logits [B, V] float32."""
         eng = self.engine
         inner, D = eng.model.model, eng.head_dim
-        pre_fn, post_fn, pre_write_fn, o_mlp_fn, proj_fn, mid_fn = st.extras["fns"]
+        pre_fn, post_fn, pre_write_fn, o_mlp_fn = st.extras["fns"][:4]
         pos = st.plen + st.t
         slot = st.start + st.t
         h = inner.embed_tokens(tok[:, None])  # [B, 1, hidden]
@@ -506,21 +509,12 @@ class CudaDecoder:
             from parity.rollout.decode_attention import int4_rotated, packed_decode_attention
             fused = _FUSED_PRE and pre_attention.usable(packed)
             rotated = int4_rotated(packed)
+        else:  # a simulated cache takes the same route's norms and rotary (rollout/fused_step.py)
+            fused = _FUSED_PRE and fused_step.simulated_applies(eng.kv_codec, D, tok.device)
+            rotated = False
         layers = st.extras["layers"]
-        if packed is not None and fused:  # q/k/v product, one kernel to the attention's inputs, attention, MLP
-            eager = pre_fn is _pre_attention  # layer functions not compiled: the kernel rounds the rotary as they do
-            qr, kr, vr = proj_fn(h, *layers[0][0][:4])
-            for i, ((pre, post), cache) in enumerate(zip(layers, st.caches)):
-                qs = pre_attention.fused_pre_attention(qr, kr, vr, pre[4], pre[5], pre[6], st.cos, st.sin, pos,
-                                                       packed, cache, slot, rotated, eager_rounding=eager)
-                out = packed_decode_attention(None if rotated else qs, packed, cache, st.key_ok, slot, L, post[0],
-                                              queries=qs if rotated else None)
-                last = i + 1 == len(layers)
-                if not last and _FUSED_RESIDUAL:  # the residual add goes into the next layer's input norm
-                    h, qr, kr, vr = mid_fn(h, out[:, None], *post[1:], *layers[i + 1][0][:4])
-                    continue
-                h = o_mlp_fn(h, out[:, None], *post[1:])
-                qr, kr, vr = (qr, kr, vr) if last else proj_fn(h, *layers[i + 1][0][:4])
+        if fused:  # q/k/v product, one kernel to the attention's inputs, attention, MLP
+            h = fused_step.fused_layers(st, h, L, pos, slot, packed, rotated, eng.kv_codec, _FUSED_RESIDUAL)
             return eng.model.lm_head(inner.norm(h[:, -1])).float()
         cos, sin = st.cos[pos][:, None, :], st.sin[pos][:, None, :]  # [B, 1, D], broadcast over heads
         kmask = (torch.arange(L, device=tok.device)[None, :] <= slot) & st.key_ok[:, :L]

@@ -72,6 +72,22 @@ def fused_pre_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_nor
     return out
 
 
+def fused_norm_rope(q: torch.Tensor, k: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, eps: float,
+                    cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, n_kv: int, D: int,
+                    eager_rounding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same kernel's q/k norms and rotary without a packed cache: (q [B, H, D], k [B, n_kv, D]) in q's dtype,
+    for a simulated cache's step on the fused route (the codec's round trip and the write follow in torch), so that
+    its K reaches the codec as the packed route's does (cuda_decode._FUSED_PRE; parity.rollout.fused_step)."""
+    B, H = q.shape[0], q.shape[1] // D
+    qo = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
+    ko = torch.empty(B, n_kv, D, dtype=k.dtype, device=k.device)
+    _norm_rope_kernel[(B, 2)](q, k, q.stride(0), k.stride(0), q_norm, k_norm, float(eps), cos, sin, pos, qo, ko, H,
+                              n_kv, D=D, HB=max(16, triton.next_power_of_2(H)),
+                              KB=max(2, triton.next_power_of_2(n_kv)), EAGER=eager_rounding,
+                              enable_fp_fusion=False, num_warps=4)
+    return qo, ko
+
+
 def usable(cache: PackedKVCache) -> bool:
     """The fused kernel serves Triton-backed packed caches (the int4 route or not)."""
     return triton is not None and cache.backend == "triton"
@@ -118,6 +134,26 @@ if triton is not None:
             _pre_kv(k_ptr, v_ptr, k_rs, v_rs, kn_ptr, eps, cos_ptr, sin_ptr, pos, b, part, kc_ptr, vc_ptr, ks_ptr,
                     vs_ptr, slot_ptr, sgn_ptr, S, n_kv, fp8_inv, min_scale, inv127, inv15, inv448, D, KB, KIND,
                     HADAMARD, LOG2D, EAGER)
+
+    @triton.jit
+    def _norm_rope_kernel(q_ptr, k_ptr, q_rs, k_rs, qn_ptr, kn_ptr, eps, cos_ptr, sin_ptr, pos_ptr, qo_ptr, ko_ptr, H,
+                          n_kv, D: tl.constexpr, HB: tl.constexpr, KB: tl.constexpr, EAGER: tl.constexpr):
+        """Grid (B, 2): program (b, 0) the query heads of row b, (b, 1) its key heads, normed and rotated."""
+        b = tl.program_id(0)
+        pos = tl.load(pos_ptr + b)
+        d = tl.arange(0, D)
+        if tl.program_id(1) == 0:
+            h = tl.arange(0, HB)
+            ok = h < H
+            x = tl.load(q_ptr + b.to(tl.int64) * q_rs + h[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+            y = _norm_rope(x, qn_ptr, eps, cos_ptr, sin_ptr, pos, D, EAGER)
+            tl.store(qo_ptr + (b * H + h).to(tl.int64)[:, None] * D + d[None, :], y, mask=ok[:, None])
+        else:
+            h = tl.arange(0, KB)
+            ok = h < n_kv
+            x = tl.load(k_ptr + b.to(tl.int64) * k_rs + h[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+            y = _norm_rope(x, kn_ptr, eps, cos_ptr, sin_ptr, pos, D, EAGER)
+            tl.store(ko_ptr + (b * n_kv + h).to(tl.int64)[:, None] * D + d[None, :], y, mask=ok[:, None])
 
     @triton.jit
     def _pre_query(q_ptr, q_rs, qn_ptr, eps, cos_ptr, sin_ptr, pos, b, qf_ptr, qi_ptr, qc_ptr, qsg_ptr, hm_ptr,
