@@ -68,3 +68,15 @@ def test_warp_split_form_compiles_without_spills(cfg, D, G):
     assert k.metadata.shared <= H200_SMEM
     regs, spills = ptxas_registers(k.asm["ptx"])
     assert regs <= 255 and spills == 0, (regs, spills)
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["rounded-once", "eager-rounding"])
+def test_the_pre_attention_kernels_build_for_sm90(eager):
+    """The fused pre-attention kernel and its norms-and-rotary kernel for a simulated cache (the fused route's two
+    kernels, parity.rollout.pre_attention), both roundings of the rotary: no spills, shared memory within the H200's."""
+    import re
+
+    from tests.bench.kv_kernels_sm90 import pre_attention_kernels
+    for line in pre_attention_kernels(eager):
+        spill, smem = (int(re.search(rf"{k}\s+(\d+)", line).group(1)) for k in ("spill", "smem"))
+        assert spill == 0 and smem <= H200_SMEM, line

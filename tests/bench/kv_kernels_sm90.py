@@ -100,6 +100,28 @@ def int4_attention_signature(out: str = "bf16") -> dict:
             "qk_scale": "fp32", **ints}
 
 
+PRE_SIG = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "q_rs": "i32", "k_rs": "i32", "v_rs": "i32",
+           "qn_ptr": "*bf16", "kn_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "pos_ptr": "*i64",
+           "kc_ptr": "*u8", "vc_ptr": "*u8", "ks_ptr": "*i32", "vs_ptr": "*i32", "slot_ptr": "*i64",
+           "sgn_ptr": "*fp32", "qf_ptr": "*fp32", "qi_ptr": "*i8", "qc_ptr": "*fp32", "qsg_ptr": "*fp32",
+           "hm_ptr": "*bf16", "qo_ptr": "*fp32", "S": "i32", "n_kv": "i32", "H": "i32",
+           **dict.fromkeys(("eps", "fp8_inv", "min_scale", "inv127", "inv15", "inv448"), "fp32")}
+NORM_ROPE_SIG = {"q_ptr": "*bf16", "k_ptr": "*bf16", "q_rs": "i32", "k_rs": "i32", "qn_ptr": "*bf16",
+                 "kn_ptr": "*bf16", "eps": "fp32", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "pos_ptr": "*i64",
+                 "qo_ptr": "*bf16", "ko_ptr": "*bf16", "H": "i32", "n_kv": "i32"}
+
+
+def pre_attention_kernels(eager: bool = False) -> list[str]:
+    """The fused pre-attention kernel (int4, rotated queries) and its norms-and-rotary kernel for a simulated cache,
+    at the 0.6B shape (16 query heads, 8 KV heads, D = 128), the rotary rounded once or as the eager functions."""
+    return [report(f"fused pre-attention (int4, rotated queries) eager={eager}", pa._pre_attention_kernel, PRE_SIG,
+                   {"D": 128, "HB": 16, "KB": 8, "KIND": kp.KIND_INT4, "HADAMARD": True, "QMODE": 1, "LOG2D": 7,
+                    "EAGER": eager}, {"num_warps": 4, "enable_fp_fusion": False}, div16=("q_rs", "k_rs", "v_rs", "S", "H")),
+            report(f"norms and rotary (simulated cache) eager={eager}", pa._norm_rope_kernel, NORM_ROPE_SIG,
+                   {"D": 128, "HB": 16, "KB": 8, "EAGER": eager}, {"num_warps": 4, "enable_fp_fusion": False},
+                   div16=("q_rs", "k_rs", "H"))]
+
+
 def int4_kernels() -> None:
     sig = int4_attention_signature()
     for rows, warps, stages, one, reg, form in [
@@ -127,15 +149,8 @@ def int4_kernels() -> None:
     report("int4 query preparation", ia._query_kernel,
            {"q_ptr": "*bf16", "qf_ptr": "*fp32", "qi_ptr": "*i8", "qc_ptr": "*fp32", "sg_ptr": "*fp32",
             "hm_ptr": "*bf16", "rows": "i32"}, {"D": 128, "HADAMARD": True}, {"num_warps": 4})
-    floats = dict.fromkeys(("eps", "fp8_inv", "min_scale", "inv127", "inv15", "inv448"), "fp32")
-    report("fused pre-attention (int4, rotated queries)", pa._pre_attention_kernel,
-           {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "q_rs": "i32", "k_rs": "i32", "v_rs": "i32",
-            "qn_ptr": "*bf16", "kn_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "pos_ptr": "*i64",
-            "kc_ptr": "*u8", "vc_ptr": "*u8", "ks_ptr": "*i32", "vs_ptr": "*i32", "slot_ptr": "*i64",
-            "sgn_ptr": "*fp32", "qf_ptr": "*fp32", "qi_ptr": "*i8", "qc_ptr": "*fp32", "qsg_ptr": "*fp32",
-            "hm_ptr": "*bf16", "qo_ptr": "*fp32", "S": "i32", "n_kv": "i32", "H": "i32", **floats},
-           {"D": 128, "HB": 16, "KB": 8, "KIND": kp.KIND_INT4, "HADAMARD": True, "QMODE": 1, "LOG2D": 7},
-           {"num_warps": 4, "enable_fp_fusion": False}, div16=("q_rs", "k_rs", "v_rs", "S", "H"))
+    pre_attention_kernels(False)
+    pre_attention_kernels(True)
 
 
 def dequant_forms() -> None:

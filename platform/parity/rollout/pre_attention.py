@@ -142,18 +142,18 @@ if triton is not None:
         b = tl.program_id(0)
         pos = tl.load(pos_ptr + b)
         d = tl.arange(0, D)
-        if tl.program_id(1) == 0:
-            h = tl.arange(0, HB)
-            ok = h < H
-            x = tl.load(q_ptr + b.to(tl.int64) * q_rs + h[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-            y = _norm_rope(x, qn_ptr, eps, cos_ptr, sin_ptr, pos, D, EAGER)
-            tl.store(qo_ptr + (b * H + h).to(tl.int64)[:, None] * D + d[None, :], y, mask=ok[:, None])
+        if tl.program_id(1) == 0:  # (each branch its own names: Triton types a name alike in both)
+            hq = tl.arange(0, HB)
+            xq = tl.load(q_ptr + b.to(tl.int64) * q_rs + hq[:, None] * D + d[None, :], mask=(hq < H)[:, None],
+                         other=0.0)
+            yq = _norm_rope(xq, qn_ptr, eps, cos_ptr, sin_ptr, pos, D, EAGER)
+            tl.store(qo_ptr + (b * H + hq).to(tl.int64)[:, None] * D + d[None, :], yq, mask=(hq < H)[:, None])
         else:
-            h = tl.arange(0, KB)
-            ok = h < n_kv
-            x = tl.load(k_ptr + b.to(tl.int64) * k_rs + h[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-            y = _norm_rope(x, kn_ptr, eps, cos_ptr, sin_ptr, pos, D, EAGER)
-            tl.store(ko_ptr + (b * n_kv + h).to(tl.int64)[:, None] * D + d[None, :], y, mask=ok[:, None])
+            hk = tl.arange(0, KB)
+            xk = tl.load(k_ptr + b.to(tl.int64) * k_rs + hk[:, None] * D + d[None, :], mask=(hk < n_kv)[:, None],
+                         other=0.0)
+            yk = _norm_rope(xk, kn_ptr, eps, cos_ptr, sin_ptr, pos, D, EAGER)
+            tl.store(ko_ptr + (b * n_kv + hk).to(tl.int64)[:, None] * D + d[None, :], yk, mask=(hk < n_kv)[:, None])
 
     @triton.jit
     def _pre_query(q_ptr, q_rs, qn_ptr, eps, cos_ptr, sin_ptr, pos, b, qf_ptr, qi_ptr, qc_ptr, qsg_ptr, hm_ptr,
