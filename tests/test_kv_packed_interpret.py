@@ -114,14 +114,17 @@ def test_decode_path_interpreted_equals_simulated(kind, fused, residual, tmp_pat
     torch.testing.assert_close(packed.rollout_logprobs, sim.rollout_logprobs, atol=1e-4, rtol=0)
 
 
-def test_the_fused_route_of_a_simulated_cache_is_the_eager_step_bit_for_bit(tmp_path, monkeypatch):
+def test_the_fused_route_of_a_simulated_cache_rounds_as_the_eager_step(tmp_path, monkeypatch):
     """bf16, the step's layer functions uncompiled: the fused route's kernel norms and rotates q and k as the eager
-    functions round them (eager_rounding), so a simulated INT4 cache's decode through it gives the same tokens and
-    the same log-probs, bit for bit, as through the torch functions."""
+    functions round them (eager_rounding). The torch route's sampled tokens, replayed through the fused route with
+    a simulated INT4 cache, get their log-probs back to within a tenth of the distance the kernel's other rounding
+    (the rotary rounded once) leaves. Not bit for bit: the kernel's float32 sum of squares and the torch mean add in
+    different orders (and torch's order depends on the CPU's vector width), so a norm may land an ulp apart."""
     import parity.rollout.cuda_decode as cd
     from parity.config.schema import TinyModelConfig
     from parity.core.sampling import SamplingSpec
     from parity.models.tiny import build_tiny_model
+    from parity.rollout import pre_attention
     from parity.rollout.torch_engine import TorchEngine
     build_tiny_model("qwen3", TinyModelConfig(), seed=4).save_pretrained(str(tmp_path))
     eng = TorchEngine(tmp_path, precision=PrecisionConfig(weights="bf16", activations="bf16",
@@ -129,10 +132,17 @@ def test_the_fused_route_of_a_simulated_cache_is_the_eager_step_bit_for_bit(tmp_
     prompts = [[5, 9, 12, 3, 7], [4, 4], [11, 2, 8, 30, 1, 6, 6, 2]]
     spec = SamplingSpec(temperature=1.0, max_new_tokens=8, n=2, seed=2)
     monkeypatch.setattr(cd, "_PACKED_KV", False)
-    runs = {}
-    for fused in (False, True):
-        monkeypatch.setattr(cd, "_FUSED_PRE", fused)
-        runs[fused] = eng.cuda_decoder.generate(prompts, spec, use_graphs=False)
-        assert runs[fused].meta.get("fused_pre_attention", False) == fused
-    assert torch.equal(runs[True].responses, runs[False].responses)
-    assert torch.equal(runs[True].rollout_logprobs, runs[False].rollout_logprobs)
+    monkeypatch.setattr(cd, "_FUSED_PRE", False)
+    ref = eng.cuda_decoder.generate(prompts, spec, use_graphs=False)
+    assert not ref.meta.get("fused_pre_attention", False)
+    monkeypatch.setattr(cd, "_FUSED_PRE", True)
+    m = ref.response_mask.bool()
+    gaps = {}
+    norm_rope = pre_attention.fused_norm_rope
+    for eager in (True, False):
+        monkeypatch.setattr(pre_attention, "fused_norm_rope",
+                            lambda *a, eager_rounding, _e=eager, **k: norm_rope(*a, eager_rounding=_e, **k))
+        rep = eng.cuda_decoder.replay(prompts, spec, ref.responses, use_graphs=False)
+        assert rep.meta.get("fused_pre_attention") and torch.equal(rep.responses, ref.responses)
+        gaps[eager] = float((rep.rollout_logprobs - ref.rollout_logprobs).abs()[m].mean())
+    assert gaps[False] > 0 and gaps[True] <= 0.1 * gaps[False], gaps
