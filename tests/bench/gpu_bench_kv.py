@@ -128,8 +128,9 @@ def kv_rows(d: str, reps: int, rows: list | None = None, budget_batches: bool = 
         try:
             tok_s, b = _tok_s(eng, prompts(BATCH), spec, reps)
             row.update(linear_path=eng.linear_path, kv_cache_layout=b.meta.get("kv_cache_layout"),
-                       decode_path=b.meta.get("decode_path"), compile_error=eng.cuda_decoder.compile_error,
-                       tok_s_b64=tok_s, weight_bytes=weight_bytes(eng.model))
+                       decode_path=b.meta.get("decode_path"), kv_kernel=b.meta.get("kv_kernel"),
+                       compile_error=eng.cuda_decoder.compile_error, tok_s_b64=tok_s,
+                       weight_bytes=weight_bytes(eng.model))
             if label == "int8_w8a8_int4kv":  # the timed step's graphs, before the replays below set up others
                 row["decode_step_profile"] = profile_decode_step(eng)
             is_packed = row["kv_cache_layout"] == "packed"

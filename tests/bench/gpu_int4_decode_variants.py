@@ -30,6 +30,8 @@ note when it is spent):
    cuda_decode's plain-cache attention (batched matmuls outside the compiled layer functions, the default; compiled
    with o_proj and the MLP per attended length, _ATTENTION_PER_L; the raw-value kernel, PARITY_PLAIN_ATTENTION=
    kernel, with its decode noise), twice in turn: the BF16 row is the denominator of every ratio above.
+7. `--pre-ab` alone (nothing else runs): BF16 and W8A8 + INT4 KV (the rotated kernel) with the fused pre-attention
+   on and off, the two settings in turn twice: what the fused pre-attention is worth in one run.
 Prints a short table last. Needs torch, transformers, triton (pytest for --tests) only.
 """
 
@@ -440,6 +442,36 @@ def route_ab(reps: int) -> None:
     RESULTS.pop("kv", None)
 
 
+def pre_ab(reps: int) -> None:
+    """The W8A8 + INT4 KV row (the rotated kernel) with the fused pre-attention on and off (cuda_decode._FUSED_PRE)
+    beside the BF16 row, each setting's two rows in one pass, the passes in turn twice (on, off, on, off): what the
+    fused pre-attention is worth, on one machine in one run."""
+    from gpu_bench_kv import kv_rows
+
+    import parity.rollout.cuda_decode as cd
+    d = build_model_dir()
+    keep, out = cd._FUSED_PRE, {}
+    try:
+        for _ in range(2):
+            for fused in (True, False):
+                cd._FUSED_PRE, key = fused, ("fused" if fused else "unfused")
+                kv_rows(d, reps, rows=[("bf16", "bf16", "bf16", True),
+                                       ("int8_w8a8_int4kv", "int8", "int4_per_token_head", True)],
+                        budget_batches=False, teacher_forced=False)
+                for label in ("bf16", "int8_w8a8_int4kv"):
+                    out.setdefault(f"{label}_{key}", []).append(RESULTS["kv"].get(label, {}).get("tok_s_b64"))
+                out[f"kv_kernel_{key}"] = RESULTS["kv"].get("int8_w8a8_int4kv", {}).get("kv_kernel")
+                if all(out.get(f"{r}_{key}") and None not in out[f"{r}_{key}"] for r in ("bf16", "int8_w8a8_int4kv")):
+                    out[f"over_bf16_{key}"] = (statistics.mean(out[f"int8_w8a8_int4kv_{key}"])
+                                               / statistics.mean(out[f"bf16_{key}"]))
+                RESULTS["pre_ab"] = dict(out, what="tok/s at batch 64; the two settings' passes in turn, twice")
+                dump()
+                print(f"pre-attention {key}: {out}", flush=True)
+    finally:
+        cd._FUSED_PRE = keep
+    RESULTS.pop("kv", None)
+
+
 def table() -> None:
     print("\n== rotated int4 decode attention, batch 64 x 8 KV heads x 2 query heads (GB/s of cache read)")
     v = RESULTS.get("variants", {})
@@ -493,6 +525,7 @@ def main() -> None:
     p.add_argument("--skip-rows", action="store_true")
     p.add_argument("--max-batch", action="store_true", help="the kv rows also at the largest batch in BF16's KV bytes")
     p.add_argument("--route-ab", action="store_true", help="only the plain-cache rows under the three decode routes")
+    p.add_argument("--pre-ab", action="store_true", help="only the W8A8 + INT4 row with the fused pre-attention on, off")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print(f"{__file__}: needs a CUDA device; nothing measured on this machine")
@@ -505,8 +538,8 @@ def main() -> None:
                    env={k: os.environ.get(k) for k in ("PARITY_FUSED_SAMPLER", "PARITY_PLAIN_ATTENTION")})
     if args.tests:
         cuda_tests(args.test_timeout, args.workers)
-    if args.route_ab:
-        route_ab(args.reps)
+    if args.route_ab or args.pre_ab:
+        (route_ab if args.route_ab else pre_ab)(args.reps)
         RESULTS["total_s"] = time.perf_counter() - T0
         dump()
         return

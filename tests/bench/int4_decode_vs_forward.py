@@ -142,8 +142,12 @@ def main() -> None:
                   for label, r in rows.items() if label != "bf16"}
     for label, v in one_format.items():
         ratio = "n/a (bf16 gap 0)" if v["ratio_to_bf16"] is None else f"{v['ratio_to_bf16']:.2f}x bf16's"
-        print(f"one format, {label}: decode vs replay {v['mean_abs_dlogp_vs_replay']:.5f} = {ratio}; within twice: "
-              f"{v['within_twice_bf16']}", flush=True)
+        same = v["packed_vs_simulated_same_route"]
+        packed = ("" if same is None else f"; packed vs simulated on the same route {same:.5f} = "
+                  f"{same / v['bf16_decode_vs_forward']:.2f}x the bf16 decode's gap from its forward, within twice: "
+                  f"{v['packed_within_twice_bf16_forward']}")
+        print(f"one format, {label}: decode vs replay {v['mean_abs_dlogp_vs_replay']:.5f} = {ratio}, within twice: "
+              f"{v['within_twice_bf16']}{packed}", flush=True)
     if a.out:
         import os
         import platform
