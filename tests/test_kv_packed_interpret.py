@@ -146,3 +146,33 @@ def test_the_fused_route_of_a_simulated_cache_rounds_as_the_eager_step(tmp_path,
         assert rep.meta.get("fused_pre_attention") and torch.equal(rep.responses, ref.responses)
         gaps[eager] = float((rep.rollout_logprobs - ref.rollout_logprobs).abs()[m].mean())
     assert gaps[False] > 0 and gaps[True] <= 0.1 * gaps[False], gaps
+
+
+def test_a_cohort_decodes_without_the_fused_pre_attention(tmp_path, monkeypatch):
+    """With the fused pre-attention switched on, a cohort's decoder keeps to the functions' route (the kernel reads
+    one run's q/k norms, a cohort's rows carry several runs'): the same tokens and log-probs as with it off,
+    recorded as `fused_pre_attention: False` in each run's batch, while a run's own decoder takes the kernel."""
+    import parity.rollout.cuda_decode as cd
+    from parity.config.schema import TinyModelConfig
+    from parity.core.sampling import SamplingSpec
+    from parity.models.tiny import build_tiny_model
+    from parity.rollout.cohort import CohortEngine
+    from tests.test_cohort import _engines
+    build_tiny_model("qwen3", TinyModelConfig(), seed=3).save_pretrained(str(tmp_path))
+    engines = _engines(tmp_path, PrecisionConfig(weights="bf16", activations="bf16", kv_cache="int4_per_token_head"),
+                       n=2)
+    for e in engines:
+        e.kv_packed = True
+    monkeypatch.setattr(cd, "_PACKED_KV", True)
+    calls = [([[5, 9, 12, 3, 7][: 3 + i], [4, 4, 8]], SamplingSpec(temperature=1.0, max_new_tokens=6, n=2, seed=11 + i,
+                                                                pad_prompts_to=5), [40 + 10 * i, 41 + 10 * i])
+             for i in range(2)]
+    got = {}
+    for fused in (False, True):
+        monkeypatch.setattr(cd, "_FUSED_PRE", fused)
+        got[fused] = CohortEngine(engines).generate(calls, fast=True, use_graphs=False)
+    for off, on in zip(got[False], got[True], strict=True):
+        assert on.meta["kv_cache_layout"] == "packed" and on.meta["kv_kernel"]["fused_pre_attention"] is False
+        assert torch.equal(off.responses, on.responses) and torch.equal(off.rollout_logprobs, on.rollout_logprobs)
+    own = engines[0].cuda_decoder.generate(*calls[0], use_graphs=False)
+    assert own.meta["kv_kernel"]["fused_pre_attention"] is True

@@ -181,6 +181,7 @@ class CohortEngine:
         self._parts = _syncables(self.model)
         from parity.rollout.cuda_decode import CudaDecoder
         self.cuda_decoder = CudaDecoder(self)
+        self.cuda_decoder.fused_pre = False  # the fused pre-attention kernel reads one run's q/k norms
 
     @property
     def runs(self) -> int:
@@ -224,10 +225,6 @@ class CohortEngine:
         uniforms = torch.cat([lay.uniforms() for lay in lays])
         fast = self.device.type == "cuda" if fast is None else fast
         if fast:
-            from parity.rollout import cuda_decode
-            if cuda_decode._FUSED_PRE and self.kv_codec is not None:
-                raise NotImplementedError("cohort: the fused pre-attention kernel (cuda_decode._FUSED_PRE) reads one "
-                                          "run's q/k norms; a cohort decodes with it off")
             dec = self.cuda_decoder
             graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
             st = dec.run(prompts, pmask, uniforms.to(self.device), spec, graphs)

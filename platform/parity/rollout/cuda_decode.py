@@ -112,10 +112,11 @@ _PIN_INT8 = True
 # A low-precision KV cache stored packed and read by the Triton decode-attention kernel on CUDA (see the module
 # docstring); False: the simulated cache (bf16 values of the codec's roundtrip, the reference; benchmark A/B)
 _PACKED_KV = True
-# True (PARITY_FUSED_PRE_ATTENTION=on): with a packed cache, the q/k norms, rotary, cache write and query preparation
-# as one Triton kernel (rollout/pre_attention.py); False (the default): the compiled function, the write kernel and
-# the attention's own query launch. With it, _FUSED_RESIDUAL joins a layer's o_proj + MLP and the next one's norm and
-# q/k/v product in one compiled function (False: two, the residual stored in the model dtype in between, as beside a
+# True (PARITY_FUSED_PRE_ATTENTION=on; off by default): with a packed cache, the q/k norms, rotary, cache write and
+# query preparation as one Triton kernel (rollout/pre_attention.py; a simulated cache's step the same norms and
+# rotary, rollout/fused_step.py); False: the compiled function, the write kernel and the attention's own query
+# launch. With it, _FUSED_RESIDUAL joins a layer's o_proj + MLP and the next one's norm and q/k/v product in one
+# compiled function (False: two, the residual stored in the model dtype in between, as beside a
 # simulated cache; an A/B, docs/INT4_DECODE.md)
 _FUSED_PRE = _fused_pre_attention_route()
 _FUSED_RESIDUAL = True
@@ -181,6 +182,9 @@ class CudaDecoder:
         self.compile = True  # Inductor for the layer functions on CUDA; False: uncompiled (benchmark A/B)
         self.compile_error: str | None = None  # why compilation was given up (then `compile` is False)
         self.tail_error: str | None = None  # why the engine's compact_tail was turned off during a call
+        # False: the fused pre-attention route is not taken whatever _FUSED_PRE says (a cohort's decoder: the
+        # kernel reads one run's q/k norms, a cohort's rows carry several runs')
+        self.fused_pre = True
         self.state: DecodeState | None = None  # the last call's
         self._kept: dict[tuple, DecodeState] = {}  # up to _KEEP_STATES calls' states by key, the last call's last
         self._decode_fns: tuple | None = None  # compiled layer_functions(True)
@@ -249,9 +253,9 @@ class CudaDecoder:
                    else ""),
                 "kv_cache_layout": ("packed" if "packed" in st.extras else
                                     "plain" if eng.kv_codec is None else "simulated"),
-                **kv_kernel_meta(st.extras.get("packed"), _FUSED_PRE,
+                **kv_kernel_meta(st.extras.get("packed"), _FUSED_PRE and self.fused_pre,
                                  None if "packed" in st.extras or _ATTENTION_PER_L else st.caches[0][0]),
-                **({"fused_pre_attention": True} if "packed" not in st.extras and _FUSED_PRE
+                **({"fused_pre_attention": True} if "packed" not in st.extras and _FUSED_PRE and self.fused_pre
                    and fused_step.simulated_applies(eng.kv_codec, eng.head_dim, st.caches[0][0].device) else {}),
                 **({"decode_tail_rows": st.extras["tail_rows"]} if st.extras.get("tail_rows") else {}),
                 **({"decode_setup_s": st.extras["setup_s"]} if st.extras.get("setup_s") else {}),
@@ -507,10 +511,10 @@ class CudaDecoder:
         if packed is not None:
             from parity.rollout import pre_attention
             from parity.rollout.decode_attention import int4_rotated, packed_decode_attention
-            fused = _FUSED_PRE and pre_attention.usable(packed)
+            fused = _FUSED_PRE and self.fused_pre and pre_attention.usable(packed)
             rotated = int4_rotated(packed)
         else:  # a simulated cache takes the same route's norms and rotary (rollout/fused_step.py)
-            fused = _FUSED_PRE and fused_step.simulated_applies(eng.kv_codec, D, tok.device)
+            fused = _FUSED_PRE and self.fused_pre and fused_step.simulated_applies(eng.kv_codec, D, tok.device)
             rotated = False
         layers = st.extras["layers"]
         if fused:  # q/k/v product, one kernel to the attention's inputs, attention, MLP

@@ -76,10 +76,10 @@ def int4_rotated_route() -> bool:
 
 def fused_pre_attention_route() -> bool:
     """PARITY_FUSED_PRE_ATTENTION: 'off' (the default) or 'on' (a packed cache's q/k norms, rotary, cache write and
-    query preparation as one Triton kernel, parity.rollout.pre_attention; cuda_decode._FUSED_PRE). Off by default: on
-    the CUDA tests' small model its K and V reach the codec rounded otherwise than the compiled functions' beside a
-    simulated cache, and the packed path's log-probs sat 3x the bf16 decode's gap from the simulated replay's
-    (docs/INT4_DECODE.md). Read once, when cuda_decode is imported."""
+    query preparation as one Triton kernel, parity.rollout.pre_attention; a simulated cache's step the same norms and
+    rotary, parity.rollout.fused_step; cuda_decode._FUSED_PRE; a cohort's decoder never takes it). Off by default
+    until every CUDA test file has passed with it on: it measured one format with the simulated cache on its route
+    and W8A8 + INT4 KV decodes 1.16x faster with it (docs/INT4_DECODE.md). Read once, when cuda_decode is imported."""
     v = os.environ.get("PARITY_FUSED_PRE_ATTENTION", "off")
     if v not in ("off", "on"):
         raise ValueError(f"PARITY_FUSED_PRE_ATTENTION={v!r}: expected 'off' (the default) or 'on'")
