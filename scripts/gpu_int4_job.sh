@@ -20,12 +20,16 @@
 #  5. with FUSED_PRE_AB=1: which part of the fused pre-attention step moves the packed INT4 path from the simulated
 #     cache on the CUDA tests' small model (tests/bench/gpu_fused_pre_one_format.py) -> $OUT/fused_pre_one_format.json,
 #     and how Inductor's compiled norm and rotary round on the device (tests/bench/inductor_rounding.py, in its log)
+#  6. with PRE_AB=1: the W8A8 + INT4 row with the fused pre-attention on and off in turn, twice
+#     (tests/bench/gpu_int4_decode_variants.py --pre-ab) -> $OUT/pre_ab.json; with READ_CEILING=1: a read-only kernel
+#     over the INT4 cache's bytes in the attention's layout beside the attention (tests/bench/gpu_read_ceiling.py)
+#     -> $OUT/read_ceiling.json
 # Each step's output lands in $OUT when the step ends, its exit status in $OUT/steps.txt; $OUT/job.done at the end.
 # SKIP_TESTS=1 skips step 1 (the bench then runs with the unfused draw); SKIP_BENCH=1 skips steps 2 and 3.
 #   usage: [BUDGET=300] [TESTS_TIMEOUT=400] [PLAIN_ATTENTION=kernel] [INT4_ATTENTION=dequant] [FUSED_PRE=on] \
 #          [TEST_FILES=...] \
 #          [SKIP_TESTS=1] [SKIP_BENCH=1] \
-#          [COUNTDOWN=1] [FUSED_PRE_AB=1] bash scripts/gpu_int4_job.sh
+#          [COUNTDOWN=1] [FUSED_PRE_AB=1] [PRE_AB=1] [READ_CEILING=1] bash scripts/gpu_int4_job.sh
 set -u
 orig=$PWD; copy=$(mktemp -d /tmp/parity-int4.XXXXXX)/tree
 cp -r "$orig" "$copy" && cd "$copy" || { echo "could not copy the tree to $copy"; exit 1; }
@@ -75,5 +79,14 @@ if [ -n "${FUSED_PRE_AB:-}" ]; then
   step "fused pre-attention, one format A/B" $?; tail -n 10 "$out/fused_pre_one_format.log"
   python3 tests/bench/inductor_rounding.py --device cuda >> "$out/fused_pre_one_format.log" 2>&1
   step "Inductor's rounding" $?; tail -n 9 "$out/fused_pre_one_format.log"
+fi
+if [ -n "${PRE_AB:-}" ]; then
+  PARITY_FUSED_SAMPLER=${fused:-off} timeout 400 python3 tests/bench/gpu_int4_decode_variants.py --pre-ab \
+    --out "$out/pre_ab.json" > "$out/pre_ab.log" 2>&1
+  step "fused pre-attention on and off (PARITY_FUSED_SAMPLER=${fused:-off})" $?; grep "pre-attention" "$out/pre_ab.log" | tail -n 1
+fi
+if [ -n "${READ_CEILING:-}" ]; then
+  timeout 300 python3 tests/bench/gpu_read_ceiling.py --out "$out/read_ceiling.json" > "$out/read_ceiling.log" 2>&1
+  step "read ceiling" $?; tail -n 1 "$out/read_ceiling.log"
 fi
 touch "$out/job.done"
