@@ -1,5 +1,6 @@
 """The INT4 decode bench's length sweep on CPU: the fit that splits a kernel's time into a fixed part and a streaming
-rate, against hand computations (tests/bench/gpu_int4_decode_variants.py; the timings themselves need a GPU)."""
+rate, against hand computations, and the bookkeeping of its A/B passes (tests/bench/gpu_int4_decode_variants.py;
+the timings themselves need a GPU)."""
 
 from __future__ import annotations
 
@@ -77,3 +78,33 @@ def test_the_kernel_route_peer_is_timed_on_its_route_and_divides_every_row(monke
     assert main["bf16_kernel_route_tok_s_b64"] == 25000.0
     assert main["summary"]["bf16"]["over_bf16_kernel_route_b64"] == 0.8
     assert main["summary"]["int8_w8a8_int4kv"]["over_bf16_kernel_route_b64"] == 1.2
+
+
+def test_the_fused_pre_attention_ab_alternates_the_switch_and_restores_it(monkeypatch) -> None:
+    """The INT4 bench's --pre-ab: BF16 and W8A8 + INT4 rows with cuda_decode._FUSED_PRE on, off, on, off; the switch
+    is restored after; each setting's ratio is its mean INT4 tok/s over its mean BF16 tok/s (by hand below)."""
+    import gpu_bench_kv
+    import gpu_int4_decode_variants as g
+
+    import parity.rollout.cuda_decode as cd
+    seen = []
+    tok_s = iter([(20000.0, 34000.0), (21000.0, 29000.0), (22000.0, 36000.0), (19000.0, 30000.0)])
+
+    def fake_rows(d, reps, rows=None, budget_batches=True, teacher_forced=True):
+        seen.append((cd._FUSED_PRE, [r[0] for r in rows], budget_batches, teacher_forced))
+        bf16, int4 = next(tok_s)
+        g.RESULTS["kv"] = {"bf16": {"tok_s_b64": bf16},
+                           "int8_w8a8_int4kv": {"tok_s_b64": int4, "kv_kernel": {"fused_pre_attention": cd._FUSED_PRE}}}
+
+    monkeypatch.setattr(gpu_bench_kv, "kv_rows", fake_rows)
+    monkeypatch.setattr(g, "build_model_dir", lambda: "model")
+    monkeypatch.setattr(g, "dump", lambda: None)
+    monkeypatch.setattr(cd, "_FUSED_PRE", False)
+    g.pre_ab(3)
+    assert [s[0] for s in seen] == [True, False, True, False] and cd._FUSED_PRE is False
+    assert all(s[1:] == (["bf16", "int8_w8a8_int4kv"], False, False) for s in seen)
+    ab = g.RESULTS.pop("pre_ab")
+    assert "kv" not in g.RESULTS
+    assert ab["int8_w8a8_int4kv_fused"] == [34000.0, 36000.0] and ab["bf16_unfused"] == [21000.0, 19000.0]
+    assert ab["over_bf16_fused"] == pytest.approx(35000 / 21000) and ab["over_bf16_unfused"] == pytest.approx(1.475)
+    assert ab["kv_kernel_fused"] == {"fused_pre_attention": True}
