@@ -360,13 +360,10 @@ def rows(reps: int, budget: float, max_batch: bool = False) -> None:
     main = RESULTS["kv"]
     kernel_route_peer(d, reps, main)
     if left(budget) > 60:  # A/B: the same INT4 row with the unfused pre-attention functions
-        keep, cd._FUSED_PRE = cd._FUSED_PRE, False
-        saved = RESULTS.pop("kv")
+        keep, saved = cd._FUSED_PRE, RESULTS.pop("kv")
         try:
-            kv_rows(d, reps, rows=[("bf16", "bf16", "bf16", True),
-                                   ("int8_w8a8_int4kv_unfused_pre", "int8", "int4_per_token_head", True)],
-                    budget_batches=False, teacher_forced=False)
-            main["ab_unfused_pre_attention"] = {k: RESULTS["kv"].get(k, {}).get(m) for k, m in (
+            kv = pre_pass(d, reps, False, "int8_w8a8_int4kv_unfused_pre")
+            main["ab_unfused_pre_attention"] = {k: kv.get(k, {}).get(m) for k, m in (
                 ("bf16", "tok_s_b64"), ("int8_w8a8_int4kv_unfused_pre", "tok_s_b64"),
                 ("int8_w8a8_int4kv_unfused_pre", "over_bf16_b64"))}
         finally:
@@ -442,25 +439,33 @@ def route_ab(reps: int) -> None:
     RESULTS.pop("kv", None)
 
 
+def pre_pass(d: str, reps: int, fused: bool, label: str = "int8_w8a8_int4kv") -> dict:
+    """The BF16 row and the W8A8 + INT4 KV row (`label`) at batch 64 with cuda_decode._FUSED_PRE = fused (the caller
+    restores it), without teacher-forced gaps or larger batches: that pass's RESULTS["kv"]."""
+    from gpu_bench_kv import kv_rows
+
+    import parity.rollout.cuda_decode as cd
+    cd._FUSED_PRE = fused
+    kv_rows(d, reps, rows=[("bf16", "bf16", "bf16", True), (label, "int8", "int4_per_token_head", True)],
+            budget_batches=False, teacher_forced=False)
+    return RESULTS["kv"]
+
+
 def pre_ab(reps: int) -> None:
     """The W8A8 + INT4 KV row (the rotated kernel) with the fused pre-attention on and off (cuda_decode._FUSED_PRE)
     beside the BF16 row, each setting's two rows in one pass, the passes in turn twice (on, off, on, off): what the
     fused pre-attention is worth, on one machine in one run."""
-    from gpu_bench_kv import kv_rows
-
     import parity.rollout.cuda_decode as cd
     d = build_model_dir()
     keep, out = cd._FUSED_PRE, {}
     try:
         for _ in range(2):
             for fused in (True, False):
-                cd._FUSED_PRE, key = fused, ("fused" if fused else "unfused")
-                kv_rows(d, reps, rows=[("bf16", "bf16", "bf16", True),
-                                       ("int8_w8a8_int4kv", "int8", "int4_per_token_head", True)],
-                        budget_batches=False, teacher_forced=False)
+                key = "fused" if fused else "unfused"
+                kv = pre_pass(d, reps, fused)
                 for label in ("bf16", "int8_w8a8_int4kv"):
-                    out.setdefault(f"{label}_{key}", []).append(RESULTS["kv"].get(label, {}).get("tok_s_b64"))
-                out[f"kv_kernel_{key}"] = RESULTS["kv"].get("int8_w8a8_int4kv", {}).get("kv_kernel")
+                    out.setdefault(f"{label}_{key}", []).append(kv.get(label, {}).get("tok_s_b64"))
+                out[f"kv_kernel_{key}"] = kv.get("int8_w8a8_int4kv", {}).get("kv_kernel")
                 if all(out.get(f"{r}_{key}") and None not in out[f"{r}_{key}"] for r in ("bf16", "int8_w8a8_int4kv")):
                     out[f"over_bf16_{key}"] = (statistics.mean(out[f"int8_w8a8_int4kv_{key}"])
                                                / statistics.mean(out[f"bf16_{key}"]))
