@@ -244,6 +244,8 @@ class CudaDecoder:
         """A batch's record of the engine and the route its call took."""
         from parity.rollout.decode_attention import kv_kernel_meta
         eng = self.engine
+        fused = _FUSED_PRE and self.fused_pre and fused_step.applies(st.extras.get("packed"), eng.kv_codec,
+                                                                     eng.head_dim, eng.device)
         return {"engine": eng.name, **eng.describe(),
                 "decode_path": ("cuda_graph" if use_graphs else "static_cache_eager")
                 + ("+tail" if getattr(eng, "compact_tail", _COMPACT_TAIL) else "")
@@ -253,10 +255,9 @@ class CudaDecoder:
                    else ""),
                 "kv_cache_layout": ("packed" if "packed" in st.extras else
                                     "plain" if eng.kv_codec is None else "simulated"),
-                **kv_kernel_meta(st.extras.get("packed"), _FUSED_PRE and self.fused_pre,
+                **kv_kernel_meta(st.extras.get("packed"), fused,
                                  None if "packed" in st.extras or _ATTENTION_PER_L else st.caches[0][0]),
-                **({"fused_pre_attention": True} if "packed" not in st.extras and _FUSED_PRE and self.fused_pre
-                   and fused_step.simulated_applies(eng.kv_codec, eng.head_dim, st.caches[0][0].device) else {}),
+                **({"fused_pre_attention": True} if fused and "packed" not in st.extras else {}),
                 **({"decode_tail_rows": st.extras["tail_rows"]} if st.extras.get("tail_rows") else {}),
                 **({"decode_setup_s": st.extras["setup_s"]} if st.extras.get("setup_s") else {}),
                 **({"decode_tail_error": self.tail_error} if self.tail_error else {})}
@@ -508,14 +509,12 @@ class CudaDecoder:
         h = inner.embed_tokens(tok[:, None])  # [B, 1, hidden]
         fused_write = _FUSED_CACHE_WRITE and eng.kv_codec is None
         packed = st.extras.get("packed")
+        # a simulated cache takes the same route's norms and rotary (rollout/fused_step.py)
+        fused = _FUSED_PRE and self.fused_pre and fused_step.applies(packed, eng.kv_codec, D, tok.device)
+        rotated = False
         if packed is not None:
-            from parity.rollout import pre_attention
             from parity.rollout.decode_attention import int4_rotated, packed_decode_attention
-            fused = _FUSED_PRE and self.fused_pre and pre_attention.usable(packed)
             rotated = int4_rotated(packed)
-        else:  # a simulated cache takes the same route's norms and rotary (rollout/fused_step.py)
-            fused = _FUSED_PRE and self.fused_pre and fused_step.simulated_applies(eng.kv_codec, D, tok.device)
-            rotated = False
         layers = st.extras["layers"]
         if fused:  # q/k/v product, one kernel to the attention's inputs, attention, MLP
             h = fused_step.fused_layers(st, h, L, pos, slot, packed, rotated, eng.kv_codec, _FUSED_RESIDUAL)

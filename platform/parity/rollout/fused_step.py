@@ -26,6 +26,15 @@ def simulated_applies(codec, head_dim: int, device: torch.device) -> bool:
     return codec is not None and triton_backend(device) and kernel_shape_ok(head_dim)
 
 
+def applies(packed, codec, head_dim: int, device: torch.device) -> bool:
+    """Whether a step's cache can take the fused route: a Triton-backed packed cache (`packed`), or a simulated one
+    (`codec`) that simulated_applies."""
+    if packed is not None:
+        from parity.rollout import pre_attention
+        return pre_attention.usable(packed)
+    return simulated_applies(codec, head_dim, device)
+
+
 def fused_layers(st, h: torch.Tensor, L: int, pos: torch.Tensor, slot: torch.Tensor, packed, rotated: bool,
                  codec, residual: bool) -> torch.Tensor:
     """The hidden state after the last layer of one decode step (st: the call's DecodeState; packed: its
