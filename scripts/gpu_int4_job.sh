@@ -6,7 +6,7 @@
 #     files (TEST_FILES, default all of tests/*_cuda.py) with the plain caches on the route PLAIN_ATTENTION names
 #     (default torch, the project's default; kernel: the raw-value kernel), the INT4 caches on the route
 #     INT4_ATTENTION names (default rotated, the project's; dequant: the dequantizing kernel) and the fused
-#     pre-attention as FUSED_PRE says (default off; on) (TESTS_TIMEOUT, default 400 s)
+#     pre-attention as FUSED_PRE says (default on, the project's; off) (TESTS_TIMEOUT, default 400 s)
 #     -> $OUT/cuda_tests.log
 #  2. the draw timed, unfused against two launches (tests/bench/gpu_sampler.py) -> $OUT/sampler.json
 #  3. the INT4 bench (tests/bench/gpu_int4_decode_variants.py --max-batch --budget BUDGET, default 300): the rotated
@@ -26,7 +26,7 @@
 #     -> $OUT/read_ceiling.json
 # Each step's output lands in $OUT when the step ends, its exit status in $OUT/steps.txt; $OUT/job.done at the end.
 # SKIP_TESTS=1 skips step 1 (the bench then runs with the unfused draw); SKIP_BENCH=1 skips steps 2 and 3.
-#   usage: [BUDGET=300] [TESTS_TIMEOUT=400] [PLAIN_ATTENTION=kernel] [INT4_ATTENTION=dequant] [FUSED_PRE=on] \
+#   usage: [BUDGET=300] [TESTS_TIMEOUT=400] [PLAIN_ATTENTION=kernel] [INT4_ATTENTION=dequant] [FUSED_PRE=off] \
 #          [TEST_FILES=...] \
 #          [SKIP_TESTS=1] [SKIP_BENCH=1] \
 #          [COUNTDOWN=1] [FUSED_PRE_AB=1] [PRE_AB=1] [READ_CEILING=1] bash scripts/gpu_int4_job.sh
@@ -51,9 +51,9 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   [ $rc -eq 0 ] && fused=on
   # shellcheck disable=SC2086  # TEST_FILES is a list of paths
   PARITY_PLAIN_ATTENTION=${PLAIN_ATTENTION:-torch} PARITY_INT4_ATTENTION=${INT4_ATTENTION:-rotated} \
-    PARITY_FUSED_PRE_ATTENTION=${FUSED_PRE:-off} timeout "${TESTS_TIMEOUT:-400}" \
+    PARITY_FUSED_PRE_ATTENTION=${FUSED_PRE:-on} timeout "${TESTS_TIMEOUT:-400}" \
     python3 -m pytest -q -n 8 -rP -p no:cacheprovider ${TEST_FILES:-tests/*_cuda.py} > "$out/cuda_tests.log" 2>&1
-  step "tests (plain: ${PLAIN_ATTENTION:-torch}, int4: ${INT4_ATTENTION:-rotated}, fused pre: ${FUSED_PRE:-off})" $?
+  step "tests (plain: ${PLAIN_ATTENTION:-torch}, int4: ${INT4_ATTENTION:-rotated}, fused pre: ${FUSED_PRE:-on})" $?
   tail -n 3 "$out/cuda_tests.log"
 fi
 if [ -z "${SKIP_BENCH:-}" ]; then

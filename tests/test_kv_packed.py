@@ -221,14 +221,14 @@ def test_a_runs_record_keeps_one_path_while_the_autotuner_adds_launches():
 
 def test_the_int4_routes_are_read_from_the_environment(monkeypatch):
     """PARITY_INT4_ATTENTION: the rotated kernel by default, the dequantizing one when asked;
-    PARITY_FUSED_PRE_ATTENTION: off by default; a bad value named."""
+    PARITY_FUSED_PRE_ATTENTION: on by default, off when asked; a bad value named."""
     from parity.rollout import decode_attention as da
     monkeypatch.delenv("PARITY_INT4_ATTENTION", raising=False)
     monkeypatch.delenv("PARITY_FUSED_PRE_ATTENTION", raising=False)
-    assert da.int4_rotated_route() is True and da.fused_pre_attention_route() is False
+    assert da.int4_rotated_route() is True and da.fused_pre_attention_route() is True
     monkeypatch.setenv("PARITY_INT4_ATTENTION", "dequant")
-    monkeypatch.setenv("PARITY_FUSED_PRE_ATTENTION", "on")
-    assert da.int4_rotated_route() is False and da.fused_pre_attention_route() is True
+    monkeypatch.setenv("PARITY_FUSED_PRE_ATTENTION", "off")
+    assert da.int4_rotated_route() is False and da.fused_pre_attention_route() is False
     monkeypatch.setenv("PARITY_INT4_ATTENTION", "fast")
     with pytest.raises(ValueError, match="PARITY_INT4_ATTENTION='fast'"):
         da.int4_rotated_route()

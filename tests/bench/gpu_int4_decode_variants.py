@@ -538,7 +538,8 @@ def main() -> None:
     OUT_PATH[0] = args.out
     import parity.rollout.cuda_decode as cd
     import parity.rollout.decode_attention as da
-    da.INT4_ROTATED = cd._FUSED_PRE = True  # the paths under measurement (the fused pre-attention off by default)
+    # the paths under measurement (the project's defaults), whatever the environment says
+    da.INT4_ROTATED = cd._FUSED_PRE = True
     RESULTS.update(device=torch.cuda.get_device_name(), torch=torch.__version__, budget_s=args.budget,
                    env={k: os.environ.get(k) for k in ("PARITY_FUSED_SAMPLER", "PARITY_PLAIN_ATTENTION")})
     if args.tests:

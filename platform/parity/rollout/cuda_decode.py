@@ -112,12 +112,12 @@ _PIN_INT8 = True
 # A low-precision KV cache stored packed and read by the Triton decode-attention kernel on CUDA (see the module
 # docstring); False: the simulated cache (bf16 values of the codec's roundtrip, the reference; benchmark A/B)
 _PACKED_KV = True
-# True (PARITY_FUSED_PRE_ATTENTION=on; off by default): with a packed cache, the q/k norms, rotary, cache write and
-# query preparation as one Triton kernel (rollout/pre_attention.py; a simulated cache's step the same norms and
-# rotary, rollout/fused_step.py); False: the compiled function, the write kernel and the attention's own query
-# launch. With it, _FUSED_RESIDUAL joins a layer's o_proj + MLP and the next one's norm and q/k/v product in one
-# compiled function (False: two, the residual stored in the model dtype in between, as beside a
-# simulated cache; an A/B, docs/INT4_DECODE.md)
+# True (the default; PARITY_FUSED_PRE_ATTENTION=off for False): with a packed cache, the q/k norms, rotary, cache
+# write and query preparation as one Triton kernel (rollout/pre_attention.py; a simulated cache's step the same
+# norms and rotary, rollout/fused_step.py); False: the compiled function, the write kernel and the attention's own
+# query launch. With it, _FUSED_RESIDUAL joins a layer's o_proj + MLP and the next one's norm and q/k/v product in
+# one compiled function (False: two, the residual stored in the model dtype in between, as beside a simulated
+# cache; an A/B, docs/INT4_DECODE.md)
 _FUSED_PRE = _fused_pre_attention_route()
 _FUSED_RESIDUAL = True
 # How many calls' states (static cache, buffers, captured graphs, each with its KV cache) a decoder keeps, by shape:

@@ -75,14 +75,15 @@ def int4_rotated_route() -> bool:
 
 
 def fused_pre_attention_route() -> bool:
-    """PARITY_FUSED_PRE_ATTENTION: 'off' (the default) or 'on' (a packed cache's q/k norms, rotary, cache write and
-    query preparation as one Triton kernel, parity.rollout.pre_attention; a simulated cache's step the same norms and
-    rotary, parity.rollout.fused_step; cuda_decode._FUSED_PRE; a cohort's decoder never takes it). Off by default
-    until every CUDA test file has passed with it on: it measured one format with the simulated cache on its route
-    and W8A8 + INT4 KV decodes 1.16x faster with it (docs/INT4_DECODE.md). Read once, when cuda_decode is imported."""
-    v = os.environ.get("PARITY_FUSED_PRE_ATTENTION", "off")
+    """PARITY_FUSED_PRE_ATTENTION: 'on' (the default: a packed cache's q/k norms, rotary, cache write and query
+    preparation as one Triton kernel, parity.rollout.pre_attention; a simulated cache's step the same norms and
+    rotary, parity.rollout.fused_step; cuda_decode._FUSED_PRE; a cohort's decoder never takes it) or 'off' (the
+    compiled function, the write kernel and the attention's own query launch). On by default since every CUDA test
+    file passed with it on, the packed cache measured one format with the simulated cache on its route, and W8A8 +
+    INT4 KV decodes 1.12-1.16x faster with it (docs/INT4_DECODE.md). Read once, when cuda_decode is imported."""
+    v = os.environ.get("PARITY_FUSED_PRE_ATTENTION", "on")
     if v not in ("off", "on"):
-        raise ValueError(f"PARITY_FUSED_PRE_ATTENTION={v!r}: expected 'off' (the default) or 'on'")
+        raise ValueError(f"PARITY_FUSED_PRE_ATTENTION={v!r}: expected 'on' (the default) or 'off'")
     return v == "on"
 
 
