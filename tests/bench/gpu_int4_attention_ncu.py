@@ -10,10 +10,19 @@ of codes and scale words a launch): the pinned rotated INT4 attention (int4_atte
 tests/bench/gpu_read_ceiling.py's read of the same bytes in the same layout and grid (the fastest form there: 4 warps,
 128 slots a step) three times, each on its own layer's cache. Without ncu it times both (a CUDA graph per kernel,
 gpu_int4_decode_variants.event_us) and prints them, so a run without the profiler still says what it launched.
-Needs torch and triton only.
+
+    ... python3 tests/bench/gpu_int4_attention_ncu.py --ab --out $OUT/attention_ab.json
+
+times instead the pinned configuration against the changes in AB (each checked first against a float64 attention,
+tests/kv_packed_checks.check_int4_attention, and for the same output as the pinned one on the timing inputs, bit for
+bit), in turn, three rounds, at L = 256 and 384. Needs torch and triton only.
 """
 
 from __future__ import annotations
+
+import argparse
+import json
+import os
 
 import torch
 from gpu_bench_common import BATCH, SHAPE
@@ -21,13 +30,67 @@ from gpu_int4_decode_variants import event_us, timing_inputs
 from gpu_read_ceiling import same_layout_call
 
 L = 256
+# changes to the pinned configuration (int4_attention.CONFIG) the A/B times
+AB = {"before (stages2, mask in its iteration)": {"num_stages": 2, "prefetch_ok": False},
+      "stages2": {"num_stages": 2}, "mask in its iteration": {"prefetch_ok": False}}
+
+
+def ab(out_path: str) -> None:
+    """The pinned configuration and each change in AB, checked, then timed in turn (three rounds) at L = 256, 384."""
+    from parity.rollout import decode_attention as da
+    from parity.rollout import int4_attention as ia
+    from tests.kv_packed_checks import check_int4_attention
+    dev, q, qs, key_ok, scale, kv, int4, fp8 = timing_inputs(384, seed=3)
+    del kv, fp8
+    B, n_kv, D = BATCH, SHAPE["num_key_value_heads"], SHAPE["head_dim"]
+    key_ok[:, :5] = False  # some masked slots (left padding), so that the mask's load matters to the result
+    configs = {"pinned": {}, **AB}
+    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "pinned": dict(ia.CONFIG),
+                 "changes": AB, "key_ok": "slots 0-4 masked in every row", "checks": {}, "us": {}}
+
+    def call(c, L, cfg):
+        st = torch.tensor([L - 1], device=dev)
+        return lambda: ia.int4_attention(qs, c.k, c.v, c.k_scale, c.v_scale, key_ok, st, L, scale, True,
+                                         torch.bfloat16, da._workspace(int4), cfg)
+    ref = {L: call(int4.layers[0], L, {})().clone() for L in (256, 384)}
+    for name, cfg in configs.items():
+        errs = [check_int4_attention(D, torch.bfloat16, dev, shp, True, seed=i, config=cfg)[0]
+                for i, shp in enumerate([(B, n_kv, 2, 384, 384, 383), (B, n_kv, 2, 384, 256, 200),
+                                         (3, 5, 2, 300, 77, 70)])]
+        got = {L: call(int4.layers[0], L, cfg)() for L in (256, 384)}
+        diff = torch.cat([(got[L].float() - ref[L].float()).abs().flatten() for L in got])
+        ulp = torch.cat([ref[L].float().abs().flatten() for L in got]).clamp_min(1e-30) * 2.0 ** -8  # a bf16 ulp
+        res["checks"][name] = {"max_rel_err_vs_f64": max(errs), "same_output_as_pinned": bool((diff == 0).all()),
+                               "elements_differing": round(float((diff > 0).float().mean()), 5),
+                               "max_diff_in_bf16_ulps": round(float((diff / ulp).max()), 2)}
+        print(f"{name}: {res['checks'][name]}", flush=True)
+    for _ in range(3):
+        for name, cfg in configs.items():
+            for Lx in (256, 384):
+                us = event_us([call(c, Lx, cfg) for c in int4.layers])
+                res["us"].setdefault(name, {}).setdefault(str(Lx), []).append(us)
+    slot_bytes = 2 * B * n_kv * int4.codec.bytes_per_token_head()
+    res["summary"] = {name: {f"L{Lx}_us_min": min(v[str(Lx)]) for Lx in (256, 384)} for name, v in res["us"].items()}
+    for name, v in res["summary"].items():
+        v["L256_GBps"] = round(256 * slot_bytes / v["L256_us_min"] / 1e3, 1)
+        v["L256_over_pinned"] = round(v["L256_us_min"] / res["summary"]["pinned"]["L256_us_min"], 3)
+        print(f"{name:20s} {v}", flush=True)
+    with open(out_path, "w") as f:
+        json.dump(res, f, indent=1)
 
 
 def main() -> None:
     from parity.rollout import decode_attention as da
     from parity.rollout import int4_attention as ia
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ab", action="store_true", help="time the pinned configuration against the changes in AB")
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "attention_ab.json"))
+    a = p.parse_args()
     if not torch.cuda.is_available():
         print(f"{__file__}: needs a CUDA device; nothing launched on this machine")
+        return
+    if a.ab:
+        ab(a.out)
         return
     dev, q, qs, key_ok, scale, kv, int4, fp8 = timing_inputs(L, seed=3)
     del kv, fp8

@@ -66,11 +66,12 @@ def variant_name(cfg: dict) -> str:
     (each column group's slots one block), -merge (the query's two parts in one product) and -rowscale (the V
     weights relative to each row's largest scale); the warp-split form (int4_attention_warps) as
     ws{warp_slots}-warps{num_warps}-stages{num_stages}-pps{programs_per_sm}, -reg, -noasm and -merge (ROWS, blocks and
-    row_scale do not apply to it)."""
+    row_scale do not apply to it), -prefetchok (the next iteration's key mask loaded an iteration ahead)."""
     tail = (f"-warps{cfg['num_warps']}-stages{cfg['num_stages']}-pps{cfg['programs_per_sm']}"
             + (f"-reg{cfg['maxnreg']}" if cfg.get("maxnreg") else "") + ("" if cfg["asm"] else "-noasm"))
     if cfg.get("warp_slots"):
-        return f"ws{cfg['warp_slots']}" + tail + ("-merge" if cfg.get("merge") else "")
+        return (f"ws{cfg['warp_slots']}" + tail + ("-merge" if cfg.get("merge") else "")
+                + ("-prefetchok" if cfg.get("prefetch_ok") else ""))
     return (f"rows{cfg['ROWS']}" + tail + ("-blocks" if cfg.get("blocks") else "")
             + ("-merge" if cfg.get("merge") else "") + ("-rowscale" if cfg.get("row_scale") else ""))
 
@@ -94,7 +95,11 @@ VARIANTS = {variant_name(c): c for c in (dict(PINNED), *({**_BASE, **d} for d in
     # the one-warp 64-slot program (the fastest on one H100, 2026-12-05: 15.26 us at L = 256) split in two (about 8
     # warps an SM instead of 4) and with a third stage of loads in flight
     {"warp_slots": 64, "merge": True, "num_warps": 1, "programs_per_sm": 4},
-    {"warp_slots": 64, "merge": True, "num_warps": 1, "num_stages": 3})))}
+    {"warp_slots": 64, "merge": True, "num_warps": 1, "num_stages": 3},
+    # the same with the key mask loaded an iteration ahead (its load was a memory round trip every iteration that
+    # nothing hid: Nsight Compute, docs/PERFORMANCE.md), with two and three stages of the cache's loads in flight
+    {"warp_slots": 64, "merge": True, "num_warps": 1, "prefetch_ok": True},
+    {"warp_slots": 64, "merge": True, "num_warps": 1, "num_stages": 3, "prefetch_ok": True})))}
 # (warps, slots a warp) of the dequantizing kernel's warp-split form (decode_attention_warps) timed for FP8 and the
 # raw bf16 cache beside its pinned form (docs/PERFORMANCE.md, "The INT4 attention's warp-split form")
 DEQUANT_FORMS = ((4, 16), (4, 32), (2, 32), (1, 32))

@@ -68,10 +68,13 @@ except ImportError:  # CPU installs
 # 64 slots an iteration and the query's parts merged, no split at batch 64 (the fastest of 19-21 variants at L = 256
 # in all three runs on one H100, 2026-12-05 and 2026-12-06: 15.23-15.26 us, 1,168-1,170 GB/s, against 17.4 us for
 # the blocks form rows16-warps4-stages2-pps1-blocks pinned before it; 20.0-20.2 us at 384 against 22.8; split in two
-# 19.2 us; docs/perf_runs/*_packed_kv_int4_warp_split*.json). ROWS, blocks and row_scale apply to this module's
-# kernel only (warp_slots 0), which the exact route keeps.
-CONFIG = {"ROWS": 16, "num_warps": 1, "num_stages": 2, "programs_per_sm": 1, "asm": True, "blocks": True,
-          "merge": True, "row_scale": False, "warp_slots": 64}
+# 19.2 us; docs/perf_runs/*_packed_kv_int4_warp_split*.json), since then with "prefetch_ok" (the warp-split form loads
+# the next iteration's key mask in this one: that load was a memory round trip every iteration, found with Nsight
+# Compute) and three stages of loads in flight: 12.0 us against 15.0 at L = 256, 15.3 against 19.9 at 384 in one
+# run (one H100, 2026-12-06, tests/bench/gpu_int4_attention_ncu.py --ab; docs/PERFORMANCE.md). ROWS, blocks and
+# row_scale apply to this module's kernel only (warp_slots 0), which the exact route keeps.
+CONFIG = {"ROWS": 16, "num_warps": 1, "num_stages": 3, "programs_per_sm": 1, "asm": True, "blocks": True,
+          "merge": True, "row_scale": False, "warp_slots": 64, "prefetch_ok": True}
 # this module's kernel in the form pinned before (rows16-warps4-stages2-pps1-blocks): what the exact route launches
 # (with EXACT_ROWS), and the base the bench's and the tests' other variants of this kernel change
 BLOCKS_FORM = {"ROWS": 16, "num_warps": 4, "num_stages": 2, "programs_per_sm": 1, "asm": True, "blocks": True,
@@ -240,7 +243,8 @@ def int4_attention(qs: Queries, kc: torch.Tensor, vc: torch.Tensor, kw: torch.Te
         from parity.rollout.int4_attention_warps import _int4_attn_warps_kernel
         _int4_attn_warps_kernel[(B * n_kv, splits)](
             qs.codes, qs.factors, *args, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), W=cfg["num_warps"],
-            SLOTS=slots, D=D, HADAMARD=hadamard, ASM=asm, ONE_SPLIT=splits == 1, MERGE=merge, **launch)
+            SLOTS=slots, D=D, HADAMARD=hadamard, ASM=asm, ONE_SPLIT=splits == 1, MERGE=merge,
+            PREFETCH_OK=bool(cfg.get("prefetch_ok")), **launch)
     else:
         _int4_attn_kernel[(B * n_kv, splits)](qs.rotated, qs.codes, qs.factors, *args, **launch,
                                               **kernel_constants(cfg, G, D, hadamard, exact, asm, splits == 1))

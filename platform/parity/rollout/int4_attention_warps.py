@@ -38,13 +38,17 @@ if triton is not None:
                                 pl_ptr, pu_ptr, cnt_ptr, hp_ptr, sg_ptr, qk_scale, L, S, n_kv, H, split_slots,
                                 n_split, ok_stride, cap, G: tl.constexpr, BLOCK_G: tl.constexpr, W: tl.constexpr,
                                 SLOTS: tl.constexpr, D: tl.constexpr, HADAMARD: tl.constexpr, ASM: tl.constexpr,
-                                ONE_SPLIT: tl.constexpr, MERGE: tl.constexpr = False):
+                                ONE_SPLIT: tl.constexpr, MERGE: tl.constexpr = False,
+                                PREFETCH_OK: tl.constexpr = False):
         """Rows of the scores: query head g of the KV head (g < G real); first dimension: the warp, whose slots are
         start + w * SLOTS + [0, SLOTS) of the iteration starting at `start`. The products have BLOCK_G >= 16 rows:
         the heads, or with MERGE (G <= BLOCK_G / 2) the query's part a of head g in row g and its part b in row
         BLOCK_G / 2 + g (in a tensor core's accumulator one thread holds rows r and r + 8: their sum 128 a + b is
         the thread's own), so that two int8 products make the scores instead of four and the softmax works on half
-        the rows; the weights go back to BLOCK_G rows, the lower half zero, for the V products."""
+        the rows; the weights go back to BLOCK_G rows, the lower half zero, for the V products. PREFETCH_OK: the
+        next iteration's key mask is loaded at the top of this one (a loop-carried value) instead of at the top of
+        its own: the mask's bytes (2 a thread) are too few for an asynchronous copy, so its load is otherwise a full
+        memory round trip every iteration that nothing hides (Nsight Compute, docs/PERFORMANCE.md)."""
         DH: tl.constexpr = D // 2
         DQ: tl.constexpr = D // 4
         NR: tl.constexpr = BLOCK_G // 2 if MERGE else BLOCK_G  # rows of the scores
@@ -94,12 +98,21 @@ if triton is not None:
         s_prev = tl.full([W], 1.0, tl.float32)
         lo = sp * split_slots
         hi = tl.minimum(lo + split_slots, L)
+        if PREFETCH_OK:
+            sl0 = lo + w[:, None] * SLOTS + n[None, :]
+            ok_next = tl.load(okp + sl0, mask=sl0 < hi, other=0)
         for start in range(lo, hi, W * SLOTS):
             sl = start + w[:, None] * SLOTS + n[None, :]  # [W, SLOTS]
             s_in = sl < hi
+            if PREFETCH_OK:
+                ok_here = ok_next
+                sl_next = sl + W * SLOTS
+                ok_next = tl.load(okp + sl_next, mask=sl_next < hi, other=0)
+            else:
+                ok_here = tl.load(okp + sl, mask=s_in, other=0)
             wk = tl.load(ks + sl, mask=s_in, other=0)
             wv = tl.load(vs + sl, mask=s_in, other=0)
-            seen = (tl.load(okp + sl, mask=s_in, other=0) != 0) & s_in & (sl <= slot)
+            seen = (ok_here != 0) & s_in & (sl <= slot)
             ck = tl.load(kc + sl[:, :, None] * DH + j[None, None, :], mask=s_in[:, :, None], other=0)  # [W, SLOTS, D/2]
             # byte pairs: element 4i + {0, 1} in byte 2i, 4i + {2, 3} in byte 2i + 1
             cv = tl.load(vc16 + sl[:, :, None] * DQ + i4[None, None, :], mask=s_in[:, :, None], other=0)
