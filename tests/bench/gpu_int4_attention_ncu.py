@@ -60,9 +60,15 @@ def ab(out_path: str) -> None:
         got = {L: call(int4.layers[0], L, cfg)() for L in (256, 384)}
         diff = torch.cat([(got[L].float() - ref[L].float()).abs().flatten() for L in got])
         ulp = torch.cat([ref[L].float().abs().flatten() for L in got]).clamp_min(1e-30) * 2.0 ** -8  # a bf16 ulp
+        # the largest difference against its head's largest output (a rounding difference: a bf16 ulp of that,
+        # 2^-8, or less; a wrong weight or slot: far more), and the share of heads with any difference
+        heads = torch.cat([(got[L].float() - ref[L].float()).abs().view(-1, D).amax(1) for L in got])
+        top = torch.cat([ref[L].float().abs().view(-1, D).amax(1) for L in got]).clamp_min(1e-30)
         res["checks"][name] = {"max_rel_err_vs_f64": max(errs), "same_output_as_pinned": bool((diff == 0).all()),
                                "elements_differing": round(float((diff > 0).float().mean()), 5),
-                               "max_diff_in_bf16_ulps": round(float((diff / ulp).max()), 2)}
+                               "max_diff_in_bf16_ulps": round(float((diff / ulp).max()), 2),
+                               "max_diff_over_head_max": float((heads / top).max()),
+                               "heads_differing": round(float((heads > 0).float().mean()), 5)}
         print(f"{name}: {res['checks'][name]}", flush=True)
     for _ in range(3):
         for name, cfg in configs.items():
