@@ -35,9 +35,18 @@ AB = {"before (stages2, mask in its iteration)": {"num_stages": 2, "prefetch_ok"
       "stages2": {"num_stages": 2}, "mask in its iteration": {"prefetch_ok": False}}
 
 
+def attention_call(qs, key_ok, scale: float, int4, c, L: int, cfg: dict):
+    """One launch of the INT4 attention over layer cache `c` of `int4` at L slots with launch changes `cfg`, as a
+    callable (for event_us and the checks)."""
+    from parity.rollout import decode_attention as da
+    from parity.rollout import int4_attention as ia
+    st = torch.tensor([L - 1], device=c.k.device)
+    return lambda: ia.int4_attention(qs, c.k, c.v, c.k_scale, c.v_scale, key_ok, st, L, scale, True, torch.bfloat16,
+                                     da._workspace(int4), cfg)
+
+
 def ab(out_path: str) -> None:
     """The pinned configuration and each change in AB, checked, then timed in turn (three rounds) at L = 256, 384."""
-    from parity.rollout import decode_attention as da
     from parity.rollout import int4_attention as ia
     from tests.kv_packed_checks import check_int4_attention
     dev, q, qs, key_ok, scale, kv, int4, fp8 = timing_inputs(384, seed=3)
@@ -49,21 +58,18 @@ def ab(out_path: str) -> None:
                  "changes": AB, "key_ok": "slots 0-4 masked in every row", "checks": {}, "us": {}}
 
     def call(c, L, cfg):
-        st = torch.tensor([L - 1], device=dev)
-        return lambda: ia.int4_attention(qs, c.k, c.v, c.k_scale, c.v_scale, key_ok, st, L, scale, True,
-                                         torch.bfloat16, da._workspace(int4), cfg)
+        return attention_call(qs, key_ok, scale, int4, c, L, cfg)
     ref = {L: call(int4.layers[0], L, {})().clone() for L in (256, 384)}
     for name, cfg in configs.items():
         errs = [check_int4_attention(D, torch.bfloat16, dev, shp, True, seed=i, config=cfg)[0]
                 for i, shp in enumerate([(B, n_kv, 2, 384, 384, 383), (B, n_kv, 2, 384, 256, 200),
                                          (3, 5, 2, 300, 77, 70)])]
-        got = {L: call(int4.layers[0], L, cfg)() for L in (256, 384)}
-        diff = torch.cat([(got[L].float() - ref[L].float()).abs().flatten() for L in got])
-        ulp = torch.cat([ref[L].float().abs().flatten() for L in got]).clamp_min(1e-30) * 2.0 ** -8  # a bf16 ulp
+        diff = torch.cat([(call(int4.layers[0], L, cfg)().float() - ref[L].float()).abs().view(-1, D) for L in ref])
+        want = torch.cat([ref[L].float().abs().view(-1, D) for L in ref])
+        ulp = want.clamp_min(1e-30) * 2.0 ** -8  # a bf16 ulp of each element
         # the largest difference against its head's largest output (a rounding difference: a bf16 ulp of that,
         # 2^-8, or less; a wrong weight or slot: far more), and the share of heads with any difference
-        heads = torch.cat([(got[L].float() - ref[L].float()).abs().view(-1, D).amax(1) for L in got])
-        top = torch.cat([ref[L].float().abs().view(-1, D).amax(1) for L in got]).clamp_min(1e-30)
+        heads, top = diff.amax(1), want.amax(1).clamp_min(1e-30)
         res["checks"][name] = {"max_rel_err_vs_f64": max(errs), "same_output_as_pinned": bool((diff == 0).all()),
                                "elements_differing": round(float((diff > 0).float().mean()), 5),
                                "max_diff_in_bf16_ulps": round(float((diff / ulp).max()), 2),
@@ -86,7 +92,6 @@ def ab(out_path: str) -> None:
 
 
 def main() -> None:
-    from parity.rollout import decode_attention as da
     from parity.rollout import int4_attention as ia
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ab", action="store_true", help="time the pinned configuration against the changes in AB")
@@ -101,20 +106,15 @@ def main() -> None:
     dev, q, qs, key_ok, scale, kv, int4, fp8 = timing_inputs(L, seed=3)
     del kv, fp8
     B, n_kv = BATCH, SHAPE["num_key_value_heads"]
-    st = torch.tensor([L - 1], device=dev)
     out = torch.empty(B * n_kv, dtype=torch.int32, device=dev)
-
-    def attention(c):
-        return ia.int4_attention(qs, c.k, c.v, c.k_scale, c.v_scale, key_ok, st, L, scale, True, torch.bfloat16,
-                                 da._workspace(int4), {})
-
-    for c in int4.layers[:3]:
-        attention(c)
+    attention = [attention_call(qs, key_ok, scale, int4, c, L, {}) for c in int4.layers]
+    for launch in attention[:3]:
+        launch()
     for c in int4.layers[:3]:
         same_layout_call(c, L, L, 4, 128, out)()
     torch.cuda.synchronize()
     bytes_ = L * 2 * B * n_kv * int4.codec.bytes_per_token_head()
-    att = event_us([lambda c=c: attention(c) for c in int4.layers])
+    att = event_us(attention)
     rd = event_us([same_layout_call(c, L, L, 4, 128, out) for c in int4.layers])
     print(f"config {ia.CONFIG}; L = {L}, {bytes_ / 1e6:.1f} MB a launch: attention {att:.2f} us "
           f"({bytes_ / att / 1e3:.0f} GB/s), read {rd:.2f} us ({bytes_ / rd / 1e3:.0f} GB/s), {att / rd:.2f}x")
