@@ -63,7 +63,11 @@ def test_against_float64_on_random_lengths_and_heads(dtype, hadamard):
                     # the query's parts in one product, one split and many
                     {"programs_per_sm": 0, "warp_slots": 16}, {"programs_per_sm": 10**6, "warp_slots": 16},
                     {"programs_per_sm": 0, "warp_slots": 16, "merge": True},
-                    {"programs_per_sm": 10**6, "warp_slots": 16, "merge": True, "num_warps": 2}):
+                    {"programs_per_sm": 10**6, "warp_slots": 16, "merge": True, "num_warps": 2},
+                    # its output rotation in butterflies (CONFIG's "fwht"), unmerged and one split, merged, two
+                    # warps and many splits
+                    {"programs_per_sm": 0, "warp_slots": 16, "fwht": True},
+                    {"programs_per_sm": 10**6, "warp_slots": 16, "merge": True, "num_warps": 2, "fwht": True}):
             cfg = {**ia.BLOCKS_FORM, **cfg}  # changes to the blocks form (the pinned CONFIG: the next test)
             err, sim = check_int4_attention(D, dtype, CPU, shape, hadamard, seed=i, config=cfg)
             assert err < BOUND[dtype], (shape, D, cfg, err, sim)
@@ -79,7 +83,10 @@ def test_warp_split_form_at_larger_groups(shape, D):
                 {"warp_slots": 16, "merge": True, "programs_per_sm": 0},
                 {"warp_slots": 64, "merge": True, "programs_per_sm": 10**6, "num_warps": 2},
                 {"warp_slots": 16, "programs_per_sm": 10**6}, {"warp_slots": 32, "merge": True, "num_warps": 1},
-                {"warp_slots": 16, "merge": True, "num_warps": 1, "programs_per_sm": 10**6}):
+                {"warp_slots": 16, "merge": True, "num_warps": 1, "programs_per_sm": 10**6},
+                # the pinned output rotation (butterflies) with two warps and many splits, and unmerged
+                {**ia.CONFIG, "num_warps": 2, "warp_slots": 32, "programs_per_sm": 10**6},
+                {**ia.CONFIG, "merge": False, "warp_slots": 32}):
         cfg = {**ia.BLOCKS_FORM, **cfg}  # the others: changes to the blocks form
         err, sim = check_int4_attention(D, torch.bfloat16, CPU, shape, True, seed=3, config=cfg)
         assert err < BOUND[torch.bfloat16], (shape, D, cfg, err, sim)

@@ -38,25 +38,23 @@ def test_int4_attention_fits_the_h200_shared_memory(out, D, G):
     assert shared_bytes(out, G, D, True) <= H200_SMEM
 
 
-@pytest.mark.parametrize("cfg", [{"warp_slots": 32, "merge": True}, {"warp_slots": 64, "merge": True},
-                                 {"warp_slots": 32, "merge": True, "num_warps": 2},
-                                 {"warp_slots": 64, "merge": True, "num_warps": 2},
-                                 {"warp_slots": 32, "merge": True, "maxnreg": 168}, {"warp_slots": 32},
-                                 {"warp_slots": 32, "merge": True, "num_warps": 1},
-                                 {"warp_slots": 64, "merge": True, "num_warps": 1},
-                                 {"warp_slots": 64, "merge": True, "num_warps": 1, "num_stages": 3}],
-                         ids=["ws32-merge", "ws64-merge", "ws32-merge-warps2", "ws64-merge-warps2",
-                              "ws32-merge-reg168", "ws32", "ws32-merge-warps1", "ws64-merge-warps1",
-                              "ws64-merge-warps1-stages3"])
+@pytest.mark.parametrize("cfg", [{}, {"warp_slots": 32}, {"num_warps": 2}, {"num_warps": 2, "warp_slots": 32},
+                                 {"num_warps": 4, "warp_slots": 32, "num_stages": 2},
+                                 {"num_warps": 4, "warp_slots": 32, "num_stages": 2, "maxnreg": 168},
+                                 {"warp_slots": 32, "merge": False, "num_warps": 4},
+                                 {"num_stages": 2, "prefetch_ok": False}, {"fwht": False}],
+                         ids=["pinned", "ws32", "warps2", "ws32-warps2", "ws32-warps4-stages2",
+                              "ws32-warps4-stages2-reg168", "ws32-unmerged-warps4", "stages2-mask-in-its-iteration",
+                              "rotation-as-products"])
 @pytest.mark.parametrize("D", [128, 64])
 @pytest.mark.parametrize("G", [1, 2, 4, 8, 16])
 def test_warp_split_form_compiles_without_spills(cfg, D, G):
-    """The warp-split form (bf16 route only) for every group size the decode path launches: it compiles for
-    sm_90a, fits the shared memory and keeps its registers (a spill would put local-memory traffic in the loop)."""
-    cfg = ia.launch_config(False, {**ia.BLOCKS_FORM, **cfg})  # changes to the blocks form's launch (4 warps)
-    slots, merge = ia.warp_form(cfg, G)  # as int4_attention launches it
-    const = {"G": G, "BLOCK_G": max(16, triton.next_power_of_2(G)), "W": cfg["num_warps"], "SLOTS": slots,
-             "D": D, "HADAMARD": True, "ASM": True, "ONE_SPLIT": False, "MERGE": merge}
+    """The warp-split form (bf16 route only) for every group size the decode path launches, as pinned
+    (int4_attention.CONFIG) and with the changes the bench and the A/B time: it compiles for sm_90a, fits the shared
+    memory and keeps its registers (a spill would put local-memory traffic in the loop)."""
+    cfg = ia.launch_config(False, cfg)  # changes to the pinned launch
+    merge = ia.warp_form(cfg, G)[1]
+    const = ia.warp_constants(cfg, G, D, True, True, False)  # as int4_attention launches it, split
     sig = {k: v for k, v in int4_attention_signature().items() if k != "qr_ptr"}
     sig = {**sig, **dict.fromkeys(const, "constexpr")}
     attrs = {(iw._int4_attn_warps_kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items()

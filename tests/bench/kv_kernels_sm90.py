@@ -138,23 +138,22 @@ def int4_kernels() -> None:
                                    one_split=one), opts,
                div16=("L", "S", "H", "split_slots", "ok_stride"), loop_slots=rows * 8)
     warp_sig = {k: v for k, v in sig.items() if k != "qr_ptr"}
-    # the warp-split form as batch 64 launches it (one split), the bench's variants
+    # the warp-split form as batch 64 launches it (one split), the bench's variants (changes to BLOCKS_FORM: the
+    # output rotation as products), then the pinned configuration (int4_attention.CONFIG)
+    div16 = ("L", "S", "H", "split_slots", "ok_stride")
     for slots, warps, merge, reg in [(32, 4, True, 0), (64, 4, True, 0), (32, 4, True, 168), (32, 2, True, 0),
                                      (64, 2, True, 0), (32, 4, False, 0)]:
+        cfg = {**ia.BLOCKS_FORM, "warp_slots": slots, "num_warps": warps, "merge": merge, "maxnreg": reg}
         report(f"int4 rotated warp-split slots={slots} warps={warps} merge={merge} maxnreg={reg or '-'}",
-               iw._int4_attn_warps_kernel, warp_sig,
-               {"G": 2, "BLOCK_G": 16, "W": warps, "SLOTS": slots, "D": 128, "HADAMARD": True, "ASM": True,
-                "ONE_SPLIT": True, "MERGE": merge}, {"num_warps": warps, "num_stages": 2, **({"maxnreg": reg} if reg else {})},
-               div16=("L", "S", "H", "split_slots", "ok_stride"), loop_slots=slots * warps)
-    # the pinned configuration (int4_attention.CONFIG: one warp, 64 slots, the key mask an iteration ahead)
+               iw._int4_attn_warps_kernel, warp_sig, ia.warp_constants(cfg, 2, 128, True, True, True),
+               {"num_warps": warps, "num_stages": 2, **({"maxnreg": reg} if reg else {})}, div16=div16,
+               loop_slots=slots * warps)
     cfg = ia.CONFIG
     report(f"int4 rotated warp-split pinned slots={cfg['warp_slots']} warps={cfg['num_warps']} "
-           f"stages={cfg['num_stages']} prefetch_ok={cfg.get('prefetch_ok', False)}",
-           iw._int4_attn_warps_kernel, warp_sig,
-           {"G": 2, "BLOCK_G": 16, "W": cfg["num_warps"], "SLOTS": cfg["warp_slots"], "D": 128, "HADAMARD": True,
-            "ASM": True, "ONE_SPLIT": True, "MERGE": bool(cfg["merge"]), "PREFETCH_OK": bool(cfg.get("prefetch_ok"))},
-           {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]},
-           div16=("L", "S", "H", "split_slots", "ok_stride"), loop_slots=cfg["warp_slots"] * cfg["num_warps"])
+           f"stages={cfg['num_stages']} prefetch_ok={cfg['prefetch_ok']} fwht={cfg['fwht']}",
+           iw._int4_attn_warps_kernel, warp_sig, ia.warp_constants(cfg, 2, 128, True, True, True),
+           {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}, div16=div16,
+           loop_slots=cfg["warp_slots"] * cfg["num_warps"])
     report("int4 query preparation", ia._query_kernel,
            {"q_ptr": "*bf16", "qf_ptr": "*fp32", "qi_ptr": "*i8", "qc_ptr": "*fp32", "sg_ptr": "*fp32",
             "hm_ptr": "*bf16", "rows": "i32"}, {"D": 128, "HADAMARD": True}, {"num_warps": 4})

@@ -19,6 +19,8 @@ differs, as any attention kernel's does:
 - p s n': the weights p s (float32) are rounded to fp16 relative to the tile's largest scale, and the codes enter
   the fp16 tensor-core product as 1024 + byte and 1024 + low nibble, one byte permute (and a mask) per two codes
   straight from the loaded byte pairs; the 1024 offsets and the zero points come off through the weights' sums.
+- the output rotation d (H u) / D: products with H_{D/2} (+-1) of u in two bf16 terms (16 bits), or in the
+  warp-split form (CONFIG's "fwht") float32 butterflies on u itself, the heads' rows only.
 - float32 caches (tests, fp32 models) take the exact route instead: float32 codes and IEEE float32 products.
 
 Measured against a float64 attention over the codec's values computed from the codes (under Triton's
@@ -71,14 +73,18 @@ except ImportError:  # CPU installs
 # 19.2 us; docs/perf_runs/*_packed_kv_int4_warp_split*.json), since then with "prefetch_ok" (the warp-split form loads
 # the next iteration's key mask in this one: that load was a memory round trip every iteration, found with Nsight
 # Compute) and three stages of loads in flight: 12.0 us against 15.0 at L = 256, 15.3 against 19.9 at 384 in one
-# run (one H100, 2026-12-06, tests/bench/gpu_int4_attention_ncu.py --ab; docs/PERFORMANCE.md). ROWS, blocks and
-# row_scale apply to this module's kernel only (warp_slots 0), which the exact route keeps.
+# run (one H100, 2026-12-06, tests/bench/gpu_int4_attention_ncu.py --ab; docs/PERFORMANCE.md), and since then with
+# "fwht" (the warp-split form rotates its output in float32 butterflies on the heads' rows only, instead of products
+# with H_{D/2} over 16 padded rows: 604 instructions after the loop instead of 1,060, no H_{D/2} read): 10.83-10.86 us
+# against 11.96-11.97 at L = 256, 14.17-14.23 against 15.40-15.43 at 384 (one H100, 2026-12-06, the same A/B;
+# docs/perf_runs/2026-12-06_int4_attention_fwht_ab_h100.json). ROWS, blocks and row_scale apply to this module's
+# kernel only (warp_slots 0), which the exact route keeps; prefetch_ok and fwht to the warp-split form only.
 CONFIG = {"ROWS": 16, "num_warps": 1, "num_stages": 3, "programs_per_sm": 1, "asm": True, "blocks": True,
-          "merge": True, "row_scale": False, "warp_slots": 64, "prefetch_ok": True}
+          "merge": True, "row_scale": False, "warp_slots": 64, "prefetch_ok": True, "fwht": True}
 # this module's kernel in the form pinned before (rows16-warps4-stages2-pps1-blocks): what the exact route launches
 # (with EXACT_ROWS), and the base the bench's and the tests' other variants of this kernel change
 BLOCKS_FORM = {"ROWS": 16, "num_warps": 4, "num_stages": 2, "programs_per_sm": 1, "asm": True, "blocks": True,
-               "merge": False, "row_scale": False, "warp_slots": 0, "prefetch_ok": False}
+               "merge": False, "row_scale": False, "warp_slots": 0, "prefetch_ok": False, "fwht": False}
 # The exact route (float32 output) multiplies the codes by a block-diagonal float32 query, whose tiles grow with
 # the column groups R = 16 / G: at G = 1, D = 128 they need 247,808 B of shared memory at ROWS 16 (2 stages) on
 # sm_90, over the H200's 232,448 B, and 189,504 B at ROWS 8 (Triton's compile for sm_90a; checked for every G and
@@ -241,14 +247,22 @@ def int4_attention(qs: Queries, kc: torch.Tensor, vc: torch.Tensor, kw: torch.Te
             ok.stride(0), pm.shape[1])
     if slots:
         from parity.rollout.int4_attention_warps import _int4_attn_warps_kernel
-        _int4_attn_warps_kernel[(B * n_kv, splits)](
-            qs.codes, qs.factors, *args, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), W=cfg["num_warps"],
-            SLOTS=slots, D=D, HADAMARD=hadamard, ASM=asm, ONE_SPLIT=splits == 1, MERGE=merge,
-            PREFETCH_OK=bool(cfg.get("prefetch_ok")), **launch)
+        _int4_attn_warps_kernel[(B * n_kv, splits)](qs.codes, qs.factors, *args, **launch,
+                                                    **warp_constants(cfg, G, D, hadamard, asm, splits == 1))
     else:
         _int4_attn_kernel[(B * n_kv, splits)](qs.rotated, qs.codes, qs.factors, *args, **launch,
                                               **kernel_constants(cfg, G, D, hadamard, exact, asm, splits == 1))
     return out.view(B, H * D)
+
+
+def warp_constants(cfg: dict, G: int, D: int, hadamard: bool, asm: bool, one_split: bool) -> dict:
+    """The warp-split kernel's compile-time arguments (parity.rollout.int4_attention_warps) for launch configuration
+    `cfg` (launch_config, the tensor-core route): G query heads a KV head, head dim D."""
+    slots, merge = warp_form(cfg, G)
+    gp = triton.next_power_of_2(G)
+    return {"G": G, "BLOCK_G": max(16, gp), "W": cfg["num_warps"], "SLOTS": slots, "D": D, "HADAMARD": hadamard,
+            "ASM": asm, "ONE_SPLIT": one_split, "MERGE": merge, "PREFETCH_OK": bool(cfg.get("prefetch_ok")),
+            "FWHT": bool(cfg.get("fwht")), "GP": gp, "LOGD": D.bit_length() - 1}
 
 
 def kernel_constants(cfg: dict, G: int, D: int, hadamard: bool, exact: bool, asm: bool, one_split: bool) -> dict:

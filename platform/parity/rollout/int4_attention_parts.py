@@ -14,7 +14,10 @@ if triton is not None:
     @triton.jit
     def _f16_byte(c, HALF: tl.constexpr, ASM: tl.constexpr):
         """fp16 1024 + byte HALF of the uint16 c (exact): the byte's two nibbles as 1024 + lo + 16 hi. One byte
-        permute per two codes: [c.b, 0x64, c'.b, 0x64] is the fp16 pair of two neighbouring elements."""
+        permute per two codes: [c.b, 0x64, c'.b, 0x64] is the fp16 pair of two neighbouring elements. (The byte
+        alone, [c.b, 0, c'.b, 0], would be an fp16 subnormal: exact, no offset to take off and one instruction
+        fewer a pair, but it lengthens a chain of dependent tensor-core products by 11% on an H100, and the
+        attention came out slower: docs/PERFORMANCE.md, "The output rotation in butterflies".)"""
         if ASM:
             if HALF == 0:
                 return tl.inline_asm_elementwise(
@@ -52,37 +55,54 @@ if triton is not None:
             return ((c ^ 0x80) & 0xF0).to(tl.int8, bitcast=True)
 
     @triton.jit
+    def _fwht(x, N: tl.constexpr, LOGN: tl.constexpr):
+        """H_N x along the last axis of x [M, N] (H_N the Sylvester-Hadamard matrix, N = 2^LOGN): LOGN stages of
+        float32 butterflies, (x_i, x_i') -> (x_i + x_i', x_i - x_i') for the pairs i' = i + 2^k, bit k of i clear."""
+        M: tl.constexpr = x.shape[0]
+        for k in tl.static_range(LOGN):
+            y = tl.permute(tl.reshape(x, (M, N >> (k + 1), 2, 1 << k)), (0, 1, 3, 2))
+            a, b = tl.split(y)
+            x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (M, N))
+        return x
+
+    @triton.jit
     def _finish(u_lo, u_hi, o_ptr, head, g_ok, hp_ptr, sg_ptr, HADAMARD: tl.constexpr, EXACT: tl.constexpr,
-                D: tl.constexpr):
+                D: tl.constexpr, FWHT: tl.constexpr = False, LOGD: tl.constexpr = 7):
         """Output rows of u [BLOCK_G, D] (normalized, rotated basis, even columns u_lo, odd u_hi): d (H u) / D with
-        H_D = [[H', H'], [H', -H']] interleaved: (H u)[2r + s] = (H' u_lo)[r] + (-1)^s (H' u_hi)[r]."""
+        H_D = [[H', H'], [H', -H']] interleaved: (H u)[2r + s] = (H' u_lo)[r] + (-1)^s (H' u_hi)[r]. FWHT: H u in
+        float32 butterflies on u's rows as they are (any number of rows), instead of products with H' over 16 rows
+        or more."""
         j = tl.arange(0, D // 2)
-        if HADAMARD:
-            r = tl.arange(0, D // 2)
-            hp = tl.load(hp_ptr + r[:, None] * (D // 2) + j[None, :])  # +-1: float32 (EXACT), else bf16
-            if EXACT:
-                a = tl.dot(u_lo, hp, input_precision="ieee")
-                bv = tl.dot(u_hi, hp, input_precision="ieee")
-            else:  # each of u's rows as two bf16 terms (16 bits): H' is +-1, so the products are exact
-                hpb = hp.to(tl.bfloat16)
-                lo1 = u_lo.to(tl.bfloat16)
-                hi1 = u_hi.to(tl.bfloat16)
-                a = tl.dot(lo1, hpb) + tl.dot((u_lo - lo1.to(tl.float32)).to(tl.bfloat16), hpb)
-                bv = tl.dot(hi1, hpb) + tl.dot((u_hi - hi1.to(tl.float32)).to(tl.bfloat16), hpb)
-            even = (a + bv) * tl.load(sg_ptr + 2 * j)[None, :]
-            odd = (a - bv) * tl.load(sg_ptr + 2 * j + 1)[None, :]
-        else:
-            even = u_lo
-            odd = u_hi
-        OUT = o_ptr.dtype.element_ty
         d = tl.arange(0, D)
-        vals = tl.reshape(tl.join(even, odd), (even.shape[0], D))
-        tl.store(o_ptr + head[:, None] * D + d[None, :], vals.to(OUT), mask=g_ok[:, None])
+        if HADAMARD and FWHT:
+            u = tl.reshape(tl.join(u_lo, u_hi), (u_lo.shape[0], D))
+            vals = _fwht(u, D, LOGD) * tl.load(sg_ptr + d)[None, :]
+        else:
+            if HADAMARD:
+                r = tl.arange(0, D // 2)
+                hp = tl.load(hp_ptr + r[:, None] * (D // 2) + j[None, :])  # +-1: float32 (EXACT), else bf16
+                if EXACT:
+                    a = tl.dot(u_lo, hp, input_precision="ieee")
+                    bv = tl.dot(u_hi, hp, input_precision="ieee")
+                else:  # each of u's rows as two bf16 terms (16 bits): H' is +-1, so the products are exact
+                    hpb = hp.to(tl.bfloat16)
+                    lo1 = u_lo.to(tl.bfloat16)
+                    hi1 = u_hi.to(tl.bfloat16)
+                    a = tl.dot(lo1, hpb) + tl.dot((u_lo - lo1.to(tl.float32)).to(tl.bfloat16), hpb)
+                    bv = tl.dot(hi1, hpb) + tl.dot((u_hi - hi1.to(tl.float32)).to(tl.bfloat16), hpb)
+                even = (a + bv) * tl.load(sg_ptr + 2 * j)[None, :]
+                odd = (a - bv) * tl.load(sg_ptr + 2 * j + 1)[None, :]
+            else:
+                even = u_lo
+                odd = u_hi
+            vals = tl.reshape(tl.join(even, odd), (even.shape[0], D))
+        tl.store(o_ptr + head[:, None] * D + d[None, :], vals.to(o_ptr.dtype.element_ty), mask=g_ok[:, None])
 
     @triton.jit
     def _epilogue(m_c, l_c, lo_c, hi_c, own, c_ok, cg, head, bh, sp, n_split, cap, o_ptr, pm_ptr, pl_ptr, pu_ptr,
                   cnt_ptr, hp_ptr, sg_ptr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-                  HADAMARD: tl.constexpr, EXACT: tl.constexpr, ONE_SPLIT: tl.constexpr):
+                  HADAMARD: tl.constexpr, EXACT: tl.constexpr, ONE_SPLIT: tl.constexpr, FWHT: tl.constexpr = False,
+                  LOGD: tl.constexpr = 7):
         """A program's end, rows [BLOCK_G] of head cg (valid where c_ok; `own`: the rows that write): with one split
         the output (`_finish`); else its partial (running max m_c, sum l_c, weighted sums lo_c / hi_c) and, in the
         last split of the (row, KV head) to finish, the merge of all partials and the output."""
@@ -90,7 +110,8 @@ if triton is not None:
         j = tl.arange(0, DH)
         if ONE_SPLIT:
             inv = 1.0 / l_c
-            _finish(lo_c * inv[:, None], hi_c * inv[:, None], o_ptr, head, own, hp_ptr, sg_ptr, HADAMARD, EXACT, D)
+            _finish(lo_c * inv[:, None], hi_c * inv[:, None], o_ptr, head, own, hp_ptr, sg_ptr, HADAMARD, EXACT, D,
+                    FWHT, LOGD)
         else:
             part = (bh.to(tl.int64) * cap + sp) * G + cg
             tl.store(pm_ptr + part, m_c, mask=own)
@@ -121,5 +142,5 @@ if triton is not None:
                     m_hi += wgt[:, None] * tl.load(ui + 1, mask=c_ok[:, None], other=0.0, cache_modifier=".cg")
                 inv = 1.0 / tot
                 _finish(m_lo * inv[:, None], m_hi * inv[:, None], o_ptr, head, own, hp_ptr, sg_ptr, HADAMARD,
-                        EXACT, D)
+                        EXACT, D, FWHT, LOGD)
                 tl.atomic_xchg(cnt_ptr + bh, 0, sem="relaxed", scope="gpu")  # ready for the next launch

@@ -1,7 +1,9 @@
 """The rotated int4 decode attention in its warp-split form: the same arithmetic as parity.rollout.int4_attention's
 tensor-core route (the same query codes, the same exact integer K product, the same fp16 V weights and byte
-unpacking, the same output rotation and split merge), with the work laid out so that no warp needs another's
-results inside the slot loop.
+unpacking, the same split merge), with the work laid out so that no warp needs another's results inside the slot
+loop. Its output rotation is the other form's products with H_{D/2} over 16 rows, or with FWHT (CONFIG's "fwht")
+float32 butterflies (int4_attention_parts._fwht) on the heads' rows only, picked out of the score rows once
+(`_head_rows`) before the warps' merge.
 
 Each program takes one (row, KV head) and a split of the slots, as the other form does. Its W warps each take their
 own consecutive slots of every iteration (warp w: start + w * SLOTS + [0, SLOTS)) and keep their own running
@@ -39,7 +41,8 @@ if triton is not None:
                                 n_split, ok_stride, cap, G: tl.constexpr, BLOCK_G: tl.constexpr, W: tl.constexpr,
                                 SLOTS: tl.constexpr, D: tl.constexpr, HADAMARD: tl.constexpr, ASM: tl.constexpr,
                                 ONE_SPLIT: tl.constexpr, MERGE: tl.constexpr = False,
-                                PREFETCH_OK: tl.constexpr = False):
+                                PREFETCH_OK: tl.constexpr = False, FWHT: tl.constexpr = False, GP: tl.constexpr = 16,
+                                LOGD: tl.constexpr = 7):
         """Rows of the scores: query head g of the KV head (g < G real); first dimension: the warp, whose slots are
         start + w * SLOTS + [0, SLOTS) of the iteration starting at `start`. The products have BLOCK_G >= 16 rows:
         the heads, or with MERGE (G <= BLOCK_G / 2) the query's part a of head g in row g and its part b in row
@@ -98,6 +101,8 @@ if triton is not None:
         s_prev = tl.full([W], 1.0, tl.float32)
         lo = sp * split_slots
         hi = tl.minimum(lo + split_slots, L)
+        # slots seen: below hi and at most the step's slot (one 32-bit comparison a slot: slots are below 2^31)
+        lim = tl.minimum(hi, slot.to(tl.int32) + 1)
         if PREFETCH_OK:
             sl0 = lo + w[:, None] * SLOTS + n[None, :]
             ok_next = tl.load(okp + sl0, mask=sl0 < hi, other=0)
@@ -112,7 +117,7 @@ if triton is not None:
                 ok_here = tl.load(okp + sl, mask=s_in, other=0)
             wk = tl.load(ks + sl, mask=s_in, other=0)
             wv = tl.load(vs + sl, mask=s_in, other=0)
-            seen = (ok_here != 0) & s_in & (sl <= slot)
+            seen = (ok_here != 0) & (sl < lim)
             ck = tl.load(kc + sl[:, :, None] * DH + j[None, None, :], mask=s_in[:, :, None], other=0)  # [W, SLOTS, D/2]
             # byte pairs: element 4i + {0, 1} in byte 2i, 4i + {2, 3} in byte 2i + 1
             cv = tl.load(vc16 + sl[:, :, None] * DQ + i4[None, None, :], mask=s_in[:, :, None], other=0)
@@ -156,33 +161,66 @@ if triton is not None:
         # merge the warps' partial softmaxes over the NR score rows (with MERGE the products' rows NR.. hold zero
         # weights): weights exp2(m_w - max) for the sums, times the warp's scale for the weighted sums (u below is
         # linear in them)
+        if FWHT:  # the GP rows of the heads only, from here to the output (each warp its own, then the merge)
+            m_i = _head_rows(m_i, GP)
+            l_i = _head_rows(l_i, GP)
+            z_i = _head_rows(z_i, GP)
+            w_i = _head_rows(w_i, GP)
+            a_x0 = _head_rows(_first_rows(acc_x0, MERGE), GP)
+            a_y0 = _head_rows(_first_rows(acc_y0, MERGE), GP)
+            a_x1 = _head_rows(_first_rows(acc_x1, MERGE), GP)
+            a_y1 = _head_rows(_first_rows(acc_y1, MERGE), GP)
+        else:
+            a_x0 = _first_rows(acc_x0, MERGE)
+            a_y0 = _first_rows(acc_y0, MERGE)
+            a_x1 = _first_rows(acc_x1, MERGE)
+            a_y1 = _first_rows(acc_y1, MERGE)
         m_h = tl.max(m_i, 0)
         top = tl.where(m_h == float("-inf"), 0.0, m_h)
         wr = tl.where(m_i == float("-inf"), 0.0, tl.exp2(m_i - top[None, :]))
         ws = wr * s_prev[:, None]
         l_h = tl.sum(l_i * wr, 0)
-        z_h = tl.sum(z_i * ws, 0)[:, None]
-        w_h = tl.sum(w_i * ws, 0)[:, None]
-        ax0 = tl.sum(_first_rows(acc_x0, MERGE) * ws[:, :, None], 0)
-        ay0 = tl.sum(_first_rows(acc_y0, MERGE) * ws[:, :, None], 0)
-        ax1 = tl.sum(_first_rows(acc_x1, MERGE) * ws[:, :, None], 0)
-        ay1 = tl.sum(_first_rows(acc_y1, MERGE) * ws[:, :, None], 0)
+        z_h = tl.sum(z_i * ws, 0)
+        w_h = tl.sum(w_i * ws, 0)
+        ax0 = tl.sum(a_x0 * ws[:, :, None], 0)
+        ay0 = tl.sum(a_y0 * ws[:, :, None], 0)
+        ax1 = tl.sum(a_x1 * ws[:, :, None], 0)
+        ay1 = tl.sum(a_y1 * ws[:, :, None], 0)
+        z_h = z_h[:, None]
         # u = sum_j p_j s_j (n'_j - z_j), even elements from the low nibbles, odd from the high ones
-        zo = 1024.0 * w_h + z_h
+        zo = 1024.0 * w_h[:, None] + z_h
         y0 = ay0 - zo  # element 4i
         y1 = ay1 - zo  # element 4i + 2
         x0 = (ax0 - ay0) * 0.0625 - z_h  # element 4i + 1
         x1 = (ax1 - ay1) * 0.0625 - z_h  # element 4i + 3
-        # back to BLOCK_G rows for the output rotation's products (rows NR..: zero, not written)
-        lo_h = _rows(tl.reshape(tl.join(y0, y1), (1, NR, DH)), MERGE, True).reshape(BLOCK_G, DH)
-        hi_h = _rows(tl.reshape(tl.join(x0, x1), (1, NR, DH)), MERGE, True).reshape(BLOCK_G, DH)
-        m_h = _rows(m_h[None, :], MERGE, False).reshape(BLOCK_G)
-        g = tl.arange(0, BLOCK_G)
+        if FWHT:
+            RH: tl.constexpr = GP
+            lo_h = tl.reshape(tl.join(y0, y1), (GP, DH))
+            hi_h = tl.reshape(tl.join(x0, x1), (GP, DH))
+        else:  # back to BLOCK_G rows for the output rotation's products (rows NR..: zero, not written)
+            RH: tl.constexpr = BLOCK_G
+            lo_h = _rows(tl.reshape(tl.join(y0, y1), (1, NR, DH)), MERGE, True).reshape(BLOCK_G, DH)
+            hi_h = _rows(tl.reshape(tl.join(x0, x1), (1, NR, DH)), MERGE, True).reshape(BLOCK_G, DH)
+            m_h = _rows(m_h[None, :], MERGE, False).reshape(BLOCK_G)
+            l_h = _rows(l_h[None, :], MERGE, False).reshape(BLOCK_G)
+        g = tl.arange(0, RH)
         g_ok = g < G
-        l_h = tl.where(g_ok, _rows(l_h[None, :], MERGE, False).reshape(BLOCK_G), 1.0)  # past the heads: not written
+        l_h = tl.where(g_ok, l_h, 1.0)  # past the heads: not written
         head = (b * H + kvh * G + g).to(tl.int64)
         _epilogue(m_h, l_h, lo_h, hi_h, g_ok, g_ok, g, head, bh, sp, n_split, cap, o_ptr, pm_ptr, pl_ptr, pu_ptr,
-                  cnt_ptr, hp_ptr, sg_ptr, G, BLOCK_G, D, HADAMARD, False, ONE_SPLIT)
+                  cnt_ptr, hp_ptr, sg_ptr, G, RH, D, HADAMARD, False, ONE_SPLIT, FWHT, LOGD)
+
+    @triton.jit
+    def _head_rows(x, GP: tl.constexpr):
+        """Rows [0, GP) of each warp's x [W, NR] or [W, NR, n] (NR a multiple of GP): [W, GP] or [W, GP, n]."""
+        NB: tl.constexpr = x.shape[1] // GP
+        if len(x.shape) == 3:
+            y = tl.reshape(x, (x.shape[0], NB, GP, x.shape[2]))
+            keep = (tl.arange(0, NB) == 0)[None, :, None, None]
+        else:
+            y = tl.reshape(x, (x.shape[0], NB, GP))
+            keep = (tl.arange(0, NB) == 0)[None, :, None]
+        return tl.sum(tl.where(keep, y, 0.0), 1)
 
     @triton.jit
     def _first_rows(x, MERGE: tl.constexpr):
