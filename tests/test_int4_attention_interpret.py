@@ -67,7 +67,11 @@ def test_against_float64_on_random_lengths_and_heads(dtype, hadamard):
                     # its output rotation in butterflies (CONFIG's "fwht"), unmerged and one split, merged, two
                     # warps and many splits
                     {"programs_per_sm": 0, "warp_slots": 16, "fwht": True},
-                    {"programs_per_sm": 10**6, "warp_slots": 16, "merge": True, "num_warps": 2, "fwht": True}):
+                    {"programs_per_sm": 10**6, "warp_slots": 16, "merge": True, "num_warps": 2, "fwht": True},
+                    # the slot-groups form (int4_attention_groups; CONFIG's "groups"), one split and many
+                    {"programs_per_sm": 0, "warp_slots": 64, "merge": True, "num_warps": 1, "groups": True},
+                    {"programs_per_sm": 10**6, "warp_slots": 32, "merge": True, "num_warps": 1, "groups": True,
+                     "prefetch_ok": True}):
             cfg = {**ia.BLOCKS_FORM, **cfg}  # changes to the blocks form (the pinned CONFIG: the next test)
             err, sim = check_int4_attention(D, dtype, CPU, shape, hadamard, seed=i, config=cfg)
             assert err < BOUND[dtype], (shape, D, cfg, err, sim)
@@ -86,7 +90,9 @@ def test_warp_split_form_at_larger_groups(shape, D):
                 {"warp_slots": 16, "merge": True, "num_warps": 1, "programs_per_sm": 10**6},
                 # the pinned output rotation (butterflies) with two warps and many splits, and unmerged
                 {**ia.CONFIG, "num_warps": 2, "warp_slots": 32, "programs_per_sm": 10**6},
-                {**ia.CONFIG, "merge": False, "warp_slots": 32}):
+                {**ia.CONFIG, "merge": False, "warp_slots": 32},
+                # the slot-groups form (G = 16 falls back to the warp-split form), one split and many
+                {**ia.CONFIG, "groups": True}, {**ia.CONFIG, "groups": True, "programs_per_sm": 10**6}):
         cfg = {**ia.BLOCKS_FORM, **cfg}  # the others: changes to the blocks form
         err, sim = check_int4_attention(D, torch.bfloat16, CPU, shape, True, seed=3, config=cfg)
         assert err < BOUND[torch.bfloat16], (shape, D, cfg, err, sim)
@@ -95,7 +101,7 @@ def test_warp_split_form_at_larger_groups(shape, D):
 def test_the_key_mask_loaded_an_iteration_ahead_changes_nothing():
     """The warp-split form's "prefetch_ok" (each iteration loads the next one's key mask): the same output bit for
     bit as the mask loaded in its own iteration, on rows with left padding past the first iterations' slots, one
-    split and many, one warp and two; within the float64 bound."""
+    split and many, one warp and two, and in the slot-groups form; within the float64 bound."""
     from parity.precision.kv import make_kv_codec
     from parity.precision.kv_packed import PackedKVCache
     from tests.kv_packed_checks import attention_inputs
@@ -108,7 +114,8 @@ def test_the_key_mask_loaded_an_iteration_ahead_changes_nothing():
         cache.write(layer, k, v, torch.zeros(1, dtype=torch.long))
         qs = ia.prepare_queries(q, True)
         for cfg in ({"warp_slots": 16, "merge": True, "num_warps": 1, "programs_per_sm": 0},
-                    {"warp_slots": 16, "merge": True, "num_warps": 2, "programs_per_sm": 10**6}):
+                    {"warp_slots": 16, "merge": True, "num_warps": 2, "programs_per_sm": 10**6},
+                    {"warp_slots": 32, "merge": True, "num_warps": 1, "groups": True, "programs_per_sm": 10**6}):
             outs = [ia.int4_attention(qs, layer.k, layer.v, layer.k_scale, layer.v_scale, key_ok, st, L, D ** -0.5,
                                       True, torch.bfloat16, ia.Workspace(), {**ia.CONFIG, **cfg, "prefetch_ok": pf})
                     for pf in (False, True)]

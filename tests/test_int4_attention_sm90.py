@@ -43,16 +43,16 @@ def test_int4_attention_fits_the_h200_shared_memory(out, D, G):
                                  {"num_warps": 4, "warp_slots": 32, "num_stages": 2, "maxnreg": 168},
                                  {"warp_slots": 32, "merge": False, "num_warps": 4},
                                  {"num_stages": 2, "prefetch_ok": False}, {"fwht": False}],
-                         ids=["pinned", "ws32", "warps2", "ws32-warps2", "ws32-warps4-stages2",
+                         ids=["butterflies", "ws32", "warps2", "ws32-warps2", "ws32-warps4-stages2",
                               "ws32-warps4-stages2-reg168", "ws32-unmerged-warps4", "stages2-mask-in-its-iteration",
                               "rotation-as-products"])
 @pytest.mark.parametrize("D", [128, 64])
 @pytest.mark.parametrize("G", [1, 2, 4, 8, 16])
 def test_warp_split_form_compiles_without_spills(cfg, D, G):
     """The warp-split form (bf16 route only) for every group size the decode path launches, as pinned
-    (int4_attention.CONFIG) and with the changes the bench and the A/B time: it compiles for sm_90a, fits the shared
-    memory and keeps its registers (a spill would put local-memory traffic in the loop)."""
-    cfg = ia.launch_config(False, cfg)  # changes to the pinned launch
+    (int4_attention.CONFIG) without the slot groups and with the changes the bench and the A/B time: it compiles for
+    sm_90a, fits the shared memory and keeps its registers (a spill would put local-memory traffic in the loop)."""
+    cfg = ia.launch_config(False, {"groups": False, **cfg})  # changes to the pinned launch
     merge = ia.warp_form(cfg, G)[1]
     const = ia.warp_constants(cfg, G, D, True, True, False)  # as int4_attention launches it, split
     sig = {k: v for k, v in int4_attention_signature().items() if k != "qr_ptr"}
@@ -78,3 +78,24 @@ def test_the_pre_attention_kernels_build_for_sm90(eager):
     for line in pre_attention_kernels(eager):
         spill, smem = (int(re.search(rf"{k}\s+(\d+)", line).group(1)) for k in ("spill", "smem"))
         assert spill == 0 and smem <= H200_SMEM, line
+
+
+@pytest.mark.parametrize("cfg", [{"groups": True}, {"groups": True, "warp_slots": 32},
+                                 {"groups": True, "num_stages": 2}], ids=["pinned", "groups-ws32", "groups-stages2"])
+@pytest.mark.parametrize("D", [128, 64])
+@pytest.mark.parametrize("G", [1, 2, 4, 8])
+def test_slot_groups_form_compiles_without_spills(cfg, D, G):
+    """The slot-groups form (int4_attention_groups) for every group size it takes (G <= 8), split as at small
+    batches: it compiles for sm_90a, fits the shared memory, no spill."""
+    from parity.rollout import int4_attention_groups as ig
+    cfg = ia.launch_config(False, cfg)
+    const = ia.groups_constants(cfg, G, D, True, True, False)  # as int4_attention launches it, split
+    sig = {k: v for k, v in int4_attention_signature().items() if k != "qr_ptr"}
+    sig = {**sig, **dict.fromkeys(const, "constexpr")}
+    attrs = {(ig._int4_attn_groups_kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items()
+             if t.startswith("*")}
+    k = triton.compile(ASTSource(fn=ig._int4_attn_groups_kernel, signature=sig, constexprs=const, attrs=attrs),
+                       target=TARGET, options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+    assert k.metadata.shared <= H200_SMEM
+    regs, spills = ptxas_registers(k.asm["ptx"])
+    assert regs <= 255 and spills == 0, (regs, spills)

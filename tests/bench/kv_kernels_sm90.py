@@ -26,6 +26,7 @@ import parity.precision.kv_packed as kp
 import parity.rollout.decode_attention as da
 import parity.rollout.decode_attention_warps as dw
 import parity.rollout.int4_attention as ia
+import parity.rollout.int4_attention_groups as ig
 import parity.rollout.int4_attention_warps as iw
 import parity.rollout.pre_attention as pa
 
@@ -148,12 +149,18 @@ def int4_kernels() -> None:
                iw._int4_attn_warps_kernel, warp_sig, ia.warp_constants(cfg, 2, 128, True, True, True),
                {"num_warps": warps, "num_stages": 2, **({"maxnreg": reg} if reg else {})}, div16=div16,
                loop_slots=slots * warps)
-    cfg = ia.CONFIG
-    report(f"int4 rotated warp-split pinned slots={cfg['warp_slots']} warps={cfg['num_warps']} "
+    cfg = {**ia.CONFIG, "groups": False}
+    report(f"int4 rotated warp-split slots={cfg['warp_slots']} warps={cfg['num_warps']} "
            f"stages={cfg['num_stages']} prefetch_ok={cfg['prefetch_ok']} fwht={cfg['fwht']}",
            iw._int4_attn_warps_kernel, warp_sig, ia.warp_constants(cfg, 2, 128, True, True, True),
            {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}, div16=div16,
            loop_slots=cfg["warp_slots"] * cfg["num_warps"])
+    cfg = ia.CONFIG  # the pinned configuration: the slot-groups form (int4_attention_groups) when "groups"
+    if cfg["groups"]:
+        report(f"int4 rotated slot groups pinned {ia.groups_form(cfg, 2)} stages={cfg['num_stages']}",
+               ig._int4_attn_groups_kernel, warp_sig, ia.groups_constants(cfg, 2, 128, True, True, True),
+               {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}, div16=div16,
+               loop_slots=ia.iteration_slots(cfg, 2))
     report("int4 query preparation", ia._query_kernel,
            {"q_ptr": "*bf16", "qf_ptr": "*fp32", "qi_ptr": "*i8", "qc_ptr": "*fp32", "sg_ptr": "*fp32",
             "hm_ptr": "*bf16", "rows": "i32"}, {"D": 128, "HADAMARD": True}, {"num_warps": 4})

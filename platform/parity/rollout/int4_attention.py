@@ -20,7 +20,7 @@ differs, as any attention kernel's does:
   the fp16 tensor-core product as 1024 + byte and 1024 + low nibble, one byte permute (and a mask) per two codes
   straight from the loaded byte pairs; the 1024 offsets and the zero points come off through the weights' sums.
 - the output rotation d (H u) / D: products with H_{D/2} (+-1) of u in two bf16 terms (16 bits), or in the
-  warp-split form (CONFIG's "fwht") float32 butterflies on u itself, the heads' rows only.
+  warp-split and slot-groups forms (CONFIG's "fwht", "groups") float32 butterflies on u itself, the heads' rows only.
 - float32 caches (tests, fp32 models) take the exact route instead: float32 codes and IEEE float32 products.
 
 Measured against a float64 attention over the codec's values computed from the codes (under Triton's
@@ -34,8 +34,9 @@ are added until the grid fills the GPU (`split_plan`); each split writes a parti
 weighted sum) and the last split of a (row, head) to finish, found with an atomic counter, merges them, rotates
 back and writes the output: one launch, no second kernel. The counters are reset by the merging program, so a
 captured CUDA graph replays it. The warp-split form (CONFIG's "warp_slots"; parity.rollout.int4_attention_warps)
-computes the same with each warp on its own slots and no exchange between warps inside the loop; the pieces both
-forms share are in parity.rollout.int4_attention_parts.
+computes the same with each warp on its own slots and no exchange between warps inside the loop, and the slot-groups
+form ("groups"; parity.rollout.int4_attention_groups) fills the products' rows with (slot group, head) pairs in one
+warp; the pieces the forms share are in parity.rollout.int4_attention_parts.
 
 Tests: tests/test_int4_attention_interpret.py (CPU, Triton's interpreter) and tests/test_kv_packed_cuda.py.
 """
@@ -77,14 +78,20 @@ except ImportError:  # CPU installs
 # "fwht" (the warp-split form rotates its output in float32 butterflies on the heads' rows only, instead of products
 # with H_{D/2} over 16 padded rows: 604 instructions after the loop instead of 1,060, no H_{D/2} read): 10.83-10.86 us
 # against 11.96-11.97 at L = 256, 14.17-14.23 against 15.40-15.43 at 384 (one H100, 2026-12-06, the same A/B;
-# docs/perf_runs/2026-12-06_int4_attention_fwht_ab_h100.json). ROWS, blocks and row_scale apply to this module's
-# kernel only (warp_slots 0), which the exact route keeps; prefetch_ok and fwht to the warp-split form only.
+# docs/perf_runs/2026-12-06_int4_attention_fwht_ab_h100.json), and since then with "groups" (the slot-groups form,
+# parity.rollout.int4_attention_groups: 4 groups of 16 slots x 2 heads in the products' 16 rows, the softmax on real
+# rows only, 967 loop instructions per 64 slots against 1,265; its rotation is the butterflies): 10.41 against 10.82
+# us at L = 256 in one A/B, 10.54 us in the bench after (one H100, 2026-12-06;
+# docs/perf_runs/2026-12-06_packed_kv_int4_slot_groups_h100.json). ROWS, blocks and row_scale apply to this module's
+# kernel only (warp_slots 0), which the exact route keeps; prefetch_ok, fwht and groups to the warp-split forms only
+# (groups where the query's parts merge and G <= 8, else the warp-split form).
 CONFIG = {"ROWS": 16, "num_warps": 1, "num_stages": 3, "programs_per_sm": 1, "asm": True, "blocks": True,
-          "merge": True, "row_scale": False, "warp_slots": 64, "prefetch_ok": True, "fwht": True}
+          "merge": True, "row_scale": False, "warp_slots": 64, "prefetch_ok": True, "fwht": True, "groups": True}
 # this module's kernel in the form pinned before (rows16-warps4-stages2-pps1-blocks): what the exact route launches
 # (with EXACT_ROWS), and the base the bench's and the tests' other variants of this kernel change
 BLOCKS_FORM = {"ROWS": 16, "num_warps": 4, "num_stages": 2, "programs_per_sm": 1, "asm": True, "blocks": True,
-               "merge": False, "row_scale": False, "warp_slots": 0, "prefetch_ok": False, "fwht": False}
+               "merge": False, "row_scale": False, "warp_slots": 0, "prefetch_ok": False, "fwht": False,
+               "groups": False}
 # The exact route (float32 output) multiplies the codes by a block-diagonal float32 query, whose tiles grow with
 # the column groups R = 16 / G: at G = 1, D = 128 they need 247,808 B of shared memory at ROWS 16 (2 stages) on
 # sm_90, over the H200's 232,448 B, and 189,504 B at ROWS 8 (Triton's compile for sm_90a; checked for every G and
@@ -116,9 +123,22 @@ def warp_form(cfg: dict, G: int, exact: bool = False) -> tuple[int, bool]:
     return (cfg["warp_slots"] if merge else min(cfg["warp_slots"], 32)), merge
 
 
+def groups_form(cfg: dict, G: int, exact: bool = False) -> tuple[int, int]:
+    """(groups, slots a group) of the slot-groups form (int4_attention_groups) under launch configuration `cfg`
+    ("groups" with the warp-split form's merged parts: 8 / G rounded up to a power of two groups of warp_slots /
+    groups slots, at least 16), or (0, 0): the other forms (G > 8 always)."""
+    gp = triton_next_pow2(G)
+    if not cfg.get("groups") or not warp_form(cfg, G, exact)[1] or gp > 8:
+        return 0, 0
+    return 8 // gp, max(16, cfg["warp_slots"] // (8 // gp))
+
+
 def iteration_slots(cfg: dict, G: int, exact: bool = False) -> int:
-    """Slots one iteration of launch configuration `cfg` covers: num_warps x a warp's slots in the warp-split form,
-    else `slots_per_iteration`."""
+    """Slots one iteration of launch configuration `cfg` covers: the groups' slots in the slot-groups form,
+    num_warps x a warp's slots in the warp-split form, else `slots_per_iteration`."""
+    nq, sg = groups_form(cfg, G, exact)
+    if nq:
+        return nq * sg
     slots = warp_form(cfg, G, exact)[0]
     return cfg["num_warps"] * slots if slots else slots_per_iteration(G, cfg["ROWS"])
 
@@ -245,7 +265,12 @@ def int4_attention(qs: Queries, kc: torch.Tensor, vc: torch.Tensor, kw: torch.Te
                  else {})}
     args = (kc, vc, kw, vw, ok, slot, out, pm, pl, pu, cnt, hhalf, signs_d, qk, L, S, n_kv, H, per, splits,
             ok.stride(0), pm.shape[1])
-    if slots:
+    nq, sg = groups_form(cfg, G, exact)
+    if nq:
+        from parity.rollout.int4_attention_groups import _int4_attn_groups_kernel
+        _int4_attn_groups_kernel[(B * n_kv, splits)](qs.codes, qs.factors, *args, **launch,
+                                                     **groups_constants(cfg, G, D, hadamard, asm, splits == 1))
+    elif slots:
         from parity.rollout.int4_attention_warps import _int4_attn_warps_kernel
         _int4_attn_warps_kernel[(B * n_kv, splits)](qs.codes, qs.factors, *args, **launch,
                                                     **warp_constants(cfg, G, D, hadamard, asm, splits == 1))
@@ -265,6 +290,14 @@ def warp_constants(cfg: dict, G: int, D: int, hadamard: bool, asm: bool, one_spl
             "FWHT": bool(cfg.get("fwht")), "GP": gp, "LOGD": D.bit_length() - 1}
 
 
+def groups_constants(cfg: dict, G: int, D: int, hadamard: bool, asm: bool, one_split: bool) -> dict:
+    """The slot-groups kernel's compile-time arguments (parity.rollout.int4_attention_groups) for launch
+    configuration `cfg` (its form: `groups_form`)."""
+    nq, sg = groups_form(cfg, G)
+    return {"G": G, "GP": triton.next_power_of_2(G), "NQ": nq, "SG": sg, "D": D, "HADAMARD": hadamard, "ASM": asm,
+            "ONE_SPLIT": one_split, "PREFETCH_OK": bool(cfg.get("prefetch_ok")), "LOGD": D.bit_length() - 1}
+
+
 def kernel_constants(cfg: dict, G: int, D: int, hadamard: bool, exact: bool, asm: bool, one_split: bool) -> dict:
     """The kernel's compile-time arguments for launch configuration `cfg` (launch_config): G query heads a KV head,
     head dim D. "merge" needs two column groups' room (2 G rounded up <= 16) and the tensor-core route; "row_scale"
@@ -277,7 +310,14 @@ def kernel_constants(cfg: dict, G: int, D: int, hadamard: bool, exact: bool, asm
 
 
 if triton is not None:
-    from parity.rollout.int4_attention_parts import _epilogue, _f16_byte, _f16_low, _hi8
+    from parity.rollout.int4_attention_parts import (
+        _epilogue,
+        _f16_byte,
+        _f16_low,
+        _hi8,
+        _online_softmax,
+        _u_rows,
+    )
 
     @triton.jit
     def _round(x):
@@ -475,12 +515,7 @@ if triton is not None:
                 else:
                     t = tl.trans(tl.reshape(t4, (ROWS, BLOCK_G))).to(tl.float32)
                 s = (t * c_a[:, None] + c_b[:, None]) * f - (zk * f) * c_c[:, None]
-            s = tl.where(seen, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: no NaN
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(s - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+            m_new, alpha, p, l_i = _online_softmax(s, seen, m_i, l_i, 1)
             if EXACT:
                 pw = p * sv
                 beta = alpha
@@ -517,17 +552,13 @@ if triton is not None:
             u_lo = acc_y - z_i[:, None]
             u_hi = acc_x - z_i[:, None]
         else:
-            zo = (1024.0 * w_i + z_i)[:, None]
-            y0 = acc_y0 - zo  # element 4i
-            y1 = acc_y1 - zo  # element 4i + 2
-            x0 = (acc_x0 - acc_y0) * 0.0625 - z_i[:, None]  # element 4i + 1
-            x1 = (acc_x1 - acc_y1) * 0.0625 - z_i[:, None]  # element 4i + 3
             if ROW_SCALE:
                 s_out = s_prev[:, None]
             else:
                 s_out = s_prev
-            u_lo = tl.reshape(tl.join(y0, y1), (BLOCK_G, DH)) * s_out
-            u_hi = tl.reshape(tl.join(x0, x1), (BLOCK_G, DH)) * s_out
+            u_lo, u_hi = _u_rows(acc_x0, acc_y0, acc_x1, acc_y1, w_i[:, None], z_i[:, None])
+            u_lo = u_lo * s_out
+            u_hi = u_hi * s_out
         # merge the R sub-ranges of each head: rows c < GP of [BLOCK_G, ...] hold head c afterwards
         mr = tl.reshape(m_i, (R, GP))
         top = tl.max(mr, 0)

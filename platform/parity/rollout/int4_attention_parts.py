@@ -55,6 +55,47 @@ if triton is not None:
             return ((c ^ 0x80) & 0xF0).to(tl.int8, bitcast=True)
 
     @triton.jit
+    def _cache_rows(kc_ptr, vc_ptr, ks_ptr, vs_ptr, ok_ptr, bh, b, S, ok_stride, DH: tl.constexpr):
+        """Program (row b, (row, KV head) bh)'s cache: (K codes, V codes as byte pairs, K and V scale words, key
+        mask)."""
+        base = bh.to(tl.int64) * S
+        return (kc_ptr + base * DH, (vc_ptr + base * DH).to(tl.pointer_type(tl.uint16)), ks_ptr + base,
+                vs_ptr + base, ok_ptr + b.to(tl.int64) * ok_stride)
+
+    @triton.jit
+    def _part_weights(m):
+        """Partial softmaxes' running maxima m [P, heads] -> (the heads' max [heads], each part's weight
+        exp2(m - max) [P, heads], zero for a part that saw nothing)."""
+        m_h = tl.max(m, 0)
+        top = tl.where(m_h == float("-inf"), 0.0, m_h)
+        return m_h, tl.where(m == float("-inf"), 0.0, tl.exp2(m - top[None, :]))
+
+    @triton.jit
+    def _online_softmax(s, seen, m_i, l_i, AXIS: tl.constexpr):
+        """One tile of the online softmax along AXIS, base 2: the scores s kept where seen; (the new running max,
+        the factor alpha the sums so far take, the tile's weights p, the new running sum)."""
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, AXIS))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: no NaN
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - tl.expand_dims(m_use, AXIS))
+        return m_new, alpha, p, l_i * alpha + tl.sum(p, AXIS)
+
+    @triton.jit
+    def _u_rows(ax0, ay0, ax1, ay1, w, z):
+        """u = sum_j p_j s_j (n'_j - z_j) of R rows from the V products' sums ax0, ay0, ax1, ay1 [R, D/4] (per byte
+        of a pair: 1024 + byte (x), 1024 + low nibble (y)), the weights' sums w and their weighted zero points z
+        [R, 1]: (even elements, odd elements) [R, D/2], the 1024 offsets and the zero points taken off."""
+        zo = 1024.0 * w + z
+        y0 = ay0 - zo  # element 4i
+        y1 = ay1 - zo  # element 4i + 2
+        x0 = (ax0 - ay0) * 0.0625 - z  # element 4i + 1
+        x1 = (ax1 - ay1) * 0.0625 - z  # element 4i + 3
+        R: tl.constexpr = ax0.shape[0]
+        DH: tl.constexpr = 2 * ax0.shape[1]
+        return tl.reshape(tl.join(y0, y1), (R, DH)), tl.reshape(tl.join(x0, x1), (R, DH))
+
+    @triton.jit
     def _fwht(x, N: tl.constexpr, LOGN: tl.constexpr):
         """H_N x along the last axis of x [M, N] (H_N the Sylvester-Hadamard matrix, N = 2^LOGN): LOGN stages of
         float32 butterflies, (x_i, x_i') -> (x_i + x_i', x_i - x_i') for the pairs i' = i + 2^k, bit k of i clear."""

@@ -33,7 +33,16 @@ except ImportError:  # CPU installs
     triton = None
 
 if triton is not None:
-    from parity.rollout.int4_attention_parts import _epilogue, _f16_byte, _f16_low, _hi8
+    from parity.rollout.int4_attention_parts import (
+        _cache_rows,
+        _epilogue,
+        _f16_byte,
+        _f16_low,
+        _hi8,
+        _online_softmax,
+        _part_weights,
+        _u_rows,
+    )
 
     @triton.jit
     def _int4_attn_warps_kernel(qi_ptr, qc_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, ok_ptr, slot_ptr, o_ptr, pm_ptr,
@@ -81,12 +90,7 @@ if triton is not None:
         c_a = tl.load(qc_ptr + hrow * 4, mask=r_ok, other=0.0)[None, :, None]
         c_b = tl.load(qc_ptr + hrow * 4 + 1, mask=r_ok, other=0.0)[None, :, None]
         c_c = tl.load(qc_ptr + hrow * 4 + 2, mask=r_ok, other=0.0)[None, :, None]
-        base = bh.to(tl.int64) * S
-        kc = kc_ptr + base * DH
-        vc16 = (vc_ptr + base * DH).to(tl.pointer_type(tl.uint16))
-        ks = ks_ptr + base
-        vs = vs_ptr + base
-        okp = ok_ptr + b.to(tl.int64) * ok_stride
+        kc, vc16, ks, vs, okp = _cache_rows(kc_ptr, vc_ptr, ks_ptr, vs_ptr, ok_ptr, bh, b, S, ok_stride, DH)
         slot = tl.load(slot_ptr)
         w = tl.arange(0, W)
         n = tl.arange(0, SLOTS)
@@ -138,12 +142,7 @@ if triton is not None:
                 tt = ta * 128 + tb
             t = tt.to(tl.float32)  # 16 (Q . n' - 8 sum(Q odd)), exact: [W, NR, SLOTS]
             s = (t * c_a + c_b) * f - (zk * f) * c_c
-            s = tl.where(seen[:, None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 2))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: no NaN
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(s - m_use[:, :, None])
-            l_i = l_i * alpha + tl.sum(p, 2)
+            m_new, alpha, p, l_i = _online_softmax(s, seen[:, None, :], m_i, l_i, 2)
             s_max = tl.maximum(tl.max(sv, 1), 1e-30)  # the warp's largest scale: weights in [0, 1], fp16 keeps 11 bits
             inv_s = 1.0 / s_max
             pw = (p * (sv * inv_s[:, None])[:, None, :]).to(tl.float16).to(tl.float32)
@@ -175,9 +174,7 @@ if triton is not None:
             a_y0 = _first_rows(acc_y0, MERGE)
             a_x1 = _first_rows(acc_x1, MERGE)
             a_y1 = _first_rows(acc_y1, MERGE)
-        m_h = tl.max(m_i, 0)
-        top = tl.where(m_h == float("-inf"), 0.0, m_h)
-        wr = tl.where(m_i == float("-inf"), 0.0, tl.exp2(m_i - top[None, :]))
+        m_h, wr = _part_weights(m_i)
         ws = wr * s_prev[:, None]
         l_h = tl.sum(l_i * wr, 0)
         z_h = tl.sum(z_i * ws, 0)
@@ -186,21 +183,13 @@ if triton is not None:
         ay0 = tl.sum(a_y0 * ws[:, :, None], 0)
         ax1 = tl.sum(a_x1 * ws[:, :, None], 0)
         ay1 = tl.sum(a_y1 * ws[:, :, None], 0)
-        z_h = z_h[:, None]
-        # u = sum_j p_j s_j (n'_j - z_j), even elements from the low nibbles, odd from the high ones
-        zo = 1024.0 * w_h[:, None] + z_h
-        y0 = ay0 - zo  # element 4i
-        y1 = ay1 - zo  # element 4i + 2
-        x0 = (ax0 - ay0) * 0.0625 - z_h  # element 4i + 1
-        x1 = (ax1 - ay1) * 0.0625 - z_h  # element 4i + 3
+        lo_h, hi_h = _u_rows(ax0, ay0, ax1, ay1, w_h[:, None], z_h[:, None])
         if FWHT:
             RH: tl.constexpr = GP
-            lo_h = tl.reshape(tl.join(y0, y1), (GP, DH))
-            hi_h = tl.reshape(tl.join(x0, x1), (GP, DH))
         else:  # back to BLOCK_G rows for the output rotation's products (rows NR..: zero, not written)
             RH: tl.constexpr = BLOCK_G
-            lo_h = _rows(tl.reshape(tl.join(y0, y1), (1, NR, DH)), MERGE, True).reshape(BLOCK_G, DH)
-            hi_h = _rows(tl.reshape(tl.join(x0, x1), (1, NR, DH)), MERGE, True).reshape(BLOCK_G, DH)
+            lo_h = _rows(tl.reshape(lo_h, (1, NR, DH)), MERGE, True).reshape(BLOCK_G, DH)
+            hi_h = _rows(tl.reshape(hi_h, (1, NR, DH)), MERGE, True).reshape(BLOCK_G, DH)
             m_h = _rows(m_h[None, :], MERGE, False).reshape(BLOCK_G)
             l_h = _rows(l_h[None, :], MERGE, False).reshape(BLOCK_G)
         g = tl.arange(0, RH)
