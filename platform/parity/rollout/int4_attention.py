@@ -124,9 +124,10 @@ def warp_form(cfg: dict, G: int, exact: bool = False) -> tuple[int, bool]:
 
 
 def groups_form(cfg: dict, G: int, exact: bool = False) -> tuple[int, int]:
-    """(groups, slots a group) of the slot-groups form (int4_attention_groups) under launch configuration `cfg`
-    ("groups" with the warp-split form's merged parts: 8 / G rounded up to a power of two groups of warp_slots /
-    groups slots, at least 16), or (0, 0): the other forms (G > 8 always)."""
+    """(groups, slots a group) of the slot-groups form (int4_attention_groups) under launch configuration `cfg`:
+    with "groups" and the warp-split form's query parts merged (G <= 8), 8 / GP groups (GP: G rounded up to a power of
+    two) of warp_slots / groups slots each, at least 16 (the products' smallest width); else (0, 0), the other
+    forms."""
     gp = triton_next_pow2(G)
     if not cfg.get("groups") or not warp_form(cfg, G, exact)[1] or gp > 8:
         return 0, 0
