@@ -125,6 +125,29 @@ def test_the_key_mask_loaded_an_iteration_ahead_changes_nothing():
             assert err < BOUND[torch.bfloat16], (shape, cfg, err, sim)
 
 
+def test_the_slot_groups_v_product_a_group_at_a_time_changes_nothing():
+    """The slot-groups form's "group_v" (each group's V product on its own instead of one block-diagonal product):
+    the same output bit for bit, at 2 and 4 query heads a KV head (4 and 2 groups; at 1, 8 groups, it keeps the
+    block-diagonal product), one split and many."""
+    from parity.precision.kv import make_kv_codec
+    from parity.precision.kv_packed import PackedKVCache
+    from tests.kv_packed_checks import attention_inputs
+    for i, (shape, D) in enumerate([((2, 2, 2, 150, 150, 149), 128), ((2, 1, 1, 100, 90, 80), 128),
+                                    ((3, 1, 4, 96, 70, 51), 64)]):
+        q, k, v, key_ok, st = attention_inputs(shape, D, torch.bfloat16, CPU, seed=i)
+        B, n_kv, G, S, L, slot = shape
+        cache = PackedKVCache(make_kv_codec("int4_per_token_head", D), 1, B, n_kv, S, torch.bfloat16, CPU)
+        layer = cache.layers[0]
+        cache.write(layer, k, v, torch.zeros(1, dtype=torch.long))
+        qs = ia.prepare_queries(q, True)
+        for pps in (0, 10**6):
+            outs = [ia.int4_attention(qs, layer.k, layer.v, layer.k_scale, layer.v_scale, key_ok, st, L, D ** -0.5,
+                                      True, torch.bfloat16, ia.Workspace(),
+                                      {**ia.CONFIG, "groups": True, "group_v": gv, "programs_per_sm": pps})
+                    for gv in (False, True)]
+            assert torch.equal(outs[0], outs[1]), (shape, pps)
+
+
 def test_split_plan():
     from parity.rollout.int4_attention import slots_per_iteration, split_plan
     assert slots_per_iteration(2, 16) == 128 and slots_per_iteration(1, 16) == 256 and slots_per_iteration(4, 16) == 64

@@ -11,7 +11,9 @@ column n: byte d of slot start + q SG + n, loaded so from memory). Its score row
 slots for head g, each row with its own running softmax. The V weights go back block-diagonal ([NR, T], row (q, g)
 nonzero in group q's columns) against the codes of all T slots, and after the loop the NQ groups of each head are
 merged as the warp-split form merges its warps. NQ = 8 / GP groups (GP: the heads rounded up to a power of two, at
-most 8), SG >= 16 slots each (the products' smallest width).
+most 8), SG >= 16 slots each (the products' smallest width). VSPLIT (CONFIG's "group_v"): the V product as NQ
+products, group q's weights (the other groups' rows zero) against group q's codes, instead of the block-diagonal
+weights the compiler builds through shared memory: the same products summed in the same order.
 Tests: tests/test_int4_attention_interpret.py (Triton's interpreter, against float64), tests/test_kv_packed_cuda.py.
 """
 
@@ -40,7 +42,8 @@ if triton is not None:
                                  pl_ptr, pu_ptr, cnt_ptr, hp_ptr, sg_ptr, qk_scale, L, S, n_kv, H, split_slots,
                                  n_split, ok_stride, cap, G: tl.constexpr, GP: tl.constexpr, NQ: tl.constexpr,
                                  SG: tl.constexpr, D: tl.constexpr, HADAMARD: tl.constexpr, ASM: tl.constexpr,
-                                 ONE_SPLIT: tl.constexpr, PREFETCH_OK: tl.constexpr, LOGD: tl.constexpr):
+                                 ONE_SPLIT: tl.constexpr, PREFETCH_OK: tl.constexpr, LOGD: tl.constexpr,
+                                 VSPLIT: tl.constexpr = False):
         DH: tl.constexpr = D // 2
         DQ: tl.constexpr = D // 4
         NR: tl.constexpr = NQ * GP  # score rows (q, g); the products' rows are part a (< NR) and part b
@@ -104,8 +107,9 @@ if triton is not None:
             wv = tl.load(vs + sl, mask=s_in, other=0)
             sk = start + q_k[:, None] * SG + n[None, :]  # [NQ D/2, SG]: the K codes as the product's operand
             ck = tl.load(kc + sk * DH + d_k[:, None], mask=sk < hi, other=0)
-            vslot = start + tl.arange(0, T)  # byte pairs: element 4i + {0, 1} in byte 2i, 4i + {2, 3} in 2i + 1
-            cv = tl.load(vc16 + vslot[:, None] * DQ + i4[None, :], mask=(vslot < hi)[:, None], other=0)
+            if not VSPLIT:
+                vslot = start + tl.arange(0, T)  # byte pairs: element 4i + {0, 1} in byte 2i, 4i + {2, 3} in 2i + 1
+                cv = tl.load(vc16 + vslot[:, None] * DQ + i4[None, :], mask=(vslot < hi)[:, None], other=0)
             ta = tl.dot(bea, (ck & 15).to(tl.int8, bitcast=True), out_dtype=tl.int32) * 16
             ta = tl.dot(boa, _hi8(ck, ASM), ta, out_dtype=tl.int32)
             t = tl.sum(tl.reshape(ta, (2, NR, SG)) * wab[:, None, None], 0).to(tl.float32)  # exact: [NR, SG]
@@ -122,14 +126,28 @@ if triton is not None:
             s_prev = s_max
             z_i = z_i * beta + tl.sum(pw * zv, 1)
             w_i = w_i * beta + tl.sum(pw, 1)
-            # the weights back at their slots, block-diagonal: row (q, g) in columns q SG + [0, SG); rows NR..: zero
-            pb = tl.reshape(tl.where(q_r[:, None, None] == qq[None, :, None], pw[:, None, :], 0.0), (NR, T))
-            pt = tl.reshape(tl.permute(tl.join(pb, tl.zeros_like(pb)), (2, 0, 1)), (2 * NR, T)).to(tl.float16)
             bt = tl.reshape(tl.permute(tl.join(beta, beta), (1, 0)), (2 * NR,))[:, None]
-            acc_x0 = tl.dot(pt, _f16_byte(cv, 0, ASM), acc_x0 * bt)
-            acc_y0 = tl.dot(pt, _f16_low(cv, 0, ASM), acc_y0 * bt)
-            acc_x1 = tl.dot(pt, _f16_byte(cv, 1, ASM), acc_x1 * bt)
-            acc_y1 = tl.dot(pt, _f16_low(cv, 1, ASM), acc_y1 * bt)
+            if VSPLIT:  # each group's slots a product of their own: the weights stay in the scores' layout
+                acc_x0 = acc_x0 * bt
+                acc_y0 = acc_y0 * bt
+                acc_x1 = acc_x1 * bt
+                acc_y1 = acc_y1 * bt
+                for q in tl.static_range(NQ):
+                    pq = tl.where(q_r[:, None] == q, pw, 0.0)
+                    pt = tl.reshape(tl.permute(tl.join(pq, tl.zeros_like(pq)), (2, 0, 1)), (2 * NR, SG)).to(tl.float16)
+                    vq = start + q * SG + n
+                    cq = tl.load(vc16 + vq[:, None] * DQ + i4[None, :], mask=(vq < hi)[:, None], other=0)
+                    acc_x0 = tl.dot(pt, _f16_byte(cq, 0, ASM), acc_x0)
+                    acc_y0 = tl.dot(pt, _f16_low(cq, 0, ASM), acc_y0)
+                    acc_x1 = tl.dot(pt, _f16_byte(cq, 1, ASM), acc_x1)
+                    acc_y1 = tl.dot(pt, _f16_low(cq, 1, ASM), acc_y1)
+            else:  # the weights back at their slots, block-diagonal: row (q, g) in columns q SG + [0, SG)
+                pb = tl.reshape(tl.where(q_r[:, None, None] == qq[None, :, None], pw[:, None, :], 0.0), (NR, T))
+                pt = tl.reshape(tl.permute(tl.join(pb, tl.zeros_like(pb)), (2, 0, 1)), (2 * NR, T)).to(tl.float16)
+                acc_x0 = tl.dot(pt, _f16_byte(cv, 0, ASM), acc_x0 * bt)
+                acc_y0 = tl.dot(pt, _f16_low(cv, 0, ASM), acc_y0 * bt)
+                acc_x1 = tl.dot(pt, _f16_byte(cv, 1, ASM), acc_x1 * bt)
+                acc_y1 = tl.dot(pt, _f16_low(cv, 1, ASM), acc_y1 * bt)
             m_i = m_new
         # merge each head's NQ groups (rows q * GP + g), weights exp2(m_q - max) as the warp-split form's warps
         m_q = tl.reshape(m_i, (NQ, GP))
