@@ -127,12 +127,12 @@ def test_the_key_mask_loaded_an_iteration_ahead_changes_nothing():
 
 def test_the_slot_groups_v_product_a_group_at_a_time_changes_nothing():
     """The slot-groups form's "group_v" (each group's V product on its own instead of one block-diagonal product):
-    the same output bit for bit, at 2 and 4 query heads a KV head (4 and 2 groups; at 1, 8 groups, it keeps the
-    block-diagonal product), one split and many."""
+    the same output bit for bit, at 2, 3 and 4 query heads a KV head (4, 2 with a padded head, and 2 groups), one
+    split and many."""
     from parity.precision.kv import make_kv_codec
     from parity.precision.kv_packed import PackedKVCache
     from tests.kv_packed_checks import attention_inputs
-    for i, (shape, D) in enumerate([((2, 2, 2, 150, 150, 149), 128), ((2, 1, 1, 100, 90, 80), 128),
+    for i, (shape, D) in enumerate([((2, 2, 2, 150, 150, 149), 128), ((2, 1, 3, 100, 90, 80), 128),
                                     ((3, 1, 4, 96, 70, 51), 64)]):
         q, k, v, key_ok, st = attention_inputs(shape, D, torch.bfloat16, CPU, seed=i)
         B, n_kv, G, S, L, slot = shape

@@ -55,14 +55,18 @@ def test_warp_split_form_compiles_without_spills(cfg, D, G):
     cfg = ia.launch_config(False, {"groups": False, **cfg})  # changes to the pinned launch
     merge = ia.warp_form(cfg, G)[1]
     const = ia.warp_constants(cfg, G, D, True, True, False)  # as int4_attention launches it, split
+    assert_fits_without_spills(iw._int4_attn_warps_kernel, const, {
+        "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
+        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and merge else {})})  # as int4_attention launches it
+
+
+def assert_fits_without_spills(fn, const: dict, options: dict) -> None:
+    """Compile one of the warp-split kernels (the bf16 route's signature) for sm_90a with compile-time arguments
+    `const` and launch `options`: shared memory within the H200's, at most 255 registers, no spill."""
     sig = {k: v for k, v in int4_attention_signature().items() if k != "qr_ptr"}
     sig = {**sig, **dict.fromkeys(const, "constexpr")}
-    attrs = {(iw._int4_attn_warps_kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items()
-             if t.startswith("*")}
-    k = triton.compile(ASTSource(fn=iw._int4_attn_warps_kernel, signature=sig, constexprs=const, attrs=attrs),
-                       target=TARGET, options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
-                                               **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and merge
-                                                  else {})})  # as int4_attention launches it
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items() if t.startswith("*")}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs), target=TARGET, options=options)
     assert k.metadata.shared <= H200_SMEM
     regs, spills = ptxas_registers(k.asm["ptx"])
     assert regs <= 255 and spills == 0, (regs, spills)
@@ -91,12 +95,5 @@ def test_slot_groups_form_compiles_without_spills(cfg, D, G):
     from parity.rollout import int4_attention_groups as ig
     cfg = ia.launch_config(False, cfg)
     const = ia.groups_constants(cfg, G, D, True, True, False)  # as int4_attention launches it, split
-    sig = {k: v for k, v in int4_attention_signature().items() if k != "qr_ptr"}
-    sig = {**sig, **dict.fromkeys(const, "constexpr")}
-    attrs = {(ig._int4_attn_groups_kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items()
-             if t.startswith("*")}
-    k = triton.compile(ASTSource(fn=ig._int4_attn_groups_kernel, signature=sig, constexprs=const, attrs=attrs),
-                       target=TARGET, options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
-    assert k.metadata.shared <= H200_SMEM
-    regs, spills = ptxas_registers(k.asm["ptx"])
-    assert regs <= 255 and spills == 0, (regs, spills)
+    assert_fits_without_spills(ig._int4_attn_groups_kernel, const,
+                               {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})

@@ -32,8 +32,9 @@ from gpu_read_ceiling import same_layout_call
 
 L = 256
 # changes to the pinned configuration (int4_attention.CONFIG) the A/B times
-AB = {"before (stages2, mask in its iteration)": {"num_stages": 2, "prefetch_ok": False},
-      "stages2": {"num_stages": 2}, "mask in its iteration": {"prefetch_ok": False}}
+AB = {"warp-split form, butterflies (pinned before the slot groups)": {"groups": False},
+      "warp-split form, rotation as products": {"groups": False, "fwht": False},
+      "slot groups, V product a group at a time": {"group_v": True}}
 
 
 def attention_call(qs, key_ok, scale: float, int4, c, L: int, cfg: dict):

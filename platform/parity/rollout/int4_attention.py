@@ -133,10 +133,10 @@ def groups_form(cfg: dict, G: int, exact: bool = False) -> tuple[int, int]:
     with "groups" and the warp-split form's query parts merged (G <= 8), 8 / GP groups (GP: G rounded up to a power of
     two) of warp_slots / groups slots each, at least 16 (the products' smallest width); else (0, 0), the other
     forms."""
-    gp = triton_next_pow2(G)
-    if not cfg.get("groups") or not warp_form(cfg, G, exact)[1] or gp > 8:
+    if not cfg.get("groups") or not warp_form(cfg, G, exact)[1]:  # merged parts: G <= 8
         return 0, 0
-    return 8 // gp, max(16, cfg["warp_slots"] // (8 // gp))
+    nq = 8 // triton_next_pow2(G)
+    return nq, max(16, cfg["warp_slots"] // nq)
 
 
 def iteration_slots(cfg: dict, G: int, exact: bool = False) -> int:

@@ -16,7 +16,7 @@ if triton is not None:
         """fp16 1024 + byte HALF of the uint16 c (exact): the byte's two nibbles as 1024 + lo + 16 hi. One byte
         permute per two codes: [c.b, 0x64, c'.b, 0x64] is the fp16 pair of two neighbouring elements. (The byte
         alone, [c.b, 0, c'.b, 0], would be an fp16 subnormal: exact, no offset to take off and one instruction
-        fewer a pair, but it lengthens a chain of dependent tensor-core products by 11% on an H100, and the
+        fewer a pair, but it lengthens a chain of dependent tensor-core products by 11-21% on an H100, and the
         attention came out slower: docs/PERFORMANCE.md, "The output rotation in butterflies".)"""
         if ASM:
             if HALF == 0:
