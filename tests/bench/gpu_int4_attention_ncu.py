@@ -33,8 +33,9 @@ from gpu_read_ceiling import same_layout_call
 L = 256
 # changes to the pinned configuration (int4_attention.CONFIG) the A/B times
 AB = {"warp-split form, butterflies (pinned before the slot groups)": {"groups": False},
-      "warp-split form, rotation as products": {"groups": False, "fwht": False},
-      "slot groups, V product a group at a time": {"group_v": True}}
+      "slot groups, one block-diagonal V product, no L2 prefetch": {"group_v": False, "l2_slots": 0},
+      "slot groups, no L2 prefetch": {"l2_slots": 0},
+      "slot groups, two iterations' slots prefetched": {"l2_slots": 128}}
 
 
 def attention_call(qs, key_ok, scale: float, int4, c, L: int, cfg: dict):

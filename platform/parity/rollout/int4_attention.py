@@ -87,16 +87,21 @@ except ImportError:  # CPU installs
 # (groups where the query's parts merge and G <= 8, else the warp-split form). "group_v" (slot groups only): each
 # group's V product on its own instead of one block-diagonal product, the same sums in the same order (the same
 # output bits under the interpreter) with the weights left in the scores' layout: 892 loop instructions per 64 slots
-# against 967, no shared-memory round trip in the loop (sm_90a SASS; at most 4 groups: 8 would spill at D = 128);
-# not yet timed, so not pinned.
+# against 967, no shared-memory round trip in the loop (sm_90a SASS; at most 4 groups: 8 would spill at D = 128),
+# and "l2_slots" (slot groups only; n: the first n slots' codes and scale words prefetched into L2 as the program
+# starts, before the query's loads, whose wait the compiler places ahead of the first tiles' copies): 10.18 against
+# 10.41 us at L = 256 with group_v, and 9.72-10.06 against 10.26-10.52 with the prefetch of one iteration's slots
+# (more slots slower; a query load inside the loop, split tensor-core chains of the K product, an earlier load of
+# the slot index: slower or the same) (one H100, 2026-12-06, tests/bench/gpu_int4_attention_ncu.py --ab;
+# docs/perf_runs/2026-12-06_int4_attention_l2_prefetch_ab_h100.json).
 CONFIG = {"ROWS": 16, "num_warps": 1, "num_stages": 3, "programs_per_sm": 1, "asm": True, "blocks": True,
           "merge": True, "row_scale": False, "warp_slots": 64, "prefetch_ok": True, "fwht": True, "groups": True,
-          "group_v": False}
+          "group_v": True, "l2_slots": 64}
 # this module's kernel in the form pinned before (rows16-warps4-stages2-pps1-blocks): what the exact route launches
 # (with EXACT_ROWS), and the base the bench's and the tests' other variants of this kernel change
 BLOCKS_FORM = {"ROWS": 16, "num_warps": 4, "num_stages": 2, "programs_per_sm": 1, "asm": True, "blocks": True,
                "merge": False, "row_scale": False, "warp_slots": 0, "prefetch_ok": False, "fwht": False,
-               "groups": False, "group_v": False}
+               "groups": False, "group_v": False, "l2_slots": 0}
 # The exact route (float32 output) multiplies the codes by a block-diagonal float32 query, whose tiles grow with
 # the column groups R = 16 / G: at G = 1, D = 128 they need 247,808 B of shared memory at ROWS 16 (2 stages) on
 # sm_90, over the H200's 232,448 B, and 189,504 B at ROWS 8 (Triton's compile for sm_90a; checked for every G and
@@ -302,7 +307,8 @@ def groups_constants(cfg: dict, G: int, D: int, hadamard: bool, asm: bool, one_s
     nq, sg = groups_form(cfg, G)
     return {"G": G, "GP": triton.next_power_of_2(G), "NQ": nq, "SG": sg, "D": D, "HADAMARD": hadamard, "ASM": asm,
             "ONE_SPLIT": one_split, "PREFETCH_OK": bool(cfg.get("prefetch_ok")), "LOGD": D.bit_length() - 1,
-            "VSPLIT": bool(cfg.get("group_v")) and nq <= 4}  # 8 groups' products a group: 8 B spill at D = 128
+            "VSPLIT": bool(cfg.get("group_v")) and nq <= 4,  # 8 groups' products a group: 8 B spill at D = 128
+            "PF_L2": int(cfg.get("l2_slots") or 0) if asm else 0}
 
 
 def kernel_constants(cfg: dict, G: int, D: int, hadamard: bool, exact: bool, asm: bool, one_split: bool) -> dict:

@@ -43,7 +43,7 @@ if triton is not None:
                                  n_split, ok_stride, cap, G: tl.constexpr, GP: tl.constexpr, NQ: tl.constexpr,
                                  SG: tl.constexpr, D: tl.constexpr, HADAMARD: tl.constexpr, ASM: tl.constexpr,
                                  ONE_SPLIT: tl.constexpr, PREFETCH_OK: tl.constexpr, LOGD: tl.constexpr,
-                                 VSPLIT: tl.constexpr = False):
+                                 VSPLIT: tl.constexpr = False, PF_L2: tl.constexpr = 0):
         DH: tl.constexpr = D // 2
         DQ: tl.constexpr = D // 4
         NR: tl.constexpr = NQ * GP  # score rows (q, g); the products' rows are part a (< NR) and part b
@@ -55,6 +55,9 @@ if triton is not None:
         i4 = tl.arange(0, DQ)
         qq = tl.arange(0, NQ)
         n = tl.arange(0, SG)
+        if PF_L2 > 0:  # the first PF_L2 slots' codes and scale words on their way to L2 before the query's loads
+            _prefetch_slots(kc_ptr, vc_ptr, ks_ptr, vs_ptr, bh, S, sp * split_slots,
+                            tl.minimum(sp * split_slots + split_slots, L), DH, PF_L2)
         # the block-diagonal query: row p * NR + q * GP + g holds part p (a, b) of head g in columns q D/2 + [0, D/2)
         rp = tl.arange(0, 2 * NR)
         g_p = rp % GP
@@ -164,6 +167,27 @@ if triton is not None:
         head = (b * H + kvh * G + g).to(tl.int64)
         _epilogue(m_h, l_h, lo_h, hi_h, g_ok, g_ok, g, head, bh, sp, n_split, cap, o_ptr, pm_ptr, pl_ptr, pu_ptr,
                   cnt_ptr, hp_ptr, sg_ptr, G, GP, D, HADAMARD, False, ONE_SPLIT, True, LOGD)
+
+    @triton.jit
+    def _prefetch_l2(p):
+        """A prefetch into L2 of the 128-byte lines holding the addresses p (one instruction a pointer)."""
+        return tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [p], dtype=tl.int32,
+                                         is_pure=False, pack=1)
+
+    @triton.jit
+    def _prefetch_slots(kc_ptr, vc_ptr, ks_ptr, vs_ptr, bh, S, lo, hi, DH: tl.constexpr, NS: tl.constexpr):
+        """L2 prefetches of slots [lo, min(lo + NS, hi)) of (row, KV head) bh's cache: the K and V codes (DH bytes a
+        slot) and the scale words (4 bytes), a line a pointer, addresses held inside the slots."""
+        base = bh.to(tl.int64) * S + lo
+        nb = tl.maximum(tl.minimum(hi - lo, NS), 1)
+        LC: tl.constexpr = max(1, NS * DH // 128)
+        LW: tl.constexpr = max(1, NS * 4 // 128)
+        lc = tl.minimum(tl.arange(0, LC) * 128, nb * DH - 1)
+        lw = tl.minimum(tl.arange(0, LW) * 32, nb - 1)
+        _prefetch_l2(kc_ptr + base * DH + lc)
+        _prefetch_l2(vc_ptr + base * DH + lc)
+        _prefetch_l2(ks_ptr + base + lw)
+        _prefetch_l2(vs_ptr + base + lw)
 
     @triton.jit
     def _to_rows(x, GP: tl.constexpr):
