@@ -85,8 +85,9 @@ def test_the_pre_attention_kernels_build_for_sm90(eager):
 
 
 @pytest.mark.parametrize("cfg", [{"groups": True}, {"groups": True, "warp_slots": 32},
-                                 {"groups": True, "num_stages": 2}, {"groups": True, "group_v": False, "l2_slots": 0}],
-                         ids=["pinned", "groups-ws32", "groups-stages2", "one-v-product-no-prefetch"])
+                                 {"groups": True, "num_stages": 2}, {"groups": True, "group_v": False, "l2_slots": 0},
+                                 {"groups": True, "l2_slots": 128}],
+                         ids=["pinned", "groups-ws32", "groups-stages2", "one-v-product-no-prefetch", "prefetch-128"])
 @pytest.mark.parametrize("D", [128, 64])
 @pytest.mark.parametrize("G", [1, 2, 4, 8])
 def test_slot_groups_form_compiles_without_spills(cfg, D, G):
@@ -97,3 +98,15 @@ def test_slot_groups_form_compiles_without_spills(cfg, D, G):
     const = ia.groups_constants(cfg, G, D, True, True, False)  # as int4_attention launches it, split
     assert_fits_without_spills(ig._int4_attn_groups_kernel, const,
                                {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+
+
+def test_the_l2_prefetch_takes_whole_lines_of_scale_words():
+    """l2_slots: 0 or a power of two of at least 32 slots (the prefetch's line counts are tensor sizes, and 32 scale
+    words fill a 128-byte line); a clear error names the key otherwise, and without inline PTX nothing is
+    prefetched."""
+    for bad in (16, 48, 100):
+        with pytest.raises(ValueError, match="l2_slots"):
+            ia.groups_constants({**ia.CONFIG, "l2_slots": bad}, 2, 128, True, True, True)
+    assert ia.groups_constants({**ia.CONFIG, "l2_slots": 128}, 2, 128, True, True, True)["PF_L2"] == 128
+    assert ia.groups_constants({**ia.CONFIG, "l2_slots": 0}, 2, 128, True, True, True)["PF_L2"] == 0
+    assert ia.groups_constants(ia.CONFIG, 2, 128, True, False, True)["PF_L2"] == 0

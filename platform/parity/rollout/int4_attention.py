@@ -88,8 +88,9 @@ except ImportError:  # CPU installs
 # group's V product on its own instead of one block-diagonal product, the same sums in the same order (the same
 # output bits under the interpreter) with the weights left in the scores' layout: 892 loop instructions per 64 slots
 # against 967, no shared-memory round trip in the loop (sm_90a SASS; at most 4 groups: 8 would spill at D = 128),
-# and "l2_slots" (slot groups only; n: the first n slots' codes and scale words prefetched into L2 as the program
-# starts, before the query's loads, whose wait the compiler places ahead of the first tiles' copies): 10.18 against
+# and "l2_slots" (slot groups only; 0, or n a power of two >= 32: the first n slots' codes and scale words prefetched
+# into L2 as the program starts, before the query's loads, whose wait the compiler places ahead of the first tiles'
+# copies): 10.18 against
 # 10.41 us at L = 256 with group_v, and 9.72-10.06 against 10.26-10.52 with the prefetch of one iteration's slots
 # (more slots slower; a query load inside the loop, split tensor-core chains of the K product, an earlier load of
 # the slot index: slower or the same) (one H100, 2026-12-06, tests/bench/gpu_int4_attention_ncu.py --ab;
@@ -305,10 +306,14 @@ def groups_constants(cfg: dict, G: int, D: int, hadamard: bool, asm: bool, one_s
     """The slot-groups kernel's compile-time arguments (parity.rollout.int4_attention_groups) for launch
     configuration `cfg` (its form: `groups_form`)."""
     nq, sg = groups_form(cfg, G)
+    pf = int(cfg.get("l2_slots") or 0)
+    if pf and (pf < 32 or pf & (pf - 1)):
+        raise ValueError(f"int4_attention config: l2_slots must be 0 or a power of two >= 32 (a whole 128-byte line "
+                         f"of scale words), got {pf}")
     return {"G": G, "GP": triton.next_power_of_2(G), "NQ": nq, "SG": sg, "D": D, "HADAMARD": hadamard, "ASM": asm,
             "ONE_SPLIT": one_split, "PREFETCH_OK": bool(cfg.get("prefetch_ok")), "LOGD": D.bit_length() - 1,
             "VSPLIT": bool(cfg.get("group_v")) and nq <= 4,  # 8 groups' products a group: 8 B spill at D = 128
-            "PF_L2": int(cfg.get("l2_slots") or 0) if asm else 0}
+            "PF_L2": pf if asm else 0}
 
 
 def kernel_constants(cfg: dict, G: int, D: int, hadamard: bool, exact: bool, asm: bool, one_split: bool) -> dict:
