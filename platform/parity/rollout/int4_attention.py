@@ -90,11 +90,10 @@ except ImportError:  # CPU installs
 # against 967, no shared-memory round trip in the loop (sm_90a SASS; at most 4 groups: 8 would spill at D = 128),
 # and "l2_slots" (slot groups only; 0, or n a power of two >= 32: the first n slots' codes and scale words prefetched
 # into L2 as the program starts, before the query's loads, whose wait the compiler places ahead of the first tiles'
-# copies): 10.18 against
-# 10.41 us at L = 256 with group_v, and 9.72-10.06 against 10.26-10.52 with the prefetch of one iteration's slots
-# (more slots slower; a query load inside the loop, split tensor-core chains of the K product, an earlier load of
-# the slot index: slower or the same) (one H100, 2026-12-06, tests/bench/gpu_int4_attention_ncu.py --ab;
-# docs/perf_runs/2026-12-06_int4_attention_l2_prefetch_ab_h100.json).
+# copies): 10.18 against 10.41 us at L = 256 with group_v, and 9.72-10.06 against 10.26-10.52 with the prefetch of
+# one iteration's slots (more slots slower; a query load inside the loop, split tensor-core chains of the K product,
+# an earlier load of the slot index: slower or the same) (one H100, 2026-12-06, tests/bench/gpu_int4_attention_ncu.py
+# --ab; docs/perf_runs/2026-12-06_int4_attention_l2_prefetch_ab_h100.json).
 CONFIG = {"ROWS": 16, "num_warps": 1, "num_stages": 3, "programs_per_sm": 1, "asm": True, "blocks": True,
           "merge": True, "row_scale": False, "warp_slots": 64, "prefetch_ok": True, "fwht": True, "groups": True,
           "group_v": True, "l2_slots": 64}
