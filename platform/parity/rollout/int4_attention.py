@@ -93,15 +93,17 @@ except ImportError:  # CPU installs
 # copies): 10.18 against 10.41 us at L = 256 with group_v, and 9.72-10.06 against 10.26-10.52 with the prefetch of
 # one iteration's slots (more slots slower; a query load inside the loop, split tensor-core chains of the K product,
 # an earlier load of the slot index: slower or the same) (one H100, 2026-12-06, tests/bench/gpu_int4_attention_ncu.py
-# --ab; docs/perf_runs/2026-12-06_int4_attention_l2_prefetch_ab_h100.json).
+# --ab; docs/perf_runs/2026-12-06_int4_attention_l2_prefetch_ab_h100.json). "lazy_rescale" (slot groups only; off, not
+# yet timed): the online softmax's references (each row's max, the V scale) move, and the sums are rescaled, only
+# when a tile outgrows them (2^8, 64x): 836 loop instructions an iteration without the rescale, 918 with it.
 CONFIG = {"ROWS": 16, "num_warps": 1, "num_stages": 3, "programs_per_sm": 1, "asm": True, "blocks": True,
           "merge": True, "row_scale": False, "warp_slots": 64, "prefetch_ok": True, "fwht": True, "groups": True,
-          "group_v": True, "l2_slots": 64}
+          "group_v": True, "l2_slots": 64, "lazy_rescale": False}
 # this module's kernel in the form pinned before (rows16-warps4-stages2-pps1-blocks): what the exact route launches
 # (with EXACT_ROWS), and the base the bench's and the tests' other variants of this kernel change
 BLOCKS_FORM = {"ROWS": 16, "num_warps": 4, "num_stages": 2, "programs_per_sm": 1, "asm": True, "blocks": True,
                "merge": False, "row_scale": False, "warp_slots": 0, "prefetch_ok": False, "fwht": False,
-               "groups": False, "group_v": False, "l2_slots": 0}
+               "groups": False, "group_v": False, "l2_slots": 0, "lazy_rescale": False}
 # The exact route (float32 output) multiplies the codes by a block-diagonal float32 query, whose tiles grow with
 # the column groups R = 16 / G: at G = 1, D = 128 they need 247,808 B of shared memory at ROWS 16 (2 stages) on
 # sm_90, over the H200's 232,448 B, and 189,504 B at ROWS 8 (Triton's compile for sm_90a; checked for every G and
@@ -312,7 +314,7 @@ def groups_constants(cfg: dict, G: int, D: int, hadamard: bool, asm: bool, one_s
     return {"G": G, "GP": triton.next_power_of_2(G), "NQ": nq, "SG": sg, "D": D, "HADAMARD": hadamard, "ASM": asm,
             "ONE_SPLIT": one_split, "PREFETCH_OK": bool(cfg.get("prefetch_ok")), "LOGD": D.bit_length() - 1,
             "VSPLIT": bool(cfg.get("group_v")) and nq <= 4,  # 8 groups' products a group: 8 B spill at D = 128
-            "PF_L2": pf if asm else 0}
+            "PF_L2": pf if asm else 0, "LAZY": bool(cfg.get("lazy_rescale"))}
 
 
 def kernel_constants(cfg: dict, G: int, D: int, hadamard: bool, exact: bool, asm: bool, one_split: bool) -> dict:

@@ -13,7 +13,11 @@ nonzero in group q's columns) against the codes of all T slots, and after the lo
 merged as the warp-split form merges its warps. NQ = 8 / GP groups (GP: the heads rounded up to a power of two, at
 most 8), SG >= 16 slots each (the products' smallest width). VSPLIT (CONFIG's "group_v"): the V product as NQ
 products, group q's weights (the other groups' rows zero) against group q's codes, instead of the block-diagonal
-weights the compiler builds through shared memory: the same products summed in the same order.
+weights the compiler builds through shared memory: the same products summed in the same order. PF_L2 (CONFIG's
+"l2_slots"): the first slots' codes and scale words prefetched into L2 as the program starts. LAZY (CONFIG's
+"lazy_rescale"): each row's running max and the V scale reference move, and the running sums are rescaled, only when
+a tile's scores pass the max by 2^LAZY_EXP or its largest scale leaves [1/LAZY_SCALE, LAZY_SCALE] x the reference
+(the fp16 weights then stay below 2^8 x 64); otherwise the tile's weights are taken against the old references.
 Tests: tests/test_int4_attention_interpret.py (Triton's interpreter, against float64), tests/test_kv_packed_cuda.py.
 """
 
@@ -43,7 +47,8 @@ if triton is not None:
                                  n_split, ok_stride, cap, G: tl.constexpr, GP: tl.constexpr, NQ: tl.constexpr,
                                  SG: tl.constexpr, D: tl.constexpr, HADAMARD: tl.constexpr, ASM: tl.constexpr,
                                  ONE_SPLIT: tl.constexpr, PREFETCH_OK: tl.constexpr, LOGD: tl.constexpr,
-                                 VSPLIT: tl.constexpr = False, PF_L2: tl.constexpr = 0):
+                                 VSPLIT: tl.constexpr = False, PF_L2: tl.constexpr = 0,
+                                 LAZY: tl.constexpr = False):
         DH: tl.constexpr = D // 2
         DQ: tl.constexpr = D // 4
         NR: tl.constexpr = NQ * GP  # score rows (q, g); the products' rows are part a (< NR) and part b
@@ -91,6 +96,8 @@ if triton is not None:
         acc_x1 = tl.zeros([2 * NR, DQ], tl.float32)
         acc_y1 = tl.zeros([2 * NR, DQ], tl.float32)
         s_prev = 1.0
+        if LAZY:
+            s_prev = 0.0  # no reference yet: the first tile sets it
         lo = sp * split_slots
         hi = tl.minimum(lo + split_slots, L)
         lim = tl.minimum(hi, slot.to(tl.int32) + 1)  # slots seen: below it (one 32-bit comparison a slot)
@@ -122,19 +129,44 @@ if triton is not None:
             zv = _to_rows((wv & 15).to(tl.float32), GP)
             seen = _to_rows((ok_here != 0) & (sl < lim), GP)
             s = (t * c_a + c_b) * f - (zk * f) * c_c
-            m_new, alpha, p, l_i = _online_softmax(s, seen, m_i, l_i, 1)
-            s_max = tl.maximum(tl.max(tl.max(sv, 1), 0), 1e-30)  # the tile's largest scale: weights in [0, 1]
-            pw = (p * _to_rows(sv * (1.0 / s_max), GP)).to(tl.float16).to(tl.float32)
-            beta = alpha * (s_prev / s_max)
-            s_prev = s_max
-            z_i = z_i * beta + tl.sum(pw * zv, 1)
-            w_i = w_i * beta + tl.sum(pw, 1)
-            bt = tl.reshape(tl.permute(tl.join(beta, beta), (1, 0)), (2 * NR,))[:, None]
-            if VSPLIT:  # each group's slots a product of their own: the weights stay in the scores' layout
+            if LAZY:  # the references (each row's max m_i, the scale s_prev) move only when a tile needs it
+                s = tl.where(seen, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                s_max = tl.maximum(tl.max(tl.max(sv, 1), 0), 1e-30)
+                s_ratio = s_max / s_prev
+                if (tl.max(m_new - m_i) > LAZY_EXP) | (s_ratio > LAZY_SCALE) | (s_ratio < 1.0 / LAZY_SCALE):
+                    alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
+                    beta = alpha * (s_prev / s_max)
+                    l_i = l_i * alpha
+                    z_i = z_i * beta
+                    w_i = w_i * beta
+                    bt = tl.reshape(tl.permute(tl.join(beta, beta), (1, 0)), (2 * NR,))[:, None]
+                    acc_x0 = acc_x0 * bt
+                    acc_y0 = acc_y0 * bt
+                    acc_x1 = acc_x1 * bt
+                    acc_y1 = acc_y1 * bt
+                    m_i = m_new
+                    s_prev = s_max
+                p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
+                l_i = l_i + tl.sum(p, 1)
+                pw = (p * _to_rows(sv * (1.0 / s_prev), GP)).to(tl.float16).to(tl.float32)
+                z_i = z_i + tl.sum(pw * zv, 1)
+                w_i = w_i + tl.sum(pw, 1)
+                m_new = m_i
+            else:
+                m_new, alpha, p, l_i = _online_softmax(s, seen, m_i, l_i, 1)
+                s_max = tl.maximum(tl.max(tl.max(sv, 1), 0), 1e-30)  # the tile's largest scale: weights in [0, 1]
+                pw = (p * _to_rows(sv * (1.0 / s_max), GP)).to(tl.float16).to(tl.float32)
+                beta = alpha * (s_prev / s_max)
+                s_prev = s_max
+                z_i = z_i * beta + tl.sum(pw * zv, 1)
+                w_i = w_i * beta + tl.sum(pw, 1)
+                bt = tl.reshape(tl.permute(tl.join(beta, beta), (1, 0)), (2 * NR,))[:, None]
                 acc_x0 = acc_x0 * bt
                 acc_y0 = acc_y0 * bt
                 acc_x1 = acc_x1 * bt
                 acc_y1 = acc_y1 * bt
+            if VSPLIT:  # each group's slots a product of their own: the weights stay in the scores' layout
                 for q in tl.static_range(NQ):
                     pq = tl.where(q_r[:, None] == q, pw, 0.0)
                     pt = tl.reshape(tl.permute(tl.join(pq, tl.zeros_like(pq)), (2, 0, 1)), (2 * NR, SG)).to(tl.float16)
@@ -147,10 +179,10 @@ if triton is not None:
             else:  # the weights back at their slots, block-diagonal: row (q, g) in columns q SG + [0, SG)
                 pb = tl.reshape(tl.where(q_r[:, None, None] == qq[None, :, None], pw[:, None, :], 0.0), (NR, T))
                 pt = tl.reshape(tl.permute(tl.join(pb, tl.zeros_like(pb)), (2, 0, 1)), (2 * NR, T)).to(tl.float16)
-                acc_x0 = tl.dot(pt, _f16_byte(cv, 0, ASM), acc_x0 * bt)
-                acc_y0 = tl.dot(pt, _f16_low(cv, 0, ASM), acc_y0 * bt)
-                acc_x1 = tl.dot(pt, _f16_byte(cv, 1, ASM), acc_x1 * bt)
-                acc_y1 = tl.dot(pt, _f16_low(cv, 1, ASM), acc_y1 * bt)
+                acc_x0 = tl.dot(pt, _f16_byte(cv, 0, ASM), acc_x0)
+                acc_y0 = tl.dot(pt, _f16_low(cv, 0, ASM), acc_y0)
+                acc_x1 = tl.dot(pt, _f16_byte(cv, 1, ASM), acc_x1)
+                acc_y1 = tl.dot(pt, _f16_low(cv, 1, ASM), acc_y1)
             m_i = m_new
         # merge each head's NQ groups (rows q * GP + g), weights exp2(m_q - max) as the warp-split form's warps
         m_q = tl.reshape(m_i, (NQ, GP))
@@ -167,6 +199,10 @@ if triton is not None:
         head = (b * H + kvh * G + g).to(tl.int64)
         _epilogue(m_h, l_h, lo_h, hi_h, g_ok, g_ok, g, head, bh, sp, n_split, cap, o_ptr, pm_ptr, pl_ptr, pu_ptr,
                   cnt_ptr, hp_ptr, sg_ptr, G, GP, D, HADAMARD, False, ONE_SPLIT, True, LOGD)
+
+    LAZY_EXP = tl.constexpr(8.0)  # a row's max may outgrow its reference by 2^8 before the sums are rescaled
+    LAZY_SCALE = tl.constexpr(64.0)  # a tile's largest V scale within 64x of the reference either way: the fp16
+    # weights stay below 2^8 x 64 = 16,384 (fp16's largest is 65,504) and above its normal range's bottom as before
 
     @triton.jit
     def _prefetch_l2(p):
