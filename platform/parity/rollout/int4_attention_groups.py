@@ -202,7 +202,8 @@ if triton is not None:
 
     LAZY_EXP = tl.constexpr(8.0)  # a row's max may outgrow its reference by 2^8 before the sums are rescaled
     LAZY_SCALE = tl.constexpr(64.0)  # a tile's largest V scale within 64x of the reference either way: the fp16
-    # weights stay below 2^8 x 64 = 16,384 (fp16's largest is 65,504) and above its normal range's bottom as before
+    # weights stay below 2^8 x 64 = 16,384 (fp16's largest is 65,504) and at most 64x smaller than against the tile's
+    # own largest scale
 
     @triton.jit
     def _prefetch_l2(p):
