@@ -140,11 +140,7 @@ if triton is not None:
                     l_i = l_i * alpha
                     z_i = z_i * beta
                     w_i = w_i * beta
-                    bt = tl.reshape(tl.permute(tl.join(beta, beta), (1, 0)), (2 * NR,))[:, None]
-                    acc_x0 = acc_x0 * bt
-                    acc_y0 = acc_y0 * bt
-                    acc_x1 = acc_x1 * bt
-                    acc_y1 = acc_y1 * bt
+                    acc_x0, acc_y0, acc_x1, acc_y1 = _rescaled(beta, acc_x0, acc_y0, acc_x1, acc_y1)
                     m_i = m_new
                     s_prev = s_max
                 p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
@@ -152,7 +148,6 @@ if triton is not None:
                 pw = (p * _to_rows(sv * (1.0 / s_prev), GP)).to(tl.float16).to(tl.float32)
                 z_i = z_i + tl.sum(pw * zv, 1)
                 w_i = w_i + tl.sum(pw, 1)
-                m_new = m_i
             else:
                 m_new, alpha, p, l_i = _online_softmax(s, seen, m_i, l_i, 1)
                 s_max = tl.maximum(tl.max(tl.max(sv, 1), 0), 1e-30)  # the tile's largest scale: weights in [0, 1]
@@ -161,11 +156,8 @@ if triton is not None:
                 s_prev = s_max
                 z_i = z_i * beta + tl.sum(pw * zv, 1)
                 w_i = w_i * beta + tl.sum(pw, 1)
-                bt = tl.reshape(tl.permute(tl.join(beta, beta), (1, 0)), (2 * NR,))[:, None]
-                acc_x0 = acc_x0 * bt
-                acc_y0 = acc_y0 * bt
-                acc_x1 = acc_x1 * bt
-                acc_y1 = acc_y1 * bt
+                acc_x0, acc_y0, acc_x1, acc_y1 = _rescaled(beta, acc_x0, acc_y0, acc_x1, acc_y1)
+                m_i = m_new
             if VSPLIT:  # each group's slots a product of their own: the weights stay in the scores' layout
                 for q in tl.static_range(NQ):
                     pq = tl.where(q_r[:, None] == q, pw, 0.0)
@@ -183,7 +175,6 @@ if triton is not None:
                 acc_y0 = tl.dot(pt, _f16_low(cv, 0, ASM), acc_y0)
                 acc_x1 = tl.dot(pt, _f16_byte(cv, 1, ASM), acc_x1)
                 acc_y1 = tl.dot(pt, _f16_low(cv, 1, ASM), acc_y1)
-            m_i = m_new
         # merge each head's NQ groups (rows q * GP + g), weights exp2(m_q - max) as the warp-split form's warps
         m_q = tl.reshape(m_i, (NQ, GP))
         m_h, wr = _part_weights(m_q)
@@ -225,6 +216,12 @@ if triton is not None:
         _prefetch_l2(vc_ptr + base * DH + lc)
         _prefetch_l2(ks_ptr + base + lw)
         _prefetch_l2(vs_ptr + base + lw)
+
+    @triton.jit
+    def _rescaled(beta, a0, a1, a2, a3):
+        """The four V accumulators [2 NR, D/4] with both parts' rows of score row r multiplied by beta[r]."""
+        bt = tl.reshape(tl.permute(tl.join(beta, beta), (1, 0)), (2 * beta.shape[0],))[:, None]
+        return a0 * bt, a1 * bt, a2 * bt, a3 * bt
 
     @triton.jit
     def _to_rows(x, GP: tl.constexpr):
