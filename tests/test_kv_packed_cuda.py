@@ -105,7 +105,10 @@ INT4_CONFIGS = [{}, *({**ia.BLOCKS_FORM, **d} for d in (
     {"warp_slots": 32, "merge": True, "num_warps": 1}, {"warp_slots": 64, "merge": True, "num_warps": 1},
     {"warp_slots": 32, "merge": True, "num_warps": 1, "programs_per_sm": 4},
     {"warp_slots": 64, "merge": True, "num_warps": 1, "programs_per_sm": 4},
-    {"warp_slots": 64, "merge": True, "num_warps": 1, "num_stages": 3}))]
+    {"warp_slots": 64, "merge": True, "num_warps": 1, "num_stages": 3})),
+    # the slot-groups form's alternatives to the pinned one (tests/bench/gpu_int4_attention_ncu.py --ab times them)
+    *({**ia.CONFIG, **d} for d in ({"group_v": False, "l2_slots": 0}, {"lazy_rescale": not ia.CONFIG["lazy_rescale"]},
+                                   {"quad_unpack": not ia.CONFIG["quad_unpack"]}))]
 
 
 @pytest.mark.parametrize("cfg", INT4_CONFIGS, ids=[str(c) for c in INT4_CONFIGS])
@@ -114,6 +117,28 @@ def test_int4_rotated_attention_configurations(cfg):
     for i, shape in enumerate([(64, 8, 2, 384, 384, 383), (64, 8, 2, 384, 256, 200), (5, 3, 2, 300, 190, 150)]):
         err, sim = check_int4_attention(128, torch.bfloat16, CUDA, shape, True, seed=i, config=cfg)
         assert err < 4e-3, (shape, cfg, err, sim)
+
+
+def test_the_v_operands_unpacked_four_at_a_time_change_nothing():
+    """"quad_unpack" builds the V products' fp16 operands from the codes in one asm block instead of four: the same
+    operands, so the same output bit for bit, at 1, 2, 3 and 4 query heads a KV head, one split and many."""
+    from parity.precision.kv import make_kv_codec
+    from parity.precision.kv_packed import PackedKVCache
+    from tests.kv_packed_checks import attention_inputs
+    for i, shape in enumerate([(64, 8, 2, 384, 256, 255), (2, 2, 1, 300, 300, 299), (2, 1, 3, 100, 90, 80),
+                               (3, 1, 4, 96, 70, 51)]):
+        q, k, v, key_ok, st = attention_inputs(shape, 128, torch.bfloat16, CUDA, seed=i)
+        B, n_kv, G, S, L, slot = shape
+        cache = PackedKVCache(make_kv_codec("int4_per_token_head", 128), 1, B, n_kv, S, torch.bfloat16, CUDA)
+        layer = cache.layers[0]
+        cache.write(layer, k, v, torch.zeros(1, dtype=torch.long, device=CUDA))
+        qs = ia.prepare_queries(q, True)
+        for pps in (0, 10**6):
+            outs = [ia.int4_attention(qs, layer.k, layer.v, layer.k_scale, layer.v_scale, key_ok, st, L, 128 ** -0.5,
+                                      True, torch.bfloat16, ia.Workspace(),
+                                      {**ia.CONFIG, "quad_unpack": quad, "programs_per_sm": pps})
+                    for quad in (False, True)]
+            assert torch.equal(outs[0], outs[1]), (shape, pps)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])

@@ -70,7 +70,7 @@ def variant_name(cfg: dict) -> str:
     output rotation in float32 butterflies on the heads' rows), -groups (slot groups in the products' rows,
     int4_attention_groups, whose rotation is the butterflies), -groupv (its V product a group at a time), -l2pf{n}
     (its first n slots prefetched into L2 as a program starts), -lazy (its softmax's sums rescaled only when a tile
-    outgrows the references)."""
+    outgrows the references), -quad (its V operands unpacked four at a time)."""
     tail = (f"-warps{cfg['num_warps']}-stages{cfg['num_stages']}-pps{cfg['programs_per_sm']}"
             + (f"-reg{cfg['maxnreg']}" if cfg.get("maxnreg") else "") + ("" if cfg["asm"] else "-noasm"))
     if cfg.get("warp_slots"):
@@ -78,7 +78,7 @@ def variant_name(cfg: dict) -> str:
                 + ("-prefetchok" if cfg.get("prefetch_ok") else "") + ("-fwht" if cfg.get("fwht") else "")
                 + ("-groups" if cfg.get("groups") else "") + ("-groupv" if cfg.get("group_v") else "")
                 + (f"-l2pf{cfg['l2_slots']}" if cfg.get("l2_slots") else "")
-                + ("-lazy" if cfg.get("lazy_rescale") else ""))
+                + ("-lazy" if cfg.get("lazy_rescale") else "") + ("-quad" if cfg.get("quad_unpack") else ""))
     return (f"rows{cfg['ROWS']}" + tail + ("-blocks" if cfg.get("blocks") else "")
             + ("-merge" if cfg.get("merge") else "") + ("-rowscale" if cfg.get("row_scale") else ""))
 
@@ -114,7 +114,8 @@ VARIANTS = {variant_name(c): c for c in (dict(PINNED), *({**_BASE, **d} for d in
     # pinned before the V product a group at a time and the L2 prefetch, without the prefetch, and with the lazy
     # rescale (836 loop instructions an iteration that does not rescale, against 883)
     {"warp_slots": 64, "merge": True, "num_warps": 1, "num_stages": 3, "prefetch_ok": True, "fwht": True},
-    {**PINNED, "group_v": False, "l2_slots": 0}, {**PINNED, "l2_slots": 0}, {**PINNED, "lazy_rescale": True})))}
+    {**PINNED, "group_v": False, "l2_slots": 0}, {**PINNED, "l2_slots": 0}, {**PINNED, "lazy_rescale": True},
+    {**PINNED, "quad_unpack": True}, {**PINNED, "lazy_rescale": True, "quad_unpack": True})))}
 # (warps, slots a warp) of the dequantizing kernel's warp-split form (decode_attention_warps) timed for FP8 and the
 # raw bf16 cache beside its pinned form (docs/PERFORMANCE.md, "The INT4 attention's warp-split form")
 DEQUANT_FORMS = ((4, 16), (4, 32), (2, 32), (1, 32))

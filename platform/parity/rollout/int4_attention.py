@@ -98,12 +98,14 @@ except ImportError:  # CPU installs
 # when a tile outgrows them (2^8, 64x): 836 loop instructions an iteration without the rescale, 918 with it.
 CONFIG = {"ROWS": 16, "num_warps": 1, "num_stages": 3, "programs_per_sm": 1, "asm": True, "blocks": True,
           "merge": True, "row_scale": False, "warp_slots": 64, "prefetch_ok": True, "fwht": True, "groups": True,
-          "group_v": True, "l2_slots": 64, "lazy_rescale": False}
+          "group_v": True, "l2_slots": 64, "lazy_rescale": False,
+          "quad_unpack": False}
 # this module's kernel in the form pinned before (rows16-warps4-stages2-pps1-blocks): what the exact route launches
 # (with EXACT_ROWS), and the base the bench's and the tests' other variants of this kernel change
 BLOCKS_FORM = {"ROWS": 16, "num_warps": 4, "num_stages": 2, "programs_per_sm": 1, "asm": True, "blocks": True,
                "merge": False, "row_scale": False, "warp_slots": 0, "prefetch_ok": False, "fwht": False,
-               "groups": False, "group_v": False, "l2_slots": 0, "lazy_rescale": False}
+               "groups": False, "group_v": False, "l2_slots": 0, "lazy_rescale": False,
+               "quad_unpack": False}
 # The exact route (float32 output) multiplies the codes by a block-diagonal float32 query, whose tiles grow with
 # the column groups R = 16 / G: at G = 1, D = 128 they need 247,808 B of shared memory at ROWS 16 (2 stages) on
 # sm_90, over the H200's 232,448 B, and 189,504 B at ROWS 8 (Triton's compile for sm_90a; checked for every G and
@@ -311,10 +313,11 @@ def groups_constants(cfg: dict, G: int, D: int, hadamard: bool, asm: bool, one_s
     if pf and (pf < 32 or pf & (pf - 1)):
         raise ValueError(f"int4_attention config: l2_slots must be 0 or a power of two >= 32 (a whole 128-byte line "
                          f"of scale words), got {pf}")
+    vsplit = bool(cfg.get("group_v")) and nq <= 4  # 8 groups' products a group: 8 B spill at D = 128
     return {"G": G, "GP": triton.next_power_of_2(G), "NQ": nq, "SG": sg, "D": D, "HADAMARD": hadamard, "ASM": asm,
             "ONE_SPLIT": one_split, "PREFETCH_OK": bool(cfg.get("prefetch_ok")), "LOGD": D.bit_length() - 1,
-            "VSPLIT": bool(cfg.get("group_v")) and nq <= 4,  # 8 groups' products a group: 8 B spill at D = 128
-            "PF_L2": pf if asm else 0, "LAZY": bool(cfg.get("lazy_rescale"))}
+            "VSPLIT": vsplit, "PF_L2": pf if asm else 0, "LAZY": bool(cfg.get("lazy_rescale")),
+            "QUAD": bool(cfg.get("quad_unpack")) and vsplit}  # a whole tile's four operands at once spill (sm_90a)
 
 
 def kernel_constants(cfg: dict, G: int, D: int, hadamard: bool, exact: bool, asm: bool, one_split: bool) -> dict:

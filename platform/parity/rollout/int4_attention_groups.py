@@ -18,6 +18,7 @@ weights the compiler builds through shared memory: the same products summed in t
 "lazy_rescale"): each row's running max and the V scale reference move, and the running sums are rescaled, only when
 a tile's scores pass the max by 2^LAZY_EXP or its largest scale leaves [1/LAZY_SCALE, LAZY_SCALE] x the reference
 (the fp16 weights then stay below 2^8 x 64); otherwise the tile's weights are taken against the old references.
+QUAD (CONFIG's "quad_unpack"): the V products' four fp16 operands unpacked by one asm block (the same values).
 Tests: tests/test_int4_attention_interpret.py (Triton's interpreter, against float64), tests/test_kv_packed_cuda.py.
 """
 
@@ -35,6 +36,7 @@ if triton is not None:
         _epilogue,
         _f16_byte,
         _f16_low,
+        _f16_quad,
         _hi8,
         _online_softmax,
         _part_weights,
@@ -48,7 +50,7 @@ if triton is not None:
                                  SG: tl.constexpr, D: tl.constexpr, HADAMARD: tl.constexpr, ASM: tl.constexpr,
                                  ONE_SPLIT: tl.constexpr, PREFETCH_OK: tl.constexpr, LOGD: tl.constexpr,
                                  VSPLIT: tl.constexpr = False, PF_L2: tl.constexpr = 0,
-                                 LAZY: tl.constexpr = False):
+                                 LAZY: tl.constexpr = False, QUAD: tl.constexpr = False):
         DH: tl.constexpr = D // 2
         DQ: tl.constexpr = D // 4
         NR: tl.constexpr = NQ * GP  # score rows (q, g); the products' rows are part a (< NR) and part b
@@ -164,17 +166,11 @@ if triton is not None:
                     pt = tl.reshape(tl.permute(tl.join(pq, tl.zeros_like(pq)), (2, 0, 1)), (2 * NR, SG)).to(tl.float16)
                     vq = start + q * SG + n
                     cq = tl.load(vc16 + vq[:, None] * DQ + i4[None, :], mask=(vq < hi)[:, None], other=0)
-                    acc_x0 = tl.dot(pt, _f16_byte(cq, 0, ASM), acc_x0)
-                    acc_y0 = tl.dot(pt, _f16_low(cq, 0, ASM), acc_y0)
-                    acc_x1 = tl.dot(pt, _f16_byte(cq, 1, ASM), acc_x1)
-                    acc_y1 = tl.dot(pt, _f16_low(cq, 1, ASM), acc_y1)
+                    acc_x0, acc_y0, acc_x1, acc_y1 = _v_products(pt, cq, acc_x0, acc_y0, acc_x1, acc_y1, ASM, QUAD)
             else:  # the weights back at their slots, block-diagonal: row (q, g) in columns q SG + [0, SG)
                 pb = tl.reshape(tl.where(q_r[:, None, None] == qq[None, :, None], pw[:, None, :], 0.0), (NR, T))
                 pt = tl.reshape(tl.permute(tl.join(pb, tl.zeros_like(pb)), (2, 0, 1)), (2 * NR, T)).to(tl.float16)
-                acc_x0 = tl.dot(pt, _f16_byte(cv, 0, ASM), acc_x0)
-                acc_y0 = tl.dot(pt, _f16_low(cv, 0, ASM), acc_y0)
-                acc_x1 = tl.dot(pt, _f16_byte(cv, 1, ASM), acc_x1)
-                acc_y1 = tl.dot(pt, _f16_low(cv, 1, ASM), acc_y1)
+                acc_x0, acc_y0, acc_x1, acc_y1 = _v_products(pt, cv, acc_x0, acc_y0, acc_x1, acc_y1, ASM, QUAD)
         # merge each head's NQ groups (rows q * GP + g), weights exp2(m_q - max) as the warp-split form's warps
         m_q = tl.reshape(m_i, (NQ, GP))
         m_h, wr = _part_weights(m_q)
@@ -216,6 +212,19 @@ if triton is not None:
         _prefetch_l2(vc_ptr + base * DH + lc)
         _prefetch_l2(ks_ptr + base + lw)
         _prefetch_l2(vs_ptr + base + lw)
+
+    @triton.jit
+    def _v_products(pt, c, a0, a1, a2, a3, ASM: tl.constexpr, QUAD: tl.constexpr):
+        """The four V accumulators after the products of the fp16 weights pt with the codes c (byte pairs): 1024 +
+        each byte and 1024 + its low nibble, of either byte; QUAD: the four operands from one asm block."""
+        if QUAD:
+            x0, y0, x1, y1 = _f16_quad(c, ASM)
+            return tl.dot(pt, x0, a0), tl.dot(pt, y0, a1), tl.dot(pt, x1, a2), tl.dot(pt, y1, a3)
+        else:
+            a0 = tl.dot(pt, _f16_byte(c, 0, ASM), a0)
+            a1 = tl.dot(pt, _f16_low(c, 0, ASM), a1)
+            a2 = tl.dot(pt, _f16_byte(c, 1, ASM), a2)
+            return a0, a1, a2, tl.dot(pt, _f16_low(c, 1, ASM), a3)
 
     @triton.jit
     def _rescaled(beta, a0, a1, a2, a3):
