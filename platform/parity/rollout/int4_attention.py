@@ -96,16 +96,15 @@ except ImportError:  # CPU installs
 # --ab; docs/perf_runs/2026-12-06_int4_attention_l2_prefetch_ab_h100.json). "lazy_rescale" (slot groups only; off, not
 # yet timed): the online softmax's references (each row's max, the V scale) move, and the sums are rescaled, only
 # when a tile outgrows them (2^8, 64x): 836 loop instructions an iteration without the rescale, 918 with it.
+# "quad_unpack" (off, not yet timed): the V operands' unpacking in one asm block, 58 fewer loop instructions.
 CONFIG = {"ROWS": 16, "num_warps": 1, "num_stages": 3, "programs_per_sm": 1, "asm": True, "blocks": True,
           "merge": True, "row_scale": False, "warp_slots": 64, "prefetch_ok": True, "fwht": True, "groups": True,
-          "group_v": True, "l2_slots": 64, "lazy_rescale": False,
-          "quad_unpack": False}
+          "group_v": True, "l2_slots": 64, "lazy_rescale": False, "quad_unpack": False}
 # this module's kernel in the form pinned before (rows16-warps4-stages2-pps1-blocks): what the exact route launches
 # (with EXACT_ROWS), and the base the bench's and the tests' other variants of this kernel change
 BLOCKS_FORM = {"ROWS": 16, "num_warps": 4, "num_stages": 2, "programs_per_sm": 1, "asm": True, "blocks": True,
                "merge": False, "row_scale": False, "warp_slots": 0, "prefetch_ok": False, "fwht": False,
-               "groups": False, "group_v": False, "l2_slots": 0, "lazy_rescale": False,
-               "quad_unpack": False}
+               "groups": False, "group_v": False, "l2_slots": 0, "lazy_rescale": False, "quad_unpack": False}
 # The exact route (float32 output) multiplies the codes by a block-diagonal float32 query, whose tiles grow with
 # the column groups R = 16 / G: at G = 1, D = 128 they need 247,808 B of shared memory at ROWS 16 (2 stages) on
 # sm_90, over the H200's 232,448 B, and 189,504 B at ROWS 8 (Triton's compile for sm_90a; checked for every G and
