@@ -43,7 +43,7 @@ def test_every_variant_is_named_by_its_own_configuration() -> None:
 
     from parity.rollout.int4_attention import BLOCKS_FORM, CONFIG
     assert list(VARIANTS.values())[0] == CONFIG
-    assert variant_name(CONFIG) == "ws64-warps1-stages3-pps1-merge-prefetchok-fwht-groups-groupv-l2pf64"
+    assert variant_name(CONFIG) == "ws64-warps1-stages3-pps1-merge-prefetchok-fwht-groups-groupv-l2pf64-quad"
     assert variant_name(BLOCKS_FORM) in VARIANTS
     for name, cfg in VARIANTS.items():
         assert set(CONFIG) <= set(cfg) and name == variant_name(cfg)

@@ -37,8 +37,7 @@ AB = {"warp-split form, butterflies (pinned before the slot groups)": {"groups":
       "slot groups, no L2 prefetch": {"l2_slots": 0},
       "slot groups, two iterations' slots prefetched": {"l2_slots": 128},
       "slot groups, lazy rescale": {"lazy_rescale": True},
-      "slot groups, V operands unpacked four at a time": {"quad_unpack": True},
-      "slot groups, lazy rescale, V operands four at a time": {"lazy_rescale": True, "quad_unpack": True}}
+      "slot groups, V operands unpacked one at a time": {"quad_unpack": False}}
 
 
 def attention_call(qs, key_ok, scale: float, int4, c, L: int, cfg: dict):

@@ -111,11 +111,11 @@ VARIANTS = {variant_name(c): c for c in (dict(PINNED), *({**_BASE, **d} for d in
     # loop, which the second warp does not share; docs/PERFORMANCE.md, "The output rotation in butterflies")
     {"warp_slots": 64, "merge": True, "num_warps": 2, "num_stages": 3, "prefetch_ok": True, "fwht": True},
     # the warp-split form with the butterflies and no slot groups (pinned before the groups), the slot groups as
-    # pinned before the V product a group at a time and the L2 prefetch, without the prefetch, and with the lazy
-    # rescale (836 loop instructions an iteration that does not rescale, against 883)
+    # pinned before the V product a group at a time and the L2 prefetch, without the prefetch, with the lazy
+    # rescale (fewer loop instructions, slower), and with the V operands unpacked one at a time (pinned before)
     {"warp_slots": 64, "merge": True, "num_warps": 1, "num_stages": 3, "prefetch_ok": True, "fwht": True},
     {**PINNED, "group_v": False, "l2_slots": 0}, {**PINNED, "l2_slots": 0}, {**PINNED, "lazy_rescale": True},
-    {**PINNED, "quad_unpack": True}, {**PINNED, "lazy_rescale": True, "quad_unpack": True})))}
+    {**PINNED, "quad_unpack": False})))}
 # (warps, slots a warp) of the dequantizing kernel's warp-split form (decode_attention_warps) timed for FP8 and the
 # raw bf16 cache beside its pinned form (docs/PERFORMANCE.md, "The INT4 attention's warp-split form")
 DEQUANT_FORMS = ((4, 16), (4, 32), (2, 32), (1, 32))

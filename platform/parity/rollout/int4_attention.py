@@ -93,13 +93,13 @@ except ImportError:  # CPU installs
 # copies): 10.18 against 10.41 us at L = 256 with group_v, and 9.72-10.06 against 10.26-10.52 with the prefetch of
 # one iteration's slots (more slots slower; a query load inside the loop, split tensor-core chains of the K product,
 # an earlier load of the slot index: slower or the same) (one H100, 2026-12-06, tests/bench/gpu_int4_attention_ncu.py
-# --ab; docs/perf_runs/2026-12-06_int4_attention_l2_prefetch_ab_h100.json). "lazy_rescale" (slot groups only; off, not
-# yet timed): the online softmax's references (each row's max, the V scale) move, and the sums are rescaled, only
-# when a tile outgrows them (2^8, 64x): 836 loop instructions an iteration without the rescale, 918 with it.
-# "quad_unpack" (off, not yet timed): the V operands' unpacking in one asm block, 58 fewer loop instructions.
+# --ab; docs/perf_runs/2026-12-06_int4_attention_l2_prefetch_ab_h100.json). "lazy_rescale" (slot groups only, off):
+# the online softmax's references move, and the sums are rescaled, only when a tile outgrows them (2^8,
+# 64x): fewer loop instructions, 4-6% slower. "quad_unpack": the V operands unpacked in one asm block (58 fewer loop
+# instructions, the same output): 1% faster at 256, median of 12 rounds (..._int4_attention_quad_unpack_ab_h100.json).
 CONFIG = {"ROWS": 16, "num_warps": 1, "num_stages": 3, "programs_per_sm": 1, "asm": True, "blocks": True,
           "merge": True, "row_scale": False, "warp_slots": 64, "prefetch_ok": True, "fwht": True, "groups": True,
-          "group_v": True, "l2_slots": 64, "lazy_rescale": False, "quad_unpack": False}
+          "group_v": True, "l2_slots": 64, "lazy_rescale": False, "quad_unpack": True}
 # this module's kernel in the form pinned before (rows16-warps4-stages2-pps1-blocks): what the exact route launches
 # (with EXACT_ROWS), and the base the bench's and the tests' other variants of this kernel change
 BLOCKS_FORM = {"ROWS": 16, "num_warps": 4, "num_stages": 2, "programs_per_sm": 1, "asm": True, "blocks": True,
