@@ -9,7 +9,6 @@ without Triton (the project's CPU environment); with it:
 
 from __future__ import annotations
 
-import math
 import os
 
 import pytest
@@ -126,10 +125,14 @@ def test_the_key_mask_loaded_an_iteration_ahead_changes_nothing():
             assert err < BOUND[torch.bfloat16], (shape, cfg, err, sim)
 
 
-def test_the_slot_groups_v_product_a_group_at_a_time_changes_nothing():
-    """The slot-groups form's "group_v" (each group's V product on its own instead of one block-diagonal product):
-    the same output bit for bit, at 2, 3 and 4 query heads a KV head (4, 2 with a padded head, and 2 groups), one
-    split and many."""
+@pytest.mark.parametrize("base,change", [({"group_v": False}, {"group_v": True}), ({}, {"k_ahead": True}),
+                                         ({"prefetch_ok": False}, {"prefetch_ok": False, "k_ahead": True})],
+                         ids=["v-product-a-group-at-a-time", "scores-a-tile-ahead", "scores-ahead-mask-in-its-iteration"])
+def test_the_slot_groups_alternatives_change_nothing(base, change):
+    """The slot-groups form's "group_v" (each group's V product on its own instead of one block-diagonal product) and
+    "k_ahead" (each iteration computes the next tile's scores beside this tile's softmax and V products, with the key
+    mask an iteration ahead or in its own): the same output bit for bit, at 2, 3 and 4 query heads a KV head (4, 2
+    with a padded head, and 2 groups), lengths that end inside a tile, one split and many."""
     from parity.precision.kv import make_kv_codec
     from parity.precision.kv_packed import PackedKVCache
     from tests.kv_packed_checks import attention_inputs
@@ -144,9 +147,19 @@ def test_the_slot_groups_v_product_a_group_at_a_time_changes_nothing():
         for pps in (0, 10**6):
             outs = [ia.int4_attention(qs, layer.k, layer.v, layer.k_scale, layer.v_scale, key_ok, st, L, D ** -0.5,
                                       True, torch.bfloat16, ia.Workspace(),
-                                      {**ia.CONFIG, "groups": True, "group_v": gv, "programs_per_sm": pps})
-                    for gv in (False, True)]
+                                      {**ia.CONFIG, "groups": True, "programs_per_sm": pps, **c})
+                    for c in (base, change)]
             assert torch.equal(outs[0], outs[1]), (shape, pps)
+
+
+def test_the_scores_a_tile_ahead_against_float64():
+    """"k_ahead" within the float64 bound on check_int4_attention's random inputs (masked slots, lengths inside a
+    tile), one split and many."""
+    for i, shape in enumerate([(2, 2, 2, 150, 150, 149), (3, 1, 4, 96, 70, 51), (2, 2, 1, 300, 200, 199)]):
+        for pps in (0, 10**6):
+            err, sim = check_int4_attention(64 if i == 1 else 128, torch.bfloat16, CPU, shape, True, seed=5,
+                                            config={**ia.CONFIG, "k_ahead": True, "programs_per_sm": pps})
+            assert err < BOUND[torch.bfloat16], (shape, pps, err, sim)
 
 
 def test_split_plan():
@@ -179,67 +192,3 @@ def test_the_pre_attention_rounding_modes_differ():
     functions run eagerly must pass eager_rounding, or its K and q are not the simulated cache's."""
     from tests.kv_packed_checks import pre_attention_rounding_modes
     assert pre_attention_rounding_modes(CPU) > 0.05
-
-
-def test_the_lazy_rescale_against_float64_where_its_references_move():
-    """The slot-groups form's "lazy_rescale" (each row's max and the V scale reference move, and the sums are
-    rescaled, only when a tile outgrows them: 2^8 for the scores, 64x either way for the scales): within the float64
-    bound where keys grow tile by tile (the max moves past 2^8: without that rescale the fp16 weights overflow),
-    where the values' scales fall 3,000,000x over the tiles while the smallest tile holds the largest scores (one
-    split and many, 2 and 3 query heads a KV head), where a tile's scores stay within 2^7 of the first's max but its
-    values are 1000x larger (without the scale's rescale its weights pass fp16's largest value), and on the plain
-    random inputs of check_int4_attention."""
-    from parity.precision.kv import make_kv_codec
-    from parity.precision.kv_packed import PackedKVCache
-    from tests.kv_packed_checks import attention_f64, attention_inputs, codec_values_f64
-    cases = [([1.0, 4.0, 7.0, 10.0], [1.0, 1.0, 1.0, 1.0], True),  # keys x tile: the max moves past 2^8
-             ([1.0, 1.0, 6.0, 1.0], [300.0, 1.0, 0.0001, 0.0001], False)]  # the small values' tile dominates
-    for i, (shape, D) in enumerate([((2, 2, 2, 256, 256, 255), 128), ((2, 1, 3, 256, 250, 240), 64)]):
-        for kx, vx, grows in cases:
-            q, k, v, key_ok, st = attention_inputs(shape, D, torch.bfloat16, CPU, seed=i)
-            B, n_kv, G, S, L, slot = shape
-            tile = torch.arange(S) // 64
-            k = (k.float() * torch.tensor(kx)[tile][None, None, :, None]).to(torch.bfloat16)
-            v = (v.float() * torch.tensor(vx)[tile][None, None, :, None]).to(torch.bfloat16)
-            cache = PackedKVCache(make_kv_codec("int4_per_token_head", D), 1, B, n_kv, S, torch.bfloat16, CPU)
-            layer = cache.layers[0]
-            cache.write(layer, k, v, torch.zeros(1, dtype=torch.long))
-            kmask = (torch.arange(L)[None, :] <= slot) & key_ok[:, :L]
-            kv = codec_values_f64(cache, layer, "k", L)
-            want = attention_f64(q, kv, codec_values_f64(cache, layer, "v", L), kmask, D ** -0.5)
-            if grows:  # the premise: some row's running max (base 2) grows by more than 2^8 between 64-slot tiles
-                sc = torch.einsum("bhd,bhld->bhl", q.double(), kv.repeat_interleave(G, 1)) * D ** -0.5 / math.log(2)
-                n = L // 64 * 64
-                tmax = sc[..., :n].masked_fill(~kmask[:, None, :n], float("-inf")).unflatten(2, (-1, 64)).amax(3)
-                assert (tmax.cummax(2).values.diff(dim=2) > 8).any(), "the inputs do not move the max past 2^8"
-            for pps in (0, 10**6):
-                got = ia.int4_attention(ia.prepare_queries(q, True), layer.k, layer.v, layer.k_scale, layer.v_scale,
-                                        key_ok, st, L, D ** -0.5, True, torch.bfloat16, ia.Workspace(),
-                                        {**ia.CONFIG, "groups": True, "lazy_rescale": True, "programs_per_sm": pps})
-                err = float((got.double() - want).norm() / want.norm())
-                assert err < BOUND[torch.bfloat16], (shape, kx, vx, pps, err)
-    # a tile whose scores stay within 2^7 of the first's max but whose values are 1000x larger: its weights relative
-    # to the first tile's scale would pass fp16's largest value (2^7 x 1000) without the scale's own rescale
-    B, n_kv, G, S, D = 1, 1, 2, 128, 128
-    g = torch.Generator().manual_seed(7)
-    q = torch.zeros(B, n_kv * G, D)
-    q[..., 0] = 10.0
-    k = torch.randn(B, n_kv, S, D, generator=g) * 0.1
-    k[:, :, 64:, 0] = 7.0 * math.log(2) * D ** 0.5 / 10.0  # scores 7 (base 2) above the first tile's
-    v = torch.randn(B, n_kv, S, D, generator=g) * torch.where(torch.arange(S) < 64, 1.0, 1000.0)[None, None, :, None]
-    q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))
-    key_ok, st = torch.ones(B, S, dtype=torch.bool), torch.tensor([S - 1])
-    cache = PackedKVCache(make_kv_codec("int4_per_token_head", D), 1, B, n_kv, S, torch.bfloat16, CPU)
-    layer = cache.layers[0]
-    cache.write(layer, k, v, torch.zeros(1, dtype=torch.long))
-    want = attention_f64(q, codec_values_f64(cache, layer, "k", S), codec_values_f64(cache, layer, "v", S), key_ok,
-                         D ** -0.5)
-    got = ia.int4_attention(ia.prepare_queries(q, True), layer.k, layer.v, layer.k_scale, layer.v_scale, key_ok, st,
-                            S, D ** -0.5, True, torch.bfloat16, ia.Workspace(),
-                            {**ia.CONFIG, "groups": True, "lazy_rescale": True, "programs_per_sm": 0})
-    err = float((got.double() - want).norm() / want.norm())
-    assert err < BOUND[torch.bfloat16], err
-    for i, shape in enumerate([(2, 2, 2, 150, 150, 149), (3, 1, 4, 96, 70, 51)]):
-        err, sim = check_int4_attention(128 if i == 0 else 64, torch.bfloat16, CPU, shape, True, seed=5,
-                                        config={**ia.CONFIG, "lazy_rescale": True})
-        assert err < BOUND[torch.bfloat16], (shape, err, sim)

@@ -107,7 +107,7 @@ INT4_CONFIGS = [{}, *({**ia.BLOCKS_FORM, **d} for d in (
     {"warp_slots": 64, "merge": True, "num_warps": 1, "programs_per_sm": 4},
     {"warp_slots": 64, "merge": True, "num_warps": 1, "num_stages": 3})),
     # the slot-groups form's alternatives to the pinned one (tests/bench/gpu_int4_attention_ncu.py --ab times them)
-    *({**ia.CONFIG, **d} for d in ({"group_v": False, "l2_slots": 0}, {"lazy_rescale": not ia.CONFIG["lazy_rescale"]},
+    *({**ia.CONFIG, **d} for d in ({"group_v": False, "l2_slots": 0}, {"k_ahead": not ia.CONFIG["k_ahead"]},
                                    {"quad_unpack": not ia.CONFIG["quad_unpack"]}))]
 
 
@@ -119,9 +119,14 @@ def test_int4_rotated_attention_configurations(cfg):
         assert err < 4e-3, (shape, cfg, err, sim)
 
 
-def test_the_v_operands_unpacked_four_at_a_time_change_nothing():
-    """"quad_unpack" builds the V products' fp16 operands from the codes in one asm block instead of four: the same
-    operands, so the same output bit for bit, at 1, 2, 3 and 4 query heads a KV head, one split and many."""
+@pytest.mark.parametrize("change", [{"quad_unpack": not ia.CONFIG["quad_unpack"]}, {"k_ahead": not ia.CONFIG["k_ahead"]},
+                                    {"k_ahead": not ia.CONFIG["k_ahead"], "prefetch_ok": False}],
+                         ids=["v-operands-four-at-a-time", "scores-a-tile-ahead", "scores-ahead-mask-in-its-iteration"])
+def test_the_slot_groups_alternatives_change_nothing(change):
+    """"quad_unpack" (the V products' fp16 operands from the codes in one asm block instead of four) and "k_ahead"
+    (each iteration computing the next tile's scores): the same arithmetic, so the same output bit for bit as the
+    pinned form (with the key mask in its own iteration where the change says so), at 1, 2, 3 and 4 query heads a
+    KV head, one split and many."""
     from parity.precision.kv import make_kv_codec
     from parity.precision.kv_packed import PackedKVCache
     from tests.kv_packed_checks import attention_inputs
@@ -136,8 +141,8 @@ def test_the_v_operands_unpacked_four_at_a_time_change_nothing():
         for pps in (0, 10**6):
             outs = [ia.int4_attention(qs, layer.k, layer.v, layer.k_scale, layer.v_scale, key_ok, st, L, 128 ** -0.5,
                                       True, torch.bfloat16, ia.Workspace(),
-                                      {**ia.CONFIG, "quad_unpack": quad, "programs_per_sm": pps})
-                    for quad in (False, True)]
+                                      {**ia.CONFIG, "programs_per_sm": pps, **c})
+                    for c in ({k: v for k, v in change.items() if k == "prefetch_ok"}, change)]
             assert torch.equal(outs[0], outs[1]), (shape, pps)
 
 

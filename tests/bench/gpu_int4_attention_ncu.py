@@ -36,7 +36,7 @@ AB = {"warp-split form, butterflies (pinned before the slot groups)": {"groups":
       "slot groups, one block-diagonal V product, no L2 prefetch": {"group_v": False, "l2_slots": 0},
       "slot groups, no L2 prefetch": {"l2_slots": 0},
       "slot groups, two iterations' slots prefetched": {"l2_slots": 128},
-      "slot groups, lazy rescale": {"lazy_rescale": True},
+      "slot groups, the scores a tile ahead": {"k_ahead": True},
       "slot groups, V operands unpacked one at a time": {"quad_unpack": False}}
 
 

@@ -93,18 +93,18 @@ except ImportError:  # CPU installs
 # copies): 10.18 against 10.41 us at L = 256 with group_v, and 9.72-10.06 against 10.26-10.52 with the prefetch of
 # one iteration's slots (more slots slower; a query load inside the loop, split tensor-core chains of the K product,
 # an earlier load of the slot index: slower or the same) (one H100, 2026-12-06, tests/bench/gpu_int4_attention_ncu.py
-# --ab; docs/perf_runs/2026-12-06_int4_attention_l2_prefetch_ab_h100.json). "lazy_rescale" (slot groups only, off):
-# the online softmax's references move, and the sums are rescaled, only when a tile outgrows them (2^8,
-# 64x): fewer loop instructions, 4-6% slower. "quad_unpack": the V operands unpacked in one asm block (58 fewer loop
-# instructions, the same output): 1% faster at 256, median of 12 rounds (..._int4_attention_quad_unpack_ab_h100.json).
+# --ab; docs/perf_runs/2026-12-06_int4_attention_l2_prefetch_ab_h100.json). "quad_unpack": the V operands unpacked in
+# one asm block (58 fewer loop instructions, the same output): 1% faster at 256, median of 12 rounds (a lazy rescale
+# of the softmax's sums, 3-6% slower, was removed; ..._int4_attention_quad_unpack_ab_h100.json). "k_ahead" (slot
+# groups only; off, not yet timed): each iteration computes the next tile's scores beside this tile's V products.
 CONFIG = {"ROWS": 16, "num_warps": 1, "num_stages": 3, "programs_per_sm": 1, "asm": True, "blocks": True,
           "merge": True, "row_scale": False, "warp_slots": 64, "prefetch_ok": True, "fwht": True, "groups": True,
-          "group_v": True, "l2_slots": 64, "lazy_rescale": False, "quad_unpack": True}
+          "group_v": True, "l2_slots": 64, "quad_unpack": True, "k_ahead": False}
 # this module's kernel in the form pinned before (rows16-warps4-stages2-pps1-blocks): what the exact route launches
 # (with EXACT_ROWS), and the base the bench's and the tests' other variants of this kernel change
 BLOCKS_FORM = {"ROWS": 16, "num_warps": 4, "num_stages": 2, "programs_per_sm": 1, "asm": True, "blocks": True,
                "merge": False, "row_scale": False, "warp_slots": 0, "prefetch_ok": False, "fwht": False,
-               "groups": False, "group_v": False, "l2_slots": 0, "lazy_rescale": False, "quad_unpack": False}
+               "groups": False, "group_v": False, "l2_slots": 0, "quad_unpack": False, "k_ahead": False}
 # The exact route (float32 output) multiplies the codes by a block-diagonal float32 query, whose tiles grow with
 # the column groups R = 16 / G: at G = 1, D = 128 they need 247,808 B of shared memory at ROWS 16 (2 stages) on
 # sm_90, over the H200's 232,448 B, and 189,504 B at ROWS 8 (Triton's compile for sm_90a; checked for every G and
@@ -315,7 +315,7 @@ def groups_constants(cfg: dict, G: int, D: int, hadamard: bool, asm: bool, one_s
     vsplit = bool(cfg.get("group_v")) and nq <= 4  # 8 groups' products a group: 8 B spill at D = 128
     return {"G": G, "GP": triton.next_power_of_2(G), "NQ": nq, "SG": sg, "D": D, "HADAMARD": hadamard, "ASM": asm,
             "ONE_SPLIT": one_split, "PREFETCH_OK": bool(cfg.get("prefetch_ok")), "LOGD": D.bit_length() - 1,
-            "VSPLIT": vsplit, "PF_L2": pf if asm else 0, "LAZY": bool(cfg.get("lazy_rescale")),
+            "VSPLIT": vsplit, "PF_L2": pf if asm else 0, "KAHEAD": bool(cfg.get("k_ahead")),
             "QUAD": bool(cfg.get("quad_unpack")) and vsplit}  # a whole tile's four operands at once spill (sm_90a)
 
 

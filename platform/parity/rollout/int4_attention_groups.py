@@ -14,11 +14,12 @@ merged as the warp-split form merges its warps. NQ = 8 / GP groups (GP: the head
 most 8), SG >= 16 slots each (the products' smallest width). VSPLIT (CONFIG's "group_v"): the V product as NQ
 products, group q's weights (the other groups' rows zero) against group q's codes, instead of the block-diagonal
 weights the compiler builds through shared memory: the same products summed in the same order. PF_L2 (CONFIG's
-"l2_slots"): the first slots' codes and scale words prefetched into L2 as the program starts. LAZY (CONFIG's
-"lazy_rescale"): each row's running max and the V scale reference move, and the running sums are rescaled, only when
-a tile's scores pass the max by 2^LAZY_EXP or its largest scale leaves [1/LAZY_SCALE, LAZY_SCALE] x the reference
-(the fp16 weights then stay below 2^8 x 64); otherwise the tile's weights are taken against the old references.
-QUAD (CONFIG's "quad_unpack"): the V products' four fp16 operands unpacked by one asm block (the same values).
+"l2_slots"): the first slots' codes and scale words prefetched into L2 as the program starts. QUAD (CONFIG's
+"quad_unpack"): the V products' four fp16 operands unpacked by one asm block (the same values). KAHEAD (CONFIG's
+"k_ahead"): the scores a tile ahead: each iteration takes the softmax and the V products of the tile whose scores the
+last iteration computed, and computes the next tile's (its K product, scales and mask), two chains that do not wait
+on each other, for a warp that otherwise waits on its own dependencies (the same arithmetic, one K product more a
+program: the tile past the end, which loads nothing).
 Tests: tests/test_int4_attention_interpret.py (Triton's interpreter, against float64), tests/test_kv_packed_cuda.py.
 """
 
@@ -50,7 +51,7 @@ if triton is not None:
                                  SG: tl.constexpr, D: tl.constexpr, HADAMARD: tl.constexpr, ASM: tl.constexpr,
                                  ONE_SPLIT: tl.constexpr, PREFETCH_OK: tl.constexpr, LOGD: tl.constexpr,
                                  VSPLIT: tl.constexpr = False, PF_L2: tl.constexpr = 0,
-                                 LAZY: tl.constexpr = False, QUAD: tl.constexpr = False):
+                                 QUAD: tl.constexpr = False, KAHEAD: tl.constexpr = False):
         DH: tl.constexpr = D // 2
         DQ: tl.constexpr = D // 4
         NR: tl.constexpr = NQ * GP  # score rows (q, g); the products' rows are part a (< NR) and part b
@@ -98,68 +99,55 @@ if triton is not None:
         acc_x1 = tl.zeros([2 * NR, DQ], tl.float32)
         acc_y1 = tl.zeros([2 * NR, DQ], tl.float32)
         s_prev = 1.0
-        if LAZY:
-            s_prev = 0.0  # no reference yet: the first tile sets it
         lo = sp * split_slots
         hi = tl.minimum(lo + split_slots, L)
         lim = tl.minimum(hi, slot.to(tl.int32) + 1)  # slots seen: below it (one 32-bit comparison a slot)
+        sl0 = lo + qq[:, None] * SG + n[None, :]
         if PREFETCH_OK:
-            sl0 = lo + qq[:, None] * SG + n[None, :]
             ok_next = tl.load(okp + sl0, mask=sl0 < hi, other=0)
+        if KAHEAD:  # the first tile's scores before the loop: each iteration then takes the next tile's
+            if PREFETCH_OK:
+                ok_here = ok_next
+                ok_next = tl.load(okp + sl0 + T, mask=sl0 + T < hi, other=0)
+            else:
+                ok_here = tl.load(okp + sl0, mask=sl0 < hi, other=0)
+            wk = tl.load(ks + sl0, mask=sl0 < hi, other=0)
+            s_next, seen_next = _tile_scores(kc, wk, lo, hi, lim, ok_here, bea, boa, wab, c_a, c_b, c_c, qk_scale,
+                                             q_k, d_k, qq, n, NR, SG, GP, DH, ASM)
         for start in range(lo, hi, T):
             sl = start + qq[:, None] * SG + n[None, :]  # [NQ, SG]: slot of group q, column n
             s_in = sl < hi
+            ahead = T if KAHEAD else 0  # the tile whose scores this iteration computes
+            sa = sl + ahead
             if PREFETCH_OK:
                 ok_here = ok_next
-                sl_next = sl + T
+                sl_next = sa + T
                 ok_next = tl.load(okp + sl_next, mask=sl_next < hi, other=0)
             else:
-                ok_here = tl.load(okp + sl, mask=s_in, other=0)
-            wk = tl.load(ks + sl, mask=s_in, other=0)
+                ok_here = tl.load(okp + sa, mask=sa < hi, other=0)
+            wk = tl.load(ks + sa, mask=sa < hi, other=0)
             wv = tl.load(vs + sl, mask=s_in, other=0)
-            sk = start + q_k[:, None] * SG + n[None, :]  # [NQ D/2, SG]: the K codes as the product's operand
-            ck = tl.load(kc + sk * DH + d_k[:, None], mask=sk < hi, other=0)
             if not VSPLIT:
                 vslot = start + tl.arange(0, T)  # byte pairs: element 4i + {0, 1} in byte 2i, 4i + {2, 3} in 2i + 1
                 cv = tl.load(vc16 + vslot[:, None] * DQ + i4[None, :], mask=(vslot < hi)[:, None], other=0)
-            ta = tl.dot(bea, (ck & 15).to(tl.int8, bitcast=True), out_dtype=tl.int32) * 16
-            ta = tl.dot(boa, _hi8(ck, ASM), ta, out_dtype=tl.int32)
-            t = tl.sum(tl.reshape(ta, (2, NR, SG)) * wab[:, None, None], 0).to(tl.float32)  # exact: [NR, SG]
-            f = _to_rows((wk & -16).to(tl.float32, bitcast=True) * qk_scale, GP)
-            zk = _to_rows((wk & 15).to(tl.float32), GP)
+            if KAHEAD:  # this tile's scores came from the last iteration; the next tile's are independent of them
+                s, seen = s_next, seen_next
+                s_next, seen_next = _tile_scores(kc, wk, start + T, hi, lim, ok_here, bea, boa, wab, c_a, c_b, c_c,
+                                                 qk_scale, q_k, d_k, qq, n, NR, SG, GP, DH, ASM)
+            else:
+                s, seen = _tile_scores(kc, wk, start, hi, lim, ok_here, bea, boa, wab, c_a, c_b, c_c, qk_scale, q_k,
+                                       d_k, qq, n, NR, SG, GP, DH, ASM)
             sv = (wv & -16).to(tl.float32, bitcast=True)
             zv = _to_rows((wv & 15).to(tl.float32), GP)
-            seen = _to_rows((ok_here != 0) & (sl < lim), GP)
-            s = (t * c_a + c_b) * f - (zk * f) * c_c
-            if LAZY:  # the references (each row's max m_i, the scale s_prev) move only when a tile needs it
-                s = tl.where(seen, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                s_max = tl.maximum(tl.max(tl.max(sv, 1), 0), 1e-30)
-                s_ratio = s_max / s_prev
-                if (tl.max(m_new - m_i) > LAZY_EXP) | (s_ratio > LAZY_SCALE) | (s_ratio < 1.0 / LAZY_SCALE):
-                    alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
-                    beta = alpha * (s_prev / s_max)
-                    l_i = l_i * alpha
-                    z_i = z_i * beta
-                    w_i = w_i * beta
-                    acc_x0, acc_y0, acc_x1, acc_y1 = _rescaled(beta, acc_x0, acc_y0, acc_x1, acc_y1)
-                    m_i = m_new
-                    s_prev = s_max
-                p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
-                l_i = l_i + tl.sum(p, 1)
-                pw = (p * _to_rows(sv * (1.0 / s_prev), GP)).to(tl.float16).to(tl.float32)
-                z_i = z_i + tl.sum(pw * zv, 1)
-                w_i = w_i + tl.sum(pw, 1)
-            else:
-                m_new, alpha, p, l_i = _online_softmax(s, seen, m_i, l_i, 1)
-                s_max = tl.maximum(tl.max(tl.max(sv, 1), 0), 1e-30)  # the tile's largest scale: weights in [0, 1]
-                pw = (p * _to_rows(sv * (1.0 / s_max), GP)).to(tl.float16).to(tl.float32)
-                beta = alpha * (s_prev / s_max)
-                s_prev = s_max
-                z_i = z_i * beta + tl.sum(pw * zv, 1)
-                w_i = w_i * beta + tl.sum(pw, 1)
-                acc_x0, acc_y0, acc_x1, acc_y1 = _rescaled(beta, acc_x0, acc_y0, acc_x1, acc_y1)
-                m_i = m_new
+            m_new, alpha, p, l_i = _online_softmax(s, seen, m_i, l_i, 1)
+            s_max = tl.maximum(tl.max(tl.max(sv, 1), 0), 1e-30)  # the tile's largest scale: weights in [0, 1]
+            pw = (p * _to_rows(sv * (1.0 / s_max), GP)).to(tl.float16).to(tl.float32)
+            beta = alpha * (s_prev / s_max)
+            s_prev = s_max
+            z_i = z_i * beta + tl.sum(pw * zv, 1)
+            w_i = w_i * beta + tl.sum(pw, 1)
+            acc_x0, acc_y0, acc_x1, acc_y1 = _rescaled(beta, acc_x0, acc_y0, acc_x1, acc_y1)
+            m_i = m_new
             if VSPLIT:  # each group's slots a product of their own: the weights stay in the scores' layout
                 for q in tl.static_range(NQ):
                     pq = tl.where(q_r[:, None] == q, pw, 0.0)
@@ -187,10 +175,22 @@ if triton is not None:
         _epilogue(m_h, l_h, lo_h, hi_h, g_ok, g_ok, g, head, bh, sp, n_split, cap, o_ptr, pm_ptr, pl_ptr, pu_ptr,
                   cnt_ptr, hp_ptr, sg_ptr, G, GP, D, HADAMARD, False, ONE_SPLIT, True, LOGD)
 
-    LAZY_EXP = tl.constexpr(8.0)  # a row's max may outgrow its reference by 2^8 before the sums are rescaled
-    LAZY_SCALE = tl.constexpr(64.0)  # a tile's largest V scale within 64x of the reference either way: the fp16
-    # weights stay below 2^8 x 64 = 16,384 (fp16's largest is 65,504) and at most 64x smaller than against the tile's
-    # own largest scale
+    @triton.jit
+    def _tile_scores(kc, wk, start, hi, lim, ok_here, bea, boa, wab, c_a, c_b, c_c, qk_scale, q_k, d_k, qq, n,
+                     NR: tl.constexpr, SG: tl.constexpr, GP: tl.constexpr, DH: tl.constexpr, ASM: tl.constexpr):
+        """The scores [NR, SG] of the tile at slot `start` (row q * GP + g: group q's slots for head g; base 2) from
+        its K scale words wk and codes, and which of them are seen (in the key mask ok_here [NQ, SG] and below lim);
+        slots from hi on load nothing."""
+        sl = start + qq[:, None] * SG + n[None, :]
+        sk = start + q_k[:, None] * SG + n[None, :]  # [NQ D/2, SG]: the K codes as the product's operand
+        ck = tl.load(kc + sk * DH + d_k[:, None], mask=sk < hi, other=0)
+        ta = tl.dot(bea, (ck & 15).to(tl.int8, bitcast=True), out_dtype=tl.int32) * 16
+        ta = tl.dot(boa, _hi8(ck, ASM), ta, out_dtype=tl.int32)
+        t = tl.sum(tl.reshape(ta, (2, NR, SG)) * wab[:, None, None], 0).to(tl.float32)  # exact: [NR, SG]
+        f = _to_rows((wk & -16).to(tl.float32, bitcast=True) * qk_scale, GP)
+        zk = _to_rows((wk & 15).to(tl.float32), GP)
+        seen = _to_rows((ok_here != 0) & (sl < lim), GP)
+        return (t * c_a + c_b) * f - (zk * f) * c_c, seen
 
     @triton.jit
     def _prefetch_l2(p):
