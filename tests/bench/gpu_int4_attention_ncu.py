@@ -37,6 +37,8 @@ AB = {"warp-split form, butterflies (pinned before the slot groups)": {"groups":
       "slot groups, no L2 prefetch": {"l2_slots": 0},
       "slot groups, two iterations' slots prefetched": {"l2_slots": 128},
       "slot groups, the scores a tile ahead": {"k_ahead": True},
+      # the next tile's key mask on the chain that does not wait for it: its load need not be an iteration ahead
+      "slot groups, the scores a tile ahead, the mask in its iteration": {"k_ahead": True, "prefetch_ok": False},
       "slot groups, V operands unpacked one at a time": {"quad_unpack": False}}
 
 
