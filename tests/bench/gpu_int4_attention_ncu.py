@@ -39,7 +39,9 @@ AB = {"warp-split form, butterflies (pinned before the slot groups)": {"groups":
       "slot groups, the scores a tile ahead": {"k_ahead": True},
       # the next tile's key mask on the chain that does not wait for it: its load need not be an iteration ahead
       "slot groups, the scores a tile ahead, the mask in its iteration": {"k_ahead": True, "prefetch_ok": False},
-      "slot groups, V operands unpacked one at a time": {"quad_unpack": False}}
+      "slot groups, V operands unpacked one at a time": {"quad_unpack": False},
+      # two splits of 128 slots at L = 256 (1,024 programs: two warps a scheduler, the splits merged by the last)
+      "slot groups, split in two": {"programs_per_sm": 4}}
 
 
 def attention_call(qs, key_ok, scale: float, int4, c, L: int, cfg: dict):
