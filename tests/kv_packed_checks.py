@@ -179,6 +179,22 @@ def check_int4_attention(D: int, dtype: torch.dtype, device: torch.device, shape
     return float((got.double() - want).norm() / want.norm()), float((sim - want).norm() / want.norm())
 
 
+def int4_attention_outputs(shape: tuple, D: int, device: torch.device, configs: list, seed: int = 0,
+                           left_pad: int = 0) -> list:
+    """The rotated int4 attention's bf16 output under each launch configuration in `configs`, on one set of random
+    inputs (attention_inputs) written to a packed INT4 cache; `left_pad`: the first row's first slots masked too."""
+    from parity.rollout import int4_attention as ia
+    B, n_kv, G, S, L, slot = shape
+    q, k, v, key_ok, st = attention_inputs(shape, D, torch.bfloat16, device, seed)
+    key_ok[0, :left_pad] = False
+    cache = PackedKVCache(make_kv_codec("int4_per_token_head", D), 1, B, n_kv, S, torch.bfloat16, device)
+    layer = cache.layers[0]
+    cache.write(layer, k, v, torch.zeros(1, dtype=torch.long, device=device))
+    qs = ia.prepare_queries(q, True)
+    return [ia.int4_attention(qs, layer.k, layer.v, layer.k_scale, layer.v_scale, key_ok, st, L, D ** -0.5, True,
+                              torch.bfloat16, ia.Workspace(), cfg) for cfg in configs]
+
+
 def check_pre_attention(kind: str, hadamard: bool, D: int, dtype: torch.dtype, device: torch.device,
                         rotated: bool, seed: int = 0, eager: bool = False) -> dict:
     """The fused pre-attention kernel (parity.rollout.pre_attention) against the decode step's torch functions on

@@ -102,23 +102,14 @@ def test_the_key_mask_loaded_an_iteration_ahead_changes_nothing():
     """The warp-split form's "prefetch_ok" (each iteration loads the next one's key mask): the same output bit for
     bit as the mask loaded in its own iteration, on rows with left padding past the first iterations' slots, one
     split and many, one warp and two, and in the slot-groups form; within the float64 bound."""
-    from parity.precision.kv import make_kv_codec
-    from parity.precision.kv_packed import PackedKVCache
-    from tests.kv_packed_checks import attention_inputs
+    from tests.kv_packed_checks import int4_attention_outputs
     for i, (shape, D) in enumerate([((3, 2, 2, 150, 150, 149), 128), ((2, 1, 4, 90, 61, 60), 64)]):
-        q, k, v, key_ok, st = attention_inputs(shape, D, torch.bfloat16, CPU, seed=i)
-        key_ok[0, :40] = False  # masked slots beyond the first iteration's 16 a warp
-        B, n_kv, G, S, L, slot = shape
-        cache = PackedKVCache(make_kv_codec("int4_per_token_head", D), 1, B, n_kv, S, torch.bfloat16, CPU)
-        layer = cache.layers[0]
-        cache.write(layer, k, v, torch.zeros(1, dtype=torch.long))
-        qs = ia.prepare_queries(q, True)
         for cfg in ({"warp_slots": 16, "merge": True, "num_warps": 1, "programs_per_sm": 0},
                     {"warp_slots": 16, "merge": True, "num_warps": 2, "programs_per_sm": 10**6},
                     {"warp_slots": 32, "merge": True, "num_warps": 1, "groups": True, "programs_per_sm": 10**6}):
-            outs = [ia.int4_attention(qs, layer.k, layer.v, layer.k_scale, layer.v_scale, key_ok, st, L, D ** -0.5,
-                                      True, torch.bfloat16, ia.Workspace(), {**ia.CONFIG, **cfg, "prefetch_ok": pf})
-                    for pf in (False, True)]
+            # masked slots beyond the first iteration's 16 a warp
+            outs = int4_attention_outputs(shape, D, CPU, [{**ia.CONFIG, **cfg, "prefetch_ok": pf} for pf in (False, True)],
+                                          seed=i, left_pad=40)
             assert torch.equal(outs[0], outs[1]), (shape, cfg)
             err, sim = check_int4_attention(D, torch.bfloat16, CPU, shape, True, seed=i,
                                             config={**ia.CONFIG, **cfg, "prefetch_ok": True})
@@ -133,22 +124,12 @@ def test_the_slot_groups_alternatives_change_nothing(base, change):
     "k_ahead" (each iteration computes the next tile's scores beside this tile's softmax and V products, with the key
     mask an iteration ahead or in its own): the same output bit for bit, at 2, 3 and 4 query heads a KV head (4, 2
     with a padded head, and 2 groups), lengths that end inside a tile, one split and many."""
-    from parity.precision.kv import make_kv_codec
-    from parity.precision.kv_packed import PackedKVCache
-    from tests.kv_packed_checks import attention_inputs
+    from tests.kv_packed_checks import int4_attention_outputs
     for i, (shape, D) in enumerate([((2, 2, 2, 150, 150, 149), 128), ((2, 1, 3, 100, 90, 80), 128),
                                     ((3, 1, 4, 96, 70, 51), 64)]):
-        q, k, v, key_ok, st = attention_inputs(shape, D, torch.bfloat16, CPU, seed=i)
-        B, n_kv, G, S, L, slot = shape
-        cache = PackedKVCache(make_kv_codec("int4_per_token_head", D), 1, B, n_kv, S, torch.bfloat16, CPU)
-        layer = cache.layers[0]
-        cache.write(layer, k, v, torch.zeros(1, dtype=torch.long))
-        qs = ia.prepare_queries(q, True)
         for pps in (0, 10**6):
-            outs = [ia.int4_attention(qs, layer.k, layer.v, layer.k_scale, layer.v_scale, key_ok, st, L, D ** -0.5,
-                                      True, torch.bfloat16, ia.Workspace(),
-                                      {**ia.CONFIG, "groups": True, "programs_per_sm": pps, **c})
-                    for c in (base, change)]
+            outs = int4_attention_outputs(shape, D, CPU, [{**ia.CONFIG, "groups": True, "programs_per_sm": pps, **c}
+                                                          for c in (base, change)], seed=i)
             assert torch.equal(outs[0], outs[1]), (shape, pps)
 
 

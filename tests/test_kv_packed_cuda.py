@@ -127,22 +127,13 @@ def test_the_slot_groups_alternatives_change_nothing(change):
     (each iteration computing the next tile's scores): the same arithmetic, so the same output bit for bit as the
     pinned form (with the key mask in its own iteration where the change says so), at 1, 2, 3 and 4 query heads a
     KV head, one split and many."""
-    from parity.precision.kv import make_kv_codec
-    from parity.precision.kv_packed import PackedKVCache
-    from tests.kv_packed_checks import attention_inputs
+    from tests.kv_packed_checks import int4_attention_outputs
+    base = {key: val for key, val in change.items() if key == "prefetch_ok"}  # the pinned form, the mask as changed
     for i, shape in enumerate([(64, 8, 2, 384, 256, 255), (2, 2, 1, 300, 300, 299), (2, 1, 3, 100, 90, 80),
                                (3, 1, 4, 96, 70, 51)]):
-        q, k, v, key_ok, st = attention_inputs(shape, 128, torch.bfloat16, CUDA, seed=i)
-        B, n_kv, G, S, L, slot = shape
-        cache = PackedKVCache(make_kv_codec("int4_per_token_head", 128), 1, B, n_kv, S, torch.bfloat16, CUDA)
-        layer = cache.layers[0]
-        cache.write(layer, k, v, torch.zeros(1, dtype=torch.long, device=CUDA))
-        qs = ia.prepare_queries(q, True)
         for pps in (0, 10**6):
-            outs = [ia.int4_attention(qs, layer.k, layer.v, layer.k_scale, layer.v_scale, key_ok, st, L, 128 ** -0.5,
-                                      True, torch.bfloat16, ia.Workspace(),
-                                      {**ia.CONFIG, "programs_per_sm": pps, **c})
-                    for c in ({k: v for k, v in change.items() if k == "prefetch_ok"}, change)]
+            outs = int4_attention_outputs(shape, 128, CUDA, [{**ia.CONFIG, "programs_per_sm": pps, **c}
+                                                             for c in (base, change)], seed=i)
             assert torch.equal(outs[0], outs[1]), (shape, pps)
 
 
