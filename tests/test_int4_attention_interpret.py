@@ -117,13 +117,16 @@ def test_the_key_mask_loaded_an_iteration_ahead_changes_nothing():
 
 
 @pytest.mark.parametrize("base,change", [({"group_v": False}, {"group_v": True}), ({}, {"k_ahead": True}),
-                                         ({"prefetch_ok": False}, {"prefetch_ok": False, "k_ahead": True})],
-                         ids=["v-product-a-group-at-a-time", "scores-a-tile-ahead", "scores-ahead-mask-in-its-iteration"])
+                                         ({"prefetch_ok": False}, {"prefetch_ok": False, "k_ahead": True}),
+                                         ({}, {"k_ahead": True, "k_peel": True})],
+                         ids=["v-product-a-group-at-a-time", "scores-a-tile-ahead", "scores-ahead-mask-in-its-iteration",
+                              "scores-ahead-last-tile-after-the-loop"])
 def test_the_slot_groups_alternatives_change_nothing(base, change):
     """The slot-groups form's "group_v" (each group's V product on its own instead of one block-diagonal product) and
     "k_ahead" (each iteration computes the next tile's scores beside this tile's softmax and V products, with the key
-    mask an iteration ahead or in its own): the same output bit for bit, at 2, 3 and 4 query heads a KV head (4, 2
-    with a padded head, and 2 groups), lengths that end inside a tile, one split and many."""
+    mask an iteration ahead or in its own; with "k_peel" the last tile's softmax and V products after the loop): the
+    same output bit for bit, at 2, 3 and 4 query heads a KV head (4, 2 with a padded head, and 2 groups), lengths
+    that end inside a tile, one split and many (splits of one tile among them)."""
     from tests.kv_packed_checks import int4_attention_outputs
     for i, (shape, D) in enumerate([((2, 2, 2, 150, 150, 149), 128), ((2, 1, 3, 100, 90, 80), 128),
                                     ((3, 1, 4, 96, 70, 51), 64)]):
@@ -133,13 +136,16 @@ def test_the_slot_groups_alternatives_change_nothing(base, change):
             assert torch.equal(outs[0], outs[1]), (shape, pps)
 
 
-def test_the_scores_a_tile_ahead_against_float64():
-    """"k_ahead" within the float64 bound on check_int4_attention's random inputs (masked slots, lengths inside a
-    tile), one split and many."""
-    for i, shape in enumerate([(2, 2, 2, 150, 150, 149), (3, 1, 4, 96, 70, 51), (2, 2, 1, 300, 200, 199)]):
+@pytest.mark.parametrize("peel", [False, True], ids=["past-the-end", "last-tile-after-the-loop"])
+def test_the_scores_a_tile_ahead_against_float64(peel):
+    """"k_ahead" (with "k_peel" or not) within the float64 bound on check_int4_attention's random inputs (masked
+    slots, lengths inside a tile, a length of one tile), one split and many."""
+    for i, shape in enumerate([(2, 2, 2, 150, 150, 149), (3, 1, 4, 96, 70, 51), (2, 2, 1, 300, 200, 199),
+                               (2, 1, 2, 64, 40, 39)]):
         for pps in (0, 10**6):
             err, sim = check_int4_attention(64 if i == 1 else 128, torch.bfloat16, CPU, shape, True, seed=5,
-                                            config={**ia.CONFIG, "k_ahead": True, "programs_per_sm": pps})
+                                            config={**ia.CONFIG, "k_ahead": True, "k_peel": peel,
+                                                    "programs_per_sm": pps})
             assert err < BOUND[torch.bfloat16], (shape, pps, err, sim)
 
 

@@ -108,6 +108,7 @@ INT4_CONFIGS = [{}, *({**ia.BLOCKS_FORM, **d} for d in (
     {"warp_slots": 64, "merge": True, "num_warps": 1, "num_stages": 3})),
     # the slot-groups form's alternatives to the pinned one (tests/bench/gpu_int4_attention_ncu.py --ab times them)
     *({**ia.CONFIG, **d} for d in ({"group_v": False, "l2_slots": 0}, {"k_ahead": not ia.CONFIG["k_ahead"]},
+                                   {"k_ahead": True, "k_peel": not ia.CONFIG["k_peel"]},
                                    {"quad_unpack": not ia.CONFIG["quad_unpack"]}))]
 
 
@@ -120,11 +121,14 @@ def test_int4_rotated_attention_configurations(cfg):
 
 
 @pytest.mark.parametrize("change", [{"quad_unpack": not ia.CONFIG["quad_unpack"]}, {"k_ahead": not ia.CONFIG["k_ahead"]},
-                                    {"k_ahead": not ia.CONFIG["k_ahead"], "prefetch_ok": False}],
-                         ids=["v-operands-four-at-a-time", "scores-a-tile-ahead", "scores-ahead-mask-in-its-iteration"])
+                                    {"k_ahead": not ia.CONFIG["k_ahead"], "prefetch_ok": False},
+                                    {"k_ahead": True, "k_peel": not ia.CONFIG["k_peel"]}],
+                         ids=["v-operands-four-at-a-time", "scores-a-tile-ahead", "scores-ahead-mask-in-its-iteration",
+                              "scores-ahead-last-tile-after-the-loop"])
 def test_the_slot_groups_alternatives_change_nothing(change):
     """"quad_unpack" (the V products' fp16 operands from the codes in one asm block instead of four) and "k_ahead"
-    (each iteration computing the next tile's scores): the same arithmetic, so the same output bit for bit as the
+    (each iteration computing the next tile's scores; "k_peel": the last tile's V products after the loop): the same
+    arithmetic, so the same output bit for bit as the
     pinned form (with the key mask in its own iteration where the change says so), at 1, 2, 3 and 4 query heads a
     KV head, one split and many."""
     from tests.kv_packed_checks import int4_attention_outputs

@@ -78,7 +78,8 @@ def variant_name(cfg: dict) -> str:
                 + ("-prefetchok" if cfg.get("prefetch_ok") else "") + ("-fwht" if cfg.get("fwht") else "")
                 + ("-groups" if cfg.get("groups") else "") + ("-groupv" if cfg.get("group_v") else "")
                 + (f"-l2pf{cfg['l2_slots']}" if cfg.get("l2_slots") else "")
-                + ("-quad" if cfg.get("quad_unpack") else "") + ("-kahead" if cfg.get("k_ahead") else ""))
+                + ("-quad" if cfg.get("quad_unpack") else "") + ("-kahead" if cfg.get("k_ahead") else "")
+                + ("-peel" if cfg.get("k_ahead") and cfg.get("k_peel") else ""))
     return (f"rows{cfg['ROWS']}" + tail + ("-blocks" if cfg.get("blocks") else "")
             + ("-merge" if cfg.get("merge") else "") + ("-rowscale" if cfg.get("row_scale") else ""))
 

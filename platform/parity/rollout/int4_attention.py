@@ -96,10 +96,11 @@ except ImportError:  # CPU installs
 # --ab; docs/perf_runs/2026-12-06_int4_attention_l2_prefetch_ab_h100.json). "quad_unpack": the V operands unpacked in
 # one asm block (58 fewer loop instructions, the same output): 1% faster at 256, median of 12 rounds (a lazy rescale
 # of the softmax's sums, 3-6% slower, was removed; ..._int4_attention_quad_unpack_ab_h100.json). "k_ahead" (slot
-# groups only; off, not yet timed): each iteration computes the next tile's scores beside this tile's V products.
+# groups only; off, not yet timed): each iteration computes the next tile's scores beside this tile's V products
+# ("k_peel", D >= 128: the last tile's V products after the loop, no K product past the end; 4 B spill at D = 64).
 CONFIG = {"ROWS": 16, "num_warps": 1, "num_stages": 3, "programs_per_sm": 1, "asm": True, "blocks": True,
           "merge": True, "row_scale": False, "warp_slots": 64, "prefetch_ok": True, "fwht": True, "groups": True,
-          "group_v": True, "l2_slots": 64, "quad_unpack": True, "k_ahead": False}
+          "group_v": True, "l2_slots": 64, "quad_unpack": True, "k_ahead": False, "k_peel": False}
 # this module's kernel in the form pinned before (rows16-warps4-stages2-pps1-blocks): what the exact route launches
 # (with EXACT_ROWS), and the base the bench's and the tests' other variants of this kernel change
 BLOCKS_FORM = {"ROWS": 16, "num_warps": 4, "num_stages": 2, "programs_per_sm": 1, "asm": True, "blocks": True,
@@ -139,8 +140,7 @@ def warp_form(cfg: dict, G: int, exact: bool = False) -> tuple[int, bool]:
 def groups_form(cfg: dict, G: int, exact: bool = False) -> tuple[int, int]:
     """(groups, slots a group) of the slot-groups form (int4_attention_groups) under launch configuration `cfg`:
     with "groups" and the warp-split form's query parts merged (G <= 8), 8 / GP groups (GP: G rounded up to a power of
-    two) of warp_slots / groups slots each, at least 16 (the products' smallest width); else (0, 0), the other
-    forms."""
+    two) of warp_slots / groups slots each, at least 16 (the products' smallest width); else (0, 0)."""
     if not cfg.get("groups") or not warp_form(cfg, G, exact)[1]:  # merged parts: G <= 8
         return 0, 0
     nq = 8 // triton_next_pow2(G)
@@ -151,10 +151,8 @@ def iteration_slots(cfg: dict, G: int, exact: bool = False) -> int:
     """Slots one iteration of launch configuration `cfg` covers: the groups' slots in the slot-groups form,
     num_warps x a warp's slots in the warp-split form, else `slots_per_iteration`."""
     nq, sg = groups_form(cfg, G, exact)
-    if nq:
-        return nq * sg
     slots = warp_form(cfg, G, exact)[0]
-    return cfg["num_warps"] * slots if slots else slots_per_iteration(G, cfg["ROWS"])
+    return nq * sg if nq else cfg["num_warps"] * slots if slots else slots_per_iteration(G, cfg["ROWS"])
 
 
 def triton_next_pow2(x: int) -> int:
@@ -316,6 +314,7 @@ def groups_constants(cfg: dict, G: int, D: int, hadamard: bool, asm: bool, one_s
     return {"G": G, "GP": triton.next_power_of_2(G), "NQ": nq, "SG": sg, "D": D, "HADAMARD": hadamard, "ASM": asm,
             "ONE_SPLIT": one_split, "PREFETCH_OK": bool(cfg.get("prefetch_ok")), "LOGD": D.bit_length() - 1,
             "VSPLIT": vsplit, "PF_L2": pf if asm else 0, "KAHEAD": bool(cfg.get("k_ahead")),
+            "KPEEL": bool(cfg.get("k_ahead") and cfg.get("k_peel")) and D >= 128,
             "QUAD": bool(cfg.get("quad_unpack")) and vsplit}  # a whole tile's four operands at once spill (sm_90a)
 
 

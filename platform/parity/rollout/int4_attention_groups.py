@@ -19,7 +19,8 @@ weights the compiler builds through shared memory: the same products summed in t
 "k_ahead"): the scores a tile ahead: each iteration takes the softmax and the V products of the tile whose scores the
 last iteration computed, and computes the next tile's (its K product, scales and mask), two chains that do not wait
 on each other, for a warp that otherwise waits on its own dependencies (the same arithmetic, one K product more a
-program: the tile past the end, which loads nothing).
+program: the tile past the end, which loads nothing). KPEEL (CONFIG's "k_peel", with "k_ahead"): the loop stops a tile
+early and the last tile's softmax and V products follow it, so no K product past the end (the same arithmetic).
 Tests: tests/test_int4_attention_interpret.py (Triton's interpreter, against float64), tests/test_kv_packed_cuda.py.
 """
 
@@ -51,7 +52,8 @@ if triton is not None:
                                  SG: tl.constexpr, D: tl.constexpr, HADAMARD: tl.constexpr, ASM: tl.constexpr,
                                  ONE_SPLIT: tl.constexpr, PREFETCH_OK: tl.constexpr, LOGD: tl.constexpr,
                                  VSPLIT: tl.constexpr = False, PF_L2: tl.constexpr = 0,
-                                 QUAD: tl.constexpr = False, KAHEAD: tl.constexpr = False):
+                                 QUAD: tl.constexpr = False, KAHEAD: tl.constexpr = False,
+                                 KPEEL: tl.constexpr = False):
         DH: tl.constexpr = D // 2
         DQ: tl.constexpr = D // 4
         NR: tl.constexpr = NQ * GP  # score rows (q, g); the products' rows are part a (< NR) and part b
@@ -114,7 +116,9 @@ if triton is not None:
             wk = tl.load(ks + sl0, mask=sl0 < hi, other=0)
             s_next, seen_next = _tile_scores(kc, wk, lo, hi, lim, ok_here, bea, boa, wab, c_a, c_b, c_c, qk_scale,
                                              q_k, d_k, qq, n, NR, SG, GP, DH, ASM)
-        for start in range(lo, hi, T):
+        # KPEEL: the loop stops a tile early and the last tile's softmax and V products follow it (no K product
+        # past the end)
+        for start in range(lo, hi - T if KPEEL else hi, T):
             sl = start + qq[:, None] * SG + n[None, :]  # [NQ, SG]: slot of group q, column n
             s_in = sl < hi
             ahead = T if KAHEAD else 0  # the tile whose scores this iteration computes
@@ -127,6 +131,7 @@ if triton is not None:
                 ok_here = tl.load(okp + sa, mask=sa < hi, other=0)
             wk = tl.load(ks + sa, mask=sa < hi, other=0)
             wv = tl.load(vs + sl, mask=s_in, other=0)
+            cv = 0
             if not VSPLIT:
                 vslot = start + tl.arange(0, T)  # byte pairs: element 4i + {0, 1} in byte 2i, 4i + {2, 3} in 2i + 1
                 cv = tl.load(vc16 + vslot[:, None] * DQ + i4[None, :], mask=(vslot < hi)[:, None], other=0)
@@ -137,28 +142,21 @@ if triton is not None:
             else:
                 s, seen = _tile_scores(kc, wk, start, hi, lim, ok_here, bea, boa, wab, c_a, c_b, c_c, qk_scale, q_k,
                                        d_k, qq, n, NR, SG, GP, DH, ASM)
-            sv = (wv & -16).to(tl.float32, bitcast=True)
-            zv = _to_rows((wv & 15).to(tl.float32), GP)
-            m_new, alpha, p, l_i = _online_softmax(s, seen, m_i, l_i, 1)
-            s_max = tl.maximum(tl.max(tl.max(sv, 1), 0), 1e-30)  # the tile's largest scale: weights in [0, 1]
-            pw = (p * _to_rows(sv * (1.0 / s_max), GP)).to(tl.float16).to(tl.float32)
-            beta = alpha * (s_prev / s_max)
-            s_prev = s_max
-            z_i = z_i * beta + tl.sum(pw * zv, 1)
-            w_i = w_i * beta + tl.sum(pw, 1)
-            acc_x0, acc_y0, acc_x1, acc_y1 = _rescaled(beta, acc_x0, acc_y0, acc_x1, acc_y1)
-            m_i = m_new
-            if VSPLIT:  # each group's slots a product of their own: the weights stay in the scores' layout
-                for q in tl.static_range(NQ):
-                    pq = tl.where(q_r[:, None] == q, pw, 0.0)
-                    pt = tl.reshape(tl.permute(tl.join(pq, tl.zeros_like(pq)), (2, 0, 1)), (2 * NR, SG)).to(tl.float16)
-                    vq = start + q * SG + n
-                    cq = tl.load(vc16 + vq[:, None] * DQ + i4[None, :], mask=(vq < hi)[:, None], other=0)
-                    acc_x0, acc_y0, acc_x1, acc_y1 = _v_products(pt, cq, acc_x0, acc_y0, acc_x1, acc_y1, ASM, QUAD)
-            else:  # the weights back at their slots, block-diagonal: row (q, g) in columns q SG + [0, SG)
-                pb = tl.reshape(tl.where(q_r[:, None, None] == qq[None, :, None], pw[:, None, :], 0.0), (NR, T))
-                pt = tl.reshape(tl.permute(tl.join(pb, tl.zeros_like(pb)), (2, 0, 1)), (2 * NR, T)).to(tl.float16)
-                acc_x0, acc_y0, acc_x1, acc_y1 = _v_products(pt, cv, acc_x0, acc_y0, acc_x1, acc_y1, ASM, QUAD)
+            m_i, l_i, z_i, w_i, acc_x0, acc_y0, acc_x1, acc_y1, s_prev = _tile_values(
+                s, seen, wv, cv, start, hi, m_i, l_i, z_i, w_i, acc_x0, acc_y0, acc_x1, acc_y1, s_prev, vc16, q_r,
+                qq, n, i4, NR, NQ, SG, GP, DQ, T, VSPLIT, ASM, QUAD)
+        if KPEEL:
+            if lo < hi:  # the last tile, its scores from the loop's last iteration (or before the loop)
+                last = lo + (hi - lo - 1) // T * T
+                sl = last + qq[:, None] * SG + n[None, :]
+                wv = tl.load(vs + sl, mask=sl < hi, other=0)
+                cv = 0
+                if not VSPLIT:
+                    vslot = last + tl.arange(0, T)
+                    cv = tl.load(vc16 + vslot[:, None] * DQ + i4[None, :], mask=(vslot < hi)[:, None], other=0)
+                m_i, l_i, z_i, w_i, acc_x0, acc_y0, acc_x1, acc_y1, s_prev = _tile_values(
+                    s_next, seen_next, wv, cv, last, hi, m_i, l_i, z_i, w_i, acc_x0, acc_y0, acc_x1, acc_y1, s_prev,
+                    vc16, q_r, qq, n, i4, NR, NQ, SG, GP, DQ, T, VSPLIT, ASM, QUAD)
         # merge each head's NQ groups (rows q * GP + g), weights exp2(m_q - max) as the warp-split form's warps
         m_q = tl.reshape(m_i, (NQ, GP))
         m_h, wr = _part_weights(m_q)
@@ -174,6 +172,35 @@ if triton is not None:
         head = (b * H + kvh * G + g).to(tl.int64)
         _epilogue(m_h, l_h, lo_h, hi_h, g_ok, g_ok, g, head, bh, sp, n_split, cap, o_ptr, pm_ptr, pl_ptr, pu_ptr,
                   cnt_ptr, hp_ptr, sg_ptr, G, GP, D, HADAMARD, False, ONE_SPLIT, True, LOGD)
+
+    @triton.jit
+    def _tile_values(s, seen, wv, cv, start, hi, m_i, l_i, z_i, w_i, acc_x0, acc_y0, acc_x1, acc_y1, s_prev, vc16, q_r,
+                     qq, n, i4, NR: tl.constexpr, NQ: tl.constexpr, SG: tl.constexpr, GP: tl.constexpr,
+                     DQ: tl.constexpr, T: tl.constexpr, VSPLIT: tl.constexpr, ASM: tl.constexpr, QUAD: tl.constexpr):
+        """The running softmax (m_i, l_i), the weights' sums (z_i, w_i), the V accumulators and the last tile's
+        largest V scale after the tile at slot `start`: its scores s [NR, SG] (seen: which count), V scale words wv
+        [NQ, SG] and, unless VSPLIT, its V codes cv [T, D/4] (with VSPLIT each group's are loaded here)."""
+        sv = (wv & -16).to(tl.float32, bitcast=True)
+        zv = _to_rows((wv & 15).to(tl.float32), GP)
+        m_new, alpha, p, l_i = _online_softmax(s, seen, m_i, l_i, 1)
+        s_max = tl.maximum(tl.max(tl.max(sv, 1), 0), 1e-30)  # the tile's largest scale: weights in [0, 1]
+        pw = (p * _to_rows(sv * (1.0 / s_max), GP)).to(tl.float16).to(tl.float32)
+        beta = alpha * (s_prev / s_max)
+        z_i = z_i * beta + tl.sum(pw * zv, 1)
+        w_i = w_i * beta + tl.sum(pw, 1)
+        acc_x0, acc_y0, acc_x1, acc_y1 = _rescaled(beta, acc_x0, acc_y0, acc_x1, acc_y1)
+        if VSPLIT:  # each group's slots a product of their own: the weights stay in the scores' layout
+            for q in tl.static_range(NQ):
+                pq = tl.where(q_r[:, None] == q, pw, 0.0)
+                pt = tl.reshape(tl.permute(tl.join(pq, tl.zeros_like(pq)), (2, 0, 1)), (2 * NR, SG)).to(tl.float16)
+                vq = start + q * SG + n
+                cq = tl.load(vc16 + vq[:, None] * DQ + i4[None, :], mask=(vq < hi)[:, None], other=0)
+                acc_x0, acc_y0, acc_x1, acc_y1 = _v_products(pt, cq, acc_x0, acc_y0, acc_x1, acc_y1, ASM, QUAD)
+        else:  # the weights back at their slots, block-diagonal: row (q, g) in columns q SG + [0, SG)
+            pb = tl.reshape(tl.where(q_r[:, None, None] == qq[None, :, None], pw[:, None, :], 0.0), (NR, T))
+            pt = tl.reshape(tl.permute(tl.join(pb, tl.zeros_like(pb)), (2, 0, 1)), (2 * NR, T)).to(tl.float16)
+            acc_x0, acc_y0, acc_x1, acc_y1 = _v_products(pt, cv, acc_x0, acc_y0, acc_x1, acc_y1, ASM, QUAD)
+        return m_new, l_i, z_i, w_i, acc_x0, acc_y0, acc_x1, acc_y1, s_max
 
     @triton.jit
     def _tile_scores(kc, wk, start, hi, lim, ok_here, bea, boa, wab, c_a, c_b, c_c, qk_scale, q_k, d_k, qq, n,
