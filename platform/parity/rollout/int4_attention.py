@@ -105,7 +105,8 @@ CONFIG = {"ROWS": 16, "num_warps": 1, "num_stages": 3, "programs_per_sm": 1, "as
 # (with EXACT_ROWS), and the base the bench's and the tests' other variants of this kernel change
 BLOCKS_FORM = {"ROWS": 16, "num_warps": 4, "num_stages": 2, "programs_per_sm": 1, "asm": True, "blocks": True,
                "merge": False, "row_scale": False, "warp_slots": 0, "prefetch_ok": False, "fwht": False,
-               "groups": False, "group_v": False, "l2_slots": 0, "quad_unpack": False, "k_ahead": False}
+               "groups": False, "group_v": False, "l2_slots": 0, "quad_unpack": False, "k_ahead": False,
+               "k_peel": False}
 # The exact route (float32 output) multiplies the codes by a block-diagonal float32 query, whose tiles grow with
 # the column groups R = 16 / G: at G = 1, D = 128 they need 247,808 B of shared memory at ROWS 16 (2 stages) on
 # sm_90, over the H200's 232,448 B, and 189,504 B at ROWS 8 (Triton's compile for sm_90a; checked for every G and
