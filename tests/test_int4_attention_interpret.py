@@ -116,37 +116,17 @@ def test_the_key_mask_loaded_an_iteration_ahead_changes_nothing():
             assert err < BOUND[torch.bfloat16], (shape, cfg, err, sim)
 
 
-@pytest.mark.parametrize("base,change", [({"group_v": False}, {"group_v": True}), ({}, {"k_ahead": True}),
-                                         ({"prefetch_ok": False}, {"prefetch_ok": False, "k_ahead": True}),
-                                         ({}, {"k_ahead": True, "k_peel": True})],
-                         ids=["v-product-a-group-at-a-time", "scores-a-tile-ahead", "scores-ahead-mask-in-its-iteration",
-                              "scores-ahead-last-tile-after-the-loop"])
-def test_the_slot_groups_alternatives_change_nothing(base, change):
-    """The slot-groups form's "group_v" (each group's V product on its own instead of one block-diagonal product) and
-    "k_ahead" (each iteration computes the next tile's scores beside this tile's softmax and V products, with the key
-    mask an iteration ahead or in its own; with "k_peel" the last tile's softmax and V products after the loop): the
-    same output bit for bit, at 2, 3 and 4 query heads a KV head (4, 2 with a padded head, and 2 groups), lengths
-    that end inside a tile, one split and many (splits of one tile among them)."""
+def test_the_slot_groups_v_product_a_group_at_a_time_changes_nothing():
+    """The slot-groups form's "group_v" (each group's V product on its own instead of one block-diagonal product):
+    the same output bit for bit, at 2, 3 and 4 query heads a KV head (4, 2 with a padded head, and 2 groups), one
+    split and many."""
     from tests.kv_packed_checks import int4_attention_outputs
     for i, (shape, D) in enumerate([((2, 2, 2, 150, 150, 149), 128), ((2, 1, 3, 100, 90, 80), 128),
                                     ((3, 1, 4, 96, 70, 51), 64)]):
         for pps in (0, 10**6):
-            outs = int4_attention_outputs(shape, D, CPU, [{**ia.CONFIG, "groups": True, "programs_per_sm": pps, **c}
-                                                          for c in (base, change)], seed=i)
+            outs = int4_attention_outputs(shape, D, CPU, [{**ia.CONFIG, "groups": True, "group_v": gv,
+                                                           "programs_per_sm": pps} for gv in (False, True)], seed=i)
             assert torch.equal(outs[0], outs[1]), (shape, pps)
-
-
-@pytest.mark.parametrize("peel", [False, True], ids=["past-the-end", "last-tile-after-the-loop"])
-def test_the_scores_a_tile_ahead_against_float64(peel):
-    """"k_ahead" (with "k_peel" or not) within the float64 bound on check_int4_attention's random inputs (masked
-    slots, lengths inside a tile, a length of one tile), one split and many."""
-    for i, shape in enumerate([(2, 2, 2, 150, 150, 149), (3, 1, 4, 96, 70, 51), (2, 2, 1, 300, 200, 199),
-                               (2, 1, 2, 64, 40, 39)]):
-        for pps in (0, 10**6):
-            err, sim = check_int4_attention(64 if i == 1 else 128, torch.bfloat16, CPU, shape, True, seed=5,
-                                            config={**ia.CONFIG, "k_ahead": True, "k_peel": peel,
-                                                    "programs_per_sm": pps})
-            assert err < BOUND[torch.bfloat16], (shape, pps, err, sim)
 
 
 def test_split_plan():

@@ -86,10 +86,9 @@ def test_the_pre_attention_kernels_build_for_sm90(eager):
 
 @pytest.mark.parametrize("cfg", [{"groups": True}, {"groups": True, "warp_slots": 32},
                                  {"groups": True, "num_stages": 2}, {"groups": True, "group_v": False, "l2_slots": 0},
-                                 {"groups": True, "l2_slots": 128}, {"groups": True, "k_ahead": True},
-                                 {"groups": True, "k_ahead": True, "k_peel": True}, {"groups": True, "quad_unpack": True}],
+                                 {"groups": True, "l2_slots": 128}, {"groups": True, "quad_unpack": True}],
                          ids=["pinned", "groups-ws32", "groups-stages2", "one-v-product-no-prefetch", "prefetch-128",
-                              "scores-a-tile-ahead", "scores-ahead-last-tile-after-the-loop", "quad-unpack"])
+                              "quad-unpack"])
 @pytest.mark.parametrize("D", [128, 64])
 @pytest.mark.parametrize("G", [1, 2, 4, 8])
 def test_slot_groups_form_compiles_without_spills(cfg, D, G):

@@ -107,9 +107,7 @@ INT4_CONFIGS = [{}, *({**ia.BLOCKS_FORM, **d} for d in (
     {"warp_slots": 64, "merge": True, "num_warps": 1, "programs_per_sm": 4},
     {"warp_slots": 64, "merge": True, "num_warps": 1, "num_stages": 3})),
     # the slot-groups form's alternatives to the pinned one (tests/bench/gpu_int4_attention_ncu.py --ab times them)
-    *({**ia.CONFIG, **d} for d in ({"group_v": False, "l2_slots": 0}, {"k_ahead": not ia.CONFIG["k_ahead"]},
-                                   {"k_ahead": True, "k_peel": not ia.CONFIG["k_peel"]},
-                                   {"quad_unpack": not ia.CONFIG["quad_unpack"]}))]
+    *({**ia.CONFIG, **d} for d in ({"group_v": False, "l2_slots": 0}, {"quad_unpack": not ia.CONFIG["quad_unpack"]}))]
 
 
 @pytest.mark.parametrize("cfg", INT4_CONFIGS, ids=[str(c) for c in INT4_CONFIGS])
@@ -120,24 +118,15 @@ def test_int4_rotated_attention_configurations(cfg):
         assert err < 4e-3, (shape, cfg, err, sim)
 
 
-@pytest.mark.parametrize("change", [{"quad_unpack": not ia.CONFIG["quad_unpack"]}, {"k_ahead": not ia.CONFIG["k_ahead"]},
-                                    {"k_ahead": not ia.CONFIG["k_ahead"], "prefetch_ok": False},
-                                    {"k_ahead": True, "k_peel": not ia.CONFIG["k_peel"]}],
-                         ids=["v-operands-four-at-a-time", "scores-a-tile-ahead", "scores-ahead-mask-in-its-iteration",
-                              "scores-ahead-last-tile-after-the-loop"])
-def test_the_slot_groups_alternatives_change_nothing(change):
-    """"quad_unpack" (the V products' fp16 operands from the codes in one asm block instead of four) and "k_ahead"
-    (each iteration computing the next tile's scores; "k_peel": the last tile's V products after the loop): the same
-    arithmetic, so the same output bit for bit as the
-    pinned form (with the key mask in its own iteration where the change says so), at 1, 2, 3 and 4 query heads a
-    KV head, one split and many."""
+def test_the_v_operands_unpacked_four_at_a_time_change_nothing():
+    """"quad_unpack" builds the V products' fp16 operands from the codes in one asm block instead of four: the same
+    operands, so the same output bit for bit, at 1, 2, 3 and 4 query heads a KV head, one split and many."""
     from tests.kv_packed_checks import int4_attention_outputs
-    base = {key: val for key, val in change.items() if key == "prefetch_ok"}  # the pinned form, the mask as changed
     for i, shape in enumerate([(64, 8, 2, 384, 256, 255), (2, 2, 1, 300, 300, 299), (2, 1, 3, 100, 90, 80),
                                (3, 1, 4, 96, 70, 51)]):
         for pps in (0, 10**6):
-            outs = int4_attention_outputs(shape, 128, CUDA, [{**ia.CONFIG, "programs_per_sm": pps, **c}
-                                                             for c in (base, change)], seed=i)
+            outs = int4_attention_outputs(shape, 128, CUDA, [{**ia.CONFIG, "quad_unpack": quad, "programs_per_sm": pps}
+                                                             for quad in (False, True)], seed=i)
             assert torch.equal(outs[0], outs[1]), (shape, pps)
 
 

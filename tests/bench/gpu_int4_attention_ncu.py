@@ -36,14 +36,7 @@ AB = {"warp-split form, butterflies (pinned before the slot groups)": {"groups":
       "slot groups, one block-diagonal V product, no L2 prefetch": {"group_v": False, "l2_slots": 0},
       "slot groups, no L2 prefetch": {"l2_slots": 0},
       "slot groups, two iterations' slots prefetched": {"l2_slots": 128},
-      "slot groups, the scores a tile ahead": {"k_ahead": True},
-      # the next tile's key mask on the chain that does not wait for it: its load need not be an iteration ahead
-      "slot groups, the scores a tile ahead, the mask in its iteration": {"k_ahead": True, "prefetch_ok": False},
-      # no K product past the end: the last tile's softmax and V products after the loop
-      "slot groups, the scores a tile ahead, the last tile after the loop": {"k_ahead": True, "k_peel": True},
-      "slot groups, V operands unpacked one at a time": {"quad_unpack": False},
-      # two splits of 128 slots at L = 256 (1,024 programs: two warps a scheduler, the splits merged by the last)
-      "slot groups, split in two": {"programs_per_sm": 4}}
+      "slot groups, V operands unpacked one at a time": {"quad_unpack": False}}
 
 
 def attention_call(qs, key_ok, scale: float, int4, c, L: int, cfg: dict):

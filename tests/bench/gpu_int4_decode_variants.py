@@ -69,8 +69,7 @@ def variant_name(cfg: dict) -> str:
     row_scale do not apply to it), -prefetchok (the next iteration's key mask loaded an iteration ahead), -fwht (the
     output rotation in float32 butterflies on the heads' rows), -groups (slot groups in the products' rows,
     int4_attention_groups, whose rotation is the butterflies), -groupv (its V product a group at a time), -l2pf{n}
-    (its first n slots prefetched into L2 as a program starts), -quad (its V operands unpacked four at a time),
-    -kahead (each iteration computing the next tile's scores)."""
+    (its first n slots prefetched into L2 as a program starts), -quad (its V operands unpacked four at a time)."""
     tail = (f"-warps{cfg['num_warps']}-stages{cfg['num_stages']}-pps{cfg['programs_per_sm']}"
             + (f"-reg{cfg['maxnreg']}" if cfg.get("maxnreg") else "") + ("" if cfg["asm"] else "-noasm"))
     if cfg.get("warp_slots"):
@@ -78,8 +77,7 @@ def variant_name(cfg: dict) -> str:
                 + ("-prefetchok" if cfg.get("prefetch_ok") else "") + ("-fwht" if cfg.get("fwht") else "")
                 + ("-groups" if cfg.get("groups") else "") + ("-groupv" if cfg.get("group_v") else "")
                 + (f"-l2pf{cfg['l2_slots']}" if cfg.get("l2_slots") else "")
-                + ("-quad" if cfg.get("quad_unpack") else "") + ("-kahead" if cfg.get("k_ahead") else "")
-                + ("-peel" if cfg.get("k_ahead") and cfg.get("k_peel") else ""))
+                + ("-quad" if cfg.get("quad_unpack") else ""))
     return (f"rows{cfg['ROWS']}" + tail + ("-blocks" if cfg.get("blocks") else "")
             + ("-merge" if cfg.get("merge") else "") + ("-rowscale" if cfg.get("row_scale") else ""))
 
@@ -112,10 +110,10 @@ VARIANTS = {variant_name(c): c for c in (dict(PINNED), *({**_BASE, **d} for d in
     # loop, which the second warp does not share; docs/PERFORMANCE.md, "The output rotation in butterflies")
     {"warp_slots": 64, "merge": True, "num_warps": 2, "num_stages": 3, "prefetch_ok": True, "fwht": True},
     # the warp-split form with the butterflies and no slot groups (pinned before the groups), the slot groups as
-    # pinned before the V product a group at a time and the L2 prefetch, without the prefetch, with the scores a tile
-    # ahead, and with the V operands unpacked one at a time (pinned before)
+    # pinned before the V product a group at a time and the L2 prefetch, without the prefetch, and with the V operands
+    # unpacked one at a time (pinned before)
     {"warp_slots": 64, "merge": True, "num_warps": 1, "num_stages": 3, "prefetch_ok": True, "fwht": True},
-    {**PINNED, "group_v": False, "l2_slots": 0}, {**PINNED, "l2_slots": 0}, {**PINNED, "k_ahead": True},
+    {**PINNED, "group_v": False, "l2_slots": 0}, {**PINNED, "l2_slots": 0},
     {**PINNED, "quad_unpack": False})))}
 # (warps, slots a warp) of the dequantizing kernel's warp-split form (decode_attention_warps) timed for FP8 and the
 # raw bf16 cache beside its pinned form (docs/PERFORMANCE.md, "The INT4 attention's warp-split form")

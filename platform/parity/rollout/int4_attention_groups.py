@@ -15,12 +15,7 @@ most 8), SG >= 16 slots each (the products' smallest width). VSPLIT (CONFIG's "g
 products, group q's weights (the other groups' rows zero) against group q's codes, instead of the block-diagonal
 weights the compiler builds through shared memory: the same products summed in the same order. PF_L2 (CONFIG's
 "l2_slots"): the first slots' codes and scale words prefetched into L2 as the program starts. QUAD (CONFIG's
-"quad_unpack"): the V products' four fp16 operands unpacked by one asm block (the same values). KAHEAD (CONFIG's
-"k_ahead"): the scores a tile ahead: each iteration takes the softmax and the V products of the tile whose scores the
-last iteration computed, and computes the next tile's (its K product, scales and mask), two chains that do not wait
-on each other, for a warp that otherwise waits on its own dependencies (the same arithmetic, one K product more a
-program: the tile past the end, which loads nothing). KPEEL (CONFIG's "k_peel", with "k_ahead"): the loop stops a tile
-early and the last tile's softmax and V products follow it, so no K product past the end (the same arithmetic).
+"quad_unpack"): the V products' four fp16 operands unpacked by one asm block (the same values).
 Tests: tests/test_int4_attention_interpret.py (Triton's interpreter, against float64), tests/test_kv_packed_cuda.py.
 """
 
@@ -52,8 +47,7 @@ if triton is not None:
                                  SG: tl.constexpr, D: tl.constexpr, HADAMARD: tl.constexpr, ASM: tl.constexpr,
                                  ONE_SPLIT: tl.constexpr, PREFETCH_OK: tl.constexpr, LOGD: tl.constexpr,
                                  VSPLIT: tl.constexpr = False, PF_L2: tl.constexpr = 0,
-                                 QUAD: tl.constexpr = False, KAHEAD: tl.constexpr = False,
-                                 KPEEL: tl.constexpr = False):
+                                 QUAD: tl.constexpr = False):
         DH: tl.constexpr = D // 2
         DQ: tl.constexpr = D // 4
         NR: tl.constexpr = NQ * GP  # score rows (q, g); the products' rows are part a (< NR) and part b
@@ -107,56 +101,26 @@ if triton is not None:
         sl0 = lo + qq[:, None] * SG + n[None, :]
         if PREFETCH_OK:
             ok_next = tl.load(okp + sl0, mask=sl0 < hi, other=0)
-        if KAHEAD:  # the first tile's scores before the loop: each iteration then takes the next tile's
-            if PREFETCH_OK:
-                ok_here = ok_next
-                ok_next = tl.load(okp + sl0 + T, mask=sl0 + T < hi, other=0)
-            else:
-                ok_here = tl.load(okp + sl0, mask=sl0 < hi, other=0)
-            wk = tl.load(ks + sl0, mask=sl0 < hi, other=0)
-            s_next, seen_next = _tile_scores(kc, wk, lo, hi, lim, ok_here, bea, boa, wab, c_a, c_b, c_c, qk_scale,
-                                             q_k, d_k, qq, n, NR, SG, GP, DH, ASM)
-        # KPEEL: the loop stops a tile early and the last tile's softmax and V products follow it (no K product
-        # past the end)
-        for start in range(lo, hi - T if KPEEL else hi, T):
+        for start in range(lo, hi, T):
             sl = start + qq[:, None] * SG + n[None, :]  # [NQ, SG]: slot of group q, column n
             s_in = sl < hi
-            ahead = T if KAHEAD else 0  # the tile whose scores this iteration computes
-            sa = sl + ahead
             if PREFETCH_OK:
                 ok_here = ok_next
-                sl_next = sa + T
+                sl_next = sl + T
                 ok_next = tl.load(okp + sl_next, mask=sl_next < hi, other=0)
             else:
-                ok_here = tl.load(okp + sa, mask=sa < hi, other=0)
-            wk = tl.load(ks + sa, mask=sa < hi, other=0)
+                ok_here = tl.load(okp + sl, mask=s_in, other=0)
+            wk = tl.load(ks + sl, mask=s_in, other=0)
             wv = tl.load(vs + sl, mask=s_in, other=0)
             cv = 0
             if not VSPLIT:
                 vslot = start + tl.arange(0, T)  # byte pairs: element 4i + {0, 1} in byte 2i, 4i + {2, 3} in 2i + 1
                 cv = tl.load(vc16 + vslot[:, None] * DQ + i4[None, :], mask=(vslot < hi)[:, None], other=0)
-            if KAHEAD:  # this tile's scores came from the last iteration; the next tile's are independent of them
-                s, seen = s_next, seen_next
-                s_next, seen_next = _tile_scores(kc, wk, start + T, hi, lim, ok_here, bea, boa, wab, c_a, c_b, c_c,
-                                                 qk_scale, q_k, d_k, qq, n, NR, SG, GP, DH, ASM)
-            else:
-                s, seen = _tile_scores(kc, wk, start, hi, lim, ok_here, bea, boa, wab, c_a, c_b, c_c, qk_scale, q_k,
-                                       d_k, qq, n, NR, SG, GP, DH, ASM)
+            s, seen = _tile_scores(kc, wk, start, hi, lim, ok_here, bea, boa, wab, c_a, c_b, c_c, qk_scale, q_k, d_k, qq,
+                                   n, NR, SG, GP, DH, ASM)
             m_i, l_i, z_i, w_i, acc_x0, acc_y0, acc_x1, acc_y1, s_prev = _tile_values(
                 s, seen, wv, cv, start, hi, m_i, l_i, z_i, w_i, acc_x0, acc_y0, acc_x1, acc_y1, s_prev, vc16, q_r,
                 qq, n, i4, NR, NQ, SG, GP, DQ, T, VSPLIT, ASM, QUAD)
-        if KPEEL:
-            if lo < hi:  # the last tile, its scores from the loop's last iteration (or before the loop)
-                last = lo + (hi - lo - 1) // T * T
-                sl = last + qq[:, None] * SG + n[None, :]
-                wv = tl.load(vs + sl, mask=sl < hi, other=0)
-                cv = 0
-                if not VSPLIT:
-                    vslot = last + tl.arange(0, T)
-                    cv = tl.load(vc16 + vslot[:, None] * DQ + i4[None, :], mask=(vslot < hi)[:, None], other=0)
-                m_i, l_i, z_i, w_i, acc_x0, acc_y0, acc_x1, acc_y1, s_prev = _tile_values(
-                    s_next, seen_next, wv, cv, last, hi, m_i, l_i, z_i, w_i, acc_x0, acc_y0, acc_x1, acc_y1, s_prev,
-                    vc16, q_r, qq, n, i4, NR, NQ, SG, GP, DQ, T, VSPLIT, ASM, QUAD)
         # merge each head's NQ groups (rows q * GP + g), weights exp2(m_q - max) as the warp-split form's warps
         m_q = tl.reshape(m_i, (NQ, GP))
         m_h, wr = _part_weights(m_q)
