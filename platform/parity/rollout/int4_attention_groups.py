@@ -98,8 +98,8 @@ if triton is not None:
         lo = sp * split_slots
         hi = tl.minimum(lo + split_slots, L)
         lim = tl.minimum(hi, slot.to(tl.int32) + 1)  # slots seen: below it (one 32-bit comparison a slot)
-        sl0 = lo + qq[:, None] * SG + n[None, :]
         if PREFETCH_OK:
+            sl0 = lo + qq[:, None] * SG + n[None, :]
             ok_next = tl.load(okp + sl0, mask=sl0 < hi, other=0)
         for start in range(lo, hi, T):
             sl = start + qq[:, None] * SG + n[None, :]  # [NQ, SG]: slot of group q, column n
@@ -116,8 +116,8 @@ if triton is not None:
             if not VSPLIT:
                 vslot = start + tl.arange(0, T)  # byte pairs: element 4i + {0, 1} in byte 2i, 4i + {2, 3} in 2i + 1
                 cv = tl.load(vc16 + vslot[:, None] * DQ + i4[None, :], mask=(vslot < hi)[:, None], other=0)
-            s, seen = _tile_scores(kc, wk, start, hi, lim, ok_here, bea, boa, wab, c_a, c_b, c_c, qk_scale, q_k, d_k, qq,
-                                   n, NR, SG, GP, DH, ASM)
+            s, seen = _tile_scores(kc, wk, start, sl, hi, lim, ok_here, bea, boa, wab, c_a, c_b, c_c, qk_scale, q_k,
+                                   d_k, n, NR, SG, GP, DH, ASM)
             m_i, l_i, z_i, w_i, acc_x0, acc_y0, acc_x1, acc_y1, s_prev = _tile_values(
                 s, seen, wv, cv, start, hi, m_i, l_i, z_i, w_i, acc_x0, acc_y0, acc_x1, acc_y1, s_prev, vc16, q_r,
                 qq, n, i4, NR, NQ, SG, GP, DQ, T, VSPLIT, ASM, QUAD)
@@ -141,8 +141,8 @@ if triton is not None:
     def _tile_values(s, seen, wv, cv, start, hi, m_i, l_i, z_i, w_i, acc_x0, acc_y0, acc_x1, acc_y1, s_prev, vc16, q_r,
                      qq, n, i4, NR: tl.constexpr, NQ: tl.constexpr, SG: tl.constexpr, GP: tl.constexpr,
                      DQ: tl.constexpr, T: tl.constexpr, VSPLIT: tl.constexpr, ASM: tl.constexpr, QUAD: tl.constexpr):
-        """The running softmax (m_i, l_i), the weights' sums (z_i, w_i), the V accumulators and the last tile's
-        largest V scale after the tile at slot `start`: its scores s [NR, SG] (seen: which count), V scale words wv
+        """The running softmax (m_i, l_i), the weights' sums (z_i, w_i), the V accumulators and the scale reference
+        (this tile's largest V scale) after the tile at slot `start`: its scores s [NR, SG] (seen: which count), V scale words wv
         [NQ, SG] and, unless VSPLIT, its V codes cv [T, D/4] (with VSPLIT each group's are loaded here)."""
         sv = (wv & -16).to(tl.float32, bitcast=True)
         zv = _to_rows((wv & 15).to(tl.float32), GP)
@@ -167,12 +167,11 @@ if triton is not None:
         return m_new, l_i, z_i, w_i, acc_x0, acc_y0, acc_x1, acc_y1, s_max
 
     @triton.jit
-    def _tile_scores(kc, wk, start, hi, lim, ok_here, bea, boa, wab, c_a, c_b, c_c, qk_scale, q_k, d_k, qq, n,
+    def _tile_scores(kc, wk, start, sl, hi, lim, ok_here, bea, boa, wab, c_a, c_b, c_c, qk_scale, q_k, d_k, n,
                      NR: tl.constexpr, SG: tl.constexpr, GP: tl.constexpr, DH: tl.constexpr, ASM: tl.constexpr):
-        """The scores [NR, SG] of the tile at slot `start` (row q * GP + g: group q's slots for head g; base 2) from
-        its K scale words wk and codes, and which of them are seen (in the key mask ok_here [NQ, SG] and below lim);
-        slots from hi on load nothing."""
-        sl = start + qq[:, None] * SG + n[None, :]
+        """The scores [NR, SG] of the tile at slot `start` (its slots sl [NQ, SG]; row q * GP + g: group q's slots for
+        head g; base 2) from its K scale words wk and codes, and which of them are seen (in the key mask ok_here and
+        below lim); slots from hi on load nothing."""
         sk = start + q_k[:, None] * SG + n[None, :]  # [NQ D/2, SG]: the K codes as the product's operand
         ck = tl.load(kc + sk * DH + d_k[:, None], mask=sk < hi, other=0)
         ta = tl.dot(bea, (ck & 15).to(tl.int8, bitcast=True), out_dtype=tl.int32) * 16
