@@ -115,3 +115,25 @@ def test_the_plain_cache_kernel_route_within_the_decode_noise(model_dir, precisi
     assert g_new <= g_old, (g_old, g_new)
     _within_noise(new, old, eng, f"{precision.weights}: kernel against batched-matmul attention")
 
+
+
+def test_the_int4_attention_as_a_dependent_launch_changes_nothing(model_dir, monkeypatch) -> None:  # noqa: F811
+    """int4_attention.CONFIG["pdl"]: the INT4 attention launched as a programmatic dependent of the fused
+    pre-attention (which lets it launch as it starts; the attention waits for its writes before its first load),
+    captured in the decode step's CUDA graph over four attended lengths: the same log-probs on the same forced
+    tokens, bit for bit, as the ordinary launch (uncompiled layers, so that no autotuning differs between the two
+    engines), and the call records the setting."""
+    from parity.rollout import int4_attention as ia
+    int4 = PrecisionConfig(weights="bf16", activations="bf16", kv_cache="int4_per_token_head")
+    R, got = 4 * _L_BUCKET - 16, {}
+    for pdl in (False, True):
+        monkeypatch.setitem(ia.CONFIG, "pdl", pdl)
+        eng = TorchEngine(model_dir, precision=int4, dtype=torch.bfloat16, device="cuda", share_prefill=False)
+        eng.cuda_decoder.compile = False
+        spec = SamplingSpec(temperature=1.0, max_new_tokens=R, n=2, topk_logprobs=3, seed=3)
+        got[pdl] = eng.cuda_decoder.replay(PROMPTS, spec, _forced(eng, 2 * len(PROMPTS), R))
+        meta = got[pdl].meta
+        assert meta["decode_path"].startswith("cuda_graph") and meta["kv_cache_layout"] == "packed", meta
+        assert meta["kv_kernel"]["fused_pre_attention"] and meta["kv_kernel"]["config"]["pdl"] is pdl, meta
+    assert torch.equal(got[True].response_mask, got[False].response_mask)
+    assert torch.equal(got[True].rollout_logprobs, got[False].rollout_logprobs)

@@ -70,6 +70,7 @@ def assert_fits_without_spills(fn, const: dict, options: dict) -> None:
     assert k.metadata.shared <= H200_SMEM
     regs, spills = ptxas_registers(k.asm["ptx"])
     assert regs <= 255 and spills == 0, (regs, spills)
+    return k
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["rounded-once", "eager-rounding"])
@@ -86,9 +87,10 @@ def test_the_pre_attention_kernels_build_for_sm90(eager):
 
 @pytest.mark.parametrize("cfg", [{"groups": True}, {"groups": True, "warp_slots": 32},
                                  {"groups": True, "num_stages": 2}, {"groups": True, "group_v": False, "l2_slots": 0},
-                                 {"groups": True, "l2_slots": 128}, {"groups": True, "quad_unpack": True}],
+                                 {"groups": True, "l2_slots": 128}, {"groups": True, "quad_unpack": True},
+                                 {"groups": True, "pdl": True}],
                          ids=["pinned", "groups-ws32", "groups-stages2", "one-v-product-no-prefetch", "prefetch-128",
-                              "quad-unpack"])
+                              "quad-unpack", "pdl"])
 @pytest.mark.parametrize("D", [128, 64])
 @pytest.mark.parametrize("G", [1, 2, 4, 8])
 def test_slot_groups_form_compiles_without_spills(cfg, D, G):
@@ -111,3 +113,36 @@ def test_the_l2_prefetch_takes_whole_lines_of_scale_words():
     assert ia.groups_constants({**ia.CONFIG, "l2_slots": 128}, 2, 128, True, True, True)["PF_L2"] == 128
     assert ia.groups_constants({**ia.CONFIG, "l2_slots": 0}, 2, 128, True, True, True)["PF_L2"] == 0
     assert ia.groups_constants(ia.CONFIG, 2, 128, True, False, True)["PF_L2"] == 0
+
+
+def test_the_dependent_launch_waits_before_the_first_load():
+    """"pdl": the slot-groups kernel waits for the kernel before it (griddepcontrol.wait) after its L2 prefetches and
+    before any load or asynchronous copy, so that what that kernel writes (the query, the step's slot, the cache's
+    new slot) is read after it; and the fused pre-attention kernel with PDL lets its dependents launch before any of
+    its own loads. Without "pdl" neither instruction is there."""
+    import re
+
+    import parity.precision.kv_packed as kp
+    from parity.rollout import int4_attention_groups as ig
+    from parity.rollout import pre_attention as pa
+    from tests.bench.kv_kernels_sm90 import PRE_SIG
+    for pdl in (True, False):
+        cfg = ia.launch_config(False, {"pdl": pdl})
+        ptx = assert_fits_without_spills(ig._int4_attn_groups_kernel, ia.groups_constants(cfg, 2, 128, True, True, True),
+                                         {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}).asm["ptx"]
+        body = ptx[ptx.index(".entry"):]
+        wait = body.find("griddepcontrol.wait")
+        assert (wait >= 0) == pdl
+        if pdl:
+            loads = [m.start() for m in re.finditer(r"\b(ld\.global|cp\.async)", body)]
+            assert body.rfind("prefetch.global.L2", 0, loads[0]) >= 0 and wait < loads[0], "the wait after a load"
+            assert body.rfind("prefetch.global.L2") < wait, "an L2 prefetch after the wait"
+        const = {"D": 128, "HB": 16, "KB": 8, "KIND": kp.KIND_INT4, "HADAMARD": True, "QMODE": 1, "LOG2D": 7, "EAGER": False,
+                 "PDL": pdl}
+        sig = {**PRE_SIG, **dict.fromkeys(const, "constexpr")}
+        k = triton.compile(ASTSource(fn=pa._pre_attention_kernel, signature=sig, constexprs=const), target=TARGET,
+                           options={"num_warps": 4, "enable_fp_fusion": False})
+        body = k.asm["ptx"][k.asm["ptx"].index(".entry"):]
+        trigger = body.find("griddepcontrol.launch_dependents")
+        assert (trigger >= 0) == pdl
+        assert not pdl or trigger < body.index("ld.global"), "the trigger after a load"

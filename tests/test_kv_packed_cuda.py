@@ -107,7 +107,8 @@ INT4_CONFIGS = [{}, *({**ia.BLOCKS_FORM, **d} for d in (
     {"warp_slots": 64, "merge": True, "num_warps": 1, "programs_per_sm": 4},
     {"warp_slots": 64, "merge": True, "num_warps": 1, "num_stages": 3})),
     # the slot-groups form's alternatives to the pinned one (tests/bench/gpu_int4_attention_ncu.py --ab times them)
-    *({**ia.CONFIG, **d} for d in ({"group_v": False, "l2_slots": 0}, {"quad_unpack": not ia.CONFIG["quad_unpack"]}))]
+    *({**ia.CONFIG, **d} for d in ({"group_v": False, "l2_slots": 0}, {"quad_unpack": not ia.CONFIG["quad_unpack"]},
+                                   {"pdl": not ia.CONFIG["pdl"]}))]
 
 
 @pytest.mark.parametrize("cfg", INT4_CONFIGS, ids=[str(c) for c in INT4_CONFIGS])

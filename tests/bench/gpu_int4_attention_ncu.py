@@ -36,7 +36,8 @@ AB = {"warp-split form, butterflies (pinned before the slot groups)": {"groups":
       "slot groups, one block-diagonal V product, no L2 prefetch": {"group_v": False, "l2_slots": 0},
       "slot groups, no L2 prefetch": {"l2_slots": 0},
       "slot groups, two iterations' slots prefetched": {"l2_slots": 128},
-      "slot groups, V operands unpacked one at a time": {"quad_unpack": False}}
+      "slot groups, V operands unpacked one at a time": {"quad_unpack": False},
+      "launched as a programmatic dependent of the one before": {"pdl": True}}
 
 
 def attention_call(qs, key_ok, scale: float, int4, c, L: int, cfg: dict):

@@ -69,7 +69,7 @@ def variant_name(cfg: dict) -> str:
     row_scale do not apply to it), -prefetchok (the next iteration's key mask loaded an iteration ahead), -fwht (the
     output rotation in float32 butterflies on the heads' rows), -groups (slot groups in the products' rows,
     int4_attention_groups, whose rotation is the butterflies), -groupv (its V product a group at a time), -l2pf{n}
-    (its first n slots prefetched into L2 as a program starts), -quad (its V operands unpacked four at a time)."""
+    (its first n slots prefetched into L2 as a program starts), -quad (its V operands unpacked four at a time), -pdl."""
     tail = (f"-warps{cfg['num_warps']}-stages{cfg['num_stages']}-pps{cfg['programs_per_sm']}"
             + (f"-reg{cfg['maxnreg']}" if cfg.get("maxnreg") else "") + ("" if cfg["asm"] else "-noasm"))
     if cfg.get("warp_slots"):
@@ -77,7 +77,7 @@ def variant_name(cfg: dict) -> str:
                 + ("-prefetchok" if cfg.get("prefetch_ok") else "") + ("-fwht" if cfg.get("fwht") else "")
                 + ("-groups" if cfg.get("groups") else "") + ("-groupv" if cfg.get("group_v") else "")
                 + (f"-l2pf{cfg['l2_slots']}" if cfg.get("l2_slots") else "")
-                + ("-quad" if cfg.get("quad_unpack") else ""))
+                + ("-quad" if cfg.get("quad_unpack") else "") + ("-pdl" if cfg.get("pdl") else ""))
     return (f"rows{cfg['ROWS']}" + tail + ("-blocks" if cfg.get("blocks") else "")
             + ("-merge" if cfg.get("merge") else "") + ("-rowscale" if cfg.get("row_scale") else ""))
 
@@ -471,18 +471,19 @@ def pre_pass(d: str, reps: int, fused: bool, label: str = "int8_w8a8_int4kv") ->
     return RESULTS["kv"]
 
 
-def pre_ab(reps: int) -> None:
-    """The W8A8 + INT4 KV row (the rotated kernel) with the fused pre-attention on and off (cuda_decode._FUSED_PRE)
-    beside the BF16 row, each setting's two rows in one pass, the passes in turn twice (on, off, on, off): what the
-    fused pre-attention is worth, on one machine in one run."""
+def pre_ab(reps: int, knob: str = "fused") -> None:
+    """The W8A8 + INT4 KV row (the rotated kernel) beside the BF16 row with the fused pre-attention on and off (or, knob
+    "pdl", int4_attention.CONFIG["pdl"] with it on), each setting's rows in one pass, in turn twice: its worth in one run."""
     import parity.rollout.cuda_decode as cd
+    import parity.rollout.int4_attention as ia
     d = build_model_dir()
-    keep, out = cd._FUSED_PRE, {}
+    keep, keep_pdl, out = cd._FUSED_PRE, ia.CONFIG["pdl"], {}
     try:
         for _ in range(2):
-            for fused in (True, False):
-                key = "fused" if fused else "unfused"
-                kv = pre_pass(d, reps, fused)
+            for on in (True, False):
+                key = ("pdl" if on else "nopdl") if knob == "pdl" else ("fused" if on else "unfused")
+                ia.CONFIG["pdl"] = on if knob == "pdl" else keep_pdl
+                kv = pre_pass(d, reps, on or knob == "pdl")
                 for label in ("bf16", "int8_w8a8_int4kv"):
                     out.setdefault(f"{label}_{key}", []).append(kv.get(label, {}).get("tok_s_b64"))
                 out[f"kv_kernel_{key}"] = kv.get("int8_w8a8_int4kv", {}).get("kv_kernel")
@@ -493,7 +494,7 @@ def pre_ab(reps: int) -> None:
                 dump()
                 print(f"pre-attention {key}: {out}", flush=True)
     finally:
-        cd._FUSED_PRE = keep
+        cd._FUSED_PRE, ia.CONFIG["pdl"] = keep, keep_pdl
     RESULTS.pop("kv", None)
 
 
@@ -551,6 +552,7 @@ def main() -> None:
     p.add_argument("--max-batch", action="store_true", help="the kv rows also at the largest batch in BF16's KV bytes")
     p.add_argument("--route-ab", action="store_true", help="only the plain-cache rows under the three decode routes")
     p.add_argument("--pre-ab", action="store_true", help="only the W8A8 + INT4 row with the fused pre-attention on, off")
+    p.add_argument("--pdl-ab", action="store_true", help="as --pre-ab, the INT4 attention's \"pdl\" on and off")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print(f"{__file__}: needs a CUDA device; nothing measured on this machine")
@@ -564,8 +566,8 @@ def main() -> None:
                    env={k: os.environ.get(k) for k in ("PARITY_FUSED_SAMPLER", "PARITY_PLAIN_ATTENTION")})
     if args.tests:
         cuda_tests(args.test_timeout, args.workers)
-    if args.route_ab or args.pre_ab:
-        (route_ab if args.route_ab else pre_ab)(args.reps)
+    if args.route_ab or args.pre_ab or args.pdl_ab:
+        route_ab(args.reps) if args.route_ab else pre_ab(args.reps, "pdl" if args.pdl_ab else "fused")
         RESULTS["total_s"] = time.perf_counter() - T0
         dump()
         return

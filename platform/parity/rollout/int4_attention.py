@@ -97,14 +97,16 @@ except ImportError:  # CPU installs
 # one asm block (58 fewer loop instructions, the same output): 1% faster at 256, median of 12 rounds (a lazy rescale
 # of the softmax's sums, 3-6% slower, was removed; ..._int4_attention_quad_unpack_ab_h100.json). The scores
 # a tile ahead (beside the last tile's V products) were 21-38% slower, two splits 47% (..._k_ahead_ab_h100.json).
+# "pdl" (slot groups, on CUDA): launched as a programmatic dependent of the kernel before it (its L2 prefetch before
+# the wait for that kernel's writes; the fused pre-attention lets it launch as it starts).
 CONFIG = {"ROWS": 16, "num_warps": 1, "num_stages": 3, "programs_per_sm": 1, "asm": True, "blocks": True,
           "merge": True, "row_scale": False, "warp_slots": 64, "prefetch_ok": True, "fwht": True, "groups": True,
-          "group_v": True, "l2_slots": 64, "quad_unpack": True}
+          "group_v": True, "l2_slots": 64, "quad_unpack": True, "pdl": False}
 # this module's kernel in the form pinned before (rows16-warps4-stages2-pps1-blocks): what the exact route launches
 # (with EXACT_ROWS), and the base the bench's and the tests' other variants of this kernel change
 BLOCKS_FORM = {"ROWS": 16, "num_warps": 4, "num_stages": 2, "programs_per_sm": 1, "asm": True, "blocks": True,
                "merge": False, "row_scale": False, "warp_slots": 0, "prefetch_ok": False, "fwht": False,
-               "groups": False, "group_v": False, "l2_slots": 0, "quad_unpack": False}
+               "groups": False, "group_v": False, "l2_slots": 0, "quad_unpack": False, "pdl": False}
 # The exact route (float32 output) multiplies the codes by a block-diagonal float32 query, whose tiles grow with
 # the column groups R = 16 / G: at G = 1, D = 128 they need 247,808 B of shared memory at ROWS 16 (2 stages) on
 # sm_90, over the H200's 232,448 B, and 189,504 B at ROWS 8 (Triton's compile for sm_90a; checked for every G and
@@ -279,8 +281,9 @@ def int4_attention(qs: Queries, kc: torch.Tensor, vc: torch.Tensor, kw: torch.Te
     nq, sg = groups_form(cfg, G, exact)
     if nq:
         from parity.rollout.int4_attention_groups import _int4_attn_groups_kernel
-        _int4_attn_groups_kernel[(B * n_kv, splits)](qs.codes, qs.factors, *args, **launch,
-                                                     **groups_constants(cfg, G, D, hadamard, asm, splits == 1))
+        const = groups_constants(cfg, G, D, hadamard, asm, splits == 1)
+        _int4_attn_groups_kernel[(B * n_kv, splits)](qs.codes, qs.factors, *args, **launch, **const,
+                                                     **({"launch_pdl": True} if const["PDL"] else {}))
     elif slots:
         from parity.rollout.int4_attention_warps import _int4_attn_warps_kernel
         _int4_attn_warps_kernel[(B * n_kv, splits)](qs.codes, qs.factors, *args, **launch,
@@ -312,7 +315,7 @@ def groups_constants(cfg: dict, G: int, D: int, hadamard: bool, asm: bool, one_s
     vsplit = bool(cfg.get("group_v")) and nq <= 4  # 8 groups' products a group: 8 B spill at D = 128
     return {"G": G, "GP": triton.next_power_of_2(G), "NQ": nq, "SG": sg, "D": D, "HADAMARD": hadamard, "ASM": asm,
             "ONE_SPLIT": one_split, "PREFETCH_OK": bool(cfg.get("prefetch_ok")), "LOGD": D.bit_length() - 1,
-            "VSPLIT": vsplit, "PF_L2": pf if asm else 0,
+            "VSPLIT": vsplit, "PF_L2": pf if asm else 0, "PDL": bool(cfg.get("pdl")) and asm,
             "QUAD": bool(cfg.get("quad_unpack")) and vsplit}  # a whole tile's four operands at once spill (sm_90a)
 
 

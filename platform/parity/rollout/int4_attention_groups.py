@@ -15,7 +15,9 @@ most 8), SG >= 16 slots each (the products' smallest width). VSPLIT (CONFIG's "g
 products, group q's weights (the other groups' rows zero) against group q's codes, instead of the block-diagonal
 weights the compiler builds through shared memory: the same products summed in the same order. PF_L2 (CONFIG's
 "l2_slots"): the first slots' codes and scale words prefetched into L2 as the program starts. QUAD (CONFIG's
-"quad_unpack"): the V products' four fp16 operands unpacked by one asm block (the same values).
+"quad_unpack"): the V products' four fp16 operands unpacked by one asm block (the same values). PDL (CONFIG's "pdl"):
+launched as a programmatic dependent, it waits for the kernel before it (griddepcontrol.wait) after the L2 prefetch
+and before its first load: what that kernel writes (the query, the step's slot) is read after the wait.
 Tests: tests/test_int4_attention_interpret.py (Triton's interpreter, against float64), tests/test_kv_packed_cuda.py.
 """
 
@@ -28,6 +30,8 @@ except ImportError:  # CPU installs
     triton = None
 
 if triton is not None:
+    from triton.language.extra.cuda import gdc_wait
+
     from parity.rollout.int4_attention_parts import (
         _cache_rows,
         _epilogue,
@@ -47,7 +51,7 @@ if triton is not None:
                                  SG: tl.constexpr, D: tl.constexpr, HADAMARD: tl.constexpr, ASM: tl.constexpr,
                                  ONE_SPLIT: tl.constexpr, PREFETCH_OK: tl.constexpr, LOGD: tl.constexpr,
                                  VSPLIT: tl.constexpr = False, PF_L2: tl.constexpr = 0,
-                                 QUAD: tl.constexpr = False):
+                                 QUAD: tl.constexpr = False, PDL: tl.constexpr = False):
         DH: tl.constexpr = D // 2
         DQ: tl.constexpr = D // 4
         NR: tl.constexpr = NQ * GP  # score rows (q, g); the products' rows are part a (< NR) and part b
@@ -62,6 +66,8 @@ if triton is not None:
         if PF_L2 > 0:  # the first PF_L2 slots' codes and scale words on their way to L2 before the query's loads
             _prefetch_slots(kc_ptr, vc_ptr, ks_ptr, vs_ptr, bh, S, sp * split_slots,
                             tl.minimum(sp * split_slots + split_slots, L), DH, PF_L2)
+        if PDL:  # the kernel before it (the pre-attention: the query, the step's slot) done and its writes seen
+            gdc_wait()
         # the block-diagonal query: row p * NR + q * GP + g holds part p (a, b) of head g in columns q D/2 + [0, D/2)
         rp = tl.arange(0, 2 * NR)
         g_p = rp % GP

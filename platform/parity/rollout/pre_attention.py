@@ -45,8 +45,10 @@ def fused_pre_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_nor
     D, n_kv = cache.head_dim, cache.n_kv
     H = q.shape[1] // D
     dev = q.device
+    pdl = False
     if rotated_queries:
-        from parity.rollout.int4_attention import Queries, constants, hadamard_matrix
+        from parity.rollout.int4_attention import CONFIG, Queries, constants, hadamard_matrix
+        pdl = bool(CONFIG.get("pdl")) and dev.type == "cuda"
         out = Queries(torch.empty(B, H, D, dtype=torch.float32, device=dev),
                       torch.empty(B, H, 4, D // 2, dtype=torch.int8, device=dev),
                       torch.empty(B, H, 4, dtype=torch.float32, device=dev))
@@ -68,7 +70,7 @@ def fused_pre_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_nor
         cache.slots, n_kv, H, cache.fp8_inv_scale, _MIN_SCALE, _INV_127, _INV_15, _INV_FP8_MAX,
         D=D, HB=max(16, triton.next_power_of_2(H)), KB=max(2, triton.next_power_of_2(n_kv)), KIND=cache.kind_id,
         HADAMARD=cache.hadamard, QMODE=1 if rotated_queries else 0, LOG2D=D.bit_length() - 1, EAGER=eager_rounding,
-        enable_fp_fusion=False, num_warps=4)
+        PDL=pdl, enable_fp_fusion=False, num_warps=4)
     return out
 
 
@@ -94,6 +96,8 @@ def usable(cache: PackedKVCache) -> bool:
 
 
 if triton is not None:
+    from triton.language.extra.cuda import gdc_launch_dependents
+
     @triton.jit
     def _norm_rope(x, w_ptr, eps, cos_ptr, sin_ptr, pos, D: tl.constexpr, EAGER: tl.constexpr):
         """x [M, D] -> RMS-normed (HF arithmetic), then rotary at position pos, rounded once to x's dtype (EAGER: each
@@ -122,8 +126,11 @@ if triton is not None:
                               qsg_ptr, hm_ptr, qo_ptr, S, n_kv, H, fp8_inv, min_scale, inv127, inv15, inv448,
                               D: tl.constexpr, HB: tl.constexpr, KB: tl.constexpr, KIND: tl.constexpr,
                               HADAMARD: tl.constexpr, QMODE: tl.constexpr, LOG2D: tl.constexpr,
-                              EAGER: tl.constexpr):
-        """Grid (B, 3): program (b, 0) the query heads of row b, (b, 1) its keys, (b, 2) its values."""
+                              EAGER: tl.constexpr, PDL: tl.constexpr = False):
+        """Grid (B, 3): program (b, 0) the query heads of row b, (b, 1) its keys, (b, 2) its values. PDL: the next
+        kernel, if launched as a programmatic dependent (the INT4 attention, its "pdl"), may launch as this starts."""
+        if PDL:
+            gdc_launch_dependents()
         b = tl.program_id(0)
         part = tl.program_id(1)
         pos = tl.load(pos_ptr + b)
