@@ -116,7 +116,6 @@ def test_the_plain_cache_kernel_route_within_the_decode_noise(model_dir, precisi
     _within_noise(new, old, eng, f"{precision.weights}: kernel against batched-matmul attention")
 
 
-
 def test_the_int4_attention_as_a_dependent_launch_changes_nothing(model_dir, monkeypatch) -> None:  # noqa: F811
     """int4_attention.CONFIG["pdl"]: the INT4 attention launched as a programmatic dependent of the fused
     pre-attention (which lets it launch as it starts; the attention waits for its writes before its first load),
